@@ -1,0 +1,66 @@
+"""The block-hash contract: chained 64-bit hashes over full blocks of token ids.
+
+    h_0 = H(namespace)                                  namespace = model fingerprint | lora | cache_salt
+    h_i = H(tokens of block i || extra keys of block i, seed = h_{i-1})
+
+H is XXH3-64, seeded with the parent hash (so no bytes are concatenated on the hot path), over the
+canonical encoding of a block: its token ids as little-endian uint32. A block that carries extra keys
+(multimodal item hashes overlapping it) appends a 0xFF separator and each key as little-endian
+uint64, so an image change breaks the chain exactly where the image sits.
+
+Only full blocks are hashed; the partial tail of a prompt is always recomputed. The hashes are the
+same in every process, on every machine and across restarts: tests pin them with vectors.
+
+    tokens:  |  block 0 (16)  |  block 1 (16)  |  tail (< 16)  |
+    hashes:        h_1              h_2             (none)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import NewType
+
+import numpy as np
+import xxhash
+
+BlockHash = NewType("BlockHash", int)
+
+_EXTRA_SEPARATOR = b"\xff"
+
+
+def namespace_hash(model_fingerprint: str, lora_name: str = "", cache_salt: str = "") -> BlockHash:
+    """h_0: different models, adapters or tenants never share a block."""
+    key = "\x1f".join((model_fingerprint, lora_name, cache_salt)).encode("utf-8")
+    return BlockHash(xxhash.xxh3_64_intdigest(key))
+
+
+def block_hashes(
+    token_ids: Sequence[int] | np.ndarray,
+    block_size: int,
+    parent: BlockHash,
+    extra_keys: Mapping[int, Sequence[int]] | None = None,
+) -> list[BlockHash]:
+    """Chained hashes of every full block of `token_ids`, starting from `parent` (usually h_0).
+
+    `extra_keys` maps a block index to the 64-bit keys (e.g. image hashes) that overlap that block.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    tokens = np.asarray(token_ids)
+    if tokens.size and (tokens.min() < 0 or tokens.max() > 0xFFFFFFFF):
+        raise ValueError("token ids must fit in uint32")
+    data = memoryview(tokens.astype("<u4", copy=False).tobytes())
+    num_blocks = tokens.size // block_size
+    block_num_bytes = block_size * 4
+    digest = xxhash.xxh3_64_intdigest
+    hashes: list[BlockHash] = []
+    h = int(parent)
+    for i in range(num_blocks):
+        chunk = data[i * block_num_bytes : (i + 1) * block_num_bytes]
+        if extra_keys and i in extra_keys:
+            extras = np.asarray(extra_keys[i], dtype="<u8").tobytes()
+            h = digest(bytes(chunk) + _EXTRA_SEPARATOR + extras, h)
+        else:
+            h = digest(chunk, h)
+        hashes.append(BlockHash(h))
+    return hashes
