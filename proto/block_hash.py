@@ -1,11 +1,11 @@
 """The block-hash contract: chained 64-bit hashes over full blocks of token ids.
 
-    h_0 = H(namespace)                                  namespace = model fingerprint | lora | cache_salt
+    h_0 = H(namespace)              namespace = model fingerprint | lora | cache_salt
     h_i = H(tokens of block i || extra keys of block i, seed = h_{i-1})
 
 H is XXH3-64, seeded with the parent hash (so no bytes are concatenated on the hot path), over the
-canonical encoding of a block: its token ids as little-endian uint32. A block that carries extra keys
-(multimodal item hashes overlapping it) appends a 0xFF separator and each key as little-endian
+canonical encoding of a block: its token ids as little-endian uint32. A block that carries extra
+keys (multimodal item hashes overlapping it) appends a 0xFF separator and each key as little-endian
 uint64, so an image change breaks the chain exactly where the image sits.
 
 Only full blocks are hashed; the partial tail of a prompt is always recomputed. The hashes are the

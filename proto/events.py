@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
-
 from kvmesh.proto.block_hash import BlockHash
 
 SCHEMA_VERSION = 1

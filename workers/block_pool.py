@@ -184,7 +184,9 @@ class BlockPool:
         # Coalesce consecutive registrations of one chain into a single event.
         last = self._pending_events[-1] if self._pending_events else None
         if isinstance(last, BlockStored) and last.hashes[-1] == parent:
-            self._pending_events[-1] = BlockStored(last.hashes + (block_hash,), last.tier, last.parent_hash)
+            self._pending_events[-1] = BlockStored(
+                last.hashes + (block_hash,), last.tier, last.parent_hash
+            )
         else:
             self._pending_events.append(BlockStored((block_hash,), parent_hash=parent))
 
@@ -198,7 +200,9 @@ class BlockPool:
             num_used += rc > 0
             h = self._block_hash[block]
             if h is not None:
-                assert self._hash_to_block.get(h) == block, f"block {b}: hash {h:#x} not mapped back"
+                assert self._hash_to_block.get(h) == block, (
+                    f"block {b}: hash {h:#x} not mapped back"
+                )
         assert num_used + len(self._free) == self.num_blocks
         for h, b in self._hash_to_block.items():
             assert self._block_hash[b] == h, f"hash {h:#x} maps to block {b} holding another hash"

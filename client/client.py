@@ -1,0 +1,333 @@
+"""Python clients for a kvmesh coordinator: `Client` (blocking) and `AsyncClient` (asyncio).
+
+Both speak the `kvmesh.v1.KVMesh` gRPC service and share one API:
+
+    with Client("127.0.0.1:50051") as client:
+        result = client.generate([1, 2, 3, 4], max_tokens=8)
+        print(result.tokens, result.cached_tokens, result.worker_id)
+        for chunk in client.stream(prompt="Hello", max_tokens=32):
+            print(chunk.text, end="", flush=True)
+
+Every failed call raises a `kvmesh.client.errors.KVMeshError` subclass; a malformed argument raises
+`ValueError` before anything is sent. Results are frozen dataclasses (`kvmesh.client.results`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+
+import grpc
+from kvmesh.proto import kvmesh_pb2 as pb
+from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
+
+from kvmesh.client import wire
+from kvmesh.client.errors import DeadlineExceeded, from_rpc_error
+from kvmesh.client.results import (
+    GenerateResult,
+    LookupResult,
+    RouteResult,
+    Stats,
+    StreamChunk,
+    WorkerInfo,
+)
+from kvmesh.client.stream_accumulator import StreamAccumulator
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
+
+
+def _channel_options(
+    address: str, timeout_s: float | None, max_message_bytes: int
+) -> list[tuple[str, int]]:
+    """gRPC channel options after checking the constructor's arguments."""
+    if not address or address != address.strip():
+        raise ValueError(f"address must be a non-empty HOST:PORT, got {address!r}")
+    if timeout_s is not None and not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0 or None, got {timeout_s}")
+    if max_message_bytes < 1024:
+        raise ValueError(f"max_message_bytes must be >= 1024, got {max_message_bytes}")
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
+class Client:
+    """A blocking client; thread-safe (one gRPC channel, shared by all calls).
+
+    `timeout_s` bounds every call, a whole `generate` stream included; None waits forever.
+    `credentials` switches to a TLS channel (grpc.ssl_channel_credentials(...)).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout_s: float | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
+        options = _channel_options(address, timeout_s, max_message_bytes)
+        self.address = address
+        self.timeout_s = timeout_s
+        if credentials is None:
+            self._channel = grpc.insecure_channel(address, options=options)
+        else:
+            self._channel = grpc.secure_channel(address, credentials, options=options)
+        self._stub = pb_grpc.KVMeshStub(self._channel)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the channel; calls in flight are cancelled. Closing twice is harmless."""
+        self._channel.close()
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Block until the coordinator accepts connections; DeadlineExceeded after `timeout_s`."""
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            raise DeadlineExceeded(
+                "DEADLINE_EXCEEDED", f"{self.address} not ready after {timeout_s} s"
+            ) from None
+
+    def generate(
+        self,
+        token_ids: Sequence[int] | None = None,
+        *,
+        prompt: str | None = None,
+        max_tokens: int = 16,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
+        session_id: str = "",
+        cache_salt: str = "",
+        worker_id: str = "",
+        request_id: str = "",
+    ) -> GenerateResult:
+        """Generate from a prompt (token ids or text, exactly one) and wait for the whole stream.
+
+        `temperature == 0` is greedy; `top_p` 1 and `top_k` 0 disable those filters; `seed` makes
+        sampling reproducible. `worker_id` forces placement (empty: let the router choose).
+        """
+        request = wire.build_generate_request(**_generate_kwargs(locals()))
+        start_s = time.perf_counter()
+        accumulator = StreamAccumulator(start_s)
+        for chunk in self._chunks(request):
+            accumulator.add(chunk, time.perf_counter())
+        return accumulator.result(time.perf_counter())
+
+    def stream(
+        self,
+        token_ids: Sequence[int] | None = None,
+        *,
+        prompt: str | None = None,
+        max_tokens: int = 16,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
+        session_id: str = "",
+        cache_salt: str = "",
+        worker_id: str = "",
+        request_id: str = "",
+    ) -> Iterator[StreamChunk]:
+        """Like `generate`, but yield each chunk as it arrives. Arguments are checked at once;
+        abandoning the iterator (break, close()) cancels the request on the server."""
+        request = wire.build_generate_request(**_generate_kwargs(locals()))
+        return self._chunks(request)
+
+    def route(
+        self,
+        token_ids: Sequence[int] | None = None,
+        *,
+        prompt: str | None = None,
+        session_id: str = "",
+        cache_salt: str = "",
+    ) -> RouteResult:
+        """The worker the router would choose for this prompt, without running it."""
+        request = wire.build_route_request(
+            token_ids, prompt=prompt, session_id=session_id, cache_salt=cache_salt
+        )
+        return wire.route_from_proto(self._unary(self._stub.Route, request))
+
+    def lookup(
+        self, token_ids: Sequence[int] | None = None, *, prompt: str | None = None, cache_salt: str = ""
+    ) -> LookupResult:
+        """The prompt's block hashes and how many leading blocks each worker holds."""
+        request = wire.build_lookup_request(token_ids, prompt=prompt, cache_salt=cache_salt)
+        return wire.lookup_from_proto(self._unary(self._stub.Lookup, request))
+
+    def stats(self) -> Stats:
+        return wire.stats_from_proto(self._unary(self._stub.Stats, pb.StatsRequest()))
+
+    def list_workers(self) -> list[WorkerInfo]:
+        return wire.workers_from_proto(
+            self._unary(self._stub.ListWorkers, pb.ListWorkersRequest())
+        )
+
+    def _unary(self, method: Any, request: Any) -> Any:
+        try:
+            return method(request, timeout=self.timeout_s)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from err
+
+    def _chunks(self, request: pb.GenerateRequest) -> Iterator[StreamChunk]:
+        call = self._stub.Generate(request, timeout=self.timeout_s)
+        try:
+            for response in call:
+                yield wire.chunk_from_proto(response)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from err
+        finally:
+            call.cancel()  # a no-op once the stream has ended; frees the server if abandoned
+
+
+class AsyncClient:
+    """The asyncio twin of `Client`: same arguments, same results, awaitable methods.
+
+    Create it inside the running event loop that will use it (grpc.aio binds to that loop).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout_s: float | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
+        options = _channel_options(address, timeout_s, max_message_bytes)
+        self.address = address
+        self.timeout_s = timeout_s
+        if credentials is None:
+            self._channel = grpc.aio.insecure_channel(address, options=options)
+        else:
+            self._channel = grpc.aio.secure_channel(address, credentials, options=options)
+        self._stub = pb_grpc.KVMeshStub(self._channel)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        """Wait until the coordinator accepts connections; DeadlineExceeded after `timeout_s`."""
+        try:
+            await asyncio.wait_for(self._channel.channel_ready(), timeout=timeout_s)
+        except asyncio.TimeoutError:
+            raise DeadlineExceeded(
+                "DEADLINE_EXCEEDED", f"{self.address} not ready after {timeout_s} s"
+            ) from None
+
+    async def generate(
+        self,
+        token_ids: Sequence[int] | None = None,
+        *,
+        prompt: str | None = None,
+        max_tokens: int = 16,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
+        session_id: str = "",
+        cache_salt: str = "",
+        worker_id: str = "",
+        request_id: str = "",
+    ) -> GenerateResult:
+        """See `Client.generate`."""
+        request = wire.build_generate_request(**_generate_kwargs(locals()))
+        start_s = time.perf_counter()
+        accumulator = StreamAccumulator(start_s)
+        async for chunk in self._chunks(request):
+            accumulator.add(chunk, time.perf_counter())
+        return accumulator.result(time.perf_counter())
+
+    def stream(
+        self,
+        token_ids: Sequence[int] | None = None,
+        *,
+        prompt: str | None = None,
+        max_tokens: int = 16,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
+        session_id: str = "",
+        cache_salt: str = "",
+        worker_id: str = "",
+        request_id: str = "",
+    ) -> AsyncIterator[StreamChunk]:
+        """See `Client.stream`; use with `async for`. Arguments are checked at once."""
+        request = wire.build_generate_request(**_generate_kwargs(locals()))
+        return self._chunks(request)
+
+    async def route(
+        self,
+        token_ids: Sequence[int] | None = None,
+        *,
+        prompt: str | None = None,
+        session_id: str = "",
+        cache_salt: str = "",
+    ) -> RouteResult:
+        request = wire.build_route_request(
+            token_ids, prompt=prompt, session_id=session_id, cache_salt=cache_salt
+        )
+        return wire.route_from_proto(await self._unary(self._stub.Route, request))
+
+    async def lookup(
+        self, token_ids: Sequence[int] | None = None, *, prompt: str | None = None, cache_salt: str = ""
+    ) -> LookupResult:
+        request = wire.build_lookup_request(token_ids, prompt=prompt, cache_salt=cache_salt)
+        return wire.lookup_from_proto(await self._unary(self._stub.Lookup, request))
+
+    async def stats(self) -> Stats:
+        return wire.stats_from_proto(await self._unary(self._stub.Stats, pb.StatsRequest()))
+
+    async def list_workers(self) -> list[WorkerInfo]:
+        response = await self._unary(self._stub.ListWorkers, pb.ListWorkersRequest())
+        return wire.workers_from_proto(response)
+
+    async def _unary(self, method: Any, request: Any) -> Any:
+        try:
+            return await method(request, timeout=self.timeout_s)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from err
+
+    async def _chunks(self, request: pb.GenerateRequest) -> AsyncIterator[StreamChunk]:
+        call = self._stub.Generate(request, timeout=self.timeout_s)
+        try:
+            async for response in call:
+                yield wire.chunk_from_proto(response)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from err
+        finally:
+            call.cancel()
+
+
+def _generate_kwargs(call_locals: dict[str, Any]) -> dict[str, Any]:
+    """The `generate`/`stream` arguments out of that method's locals(), minus `self`.
+
+    The four generate-shaped methods keep explicit signatures (for users and type checkers) and
+    forward them here in one line each, so adding a parameter cannot miss one of them.
+    """
+    return {k: v for k, v in call_locals.items() if k != "self"}

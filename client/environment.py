@@ -1,0 +1,61 @@
+"""The CLI's `KVMESH_*` environment variables, read in one place.
+
+Precedence is flags, then these variables, then built-in defaults: the variables only change
+the defaults that `kvmesh --help` shows, so a flag on the command line always wins.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+
+
+@dataclass(frozen=True, slots=True)
+class CliEnvironment:
+    """Defaults taken from the environment; None means "not set, use the built-in default"."""
+
+    address: str = DEFAULT_ADDRESS
+    """KVMESH_ADDRESS: the coordinator the read commands talk to (HOST:PORT)."""
+    timeout_s: float | None = None
+    """KVMESH_TIMEOUT_S: deadline of each client call, in seconds."""
+    redis_url: str | None = None
+    """KVMESH_REDIS_URL: the index's Redis for `serve` (and `up`, instead of an embedded one)."""
+    ray_address: str = "auto"
+    """KVMESH_RAY_ADDRESS: the Ray cluster `serve` joins."""
+    model: str = "tiny-random"
+    """KVMESH_MODEL: preset name or Hugging Face checkpoint folder."""
+    policy: str = "kvmesh"
+    """KVMESH_POLICY: routing policy name."""
+    device: str = "auto"
+    """KVMESH_DEVICE: worker device (auto, cpu, cuda)."""
+
+    def __post_init__(self) -> None:
+        if not self.address:
+            raise ValueError("KVMESH_ADDRESS is set but empty; use HOST:PORT")
+        if self.timeout_s is not None and not (
+            math.isfinite(self.timeout_s) and self.timeout_s > 0
+        ):
+            raise ValueError(f"KVMESH_TIMEOUT_S must be a number > 0, got {self.timeout_s}")
+
+
+def read_environment(environ: Mapping[str, str]) -> CliEnvironment:
+    """The CLI defaults from `environ` (normally os.environ); empty values count as unset."""
+    values = {k: v.strip() for k, v in environ.items() if k.startswith("KVMESH_") and v.strip()}
+    timeout_text = values.get("KVMESH_TIMEOUT_S")
+    try:
+        timeout_s = float(timeout_text) if timeout_text is not None else None
+    except ValueError:
+        raise ValueError(f"KVMESH_TIMEOUT_S must be a number of seconds, got {timeout_text!r}") from None
+    defaults = CliEnvironment()
+    return CliEnvironment(
+        address=values.get("KVMESH_ADDRESS", defaults.address),
+        timeout_s=timeout_s,
+        redis_url=values.get("KVMESH_REDIS_URL"),
+        ray_address=values.get("KVMESH_RAY_ADDRESS", defaults.ray_address),
+        model=values.get("KVMESH_MODEL", defaults.model),
+        policy=values.get("KVMESH_POLICY", defaults.policy),
+        device=values.get("KVMESH_DEVICE", defaults.device),
+    )

@@ -1,0 +1,148 @@
+"""What the client hands back: plain frozen dataclasses, never protobuf messages.
+
+Field names follow the wire contract (proto/kvmesh.proto) so a value read here means the same as
+the one the server sent. Token counts are in tokens, times in milliseconds (`*_ms`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class CacheFacts:
+    """Where a request ran and how much of its prompt's KV was reused, pulled or computed."""
+
+    worker_id: str
+    prompt_tokens: int
+    cached_tokens: int
+    """Prompt tokens whose KV was already in the worker's pool."""
+    pulled_tokens: int
+    """Prompt tokens whose KV was fetched from a peer worker."""
+    computed_tokens: int
+    """Prompt tokens prefilled by this request."""
+    policy: str
+    """The routing policy that chose the worker."""
+
+
+@dataclass(frozen=True, slots=True)
+class StreamChunk:
+    """One message of a `generate` stream: the tokens that are new since the previous chunk."""
+
+    token_ids: list[int]
+    text: str
+    """Detokenized `token_ids`; empty when the server has no tokenizer."""
+    cache: CacheFacts | None
+    """Set on the first chunk of a stream only."""
+    finish_reason: str
+    """Either "length" or "stop" on the last chunk, else empty."""
+    request_id: str
+    server_ttft_ms: float | None
+    """The server's time to first token, on the first chunk that carries tokens."""
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateResult:
+    """A whole generation: every streamed token, plus the request's cache facts and timings."""
+
+    tokens: list[int]
+    text: str
+    worker_id: str
+    prompt_tokens: int
+    cached_tokens: int
+    pulled_tokens: int
+    computed_tokens: int
+    ttft_ms: float | None
+    """Client-side time from sending the request to the first chunk carrying tokens; None when
+    the stream carried no token at all."""
+    total_ms: float
+    """Client-side time from sending the request to the end of the stream."""
+    finish_reason: str
+    request_id: str
+    policy: str
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerScore:
+    """The router's view of one worker for one prompt."""
+
+    worker_id: str
+    matched_blocks: int
+    """Leading blocks of the prompt the worker holds."""
+    cost_ms: float
+    """Predicted cost of serving the prompt there; lower is better."""
+
+
+@dataclass(frozen=True, slots=True)
+class RouteResult:
+    """The worker the router would pick for a prompt, and why."""
+
+    worker_id: str
+    prompt_tokens: int
+    matched_tokens: int
+    cost_ms: float
+    scores: list[WorkerScore]
+    policy: str
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerMatch:
+    """How much of a prompt's block chain one worker holds."""
+
+    worker_id: str
+    matched_blocks: int
+    matched_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """A prompt's chained block hashes and the per-worker prefix matches in the index."""
+
+    num_blocks: int
+    """Full blocks in the prompt; the partial tail is never hashed."""
+    block_hashes: list[int]
+    matches: list[WorkerMatch]
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    """Cluster-wide counters reported by a coordinator."""
+
+    num_workers: int
+    num_live_workers: int
+    num_indexed_blocks: int
+    num_requests: int
+    num_failed_requests: int
+    prompt_tokens: int
+    cached_tokens: int
+    computed_tokens: int
+    generated_tokens: int
+    hit_rate: float
+    """cached / prompt tokens over all requests, in [0, 1]."""
+    policy: str
+    redis_connected: bool
+    num_events_applied: int
+    num_resyncs: int
+    block_size: int
+    model: str
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """One worker actor as its coordinator sees it."""
+
+    worker_id: str
+    pid: int
+    node: str
+    device: str
+    num_blocks: int
+    num_free_blocks: int
+    alive: bool
+    cached_tokens: int
+    computed_tokens: int
+    num_requests: int
+    num_running: int
+    num_waiting: int
+    generation: int
+    """Changes whenever the worker restarts or clears its cache."""
+    num_indexed_blocks: int

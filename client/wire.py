@@ -1,0 +1,187 @@
+"""The protobuf boundary: validated requests out, plain dataclasses in.
+
+Both clients (sync and asyncio) build their requests and read their responses here, so the two
+can never drift apart, and nothing past this module ever sees a protobuf object. Requests are
+checked before they are sent: a bad argument is the caller's bug and raises `ValueError` with the
+offending number, instead of travelling to the server to come back as INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Iterable, Sequence
+from dataclasses import fields
+from typing import Any
+
+from kvmesh.proto import kvmesh_pb2 as pb
+
+from kvmesh.client.results import (
+    CacheFacts,
+    LookupResult,
+    RouteResult,
+    Stats,
+    StreamChunk,
+    WorkerInfo,
+    WorkerMatch,
+    WorkerScore,
+)
+
+MAX_UINT32 = 2**32 - 1
+MAX_UINT64 = 2**64 - 1
+
+
+def checked_token_ids(token_ids: Iterable[int], what: str = "token_ids") -> list[int]:
+    """`token_ids` as a list of Python ints, each a valid uint32; raises ValueError otherwise."""
+    ids = [operator.index(t) for t in token_ids]
+    for i, t in enumerate(ids):
+        if not 0 <= t <= MAX_UINT32:
+            raise ValueError(f"{what}[{i}] = {t} is outside the token id range [0, {MAX_UINT32}]")
+    return ids
+
+
+def _set_prompt(message: Any, token_ids: Sequence[int] | None, prompt: str | None) -> None:
+    """Fill a request's `token_ids` or `prompt`: exactly one must be given and non-empty."""
+    if (token_ids is None) == (prompt is None):
+        raise ValueError("give exactly one of token_ids or prompt")
+    if prompt is not None:
+        if not prompt:
+            raise ValueError("prompt is empty")
+        message.prompt = prompt
+        return
+    assert token_ids is not None
+    ids = checked_token_ids(token_ids)
+    if not ids:
+        raise ValueError("token_ids is empty")
+    message.token_ids.extend(ids)
+
+
+def _check_range(name: str, value: float, low: float, high: float) -> None:
+    if not (math.isfinite(value) and low <= value <= high):
+        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+
+
+def build_generate_request(
+    token_ids: Sequence[int] | None,
+    *,
+    prompt: str | None,
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    seed: int,
+    stop_token_ids: Sequence[int],
+    ignore_eos: bool,
+    session_id: str,
+    cache_salt: str,
+    worker_id: str,
+    request_id: str,
+) -> pb.GenerateRequest:
+    """A checked `GenerateRequest`; the arguments are those of `Client.generate`."""
+    _check_range("max_tokens", max_tokens, 1, MAX_UINT32)
+    if not (math.isfinite(temperature) and temperature >= 0.0):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+    _check_range("top_p", top_p, 0.0, 1.0)
+    _check_range("top_k", top_k, 0, MAX_UINT32)
+    _check_range("seed", seed, 0, MAX_UINT64)
+    sampling = pb.SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        stop_token_ids=checked_token_ids(stop_token_ids, "stop_token_ids"),
+        ignore_eos=ignore_eos,
+    )
+    request = pb.GenerateRequest(
+        sampling=sampling,
+        session_id=session_id,
+        cache_salt=cache_salt,
+        worker_id=worker_id,
+        request_id=request_id,
+    )
+    _set_prompt(request, token_ids, prompt)
+    return request
+
+
+def build_route_request(
+    token_ids: Sequence[int] | None, *, prompt: str | None, session_id: str, cache_salt: str
+) -> pb.RouteRequest:
+    request = pb.RouteRequest(session_id=session_id, cache_salt=cache_salt)
+    _set_prompt(request, token_ids, prompt)
+    return request
+
+
+def build_lookup_request(
+    token_ids: Sequence[int] | None, *, prompt: str | None, cache_salt: str
+) -> pb.LookupRequest:
+    request = pb.LookupRequest(cache_salt=cache_salt)
+    _set_prompt(request, token_ids, prompt)
+    return request
+
+
+def cache_facts_from_proto(message: pb.CacheFacts) -> CacheFacts:
+    return CacheFacts(
+        worker_id=message.worker_id,
+        prompt_tokens=message.prompt_tokens,
+        cached_tokens=message.cached_tokens,
+        pulled_tokens=message.pulled_tokens,
+        computed_tokens=message.computed_tokens,
+        policy=message.policy,
+    )
+
+
+def chunk_from_proto(message: pb.GenerateResponse) -> StreamChunk:
+    has_tokens = len(message.token_ids) > 0
+    return StreamChunk(
+        token_ids=list(message.token_ids),
+        text=message.text,
+        cache=cache_facts_from_proto(message.cache) if message.HasField("cache") else None,
+        finish_reason=message.finish_reason,
+        request_id=message.request_id,
+        # proto3 has no presence for doubles: 0.0 on a token-carrying chunk is a real (tiny) TTFT.
+        server_ttft_ms=message.ttft_ms if has_tokens and message.ttft_ms > 0 else None,
+    )
+
+
+def route_from_proto(message: pb.RouteResponse) -> RouteResult:
+    return RouteResult(
+        worker_id=message.worker_id,
+        prompt_tokens=message.prompt_tokens,
+        matched_tokens=message.matched_tokens,
+        cost_ms=message.cost_ms,
+        scores=[
+            WorkerScore(worker_id=s.worker_id, matched_blocks=s.matched_blocks, cost_ms=s.cost_ms)
+            for s in message.scores
+        ],
+        policy=message.policy,
+    )
+
+
+def lookup_from_proto(message: pb.LookupResponse) -> LookupResult:
+    return LookupResult(
+        num_blocks=message.num_blocks,
+        block_hashes=list(message.block_hashes),
+        matches=[
+            WorkerMatch(
+                worker_id=m.worker_id,
+                matched_blocks=m.matched_blocks,
+                matched_tokens=m.matched_tokens,
+            )
+            for m in message.matches
+        ],
+    )
+
+
+def stats_from_proto(message: pb.StatsResponse) -> Stats:
+    # Stats mirrors StatsResponse field for field (a unit test pins this), so copy by name.
+    return Stats(**{f.name: getattr(message, f.name) for f in fields(Stats)})
+
+
+def worker_from_proto(message: pb.WorkerInfo) -> WorkerInfo:
+    # WorkerInfo mirrors the proto message field for field (a unit test pins this).
+    return WorkerInfo(**{f.name: getattr(message, f.name) for f in fields(WorkerInfo)})
+
+
+def workers_from_proto(message: pb.ListWorkersResponse) -> list[WorkerInfo]:
+    return [worker_from_proto(w) for w in message.workers]

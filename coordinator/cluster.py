@@ -1,0 +1,166 @@
+"""Worker lifecycle through Ray: start one actor per GPU (or N on CPU), watch them, stream calls.
+
+The coordinator's Ray shell. A worker is declared dead when a call or a health ping says its actor
+died; `on_worker_dead` then purges it from the index and the router stops seeing it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from kvmesh.workers.actor import RequestError, remote_worker_class
+from kvmesh.workers.config import WorkerConfig
+from kvmesh.workers.worker import RequestOutput, WorkerRequest
+
+log = logging.getLogger(__name__)
+
+
+class WorkerDied(Exception):
+    """The worker's actor died during a call."""
+
+
+@dataclass
+class _Handle:
+    config: WorkerConfig
+    actor: Any
+    alive: bool = True
+
+
+class Cluster:
+    """Invariant: a worker id maps to one actor; once marked dead it is never routed to again."""
+
+    def __init__(self, on_worker_dead: Callable[[str], None] | None = None) -> None:
+        self._handles: dict[str, _Handle] = {}
+        self._lock = threading.Lock()
+        self._on_worker_dead = on_worker_dead
+        self._stop = threading.Event()
+        self._monitor: threading.Thread | None = None
+        self._latest_info: dict[str, dict[str, Any]] = {}
+
+    def set_on_worker_dead(self, callback: Callable[[str], None]) -> None:
+        self._on_worker_dead = callback
+
+    def start_workers(
+        self, configs: list[WorkerConfig], num_gpus: float, *, ready_timeout_s: float = 600.0
+    ) -> None:
+        cls = remote_worker_class(num_gpus=num_gpus)
+        for cfg in configs:
+            actor = cls.remote(cfg)
+            with self._lock:
+                self._handles[cfg.worker_id] = _Handle(cfg, actor)
+        pings = [h.actor.ping.remote() for h in self._handles.values()]
+        ray.get(pings, timeout=ready_timeout_s)
+
+    def start_monitor(self, interval_s: float) -> None:
+        self._monitor = threading.Thread(
+            target=self._watch, args=(interval_s,), name="kvmesh-health", daemon=True
+        )
+        self._monitor.start()
+
+    def worker_ids(self) -> list[str]:
+        with self._lock:
+            return sorted(self._handles)
+
+    def live_worker_ids(self) -> list[str]:
+        with self._lock:
+            return sorted(w for w, h in self._handles.items() if h.alive)
+
+    def is_alive(self, worker_id: str) -> bool:
+        with self._lock:
+            h = self._handles.get(worker_id)
+            return h is not None and h.alive
+
+    def actor(self, worker_id: str) -> Any:
+        with self._lock:
+            return self._handles[worker_id].actor
+
+    def generate(self, worker_id: str, request: WorkerRequest) -> Iterator[RequestOutput]:
+        """Stream a request's outputs; raises RequestError (bad input) or WorkerDied."""
+        stream = self.actor(worker_id).generate.remote(request)
+        try:
+            for ref in stream:
+                yield ray.get(ref)
+        except RayTaskError as exc:
+            cause = exc.cause if hasattr(exc, "cause") else None
+            if isinstance(cause, RequestError):
+                raise cause from None
+            if isinstance(exc, RayActorError):
+                self.mark_dead(worker_id)
+                raise WorkerDied(worker_id) from None
+            raise
+        except RayActorError:
+            self.mark_dead(worker_id)
+            raise WorkerDied(worker_id) from None
+
+    def infos(self, timeout_s: float = 2.0) -> dict[str, dict[str, Any]]:
+        with self._lock:
+            live = {w: h.actor for w, h in self._handles.items() if h.alive}
+        refs = {w: a.info.remote() for w, a in live.items()}
+        out: dict[str, dict[str, Any]] = {}
+        for w, ref in refs.items():
+            try:
+                out[w] = ray.get(ref, timeout=timeout_s)
+                with self._lock:
+                    self._latest_info[w] = out[w]
+            except RayActorError:
+                self.mark_dead(w)
+            except GetTimeoutError:
+                log.warning("worker %s did not report its info within %.1f s", w, timeout_s)
+        return out
+
+    def call_all(self, method: str, timeout_s: float = 30.0) -> dict[str, Any]:
+        with self._lock:
+            live = {w: h.actor for w, h in self._handles.items() if h.alive}
+        refs = {w: getattr(a, method).remote() for w, a in live.items()}
+        return {w: ray.get(r, timeout=timeout_s) for w, r in refs.items()}
+
+    def mark_dead(self, worker_id: str) -> None:
+        with self._lock:
+            h = self._handles.get(worker_id)
+            if h is None or not h.alive:
+                return
+            h.alive = False
+        log.warning("worker %s died; removing it from the index and the router", worker_id)
+        if self._on_worker_dead is not None:
+            self._on_worker_dead(worker_id)
+
+    def latest_info(self, worker_id: str) -> dict[str, Any]:
+        """The worker's last reported info (pool usage, counters); empty before the first."""
+        with self._lock:
+            return dict(self._latest_info.get(worker_id, {}))
+
+    def _watch(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            with self._lock:
+                live = {w: h.actor for w, h in self._handles.items() if h.alive}
+            refs = {w: a.info.remote() for w, a in live.items()}
+            for w, ref in refs.items():
+                try:
+                    info = ray.get(ref, timeout=max(2.0, 4 * interval_s))
+                except RayActorError:
+                    self.mark_dead(w)
+                except GetTimeoutError:
+                    pass  # busy, not dead: the heartbeat in Redis is the other judge
+                else:
+                    with self._lock:
+                        self._latest_info[w] = info
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._monitor is not None:
+            self._monitor.join(timeout=5)
+        with self._lock:
+            handles = list(self._handles.values())
+        for h in handles:
+            try:
+                ray.get(h.actor.shutdown.remote(), timeout=5)
+            except Exception:  # already dead or stuck: kill below either way
+                pass
+            ray.kill(h.actor, no_restart=True)

@@ -1,0 +1,270 @@
+"""The request path, without gRPC: validate, hash, look up, route, stream from the worker.
+
+    prepare()  token ids (or text) -> validated prompt + chained block hashes        (proto/)
+    match()    block hashes -> per-worker held prefix, from the in-memory mirror    (index_mirror)
+    route()    prices every live worker and picks one                               (router)
+    generate() streams the chosen worker's outputs, keeping the load tracker honest (cluster)
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kvmesh.coordinator.config import CoordinatorConfig
+from kvmesh.coordinator.cost_model import CostModel
+from kvmesh.coordinator.index_mirror import IndexMirror, PrefixMatch, WorkerId
+from kvmesh.coordinator.load_tracker import LoadTracker
+from kvmesh.coordinator.router import RouteDecision, RouteQuery, WorkerView, make_policy
+from kvmesh.proto.block_hash import BlockHash, block_hashes, namespace_hash
+from kvmesh.workers.model_config import ModelConfig
+from kvmesh.workers.sampler import SamplingConfig
+from kvmesh.workers.worker import RequestOutput, WorkerRequest
+
+
+class InvalidRequest(ValueError):
+    """The request itself is wrong (maps to INVALID_ARGUMENT)."""
+
+
+class NoLiveWorker(RuntimeError):
+    """No worker can take the request (maps to UNAVAILABLE)."""
+
+
+class WorkerBackend(Protocol):
+    """What the coordinator needs from the cluster (the Ray shell implements it)."""
+
+    def live_worker_ids(self) -> list[str]: ...
+    def worker_ids(self) -> list[str]: ...
+    def generate(self, worker_id: str, request: WorkerRequest) -> Iterator[RequestOutput]: ...
+
+
+class TextCodec(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedPrompt:
+    token_ids: tuple[int, ...]
+    block_hashes: tuple[BlockHash, ...]
+    cache_salt: str
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEvent:
+    """One step of a Generate stream, as the service sends it."""
+
+    token_ids: tuple[int, ...]
+    worker_id: str
+    finished: bool
+    finish_reason: str = ""
+    cached_tokens: int = -1  # >= 0 on the first event only
+    computed_tokens: int = -1
+    prompt_tokens: int = 0
+
+
+@dataclass(slots=True)
+class Counters:
+    num_requests: int = 0
+    num_failed_requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    computed_tokens: int = 0
+    generated_tokens: int = 0
+    per_worker: dict[str, dict[str, int]] = field(default_factory=dict)
+
+
+class Coordinator:
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        model: ModelConfig,
+        backend: WorkerBackend,
+        mirror: IndexMirror,
+        mirror_lock: threading.Lock,
+        *,
+        tokenizer: TextCodec | None = None,
+        index_connected: Callable[[], bool] = lambda: True,
+        worker_free_blocks: Callable[[str], tuple[int, int]] | None = None,
+        cost_model: CostModel | None = None,
+    ) -> None:
+        self.config = config
+        self.model = model
+        self.backend = backend
+        self.mirror = mirror
+        self.mirror_lock = mirror_lock
+        self.tokenizer = tokenizer
+        self.index_connected = index_connected
+        self._worker_free_blocks = worker_free_blocks or (lambda _w: (1 << 30, 1 << 30))
+        self.cost_model = cost_model or CostModel()
+        self.policy = make_policy(config.policy, self.cost_model, random.Random(config.route_seed))
+        self.load = LoadTracker()
+        self._lock = threading.Lock()  # guards policy, load tracker and counters
+        self.counters = Counters()
+        self.fingerprint = model.fingerprint()
+
+    # ---- request preparation ------------------------------------------------------------------
+
+    def prepare(self, token_ids: Sequence[int], prompt: str, cache_salt: str) -> PreparedPrompt:
+        if token_ids and prompt:
+            raise InvalidRequest("give either token_ids or prompt, not both")
+        if prompt:
+            if self.tokenizer is None:
+                raise InvalidRequest("this model has no tokenizer; send token_ids")
+            token_ids = self.tokenizer.encode(prompt)
+        if not token_ids:
+            raise InvalidRequest("the prompt is empty")
+        vocab = self.model.vocab_size
+        top = max(token_ids)
+        if top >= vocab:
+            raise InvalidRequest(f"token id {top} is outside the vocabulary [0, {vocab})")
+        root = namespace_hash(self.fingerprint, "", cache_salt)
+        hashes = block_hashes(token_ids, self.config.block_size, root)
+        return PreparedPrompt(tuple(token_ids), tuple(hashes), cache_salt)
+
+    def check_sampling(self, prompt: PreparedPrompt, sampling: SamplingConfig) -> None:
+        if sampling.max_tokens > self.config.max_tokens_limit:
+            raise InvalidRequest(
+                f"max_tokens {sampling.max_tokens} is over the limit {self.config.max_tokens_limit}"
+            )
+        context = self.model.max_position_embeddings
+        total = len(prompt.token_ids) + sampling.max_tokens
+        if total > context:
+            raise InvalidRequest(
+                f"prompt ({len(prompt.token_ids)}) + max_tokens ({sampling.max_tokens}) = {total}"
+                f" exceeds the model's context of {context} tokens"
+            )
+
+    # ---- lookup and routing -------------------------------------------------------------------
+
+    def match(self, prompt: PreparedPrompt) -> dict[WorkerId, PrefixMatch]:
+        if not self.index_connected():
+            return {}  # a stale index must not steer traffic: route by load only
+        with self.mirror_lock:
+            return self.mirror.match(prompt.block_hashes)
+
+    def views(self, prompt: PreparedPrompt, workers: Sequence[str]) -> list[WorkerView]:
+        matches = self.match(prompt)
+        views = []
+        for w in workers:
+            m = matches.get(WorkerId(w), PrefixMatch(0, 0))
+            num_blocks, num_free = self._worker_free_blocks(w)
+            views.append(
+                WorkerView(
+                    WorkerId(w), num_blocks, num_free,
+                    self.load.queued_prefill_ms(WorkerId(w)),
+                    self.load.queued_prefill_tokens(WorkerId(w)),
+                    self.load.num_running(WorkerId(w)),
+                    m.num_blocks, m.num_device_blocks,
+                )
+            )
+        return views
+
+    def route(
+        self, prompt: PreparedPrompt, session_id: str = "", request_id: str = ""
+    ) -> RouteDecision:
+        live = self.backend.live_worker_ids()
+        if not live:
+            raise NoLiveWorker("no live worker can take the request")
+        query = RouteQuery(
+            request_id or uuid.uuid4().hex, prompt.block_hashes, len(prompt.token_ids),
+            self.config.block_size, session_id,
+        )
+        with self._lock:
+            return self.policy.choose(query, self.views(prompt, live))
+
+    # ---- generation ---------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompt: PreparedPrompt,
+        sampling: SamplingConfig,
+        *,
+        session_id: str = "",
+        worker_id: str = "",
+        request_id: str = "",
+    ) -> Iterator[StreamEvent]:
+        """Route (unless `worker_id` forces placement) and stream the worker's outputs."""
+        self.check_sampling(prompt, sampling)
+        request_id = request_id or uuid.uuid4().hex
+        if worker_id:
+            if worker_id not in self.backend.worker_ids():
+                raise InvalidRequest(f"unknown worker id {worker_id!r}")
+            if worker_id not in self.backend.live_worker_ids():
+                raise NoLiveWorker(f"worker {worker_id!r} is not alive")
+            chosen = WorkerId(worker_id)
+            view = self.views(prompt, [worker_id])[0]
+            cached = min(view.matched_blocks * self.config.block_size, len(prompt.token_ids) - 1)
+            predicted = self.cost_model.prefill_ms(len(prompt.token_ids) - cached, cached)
+        else:
+            decision = self.route(prompt, session_id, request_id)
+            chosen, predicted = decision.worker_id, decision.predicted_prefill_ms
+        with self._lock:
+            self.load.on_routed(request_id, chosen, predicted, len(prompt.token_ids))
+            self.counters.num_requests += 1
+        request = WorkerRequest(request_id, prompt.token_ids, sampling, prompt.cache_salt)
+        return self._stream(chosen, request)
+
+    def _stream(self, worker: WorkerId, request: WorkerRequest) -> Iterator[StreamEvent]:
+        ok = False
+        try:
+            for out in self.backend.generate(worker, request):
+                if out.cached_tokens >= 0:
+                    self._on_prefilled(worker, request, out)
+                with self._lock:
+                    self.counters.generated_tokens += len(out.new_token_ids)
+                yield StreamEvent(
+                    out.new_token_ids, worker, out.finished, out.finish_reason,
+                    out.cached_tokens, out.computed_tokens, len(request.prompt_ids),
+                )
+                if out.finished:
+                    ok = True
+                    return
+        finally:
+            with self._lock:
+                self.load.on_finished(request.request_id)
+                if not ok:
+                    self.counters.num_failed_requests += 1
+
+    def _on_prefilled(self, worker: WorkerId, request: WorkerRequest, out: RequestOutput) -> None:
+        with self._lock:
+            self.load.on_prefilled(request.request_id)
+            c = self.counters
+            c.prompt_tokens += len(request.prompt_ids)
+            c.cached_tokens += out.cached_tokens
+            c.computed_tokens += out.computed_tokens
+            w = c.per_worker.setdefault(worker, {"cached_tokens": 0, "computed_tokens": 0})
+            w["cached_tokens"] += out.cached_tokens
+            w["computed_tokens"] += out.computed_tokens
+
+    def on_worker_dead(self, worker_id: str) -> None:
+        with self._lock:
+            self.load.forget_worker(WorkerId(worker_id))
+            self.policy.on_worker_removed(WorkerId(worker_id))
+        with self.mirror_lock:
+            self.mirror.remove_worker(WorkerId(worker_id))
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            c = self.counters
+            snapshot = {
+                "num_requests": c.num_requests,
+                "num_failed_requests": c.num_failed_requests,
+                "prompt_tokens": c.prompt_tokens,
+                "cached_tokens": c.cached_tokens,
+                "computed_tokens": c.computed_tokens,
+                "generated_tokens": c.generated_tokens,
+                "hit_rate": c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
+            }
+        with self.mirror_lock:
+            snapshot["num_indexed_blocks"] = self.mirror.num_blocks
+            snapshot["num_events_applied"] = self.mirror.num_events_applied
+        return snapshot
+
+    def indexed_blocks_of(self, worker_id: str) -> int:
+        with self.mirror_lock:
+            return self.mirror.num_worker_blocks(WorkerId(worker_id))

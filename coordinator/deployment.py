@@ -1,0 +1,148 @@
+"""Assembles a running kvmesh: Redis (embedded or external), Ray workers, the index follower, the
+coordinator and its gRPC server. `kvmesh up`, `kvmesh serve`, the demo and the integration tests
+all start the system through this one class, so they run the same code.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field, replace
+
+import grpc
+import ray
+
+from kvmesh.coordinator.cluster import Cluster
+from kvmesh.coordinator.config import CoordinatorConfig
+from kvmesh.coordinator.coordinator import Coordinator
+from kvmesh.coordinator.index_follower import IndexFollower
+from kvmesh.coordinator.index_mirror import IndexMirror
+from kvmesh.coordinator.index_store import IndexStore
+from kvmesh.coordinator.redis_server import RedisServer, start_redis_server
+from kvmesh.coordinator.service import KVMeshServicer, build_server
+from kvmesh.proto.block_hash import namespace_hash
+from kvmesh.workers.config import WorkerConfig
+from kvmesh.workers.model_config import load_model_config
+from kvmesh.workers.tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class DeploymentConfig:
+    coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
+    """gRPC, routing and index settings."""
+    num_workers: int = 2
+    """Worker actors to start (0: one per GPU Ray sees, or 2 without GPUs)."""
+    worker: WorkerConfig = field(default_factory=lambda: WorkerConfig(worker_id="template"))
+    """Template for every worker; worker_id, model, block size and Redis URL are filled in."""
+    gpus_per_worker: float = -1.0
+    """GPU share per worker; -1: 1 when there are enough GPUs, else an even split of GPU 0's."""
+    ray_address: str = ""
+    """Ray cluster to join (`auto`); empty starts a local Ray unless one is already running."""
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, got {self.num_workers}")
+
+
+class Deployment:
+    def __init__(self, config: DeploymentConfig) -> None:
+        self.config = config
+        self.redis: RedisServer | None = None
+        self.cluster: Cluster | None = None
+        self.follower: IndexFollower | None = None
+        self.coordinator: Coordinator | None = None
+        self.server: grpc.Server | None = None
+        self.port = 0
+        self._started_ray = False
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.coordinator.host}:{self.port}"
+
+    def start(self) -> str:
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> str:
+        cfg = self.config
+        cc = cfg.coordinator
+        model = load_model_config(cc.model, cc.seed)
+        redis_url = cc.redis_url
+        if not redis_url:
+            self.redis = start_redis_server()
+            redis_url = self.redis.url
+        if not ray.is_initialized():
+            ray.init(address=cfg.ray_address or None, include_dashboard=False, log_to_driver=False)
+            self._started_ray = True
+        num_gpus = int(ray.cluster_resources().get("GPU", 0))
+        num_workers = cfg.num_workers or max(num_gpus, 2 if not num_gpus else num_gpus)
+        gpus_per_worker = cfg.gpus_per_worker
+        if gpus_per_worker < 0:
+            gpus_per_worker = 0.0 if not num_gpus else min(1.0, num_gpus / num_workers)
+        workers = [
+            replace(cfg.worker, worker_id=f"w{i}", model=cc.model, block_size=cc.block_size,
+                    redis_url=redis_url, seed=cc.seed)
+            for i in range(num_workers)
+        ]
+        ns = f"{namespace_hash(model.fingerprint()):016x}"
+        self.cluster = Cluster()
+        self.cluster.start_workers(workers, gpus_per_worker)
+        mirror, lock = IndexMirror(), threading.Lock()
+        store = IndexStore(redis_url)
+        self.follower = IndexFollower(store, mirror, lock, ns=ns)
+        cluster = self.cluster
+        self.coordinator = Coordinator(
+            cc, model, cluster, mirror, lock,
+            tokenizer=load_tokenizer(cc.model),
+            index_connected=lambda: self.follower is not None and self.follower.connected,
+            worker_free_blocks=lambda w: _free_blocks(cluster, w),
+        )
+        coordinator = self.coordinator
+
+        def on_dead(worker_id: str) -> None:
+            coordinator.on_worker_dead(worker_id)
+            try:
+                store.purge_worker(ns, worker_id)
+            except Exception as exc:  # Redis away: the heartbeat sweep purges it later
+                log.warning("could not purge %s from Redis: %s", worker_id, exc)
+
+        self.cluster.set_on_worker_dead(on_dead)
+        self.follower.start()
+        self.cluster.infos()
+        self.cluster.start_monitor(cc.health_interval_s)
+        servicer = KVMeshServicer(self.coordinator, self.cluster, self.follower)
+        self.server, self.port, _health = build_server(
+            servicer, cc.host, cc.port,
+            max_message_bytes=cc.max_message_bytes, max_workers=cc.max_concurrent_rpcs,
+        )
+        self.server.start()
+        return self.address
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop(grace=1).wait()
+            self.server = None
+        if self.follower is not None:
+            self.follower.stop()
+            self.follower = None
+        if self.cluster is not None:
+            self.cluster.stop()
+            self.cluster = None
+        if self._started_ray and ray.is_initialized():
+            ray.shutdown()
+            self._started_ray = False
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+
+
+def _free_blocks(cluster: Cluster, worker_id: str) -> tuple[int, int]:
+    info = cluster.latest_info(worker_id)
+    if not info:
+        return (1 << 30, 1 << 30)
+    return int(info["num_blocks"]), int(info["num_free_blocks"])

@@ -1,0 +1,112 @@
+"""The coordinator's view of Redis: snapshots, the event stream, purges. The one coordinator
+module that imports redis.
+
+A follower first notes the stream's last id, then reads every worker's snapshot, then reads the
+stream from the noted id: batches already inside a snapshot come back as duplicates (their seq is
+not newer) and are ignored by the mirror, so nothing falls in between.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import redis
+
+from kvmesh.proto import redis_schema as schema
+from kvmesh.proto.block_hash import BlockHash
+from kvmesh.proto.events import EventBatch, EventDecodeError, decode_batch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSnapshot:
+    worker_id: str
+    generation: int
+    seq: int
+    blocks: list[tuple[BlockHash, int]] = field(default_factory=list)
+    info: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEntry:
+    entry_id: str
+    batch: EventBatch | None = None  # an event batch, or
+    purged_worker: str | None = None  # a worker that was purged, or neither (undecodable)
+
+
+class IndexStore:
+    """Reads and maintains the index in Redis for one coordinator."""
+
+    def __init__(self, redis_url: str, *, socket_timeout_s: float = 2.0) -> None:
+        self._client = redis.Redis.from_url(
+            redis_url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s
+        )
+        self._purge = self._client.register_script(schema.PURGE_WORKER)
+        self.num_decode_errors = 0
+
+    def ping(self) -> bool:
+        try:
+            return bool(self._client.ping())
+        except redis.RedisError:
+            return False
+
+    def last_stream_id(self) -> str:
+        last = self._client.xrevrange(schema.EVENTS_STREAM, count=1)
+        return last[0][0].decode() if last else "0-0"
+
+    def worker_ids(self) -> list[str]:
+        return sorted(w.decode() for w in self._client.smembers(schema.WORKERS_SET))
+
+    def snapshot(self, worker_id: str) -> WorkerSnapshot | None:
+        """A consistent copy of one worker's state (one MULTI/EXEC), or None if unknown."""
+        pipe = self._client.pipeline(transaction=True)
+        pipe.hgetall(schema.worker_key(worker_id))
+        pipe.hgetall(schema.worker_blocks_key(worker_id))
+        raw_info, raw_blocks = pipe.execute()
+        info = {k.decode(): v.decode() for k, v in raw_info.items()}
+        if "generation" not in info:
+            return None
+        blocks = [(BlockHash(int(h, 16)), int(t)) for h, t in raw_blocks.items()]
+        return WorkerSnapshot(worker_id, int(info["generation"]), int(info["seq"]), blocks, info)
+
+    def worker_info(self, worker_id: str) -> dict[str, str]:
+        raw = self._client.hgetall(schema.worker_key(worker_id))
+        return {k.decode(): v.decode() for k, v in raw.items()}
+
+    def is_alive(self, worker_id: str) -> bool:
+        return bool(self._client.exists(schema.worker_alive_key(worker_id)))
+
+    def block_holders(self, ns: str, block_hash: BlockHash) -> dict[str, int]:
+        raw = self._client.hgetall(schema.block_key(ns, schema.hash_hex(block_hash)))
+        return {k.decode(): int(v) for k, v in raw.items()}
+
+    def num_block_keys(self, ns: str) -> int:
+        return sum(1 for _ in self._client.scan_iter(match=f"{schema.PREFIX}:{ns}:blk:*", count=1000))
+
+    def purge_worker(self, ns: str, worker_id: str) -> int:
+        return int(self._purge(args=[ns, worker_id, schema.EVENTS_STREAM_MAXLEN]))
+
+    def read_stream(self, after_id: str, block_ms: int, count: int = 512) -> list[StreamEntry]:
+        """Entries after `after_id`, waiting up to block_ms for the first one."""
+        reply = self._client.xread({schema.EVENTS_STREAM: after_id}, count=count, block=block_ms)
+        return list(self._entries(reply))
+
+    def _entries(self, reply: list) -> Iterator[StreamEntry]:
+        for _stream, entries in reply or []:
+            for entry_id, fields in entries:
+                eid = entry_id.decode()
+                if b"p" in fields:
+                    yield StreamEntry(eid, purged_worker=fields[b"p"].decode())
+                    continue
+                try:
+                    yield StreamEntry(eid, batch=decode_batch(fields.get(b"b", b"")))
+                except EventDecodeError as exc:
+                    self.num_decode_errors += 1
+                    log.warning("rejected event batch %s: %s", eid, exc)
+                    yield StreamEntry(eid)
+
+    def close(self) -> None:
+        self._client.close()

@@ -1,0 +1,84 @@
+"""`kvmesh up` and `kvmesh serve`: run a deployment in the foreground until SIGINT / SIGTERM.
+
+Flags win over KVMESH_* environment variables, which win over defaults; the CLI parses flags and
+hands the namespace here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from dataclasses import replace
+from typing import Any
+
+from kvmesh.coordinator.config import CoordinatorConfig
+from kvmesh.coordinator.deployment import Deployment, DeploymentConfig
+from kvmesh.workers.config import WorkerConfig
+
+
+def _opt(args: argparse.Namespace, name: str, default: Any) -> Any:
+    value = getattr(args, name, None)
+    return default if value is None else value
+
+
+def deployment_config(args: argparse.Namespace, *, embedded_redis: bool) -> DeploymentConfig:
+    redis_url = _opt(args, "redis_url", "") or ("" if embedded_redis else os.environ.get("KVMESH_REDIS_URL", ""))
+    coordinator = CoordinatorConfig(
+        model=_opt(args, "model", "tiny-random"),
+        seed=int(_opt(args, "seed", 0)),
+        block_size=int(_opt(args, "block_size", 16)),
+        policy=_opt(args, "policy", "kvmesh"),
+        redis_url=redis_url,
+        host=_opt(args, "host", "127.0.0.1"),
+        port=int(_opt(args, "port", 50051)),
+    )
+    worker = WorkerConfig(
+        worker_id="template",
+        num_blocks=int(_opt(args, "num_blocks", 0)),
+        device=_opt(args, "device", "auto"),
+    )
+    return DeploymentConfig(
+        coordinator=coordinator,
+        num_workers=int(_opt(args, "workers", 0 if not embedded_redis else 2)),
+        worker=worker,
+        gpus_per_worker=float(_opt(args, "gpus_per_worker", -1.0)),
+        ray_address=_opt(args, "ray_address", ""),
+    )
+
+
+def run_deployment(config: DeploymentConfig) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    deployment = Deployment(config)
+    try:
+        print("kvmesh: starting Redis, Ray and workers ...", file=sys.stderr, flush=True)
+        address = deployment.start()
+        assert deployment.cluster is not None
+        workers = ", ".join(deployment.cluster.worker_ids())
+        print(f"kvmesh is up at {address} (workers: {workers}; policy {config.coordinator.policy})", flush=True)
+        stop.wait()
+        print("kvmesh: shutting down ...", file=sys.stderr, flush=True)
+        return 0
+    finally:
+        deployment.stop()
+
+
+def run_up(args: argparse.Namespace) -> int:
+    """Local cluster: embedded Redis (unless --redis-url), local Ray, N workers, the coordinator."""
+    config = deployment_config(args, embedded_redis=True)
+    return run_deployment(config)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Coordinator + workers on an existing Ray cluster, against an external Redis."""
+    config = deployment_config(args, embedded_redis=False)
+    if not config.coordinator.redis_url:
+        raise ValueError("serve needs --redis-url (or KVMESH_REDIS_URL)")
+    config = replace(config, ray_address=config.ray_address or "auto")
+    return run_deployment(config)

@@ -1,0 +1,219 @@
+"""The gRPC face of the coordinator: the one module that imports grpc on the server side.
+
+Every RPC maps the coordinator's exceptions to a status code and never lets one request's failure
+stop the server:
+
+    InvalidRequest / ValueError -> INVALID_ARGUMENT      NoLiveWorker / WorkerDied -> UNAVAILABLE
+    RequestError (worker refused) -> INVALID_ARGUMENT     anything else -> INTERNAL
+Oversized messages are refused by gRPC itself with RESOURCE_EXHAUSTED (max_receive_message_length).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvmesh.coordinator.cluster import Cluster, WorkerDied
+from kvmesh.coordinator.index_follower import IndexFollower
+from kvmesh.coordinator.coordinator import Coordinator, InvalidRequest, NoLiveWorker
+from kvmesh.proto import kvmesh_pb2 as pb
+from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
+from kvmesh.workers.actor import RequestError
+from kvmesh.workers.sampler import SamplingConfig
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+SERVICE_NAME = "kvmesh.v1.KVMesh"
+
+
+def _status_for(exc: BaseException) -> grpc.StatusCode:
+    if isinstance(exc, InvalidRequest | RequestError | ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(exc, NoLiveWorker | WorkerDied):
+        return grpc.StatusCode.UNAVAILABLE
+    return grpc.StatusCode.INTERNAL
+
+
+class KVMeshServicer(pb_grpc.KVMeshServicer):
+    def __init__(
+        self, coordinator: Coordinator, cluster: Cluster, follower: IndexFollower | None
+    ) -> None:
+        self.coordinator = coordinator
+        self.cluster = cluster
+        self.follower = follower
+
+    def _guard(self, context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except Exception as exc:
+            code = _status_for(exc)
+            if code is grpc.StatusCode.INTERNAL:
+                log.exception("internal error")
+            context.abort(code, str(exc) or type(exc).__name__)
+            raise  # unreachable: abort raises
+
+    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
+        started = time.perf_counter()
+        stream = self._guard(context, lambda: self._start_generate(request))
+        first = True
+        try:
+            for event in stream:
+                resp = pb.GenerateResponse(token_ids=event.token_ids, request_id=request.request_id)
+                if self.coordinator.tokenizer is not None:
+                    resp.text = self.coordinator.tokenizer.decode(event.token_ids)
+                if first:
+                    resp.ttft_ms = (time.perf_counter() - started) * 1e3
+                    resp.cache.CopyFrom(
+                        pb.CacheFacts(
+                            worker_id=event.worker_id,
+                            prompt_tokens=event.prompt_tokens,
+                            cached_tokens=max(event.cached_tokens, 0),
+                            computed_tokens=max(event.computed_tokens, 0),
+                            policy=self.coordinator.policy.name,
+                        )
+                    )
+                    first = False
+                if event.finished:
+                    resp.finish_reason = event.finish_reason
+                yield resp
+        except Exception as exc:
+            code = _status_for(exc)
+            if code is grpc.StatusCode.INTERNAL:
+                log.exception("generate failed")
+            context.abort(code, str(exc) or type(exc).__name__)
+
+    def _start_generate(self, request: pb.GenerateRequest) -> Iterator[Any]:
+        c = self.coordinator
+        prompt = c.prepare(list(request.token_ids), request.prompt, request.cache_salt)
+        s = request.sampling
+        if not request.HasField("sampling") or s.max_tokens == 0:
+            raise InvalidRequest("sampling.max_tokens must be >= 1")
+        sampling = SamplingConfig(
+            max_tokens=s.max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p if 0 < s.top_p <= 1 else 1.0,
+            top_k=s.top_k,
+            seed=s.seed,
+            stop_token_ids=tuple(s.stop_token_ids),
+            ignore_eos=s.ignore_eos,
+        )
+        return c.generate(
+            prompt, sampling, session_id=request.session_id, worker_id=request.worker_id,
+            request_id=request.request_id,
+        )
+
+    def Route(self, request: pb.RouteRequest, context: grpc.ServicerContext) -> pb.RouteResponse:
+        def run() -> pb.RouteResponse:
+            c = self.coordinator
+            prompt = c.prepare(list(request.token_ids), request.prompt, request.cache_salt)
+            d = c.route(prompt, request.session_id)
+            return pb.RouteResponse(
+                worker_id=d.worker_id,
+                prompt_tokens=len(prompt.token_ids),
+                matched_tokens=d.matched_blocks * c.config.block_size,
+                cost_ms=d.cost_ms,
+                scores=[pb.WorkerScore(worker_id=s.worker_id, matched_blocks=s.matched_blocks, cost_ms=s.cost_ms) for s in d.scores],
+                policy=c.policy.name,
+            )
+
+        return self._guard(context, run)
+
+    def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
+        def run() -> pb.LookupResponse:
+            c = self.coordinator
+            prompt = c.prepare(list(request.token_ids), request.prompt, request.cache_salt)
+            matches = c.match(prompt)
+            bs = c.config.block_size
+            return pb.LookupResponse(
+                num_blocks=len(prompt.block_hashes),
+                block_hashes=list(prompt.block_hashes),
+                matches=[
+                    pb.WorkerMatch(worker_id=w, matched_blocks=m.num_blocks, matched_tokens=m.num_blocks * bs)
+                    for w, m in sorted(matches.items())
+                ],
+            )
+
+        return self._guard(context, run)
+
+    def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
+        def run() -> pb.StatsResponse:
+            c = self.coordinator
+            s = c.stats()
+            return pb.StatsResponse(
+                num_workers=len(self.cluster.worker_ids()),
+                num_live_workers=len(self.cluster.live_worker_ids()),
+                policy=c.policy.name,
+                redis_connected=self.follower is not None and self.follower.connected,
+                num_resyncs=self.follower.num_resyncs if self.follower is not None else 0,
+                block_size=c.config.block_size,
+                model=c.fingerprint,
+                **s,
+            )
+
+        return self._guard(context, run)
+
+    def ListWorkers(self, request: pb.ListWorkersRequest, context: grpc.ServicerContext) -> pb.ListWorkersResponse:
+        return self._guard(context, self._list_workers)
+
+    def _list_workers(self) -> pb.ListWorkersResponse:
+        infos = self.cluster.infos()
+        c = self.coordinator
+        out = []
+        for w in self.cluster.worker_ids():
+            i = infos.get(w) or self.cluster.latest_info(w)
+            counters = i.get("counters", {})
+            out.append(
+                pb.WorkerInfo(
+                    worker_id=w,
+                    pid=i.get("pid", 0),
+                    node=i.get("node", ""),
+                    device=i.get("device", ""),
+                    num_blocks=i.get("num_blocks", 0),
+                    num_free_blocks=i.get("num_free_blocks", 0),
+                    alive=self.cluster.is_alive(w),
+                    cached_tokens=int(counters.get("cached_tokens", 0)),
+                    computed_tokens=int(counters.get("computed_tokens", 0)),
+                    num_requests=int(counters.get("num_requests", 0)),
+                    num_running=i.get("num_running", 0),
+                    num_waiting=i.get("num_waiting", 0),
+                    generation=i.get("generation", 0),
+                    num_indexed_blocks=c.indexed_blocks_of(w),
+                )
+            )
+        return pb.ListWorkersResponse(workers=out)
+
+
+def build_server(
+    servicer: KVMeshServicer, host: str, port: int, *, max_message_bytes: int, max_workers: int
+) -> tuple[grpc.Server, int, health.HealthServicer]:
+    """A started-ready (not started) server with health checking and reflection; returns its port."""
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvmesh-rpc"),
+        maximum_concurrent_rpcs=max_workers,
+        options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ],
+    )
+    pb_grpc.add_KVMeshServicer_to_server(servicer, server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (
+        pb.DESCRIPTOR.services_by_name["KVMesh"].full_name,
+        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        reflection.SERVICE_NAME,
+    )
+    reflection.enable_server_reflection(names, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port}")
+    for name in (SERVICE_NAME, ""):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, bound, health_servicer

@@ -1,0 +1,53 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvmesh.proto.block_hash import BlockHash, block_hashes, namespace_hash
+
+ROOT = namespace_hash("tiny-random-abc")
+
+
+def test_hashes_match_pinned_vectors() -> None:
+    # Pinned: the same bytes must hash the same in every process, machine and release.
+    assert ROOT == 0xDAA2071FC7256916
+    assert block_hashes(list(range(40)), 16, ROOT) == [0x15F0AAC05320567B, 0x19400C54A31A1B7A]
+    assert namespace_hash("m", "", "tenant-a") == 0xB07C8912F0BCBA58
+
+
+def test_extra_keys_break_the_chain_at_their_block() -> None:
+    plain = block_hashes(list(range(32)), 16, ROOT)
+    with_image = block_hashes(list(range(32)), 16, ROOT, {1: [0xDEADBEEF]})
+    assert with_image == [0x15F0AAC05320567B, 0xA5AF4C2C97AB8E02]
+    assert with_image[0] == plain[0] and with_image[1] != plain[1]
+
+
+def test_only_full_blocks_are_hashed() -> None:
+    assert len(block_hashes(list(range(47)), 16, ROOT)) == 2
+    assert block_hashes([], 16, ROOT) == []
+
+
+def test_chain_depends_on_every_earlier_block() -> None:
+    a = block_hashes([1] * 16 + [2] * 16, 16, ROOT)
+    b = block_hashes([3] * 16 + [2] * 16, 16, ROOT)
+    assert a[1] != b[1]
+
+
+def test_namespaces_never_share_hashes() -> None:
+    tokens = list(range(64))
+    assert set(block_hashes(tokens, 16, namespace_hash("m", "", "a"))).isdisjoint(
+        block_hashes(tokens, 16, namespace_hash("m", "", "b"))
+    )
+    assert namespace_hash("model-a") != namespace_hash("model-b")
+
+
+def test_numpy_and_list_inputs_agree() -> None:
+    tokens = np.arange(100, 164, dtype=np.int64)
+    assert block_hashes(tokens, 16, ROOT) == block_hashes(tokens.tolist(), 16, ROOT)
+
+
+def test_bad_input_raises_with_numbers() -> None:
+    with pytest.raises(ValueError, match="block_size"):
+        block_hashes([1, 2], 0, ROOT)
+    with pytest.raises(ValueError, match="uint32"):
+        block_hashes([-1] * 16, 16, BlockHash(0))

@@ -1,0 +1,174 @@
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvmesh.proto.block_hash import BlockHash
+from kvmesh.proto.events import BlockRemoved, BlockStored
+from kvmesh.workers.block_pool import BlockId, BlockPool
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        self.t += 1.0
+        return self.t
+
+
+def H(i: int) -> BlockHash:
+    return BlockHash(1000 + i)
+
+
+def make_pool(n: int = 8) -> BlockPool:
+    return BlockPool(n, FakeClock())
+
+
+def test_free_keeps_prefix_matchable_until_reused() -> None:
+    pool = make_pool(4)
+    blocks = pool.allocate(2)
+    assert blocks is not None
+    pool.register(blocks[0], H(0), BlockHash(0))
+    pool.register(blocks[1], H(1), H(0))
+    pool.free(blocks)
+    pool.check_invariants()
+    assert pool.num_free == 4
+    assert pool.match_prefix([H(0), H(1), H(2)]) == blocks
+    # Two fresh blocks come from the unhashed ones first.
+    fresh = pool.allocate(2)
+    assert fresh is not None and set(fresh).isdisjoint(blocks)
+    assert pool.match_prefix([H(0), H(1)]) == blocks
+    pool.check_invariants()
+
+
+def test_suffix_is_evicted_before_prefix() -> None:
+    pool = make_pool(3)
+    blocks = pool.allocate(3)
+    assert blocks is not None
+    for i, b in enumerate(blocks):
+        pool.register(b, H(i), H(i - 1) if i else BlockHash(0))
+    pool.free(blocks)
+    pool.allocate(1)  # evicts the tail block
+    assert pool.match_prefix([H(0), H(1), H(2)]) == blocks[:2]
+    pool.allocate(1)
+    assert pool.match_prefix([H(0), H(1), H(2)]) == blocks[:1]
+    pool.check_invariants()
+
+
+def test_allocate_returns_none_when_short() -> None:
+    pool = make_pool(2)
+    assert pool.allocate(3) is None
+    assert pool.allocate(2) is not None
+    assert pool.allocate(1) is None
+
+
+def test_duplicate_hash_keeps_first_block() -> None:
+    pool = make_pool(4)
+    a, b = pool.allocate(2) or []
+    assert pool.register(a, H(0), BlockHash(0))
+    assert not pool.register(b, H(0), BlockHash(0))
+    assert pool.match_prefix([H(0)]) == [a]
+    pool.check_invariants()
+
+
+def test_events_record_stores_and_evictions() -> None:
+    pool = make_pool(2)
+    a, b = pool.allocate(2) or []
+    pool.register(a, H(0), BlockHash(0))
+    pool.register(b, H(1), H(0))
+    assert pool.drain_events() == [BlockStored((H(0), H(1)), 0, BlockHash(0))]
+    pool.free([a, b])
+    pool.allocate(2)
+    events = pool.drain_events()
+    assert len(events) == 1 and isinstance(events[0], BlockRemoved)
+    assert set(events[0].hashes) == {H(0), H(1)}
+    assert pool.drain_events() == []
+
+
+def test_misuse_raises_with_numbers() -> None:
+    pool = make_pool(2)
+    (a,) = pool.allocate(1) or []
+    pool.free([a])
+    with pytest.raises(ValueError, match=f"block {a}"):
+        pool.free([a])
+    with pytest.raises(ValueError, match="is free"):
+        pool.register(a, H(0), BlockHash(0))
+    with pytest.raises(ValueError, match="num_blocks"):
+        BlockPool(0, FakeClock())
+
+
+class PoolMachine(RuleBasedStateMachine):
+    """Random allocate / register / acquire / free / evict sequences keep every invariant, and the
+    events replayed in order always equal the set of registered hashes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = make_pool(12)
+        self.seqs: list[list[BlockId]] = []
+        self.next_hash = 1
+        self.indexed: set[BlockHash] = set()
+
+    def _replay_events(self) -> None:
+        for e in self.pool.drain_events():
+            if isinstance(e, BlockStored):
+                self.indexed |= set(e.hashes)
+            elif isinstance(e, BlockRemoved):
+                self.indexed -= set(e.hashes)
+
+    @rule(n=st.integers(min_value=0, max_value=5))
+    def allocate(self, n: int) -> None:
+        before = self.pool.num_free
+        blocks = self.pool.allocate(n)
+        if n > before:
+            assert blocks is None
+        else:
+            assert blocks is not None and len(blocks) == n
+            self.seqs.append(blocks)
+
+    @precondition(lambda self: self.seqs)
+    @rule(i=st.integers(min_value=0), dup=st.booleans())
+    def register(self, i: int, dup: bool) -> None:
+        seq = self.seqs[i % len(self.seqs)]
+        parent = BlockHash(0)
+        for b in seq:
+            if self.pool.block_hash(b) is None:
+                h = BlockHash(self.next_hash - 1 if dup and self.next_hash > 1 else self.next_hash)
+                self.next_hash += 1
+                self.pool.register(b, h, parent)
+            parent = self.pool.block_hash(b) or parent
+
+    @precondition(lambda self: self.seqs)
+    @rule(i=st.integers(min_value=0))
+    def free(self, i: int) -> None:
+        self.pool.free(self.seqs.pop(i % len(self.seqs)))
+
+    @rule(k=st.integers(min_value=1, max_value=40))
+    def match_and_acquire(self, k: int) -> None:
+        hashes = [BlockHash(h) for h in range(max(1, self.next_hash - k), self.next_hash)]
+        matched = self.pool.match_prefix(hashes)
+        if matched:
+            self.pool.acquire(matched)
+            self.seqs.append(matched)
+
+    @rule()
+    def evict_all_free(self) -> None:
+        self.pool.evict_all_free()
+
+    @invariant()
+    def invariants_hold(self) -> None:
+        self.pool.check_invariants()
+        self._replay_events()
+        assert self.indexed == set(self.pool.cached_hashes())
+
+    def teardown(self) -> None:
+        for seq in self.seqs:
+            self.pool.free(seq)
+        self.pool.check_invariants()
+        assert self.pool.num_free == self.pool.num_blocks  # nothing stays referenced
+
+
+PoolMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestPoolMachine = PoolMachine.TestCase

@@ -1,0 +1,146 @@
+"""The worker engine (pool + scheduler + model runner) without Ray: reuse must not change results."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+import torch
+
+from kvmesh.workers.model_config import preset
+from kvmesh.workers.model_runner import ModelRunner
+from kvmesh.workers.sampler import SamplingConfig
+from kvmesh.workers.scheduler import SchedulerConfig
+from kvmesh.workers.worker import RequestOutput, Worker, WorkerRequest
+
+BS = 16
+
+
+class Harness:
+    def __init__(self, num_blocks: int = 64, max_num_seqs: int = 8) -> None:
+        config = preset("tiny-random")
+        self.logits: dict[str, list[torch.Tensor]] = defaultdict(list)
+        runner = ModelRunner(config, num_blocks, BS, device="cpu", dtype=torch.float32, seed=0)
+        self.worker = Worker(
+            "w0", runner, config.fingerprint(), SchedulerConfig(BS, max_num_seqs, 4096),
+            eos_token_ids=(), logits_sink=lambda rid, row: self.logits[rid].append(row),
+        )
+
+    def run(self, requests: list[WorkerRequest]) -> dict[str, list[RequestOutput]]:
+        for r in requests:
+            self.worker.add_request(r)
+        outs: dict[str, list[RequestOutput]] = defaultdict(list)
+        while self.worker.has_work:
+            for o in self.worker.step():
+                outs[o.request_id].append(o)
+            self.worker.check_invariants()
+        return outs
+
+
+def req(rid: str, prompt: list[int], max_tokens: int = 8) -> WorkerRequest:
+    return WorkerRequest(rid, tuple(prompt), SamplingConfig(max_tokens=max_tokens, ignore_eos=True))
+
+
+def tokens(outs: list[RequestOutput]) -> list[int]:
+    return [t for o in outs for t in o.new_token_ids]
+
+
+PREFIX = [(i * 7) % 250 + 3 for i in range(64)]  # 4 full blocks
+
+
+def test_cached_prefix_gives_the_same_tokens_and_logits_as_a_cold_run() -> None:
+    warm = Harness()
+    warm.run([req("first", PREFIX + [1, 2, 3])])
+    second = PREFIX + [9, 8, 7, 6, 5]
+    out = warm.run([req("second", second)])
+    assert out["second"][0].cached_tokens == 64
+    assert out["second"][0].computed_tokens == len(second) - 64
+
+    cold = Harness()
+    cold_out = cold.run([req("second", second)])
+    assert cold_out["second"][0].cached_tokens == 0
+    assert tokens(out["second"]) == tokens(cold_out["second"])
+    for a, b in zip(warm.logits["second"], cold.logits["second"], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_evicted_prefix_is_recomputed_with_the_same_result() -> None:
+    h = Harness(num_blocks=12)  # 192 tokens: the filler below evicts the prefix
+    h.run([req("a", PREFIX + [1])])
+    filler = [[(i * 13 + k) % 250 + 3 for i in range(150)] for k in range(2)]
+    h.run([req(f"f{k}", f, max_tokens=4) for k, f in enumerate(filler)])
+    out = h.run([req("b", PREFIX + [1], max_tokens=6)])
+    assert out["b"][0].cached_tokens < 64  # at least part of it was evicted
+    cold = Harness()
+    cold_out = cold.run([req("b", PREFIX + [1], max_tokens=6)])
+    assert tokens(out["b"]) == tokens(cold_out["b"])
+    for a, b in zip(h.logits["b"], cold.logits["b"], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_full_prompt_hit_still_computes_the_last_token() -> None:
+    h = Harness()
+    h.run([req("a", PREFIX)])
+    out = h.run([req("b", PREFIX)])
+    assert out["b"][0].cached_tokens == 48  # the last block is recomputed for its logits
+    assert out["b"][0].computed_tokens == 16
+
+
+def test_batched_requests_match_running_alone_and_leave_no_block_referenced() -> None:
+    prompts = [PREFIX[: 20 + 9 * k] for k in range(5)]
+    together = Harness(num_blocks=40, max_num_seqs=3)
+    outs = together.run([req(f"r{k}", p, max_tokens=10) for k, p in enumerate(prompts)])
+    for k, p in enumerate(prompts):
+        alone = Harness().run([req("x", p, max_tokens=10)])
+        assert tokens(outs[f"r{k}"]) == tokens(alone["x"])
+    pool = together.worker.pool
+    assert pool.num_free == pool.num_blocks
+    pool.check_invariants()
+
+
+def test_preemption_under_pressure_still_finishes_everything_correctly() -> None:
+    prompts = [[(i * (k + 3)) % 250 + 3 for i in range(40)] for k in range(4)]
+    tight = Harness(num_blocks=14, max_num_seqs=4)  # 4 x (40 + 40) tokens cannot all fit
+    outs = tight.run([req(f"r{k}", p, max_tokens=40) for k, p in enumerate(prompts)])
+    assert tight.worker.scheduler.num_preemptions > 0
+    for k, p in enumerate(prompts):
+        alone = Harness().run([req("x", p, max_tokens=40)])
+        assert tokens(outs[f"r{k}"]) == tokens(alone["x"])
+    assert tight.worker.pool.num_free == tight.worker.pool.num_blocks
+
+
+def test_generated_blocks_are_registered_for_the_next_turn() -> None:
+    h = Harness()
+    out = h.run([req("t1", PREFIX[:30], max_tokens=20)])
+    turn2 = PREFIX[:30] + tokens(out["t1"]) + [5, 6, 7]
+    out2 = h.run([req("t2", turn2)])
+    # 30 prompt + 19 generated tokens had KV written: 3 full blocks.
+    assert out2["t2"][0].cached_tokens == 48
+
+
+def test_events_describe_the_pool() -> None:
+    h = Harness(num_blocks=12)
+    h.run([req("a", PREFIX + [1])])
+    batch = h.worker.drain_event_batch()
+    assert batch is not None and batch.seq == 1
+    stored = {x for e in batch.events for x in getattr(e, "hashes", ())}
+    assert stored == set(h.worker.pool.cached_hashes())
+    full = h.worker.full_state_batch()
+    assert full.seq == 1 and full.generation != batch.generation
+
+
+@pytest.mark.parametrize(
+    ("prompt", "max_tokens", "match"),
+    [([], 4, "empty"), ([1, 99999], 4, "vocabulary"), ([1, 2], 5000, "context")],
+)
+def test_bad_requests_are_refused(prompt: list[int], max_tokens: int, match: str) -> None:
+    h = Harness()
+    with pytest.raises(ValueError, match=match):
+        h.worker.add_request(req("bad", prompt, max_tokens))
+    assert not h.worker.has_work
+
+
+def test_request_larger_than_the_pool_is_refused() -> None:
+    h = Harness(num_blocks=4)
+    with pytest.raises(ValueError, match="KV pool"):
+        h.worker.add_request(req("big", PREFIX + [1], max_tokens=10))

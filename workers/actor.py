@@ -1,0 +1,207 @@
+"""The Ray shell around `Worker`: the one module that imports ray.
+
+One engine thread drives `Worker.step()`; Ray's event loop serves calls. A request's outputs cross
+from the engine thread to the caller's stream through an asyncio queue. After every step the
+thread publishes the step's KV events *before* handing out the tokens, so by the time a client sees
+a response the index already knows the blocks it left behind.
+
+    caller --generate()--> inbox --engine thread: step, publish events--> queue --> stream
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import asdict
+from typing import Any
+
+import ray
+
+from kvmesh.workers.config import WorkerConfig
+from kvmesh.workers.event_publisher import EventPublisher
+from kvmesh.workers.loader import build_worker
+from kvmesh.workers.worker import RequestOutput, WorkerRequest
+
+log = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.05
+
+
+class RequestError(Exception):
+    """A request the worker refused (bad input); the message is for the client."""
+
+
+class WorkerActor:
+    """Ray actor: create with `ray.remote(...)(WorkerActor).options(...).remote(config)`."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.worker = build_worker(config)
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._publisher = (
+            EventPublisher(config.redis_url, self.worker.namespace, config.worker_id)
+            if config.redis_url
+            else None
+        )
+        self._last_heartbeat = 0.0
+        self._heartbeat()
+        self._thread = threading.Thread(target=self._engine_loop, name="kvmesh-engine", daemon=True)
+        self._thread.start()
+
+    # ---- Ray-facing methods -------------------------------------------------------------------
+
+    async def generate(self, request: WorkerRequest) -> AsyncIterator[RequestOutput]:
+        loop = asyncio.get_running_loop()
+        out: asyncio.Queue[Any] = asyncio.Queue()
+        with self._lock:
+            self._streams[request.request_id] = (loop, out)
+        self._inbox.put(("add", request))
+        self._wakeup.set()
+        try:
+            while True:
+                item = await out.get()
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            with self._lock:
+                live = self._streams.pop(request.request_id, None)
+            if live is not None:
+                # The caller went away before the end: stop computing for it.
+                self._inbox.put(("abort", request.request_id))
+                self._wakeup.set()
+
+    def info(self) -> dict[str, Any]:
+        return asdict(self.worker.info())
+
+    def ping(self) -> str:
+        return self.config.worker_id
+
+    def clear_cache(self) -> int:
+        done: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._inbox.put(("clear", done))
+        self._wakeup.set()
+        return done.get(timeout=30)
+
+    def check_invariants(self) -> bool:
+        done: queue.SimpleQueue[bool] = queue.SimpleQueue()
+        self._inbox.put(("check", done))
+        self._wakeup.set()
+        return done.get(timeout=30)
+
+    def cached_hashes(self) -> list[int]:
+        done: queue.SimpleQueue[list[int]] = queue.SimpleQueue()
+        self._inbox.put(("hashes", done))
+        self._wakeup.set()
+        return done.get(timeout=30)
+
+    def shutdown(self) -> None:
+        self._stopped.set()
+        self._wakeup.set()
+        self._thread.join(timeout=5)
+        if self._publisher is not None:
+            self._publisher.close()
+
+    # ---- engine thread ------------------------------------------------------------------------
+
+    def _engine_loop(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                self._drain_inbox()
+                outputs = self.worker.step() if self.worker.has_work else []
+                self._publish_events()
+                for o in outputs:
+                    self._deliver(o.request_id, o)
+                if time.monotonic() - self._last_heartbeat >= self.config.heartbeat_interval_s:
+                    self._heartbeat()
+                if not outputs and not self.worker.has_work:
+                    self._wakeup.wait(_IDLE_WAIT_S)
+                    self._wakeup.clear()
+            except Exception as exc:  # keep serving: fail the running requests, not the worker
+                log.exception("engine step failed")
+                self._fail_all(exc)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                try:
+                    self.worker.add_request(arg)
+                except ValueError as exc:
+                    self._deliver(arg.request_id, RequestError(str(exc)))
+            elif kind == "abort":
+                self.worker.abort(arg)
+            elif kind == "clear":
+                arg.put(self.worker.clear_cache())
+                self._publish(self.worker.full_state_batch())
+            elif kind == "check":
+                self.worker.check_invariants()
+                arg.put(True)
+            elif kind == "hashes":
+                arg.put([int(h) for h in self.worker.pool.cached_hashes()])
+
+    def _publish_events(self) -> None:
+        if self._publisher is None:
+            self.worker.pool.drain_events()
+            return
+        if self._publisher.lost_events:
+            if not self._publisher.heartbeat(self._heartbeat_info(), self._ttl_ms()):
+                return  # still unreachable; events keep accumulating in the pool
+            self._publisher.lost_events = False
+            self._publish(self.worker.full_state_batch())
+            return
+        batch = self.worker.drain_event_batch()
+        if batch is not None:
+            self._publish(batch)
+
+    def _publish(self, batch: Any) -> None:
+        if self._publisher is not None:
+            self._publisher.publish(batch)
+
+    def _heartbeat(self) -> None:
+        self._last_heartbeat = time.monotonic()
+        if self._publisher is not None:
+            self._publisher.heartbeat(self._heartbeat_info(), self._ttl_ms())
+
+    def _heartbeat_info(self) -> dict[str, str | int]:
+        i = self.worker.info()
+        return {
+            "node": i.node, "device": i.device, "pid": i.pid, "model": i.model,
+            "block_size": i.block_size, "num_blocks": i.num_blocks,
+            "num_free_blocks": i.num_free_blocks, "updated_ms": time.time_ns() // 1_000_000,
+        }
+
+    def _ttl_ms(self) -> int:
+        return int(self.config.heartbeat_ttl_s * 1000)
+
+    def _deliver(self, request_id: str, item: Any) -> None:
+        with self._lock:
+            target = self._streams.get(request_id)
+        if target is not None:
+            loop, out = target
+            loop.call_soon_threadsafe(out.put_nowait, item)
+
+    def _fail_all(self, exc: Exception) -> None:
+        with self._lock:
+            ids = list(self._streams)
+        for rid in ids:
+            self.worker.abort(rid)
+            self._deliver(rid, RequestError(f"worker {self.config.worker_id} failed: {exc}"))
+
+
+def remote_worker_class(num_gpus: float, num_cpus: float = 1) -> Any:
+    """The actor class with its resources; callers then use `.options(name=...).remote(config)`."""
+    return ray.remote(num_gpus=num_gpus, num_cpus=num_cpus, max_restarts=0)(WorkerActor)

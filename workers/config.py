@@ -1,0 +1,56 @@
+"""Worker configuration: one frozen dataclass, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    worker_id: str
+    """Unique id of this worker in the cluster (also its Redis key)."""
+    model: str = "tiny-random"
+    """A preset name (`tiny-random`, `llama3-8b-random`, ...) or a Hugging Face checkpoint folder."""
+    block_size: int = 16
+    """Tokens per KV block; must match the coordinator's."""
+    num_blocks: int = 0
+    """KV blocks in the pool; 0 sizes the pool from memory (see kv_cache_fraction / cpu_kv_cache_mb)."""
+    device: str = "auto"
+    """`cpu`, `cuda`, or `auto` (CUDA when Ray gave this worker a GPU)."""
+    dtype: str = "auto"
+    """`float32`, `bfloat16`, `float16` or `auto` (fp32 on CPU, bf16 on CUDA)."""
+    kv_cache_fraction: float = 0.85
+    """Share of the GPU memory left after the weights that the KV pool may take (per worker)."""
+    cpu_kv_cache_mb: int = 256
+    """KV pool size on CPU when num_blocks is 0."""
+    redis_url: str = ""
+    """Where to publish KV events and heartbeats; empty disables publishing (tests)."""
+    seed: int = 0
+    """Seed of the random-weight presets (every worker of a cluster must use the same one)."""
+    max_num_seqs: int = 64
+    """Most sequences running at once."""
+    max_num_batched_tokens: int = 8192
+    """Prefill token budget per step."""
+    heartbeat_interval_s: float = 0.5
+    """How often the worker refreshes its heartbeat and info in Redis."""
+    heartbeat_ttl_s: float = 3.0
+    """A heartbeat older than this marks the worker dead."""
+
+    def __post_init__(self) -> None:
+        if not self.worker_id:
+            raise ValueError("worker_id must not be empty")
+        if self.block_size < 1 or self.block_size > 1024:
+            raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
+        if self.num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {self.num_blocks}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"unknown dtype {self.dtype!r}")
+        if not 0.0 < self.kv_cache_fraction <= 1.0:
+            raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
+        if self.heartbeat_ttl_s <= self.heartbeat_interval_s:
+            raise ValueError(
+                f"heartbeat_ttl_s ({self.heartbeat_ttl_s}) must exceed the interval"
+                f" ({self.heartbeat_interval_s})"
+            )

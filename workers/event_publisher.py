@@ -1,0 +1,93 @@
+"""Publishes a worker's KV events to Redis: the one module on the worker side that imports redis.
+
+Each batch is applied to the index keys and appended to the event stream by one script call, so
+the index and the stream never disagree. If Redis is unreachable the worker keeps serving; the
+publisher remembers that it lost events and, once Redis answers again, the worker re-publishes its
+whole pool under a new generation (followers then reload it).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import redis
+
+from kvmesh.proto import redis_schema as schema
+from kvmesh.proto.events import AllCleared, BlockRemoved, BlockStored, EventBatch, encode_batch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PublishResult:
+    ok: bool
+    num_applied: int  # block events applied; 0 when stale or failed
+
+
+def batch_to_argv(ns: str, batch: EventBatch, maxlen: int) -> list[str | bytes | int]:
+    argv: list[str | bytes | int] = [
+        ns,
+        batch.worker_id,
+        str(batch.generation),
+        batch.seq,
+        encode_batch(batch),
+        maxlen,
+    ]
+    for e in batch.events:
+        if isinstance(e, AllCleared):
+            argv.append("C")
+            continue
+        kind = "S" if isinstance(e, BlockStored) else "R"
+        assert isinstance(e, BlockStored | BlockRemoved)
+        argv += [kind, str(e.tier), len(e.hashes)]
+        argv += [schema.hash_hex(h) for h in e.hashes]
+    return argv
+
+
+class EventPublisher:
+    """Writes event batches, worker info and heartbeats for one worker."""
+
+    def __init__(self, redis_url: str, ns: str, worker_id: str, *, socket_timeout_s: float = 2.0):
+        self.ns = ns
+        self.worker_id = worker_id
+        self._client = redis.Redis.from_url(
+            redis_url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s
+        )
+        self._apply = self._client.register_script(schema.APPLY_BATCH)
+        self.lost_events = False  # a batch failed: the next success must be a full re-publish
+        self.connected = True
+        self.published_once = False
+
+    def publish(self, batch: EventBatch) -> PublishResult:
+        try:
+            n = int(self._apply(args=batch_to_argv(self.ns, batch, schema.EVENTS_STREAM_MAXLEN)))
+        except redis.RedisError as exc:
+            if self.connected:
+                log.warning("worker %s: cannot publish KV events (%s)", self.worker_id, exc)
+            self.connected = False
+            self.lost_events = True
+            return PublishResult(False, 0)
+        self.connected = True
+        self.published_once = True
+        return PublishResult(True, max(n, 0))
+
+    def heartbeat(self, info: dict[str, str | int], ttl_ms: int) -> bool:
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            pipe.hset(schema.worker_key(self.worker_id), mapping=info)
+            pipe.set(schema.worker_alive_key(self.worker_id), "1", px=ttl_ms)
+            pipe.sadd(schema.WORKERS_SET, self.worker_id)
+            pipe.hexists(schema.worker_key(self.worker_id), "generation")
+            has_state = pipe.execute()[-1]
+        except redis.RedisError:
+            self.connected = False
+            self.lost_events = True
+            return False
+        if self.published_once and not has_state:
+            self.lost_events = True  # purged, or Redis restarted empty: re-publish in full
+        self.connected = True
+        return True
+
+    def close(self) -> None:
+        self._client.close()

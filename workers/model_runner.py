@@ -1,0 +1,448 @@
+"""Runs a Llama-family decoder over a paged KV cache.
+
+A forward pass takes one `SeqChunk` per sequence: the new tokens, where they start, and the block
+table that maps the sequence's positions to cache blocks. All chunks' tokens are flattened into one
+token dimension for the matmuls (varlen layout); attention is the only per-sequence step.
+
+      sequence positions:  0 ........... start_pos ........ start_pos + len(token_ids)
+                           |-- in cache --|---- new tokens (KV written now) ----|
+      block_table[j] holds positions [j * block_size, (j + 1) * block_size)
+      slot(p) = block_table[p // block_size] * block_size + p % block_size
+
+Attention groups the chunks three ways, each with the cheapest correct SDPA call:
+  * fresh prefill (start_pos == 0): the new K/V alone, plain causal mask;
+  * decode (one token after a cached prefix): all such chunks at once, keys gathered from the cache
+    and padded to the longest, a padding mask per row;
+  * chunked prefill (several tokens after a cached prefix): per chunk, keys gathered from the cache,
+    causal mask shifted by start_pos.
+GQA is folded into the query length (a KV head's query heads become extra query rows), so no K/V
+copy per query head is made and every SDPA backend applies.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from kvmesh.workers.model_config import ModelConfig, checkpoint_source
+from kvmesh.workers.weights import LayerWeights, ModelWeights, load_checkpoint, random_weights
+
+
+@dataclass(frozen=True, slots=True)
+class SeqChunk:
+    """New tokens of one sequence to run, and where its KV lives."""
+
+    token_ids: Sequence[int]
+    """The new tokens (at least one); their K/V is written to the cache."""
+    start_pos: int
+    """Tokens of this sequence already in the cache; the new tokens take positions from here."""
+    block_table: Sequence[int]
+    """Block ids holding positions [0, start_pos + len(token_ids)); extra trailing ids are allowed."""
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) < 1:
+            raise ValueError("a chunk needs at least 1 new token, got 0")
+        if self.start_pos < 0:
+            raise ValueError(f"start_pos must be >= 0, got {self.start_pos}")
+
+    @property
+    def end_pos(self) -> int:
+        """Sequence length once this chunk has run."""
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class _CachedChunk:
+    """A multi-token chunk behind a cached prefix: attends to gathered keys under a shifted mask."""
+
+    rows: slice
+    key_slots: torch.Tensor  # [end_pos] cache slots of positions 0..end_pos-1
+    mask: torch.Tensor  # [num_queries_per_kv * num_new, end_pos]; True = may attend
+
+
+@dataclass(frozen=True, slots=True)
+class _DecodeGroup:
+    """Single-token chunks behind a cached prefix, attended in one padded SDPA call."""
+
+    rows: torch.Tensor  # [num_seqs] flattened-token row of each chunk's token
+    key_slots: torch.Tensor  # [num_seqs, max_len] cache slots, padded with slot 0
+    mask: torch.Tensor | None  # [num_seqs, 1, 1, max_len], None when no row is padded
+
+
+@dataclass(frozen=True, slots=True)
+class _BatchPlan:
+    """Everything about a batch that does not change from layer to layer, built once per forward."""
+
+    token_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    write_slots: torch.Tensor  # [num_tokens] where each new token's K/V goes
+    last_rows: torch.Tensor  # [num_chunks] row of each chunk's last token
+    chunk_lens: list[int]
+    fresh: list[slice]
+    cached: list[_CachedChunk]
+    decode: _DecodeGroup | None
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """[head_dim / 2] float32 RoPE inverse frequencies, with Llama-3 scaling when configured.
+
+    Llama 3 leaves short wavelengths (local detail) alone, stretches long ones by `factor`, and
+    blends linearly in between so no frequency jumps.
+    """
+    exponents = torch.arange(0, config.head_dim, 2, dtype=torch.int64).float() / config.head_dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    s = config.rope_scaling
+    if s is None:
+        return inv_freq
+    context = s.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (context / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    blended = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
+    scaled = torch.where(wavelen > context / s.low_freq_factor, inv_freq / s.factor, blended)
+    return torch.where(wavelen < context / s.high_freq_factor, inv_freq, scaled)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32 (bf16 squares lose too much), scaled in the model dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate [num_tokens, num_heads, head_dim] by per-token angles (half-split pairing, as HF)."""
+    xf = x.float()
+    half = xf.shape[-1] // 2
+    x1, x2 = xf[..., :half], xf[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+class ModelRunner:
+    """Owns a model's weights and its paged KV cache, and runs forward passes over them.
+
+    Invariants:
+      * kv_cache is [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] on `device` in
+        `dtype`; kv_cache[l, 0] holds keys (post-RoPE) and kv_cache[l, 1] values of layer l
+      * a forward writes exactly the slots of its new tokens and reads only slots of positions
+        < end_pos of each chunk; which blocks a sequence owns is the block pool's business
+      * the weights never change after construction
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        *,
+        device: str = "cpu",
+        dtype: torch.dtype | None = None,
+        weights_path: str | None = None,
+        seed: int | None = None,
+        weights: ModelWeights | None = None,
+    ) -> None:
+        """Load weights (`weights_path`, else random from `seed`) and allocate the KV cache.
+
+        `seed` defaults to the config's random seed and must match it, so the config's fingerprint
+        always names the weights actually loaded. `weights` (tests, benchmarks) shares an already
+        built set of weights and skips both.
+        """
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(
+                f"num_blocks and block_size must be > 0, got {num_blocks}, {block_size}"
+            )
+        self.config = config
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.weights = weights or self._load_weights(weights_path, seed)
+        self.kv_cache = torch.zeros(
+            (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim),
+            device=self.device,
+            dtype=self.dtype,
+        )
+        self.inv_freq = rope_inv_freq(config).to(self.device)
+        self.check_invariants()
+
+    def _load_weights(self, weights_path: str | None, seed: int | None) -> ModelWeights:
+        config = self.config
+        if weights_path is not None:
+            source = checkpoint_source(weights_path)
+            if source != config.weights_source:
+                raise ValueError(
+                    f"config says weights come from {config.weights_source!r} but {weights_path!r} "
+                    f"is {source!r}; build the config with ModelConfig.from_model_dir"
+                )
+            return load_checkpoint(weights_path, config, self.device, self.dtype)
+        if config.random_seed is None:
+            raise ValueError(
+                f"config's weights come from {config.weights_source!r}: pass weights_path"
+            )
+        if seed is not None and seed != config.random_seed:
+            raise ValueError(
+                f"seed {seed} differs from the config's seed {config.random_seed}; "
+                f"use config.with_random_seed({seed})"
+            )
+        return random_weights(config, config.random_seed, self.device, self.dtype)
+
+    @property
+    def fingerprint(self) -> str:
+        """The model's block-hash namespace id (see ModelConfig.fingerprint)."""
+        return self.config.fingerprint()
+
+    @staticmethod
+    def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes one block takes across all layers, K and V: the unit for sizing the pool."""
+        per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim
+        return per_token * block_size * dtype.itemsize
+
+    def check_invariants(self) -> None:
+        c, w = self.config, self.weights
+        expected = (c.num_layers, 2, self.num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+        assert tuple(self.kv_cache.shape) == expected, (tuple(self.kv_cache.shape), expected)
+        assert self.kv_cache.dtype == self.dtype and self.kv_cache.device.type == self.device.type
+        assert len(w.layers) == c.num_layers
+        assert tuple(w.embed_tokens.shape) == (c.vocab_size, c.hidden_size)
+        assert w.embed_tokens.dtype == self.dtype
+
+    # ------------------------------------------------------------------ forward passes
+
+    @torch.inference_mode()
+    def forward(self, batch: Sequence[SeqChunk]) -> torch.Tensor:
+        """Run the chunks, write their K/V; float32 logits of each chunk's last token [len, vocab]."""
+        plan = self._plan(batch)
+        hidden = self._run_layers(plan)
+        return self._logits(hidden[plan.last_rows])
+
+    @torch.inference_mode()
+    def forward_all_logits(self, batch: Sequence[SeqChunk]) -> list[torch.Tensor]:
+        """Like `forward`, but float32 logits of every new token: one [len(token_ids), vocab] each."""
+        plan = self._plan(batch)
+        hidden = self._run_layers(plan)
+        return list(self._logits(hidden).split(plan.chunk_lens))
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        normed = rms_norm(hidden, self.weights.norm, self.config.rms_norm_eps)
+        return F.linear(normed, self.weights.lm_head).float()
+
+    def _run_layers(self, plan: _BatchPlan) -> torch.Tensor:
+        eps = self.config.rms_norm_eps
+        angles = plan.positions[:, None].float() * self.inv_freq[None, :]
+        cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+        x = F.embedding(plan.token_ids, self.weights.embed_tokens)
+        for layer_index, layer in enumerate(self.weights.layers):
+            h = rms_norm(x, layer.input_norm, eps)
+            x = x + self._attention_block(layer_index, layer, h, cos, sin, plan)
+            h = rms_norm(x, layer.post_attention_norm, eps)
+            gate, up = F.linear(h, layer.gate_up_proj).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down_proj)
+        return x
+
+    def _attention_block(
+        self,
+        layer_index: int,
+        layer: LayerWeights,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        plan: _BatchPlan,
+    ) -> torch.Tensor:
+        c = self.config
+        num_tokens, num_qk_heads = h.shape[0], c.num_heads + c.num_kv_heads
+        qkv = F.linear(h, layer.qkv_proj, layer.qkv_bias)
+        qk = apply_rope(
+            qkv[:, : num_qk_heads * c.head_dim].view(num_tokens, -1, c.head_dim), cos, sin
+        )
+        q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
+        v = qkv[:, num_qk_heads * c.head_dim :].view(num_tokens, c.num_kv_heads, c.head_dim)
+        key_cache = self.kv_cache[layer_index, 0].view(-1, c.num_kv_heads, c.head_dim)
+        value_cache = self.kv_cache[layer_index, 1].view(-1, c.num_kv_heads, c.head_dim)
+        key_cache.index_copy_(0, plan.write_slots, k)
+        value_cache.index_copy_(0, plan.write_slots, v)
+        out = torch.empty((num_tokens, c.num_heads, c.head_dim), device=h.device, dtype=h.dtype)
+        for rows in plan.fresh:
+            # [heads, tokens, dim]; flash/efficient kernels take GQA natively with a plain causal mask.
+            out[rows] = F.scaled_dot_product_attention(
+                q[rows].transpose(0, 1),
+                k[rows].transpose(0, 1),
+                v[rows].transpose(0, 1),
+                is_causal=True,
+                enable_gqa=True,
+            ).transpose(0, 1)
+        for chunk in plan.cached:
+            out[chunk.rows] = self._grouped_attention(
+                q[chunk.rows].unsqueeze(0),
+                key_cache[chunk.key_slots].unsqueeze(0),
+                value_cache[chunk.key_slots].unsqueeze(0),
+                chunk.mask,
+            ).squeeze(0)
+        if plan.decode is not None:
+            d = plan.decode
+            out[d.rows] = self._grouped_attention(
+                q[d.rows].unsqueeze(1), key_cache[d.key_slots], value_cache[d.key_slots], d.mask
+            ).squeeze(1)
+        return F.linear(out.view(num_tokens, -1), layer.o_proj)
+
+    def _grouped_attention(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """q [b, n, heads, dim], keys/values [b, m, kv_heads, dim] -> [b, n, heads, dim].
+
+        Query heads sharing a KV head become rows (g, i) of one [g * n]-long query, so K/V is read
+        once per KV head; the mask must be laid out in the same (g, i) row order.
+        """
+        b, n, _, dim = q.shape
+        kv_heads, group = self.config.num_kv_heads, self.config.num_queries_per_kv
+        q_rows = (
+            q.view(b, n, kv_heads, group, dim).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, -1, dim)
+        )
+        out = F.scaled_dot_product_attention(
+            q_rows, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask
+        )
+        return out.view(b, kv_heads, group, n, dim).permute(0, 3, 1, 2, 4).reshape(b, n, -1, dim)
+
+    # ------------------------------------------------------------------ batch planning
+
+    def validate_batch(self, batch: Sequence[SeqChunk]) -> None:
+        """Raise ValueError, with the numbers, for any chunk the cache or the model cannot run."""
+        if not batch:
+            raise ValueError("batch is empty")
+        vocab, context_len = self.config.vocab_size, self.config.max_position_embeddings
+        for i, chunk in enumerate(batch):
+            num_blocks_needed = -(-chunk.end_pos // self.block_size)
+            if len(chunk.block_table) < num_blocks_needed:
+                raise ValueError(
+                    f"chunk {i}: block table has {len(chunk.block_table)} blocks, "
+                    f"{chunk.end_pos} tokens need {num_blocks_needed} of {self.block_size}"
+                )
+            low, high = min(chunk.block_table), max(chunk.block_table)
+            if low < 0 or high >= self.num_blocks:
+                raise ValueError(
+                    f"chunk {i}: block ids span [{low}, {high}], pool has [0, {self.num_blocks})"
+                )
+            low, high = min(chunk.token_ids), max(chunk.token_ids)
+            if low < 0 or high >= vocab:
+                raise ValueError(f"chunk {i}: token ids span [{low}, {high}], vocab is {vocab}")
+            if chunk.end_pos > context_len:
+                raise ValueError(
+                    f"chunk {i}: reaches {chunk.end_pos} tokens, model context is {context_len}"
+                )
+
+    def _plan(self, batch: Sequence[SeqChunk]) -> _BatchPlan:
+        self.validate_batch(batch)
+        bs = self.block_size
+        token_ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        write_slots: list[torch.Tensor] = []
+        tables = [torch.tensor(c.block_table, dtype=torch.int64) for c in batch]
+        for chunk, table in zip(batch, tables, strict=True):
+            token_ids.extend(chunk.token_ids)
+            pos = torch.arange(chunk.start_pos, chunk.end_pos)
+            positions.append(pos)
+            write_slots.append(table[pos // bs] * bs + pos % bs)
+        slots = torch.cat(write_slots)
+        if len(batch) > 1 and torch.unique(slots).numel() != slots.numel():
+            raise ValueError(f"chunks write {slots.numel()} tokens into fewer distinct cache slots")
+        chunk_lens = [len(c.token_ids) for c in batch]
+        ends = torch.tensor(chunk_lens).cumsum(0)
+        host = torch.stack([torch.tensor(token_ids), torch.cat(positions), slots])
+        dev = host.to(self.device, non_blocking=True)
+        fresh, cached, decode_indices = [], [], []
+        for i, chunk in enumerate(batch):
+            rows = slice(int(ends[i]) - chunk_lens[i], int(ends[i]))
+            if chunk.start_pos == 0:
+                fresh.append(rows)
+            elif chunk_lens[i] == 1:
+                decode_indices.append(i)
+            else:
+                cached.append(self._cached_chunk(chunk, tables[i], rows))
+        return _BatchPlan(
+            token_ids=dev[0],
+            positions=dev[1],
+            write_slots=dev[2],
+            last_rows=(ends - 1).to(self.device),
+            chunk_lens=chunk_lens,
+            fresh=fresh,
+            cached=cached,
+            decode=self._decode_group(batch, tables, ends, decode_indices),
+        )
+
+    def _key_slots(self, table: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """Cache slots of positions [0, num_tokens) (on the device), from a host block table."""
+        num_blocks = -(-num_tokens // self.block_size)
+        offsets = torch.arange(self.block_size, device=self.device)
+        blocks = table[:num_blocks].to(self.device, non_blocking=True)
+        return (blocks[:, None] * self.block_size + offsets).flatten()[:num_tokens]
+
+    def _cached_chunk(self, chunk: SeqChunk, table: torch.Tensor, rows: slice) -> _CachedChunk:
+        num_new = len(chunk.token_ids)
+        query_pos = torch.arange(chunk.start_pos, chunk.end_pos, device=self.device)
+        key_pos = torch.arange(chunk.end_pos, device=self.device)
+        causal = key_pos[None, :] <= query_pos[:, None]  # [num_new, end_pos]
+        # Rows are (g, i) for query head g of a KV group and token i: repeat the causal block g times.
+        mask = causal.repeat(self.config.num_queries_per_kv, 1)
+        assert mask.shape == (self.config.num_queries_per_kv * num_new, chunk.end_pos)
+        return _CachedChunk(rows, self._key_slots(table, chunk.end_pos), mask)
+
+    def _decode_group(
+        self,
+        batch: Sequence[SeqChunk],
+        tables: list[torch.Tensor],
+        ends: torch.Tensor,
+        indices: list[int],
+    ) -> _DecodeGroup | None:
+        if not indices:
+            return None
+        lens = [batch[i].end_pos for i in indices]
+        max_len = max(lens)
+        max_blocks = -(-max_len // self.block_size)
+        padded = torch.zeros((len(indices), max_blocks), dtype=torch.int64)
+        for row, i in enumerate(indices):
+            needed = -(-lens[row] // self.block_size)
+            padded[row, :needed] = tables[i][:needed]
+        padded_dev = padded.to(self.device, non_blocking=True)
+        offsets = torch.arange(self.block_size, device=self.device)
+        key_slots = (padded_dev[:, :, None] * self.block_size + offsets).flatten(1)[:, :max_len]
+        mask = None
+        if min(lens) != max_len:
+            lens_dev = torch.tensor(lens, device=self.device)
+            mask = (torch.arange(max_len, device=self.device)[None, :] < lens_dev[:, None]).view(
+                len(indices), 1, 1, max_len
+            )
+        rows = (ends[indices] - 1).to(self.device)
+        return _DecodeGroup(rows, key_slots, mask)
+
+    # ------------------------------------------------------------------ block transfer
+
+    def _check_block_ids(self, block_ids: Sequence[int], *, unique: bool) -> torch.Tensor:
+        ids = torch.tensor(list(block_ids), dtype=torch.int64)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
+            raise ValueError(
+                f"block ids span [{int(ids.min())}, {int(ids.max())}], "
+                f"pool has [0, {self.num_blocks})"
+            )
+        if unique and torch.unique(ids).numel() != ids.numel():
+            raise ValueError(f"{ids.numel()} block ids contain duplicates")
+        return ids.to(self.device)
+
+    @torch.inference_mode()
+    def export_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """Copy whole blocks, all layers, K and V, into one contiguous tensor (on the cache device):
+        [len(block_ids), num_layers, 2, block_size, num_kv_heads, head_dim], block-major so each
+        block is one contiguous slab."""
+        ids = self._check_block_ids(block_ids, unique=False)
+        return self.kv_cache[:, :, ids].permute(2, 0, 1, 3, 4, 5).contiguous()
+
+    @torch.inference_mode()
+    def import_blocks(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
+        """Overwrite blocks with the layout `export_blocks` produces (from any device)."""
+        ids = self._check_block_ids(block_ids, unique=True)
+        expected = (len(ids), *self.kv_cache.shape[:2], *self.kv_cache.shape[3:])
+        if tuple(blocks.shape) != expected:
+            raise ValueError(f"blocks have shape {tuple(blocks.shape)}, expected {expected}")
+        if blocks.dtype != self.dtype:
+            raise ValueError(f"blocks are {blocks.dtype}, the cache is {self.dtype}")
+        self.kv_cache[:, :, ids] = blocks.to(self.device).permute(1, 2, 0, 3, 4, 5)

@@ -1,0 +1,249 @@
+"""The worker's logic, without Ray: requests in, tokens and KV events out.
+
+The actor shell (actor.py) owns the threads and Ray; this class owns the pool, the scheduler and
+the model runner, and is driven by `step()`. Time comes from the injected clock.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable, Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
+
+from kvmesh.proto.block_hash import BlockHash, namespace_hash
+from kvmesh.proto.events import AllCleared, BlockStored, EventBatch, KVEvent
+from kvmesh.workers.block_pool import BlockPool
+from kvmesh.workers.model_runner import ModelRunner, SeqChunk
+from kvmesh.workers.sampler import SamplingConfig, sample
+from kvmesh.workers.scheduler import ScheduledStep, Scheduler, SchedulerConfig, StepKind
+from kvmesh.workers.sequence import Sequence, SeqStatus
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerRequest:
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingConfig
+    cache_salt: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: str = ""
+    # Set on the first output of a request (when its prefill is done).
+    cached_tokens: int = -1
+    computed_tokens: int = -1
+
+
+@dataclass(slots=True)
+class WorkerCounters:
+    num_requests: int = 0
+    num_finished: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    computed_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_ms_total: float = 0.0
+    prefill_tokens_total: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    worker_id: str
+    pid: int
+    node: str
+    device: str
+    model: str
+    block_size: int
+    num_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    num_running: int
+    num_waiting: int
+    generation: int
+    counters: dict[str, float] = field(default_factory=dict)
+
+
+class Worker:
+    """One GPU's (or CPU's) engine: block pool + scheduler + model runner.
+
+    Invariants: the pool's cached hashes are exactly what the published events say it holds
+    (stored minus removed since the last AllCleared of this generation); `check_invariants`
+    verifies the pool and the scheduler.
+    """
+
+    def __init__(
+        self,
+        worker_id: str,
+        runner: ModelRunner,
+        model_fingerprint: str,
+        scheduler_config: SchedulerConfig,
+        *,
+        eos_token_ids: Seq[int] = (),
+        clock: Callable[[], float] = time.monotonic,
+        device: str = "cpu",
+        logits_sink: Callable[[str, torch.Tensor], None] | None = None,
+    ) -> None:
+        self.worker_id = worker_id
+        self.runner = runner
+        self.model_fingerprint = model_fingerprint
+        # Redis key namespace: one per model, shared by all its tenants (salts live in the hashes).
+        self.namespace = f"{namespace_hash(model_fingerprint):016x}"
+        self.device = device
+        self.clock = clock
+        self.pool = BlockPool(runner.num_blocks, clock)
+        self.scheduler = Scheduler(scheduler_config, self.pool)
+        self.block_size = scheduler_config.block_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.generation = time.time_ns()
+        self._seq = 0
+        self._seqs: dict[str, Sequence] = {}
+        self.counters = WorkerCounters()
+        # Debug / test hook: receives (request_id, logits row) for every sampled token.
+        self._logits_sink = logits_sink
+
+    def root_hash(self, cache_salt: str = "") -> BlockHash:
+        return namespace_hash(self.model_fingerprint, "", cache_salt)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def add_request(self, req: WorkerRequest) -> None:
+        if req.request_id in self._seqs:
+            raise ValueError(f"request {req.request_id!r} is already running on {self.worker_id}")
+        vocab = self.runner.config.vocab_size
+        if not req.prompt_ids:
+            raise ValueError("the prompt is empty")
+        bad = max(req.prompt_ids)
+        if bad >= vocab or min(req.prompt_ids) < 0:
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        context = self.runner.config.max_position_embeddings
+        total = len(req.prompt_ids) + req.sampling.max_tokens
+        if total > context:
+            raise ValueError(
+                f"prompt ({len(req.prompt_ids)}) + max_tokens ({req.sampling.max_tokens}) = {total}"
+                f" exceeds the model's context of {context} tokens"
+            )
+        seq = Sequence(
+            req.request_id, list(req.prompt_ids), req.sampling, self.root_hash(req.cache_salt),
+            self.clock(),
+        )
+        self.scheduler.add(seq)
+        self._seqs[req.request_id] = seq
+        self.counters.num_requests += 1
+
+    def abort(self, request_id: str) -> bool:
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.abort(request_id)
+        return True
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; returns what each touched request produced."""
+        step = self.scheduler.schedule()
+        if step is None:
+            return []
+        started = time.perf_counter()
+        chunks = [
+            SeqChunk(seq.all_ids[start:], start, seq.block_table)
+            for seq, start in zip(step.seqs, step.start_positions, strict=True)
+        ]
+        logits = self.runner.forward(chunks)
+        if self._logits_sink is not None:
+            for seq, row in zip(step.seqs, logits, strict=True):
+                self._logits_sink(seq.request_id, row.detach().cpu())
+        sampled = sample(logits, [s.sampling for s in step.seqs], [s.num_tokens for s in step.seqs])
+        if step.kind is StepKind.PREFILL:
+            self.counters.prefill_ms_total += (time.perf_counter() - started) * 1e3
+            self.counters.prefill_tokens_total += sum(len(c.token_ids) for c in chunks)
+        self.scheduler.on_step_done(step, sampled, self.eos_token_ids)
+        return self._outputs(step, sampled)
+
+    def _outputs(self, step: ScheduledStep, sampled: Seq[int]) -> list[RequestOutput]:
+        outputs = []
+        now = self.clock()
+        for seq, token in zip(step.seqs, sampled, strict=True):
+            finished = seq.status is SeqStatus.FINISHED
+            first = seq.first_token_s is None
+            if first:
+                seq.first_token_s = now
+                self.counters.prompt_tokens += len(seq.prompt_ids)
+                self.counters.cached_tokens += seq.num_cached_tokens
+                self.counters.computed_tokens += seq.num_computed_prompt_tokens
+            self.counters.generated_tokens += 1
+            if finished:
+                self._seqs.pop(seq.request_id, None)
+                self.counters.num_finished += 1
+            outputs.append(
+                RequestOutput(
+                    seq.request_id, (token,), finished, seq.finish_reason,
+                    seq.num_cached_tokens if first else -1,
+                    seq.num_computed_prompt_tokens if first else -1,
+                )
+            )
+        return outputs
+
+    def clear_cache(self) -> int:
+        """Forget every cached block not in use; starts a new generation."""
+        dropped = self.pool.evict_all_free()
+        self.pool.drain_events()
+        self.generation = time.time_ns()
+        self._seq = 0
+        return dropped
+
+    def drain_event_batch(self) -> EventBatch | None:
+        events = self.pool.drain_events()
+        if not events:
+            return None
+        return self._next_batch(events)
+
+    def full_state_batch(self) -> EventBatch:
+        """Everything the pool holds, under a new generation (after Redis lost our events)."""
+        self.pool.drain_events()
+        self.generation = time.time_ns()
+        self._seq = 0
+        stored = BlockStored(tuple(self.pool.cached_hashes()))
+        return self._next_batch([AllCleared(), stored])
+
+    def _next_batch(self, events: list[KVEvent]) -> EventBatch:
+        self._seq += 1
+        return EventBatch(self.worker_id, self.generation, self._seq, tuple(events), time.time_ns() // 1_000_000)
+
+    def info(self) -> WorkerInfo:
+        c = self.counters
+        return WorkerInfo(
+            worker_id=self.worker_id,
+            pid=os.getpid(),
+            node=socket.gethostname(),
+            device=self.device,
+            model=self.model_fingerprint,
+            block_size=self.block_size,
+            num_blocks=self.pool.num_blocks,
+            num_free_blocks=self.pool.num_free,
+            num_cached_blocks=self.pool.num_cached,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            generation=self.generation,
+            counters={
+                "num_requests": c.num_requests,
+                "num_finished": c.num_finished,
+                "prompt_tokens": c.prompt_tokens,
+                "cached_tokens": c.cached_tokens,
+                "computed_tokens": c.computed_tokens,
+                "generated_tokens": c.generated_tokens,
+                "prefill_ms_per_token": c.prefill_ms_total / max(1, c.prefill_tokens_total),
+                "num_preemptions": self.scheduler.num_preemptions,
+            },
+        )
+
+    def check_invariants(self) -> None:
+        self.scheduler.check_invariants()
