@@ -118,6 +118,12 @@ class Coordinator:
             token_ids = self.tokenizer.encode(prompt)
         if not token_ids:
             raise InvalidRequest("the prompt is empty")
+        context = self.model.max_position_embeddings
+        if len(token_ids) >= context:
+            raise InvalidRequest(
+                f"prompt of {len(token_ids)} tokens leaves no room in the model's context of"
+                f" {context} tokens"
+            )
         vocab = self.model.vocab_size
         top = max(token_ids)
         if top >= vocab:

@@ -21,6 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvmesh.coordinator.cluster import Cluster, WorkerDied
+from kvmesh.coordinator.detokenizer import IncrementalDetokenizer
 from kvmesh.coordinator.index_follower import IndexFollower
 from kvmesh.coordinator.coordinator import Coordinator, InvalidRequest, NoLiveWorker
 from kvmesh.proto import kvmesh_pb2 as pb
@@ -63,11 +64,13 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
         started = time.perf_counter()
         stream = self._guard(context, lambda: self._start_generate(request))
         first = True
+        tokenizer = self.coordinator.tokenizer
+        detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
         try:
             for event in stream:
                 resp = pb.GenerateResponse(token_ids=event.token_ids, request_id=request.request_id)
-                if self.coordinator.tokenizer is not None:
-                    resp.text = self.coordinator.tokenizer.decode(event.token_ids)
+                if detok is not None:
+                    resp.text = detok.push(event.token_ids) + (detok.flush() if event.finished else "")
                 if first:
                     resp.ttft_ms = (time.perf_counter() - started) * 1e3
                     resp.cache.CopyFrom(

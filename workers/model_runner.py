@@ -21,6 +21,7 @@ copy per query head is made and every SDPA backend applies.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ class SeqChunk:
     start_pos: int
     """Tokens of this sequence already in the cache; the new tokens take positions from here."""
     block_table: Sequence[int]
-    """Block ids holding positions [0, start_pos + len(token_ids)); extra trailing ids are allowed."""
+    """Block ids holding positions [0, start_pos + len(token_ids)); extra trailing ids are fine."""
 
     def __post_init__(self) -> None:
         if len(self.token_ids) < 1:
@@ -106,18 +107,16 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32 (bf16 squares lose too much), scaled in the model dtype."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    """RMSNorm; torch's fused kernel accumulates in float32 even for bf16 inputs."""
+    return F.rms_norm(x, weight.shape, weight, eps)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate [num_tokens, num_heads, head_dim] by per-token angles (half-split pairing, as HF)."""
-    xf = x.float()
-    half = xf.shape[-1] // 2
-    x1, x2 = xf[..., :half], xf[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    """Rotate [num_tokens, num_heads, head_dim] by per-token angles; cos/sin are [num_tokens, 1,
+    head_dim] with each frequency twice (half-split pairing, as Hugging Face Llama)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return torch.addcmul(x * cos, rotated, sin)
 
 
 class ModelRunner:
@@ -212,14 +211,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: Sequence[SeqChunk]) -> torch.Tensor:
-        """Run the chunks, write their K/V; float32 logits of each chunk's last token [len, vocab]."""
+        """Run the chunks and write their K/V; float32 logits of each chunk's last token,
+        [len(batch), vocab]."""
         plan = self._plan(batch)
         hidden = self._run_layers(plan)
         return self._logits(hidden[plan.last_rows])
 
     @torch.inference_mode()
     def forward_all_logits(self, batch: Sequence[SeqChunk]) -> list[torch.Tensor]:
-        """Like `forward`, but float32 logits of every new token: one [len(token_ids), vocab] each."""
+        """Like `forward`, but logits of every new token: one [len(token_ids), vocab] per chunk."""
         plan = self._plan(batch)
         hidden = self._run_layers(plan)
         return list(self._logits(hidden).split(plan.chunk_lens))
@@ -230,8 +230,10 @@ class ModelRunner:
 
     def _run_layers(self, plan: _BatchPlan) -> torch.Tensor:
         eps = self.config.rms_norm_eps
+        # Angles in float32 (positions reach 128K), applied in the model dtype like the reference.
         angles = plan.positions[:, None].float() * self.inv_freq[None, :]
-        cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+        angles = torch.cat((angles, angles), dim=-1)[:, None, :]
+        cos, sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
         x = F.embedding(plan.token_ids, self.weights.embed_tokens)
         for layer_index, layer in enumerate(self.weights.layers):
             h = rms_norm(x, layer.input_norm, eps)
@@ -264,14 +266,11 @@ class ModelRunner:
         value_cache.index_copy_(0, plan.write_slots, v)
         out = torch.empty((num_tokens, c.num_heads, c.head_dim), device=h.device, dtype=h.dtype)
         for rows in plan.fresh:
-            # [heads, tokens, dim]; flash/efficient kernels take GQA natively with a plain causal mask.
-            out[rows] = F.scaled_dot_product_attention(
-                q[rows].transpose(0, 1),
-                k[rows].transpose(0, 1),
-                v[rows].transpose(0, 1),
-                is_causal=True,
-                enable_gqa=True,
-            ).transpose(0, 1)
+            # [1, heads, tokens, dim] and a plain causal mask: the flash kernel takes GQA natively
+            # (fused kernels need 4-D inputs; 3-D ones fall back to the float32 math path).
+            qt, kt, vt = (x[rows].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+            attn = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
+            out[rows] = attn.squeeze(0).transpose(0, 1)
         for chunk in plan.cached:
             out[chunk.rows] = self._grouped_attention(
                 q[chunk.rows].unsqueeze(0),
@@ -333,87 +332,70 @@ class ModelRunner:
 
     def _plan(self, batch: Sequence[SeqChunk]) -> _BatchPlan:
         self.validate_batch(batch)
-        bs = self.block_size
-        token_ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        write_slots: list[torch.Tensor] = []
+        bs, dev = self.block_size, self.device
         tables = [torch.tensor(c.block_table, dtype=torch.int64) for c in batch]
-        for chunk, table in zip(batch, tables, strict=True):
-            token_ids.extend(chunk.token_ids)
-            pos = torch.arange(chunk.start_pos, chunk.end_pos)
-            positions.append(pos)
-            write_slots.append(table[pos // bs] * bs + pos % bs)
-        slots = torch.cat(write_slots)
+        positions = [torch.arange(c.start_pos, c.end_pos) for c in batch]
+        slots = torch.cat(
+            [t[p // bs] * bs + p % bs for t, p in zip(tables, positions, strict=True)]
+        )
         if len(batch) > 1 and torch.unique(slots).numel() != slots.numel():
             raise ValueError(f"chunks write {slots.numel()} tokens into fewer distinct cache slots")
+        token_ids = torch.tensor([t for c in batch for t in c.token_ids])
+        host = torch.stack([token_ids, torch.cat(positions), slots])
         chunk_lens = [len(c.token_ids) for c in batch]
-        ends = torch.tensor(chunk_lens).cumsum(0)
-        host = torch.stack([torch.tensor(token_ids), torch.cat(positions), slots])
-        dev = host.to(self.device, non_blocking=True)
+        ends = list(itertools.accumulate(chunk_lens))
         fresh, cached, decode_indices = [], [], []
         for i, chunk in enumerate(batch):
-            rows = slice(int(ends[i]) - chunk_lens[i], int(ends[i]))
+            rows = slice(ends[i] - chunk_lens[i], ends[i])
             if chunk.start_pos == 0:
                 fresh.append(rows)
             elif chunk_lens[i] == 1:
                 decode_indices.append(i)
             else:
                 cached.append(self._cached_chunk(chunk, tables[i], rows))
-        return _BatchPlan(
-            token_ids=dev[0],
-            positions=dev[1],
-            write_slots=dev[2],
-            last_rows=(ends - 1).to(self.device),
-            chunk_lens=chunk_lens,
-            fresh=fresh,
-            cached=cached,
-            decode=self._decode_group(batch, tables, ends, decode_indices),
-        )
+        decode = None
+        if decode_indices:
+            decode = self._decode_group(
+                [batch[i] for i in decode_indices],
+                [tables[i] for i in decode_indices],
+                [ends[i] - 1 for i in decode_indices],
+            )
+        host_dev = host.to(dev, non_blocking=True)
+        last_rows = torch.tensor(ends, device=dev) - 1
+        return _BatchPlan(*host_dev, last_rows, chunk_lens, fresh, cached, decode)
 
-    def _key_slots(self, table: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        """Cache slots of positions [0, num_tokens) (on the device), from a host block table."""
-        num_blocks = -(-num_tokens // self.block_size)
+    def _key_slots(self, tables: torch.Tensor, max_len: int) -> torch.Tensor:
+        """[n, max_len] device cache slots of positions 0..max_len-1, from [n, >= blocks] tables."""
+        num_blocks = -(-max_len // self.block_size)
+        blocks = tables[:, :num_blocks].to(self.device, non_blocking=True)
         offsets = torch.arange(self.block_size, device=self.device)
-        blocks = table[:num_blocks].to(self.device, non_blocking=True)
-        return (blocks[:, None] * self.block_size + offsets).flatten()[:num_tokens]
+        return (blocks[:, :, None] * self.block_size + offsets).flatten(1)[:, :max_len]
 
     def _cached_chunk(self, chunk: SeqChunk, table: torch.Tensor, rows: slice) -> _CachedChunk:
-        num_new = len(chunk.token_ids)
         query_pos = torch.arange(chunk.start_pos, chunk.end_pos, device=self.device)
         key_pos = torch.arange(chunk.end_pos, device=self.device)
         causal = key_pos[None, :] <= query_pos[:, None]  # [num_new, end_pos]
-        # Rows are (g, i) for query head g of a KV group and token i: repeat the causal block g times.
+        # Rows are (g, i): query head g of a KV group, token i. So the causal block repeats g times.
         mask = causal.repeat(self.config.num_queries_per_kv, 1)
-        assert mask.shape == (self.config.num_queries_per_kv * num_new, chunk.end_pos)
-        return _CachedChunk(rows, self._key_slots(table, chunk.end_pos), mask)
+        return _CachedChunk(rows, self._key_slots(table[None], chunk.end_pos)[0], mask)
 
     def _decode_group(
-        self,
-        batch: Sequence[SeqChunk],
-        tables: list[torch.Tensor],
-        ends: torch.Tensor,
-        indices: list[int],
-    ) -> _DecodeGroup | None:
-        if not indices:
-            return None
-        lens = [batch[i].end_pos for i in indices]
+        self, chunks: list[SeqChunk], tables: list[torch.Tensor], rows: list[int]
+    ) -> _DecodeGroup:
+        """Keys of all decoding chunks, right-padded to the longest with slot 0 (masked out)."""
+        lens = [c.end_pos for c in chunks]
         max_len = max(lens)
-        max_blocks = -(-max_len // self.block_size)
-        padded = torch.zeros((len(indices), max_blocks), dtype=torch.int64)
-        for row, i in enumerate(indices):
-            needed = -(-lens[row] // self.block_size)
-            padded[row, :needed] = tables[i][:needed]
-        padded_dev = padded.to(self.device, non_blocking=True)
-        offsets = torch.arange(self.block_size, device=self.device)
-        key_slots = (padded_dev[:, :, None] * self.block_size + offsets).flatten(1)[:, :max_len]
+        padded = torch.zeros((len(chunks), -(-max_len // self.block_size)), dtype=torch.int64)
+        for row, (table, length) in enumerate(zip(tables, lens, strict=True)):
+            needed = -(-length // self.block_size)
+            padded[row, :needed] = table[:needed]
         mask = None
         if min(lens) != max_len:
-            lens_dev = torch.tensor(lens, device=self.device)
-            mask = (torch.arange(max_len, device=self.device)[None, :] < lens_dev[:, None]).view(
-                len(indices), 1, 1, max_len
-            )
-        rows = (ends[indices] - 1).to(self.device)
-        return _DecodeGroup(rows, key_slots, mask)
+            lens_dev = torch.tensor(lens, device=self.device)[:, None]
+            mask = torch.arange(max_len, device=self.device)[None, :] < lens_dev
+            mask = mask.view(len(chunks), 1, 1, max_len)
+        rows_dev = torch.tensor(rows, device=self.device)
+        return _DecodeGroup(rows_dev, self._key_slots(padded, max_len), mask)
 
     # ------------------------------------------------------------------ block transfer
 

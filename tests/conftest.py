@@ -1,0 +1,21 @@
+"""Shared fixtures: one local Ray per test session, a fresh Redis server per deployment."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local test cluster: no token files
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[None]:
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield
+    ray.shutdown()

@@ -1,0 +1,50 @@
+"""Helpers for integration tests: start a real deployment (real Redis, real Ray) and poll it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import grpc
+
+from kvmesh.coordinator.config import CoordinatorConfig
+from kvmesh.coordinator.deployment import Deployment, DeploymentConfig
+from kvmesh.proto import kvmesh_pb2 as pb
+from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
+from kvmesh.workers.config import WorkerConfig
+
+T = TypeVar("T")
+
+
+def start_deployment(num_workers: int = 2, num_blocks: int = 128, **coordinator: object) -> Deployment:
+    config = DeploymentConfig(
+        coordinator=CoordinatorConfig(port=0, **coordinator),  # type: ignore[arg-type]
+        num_workers=num_workers,
+        worker=WorkerConfig(worker_id="template", num_blocks=num_blocks, device="cpu"),
+    )
+    deployment = Deployment(config)
+    deployment.start()
+    return deployment
+
+
+def stub_for(address: str) -> pb_grpc.KVMeshStub:
+    return pb_grpc.KVMeshStub(grpc.insecure_channel(address))
+
+
+def wait_for(predicate: Callable[[], T], timeout_s: float = 10.0, what: str = "condition") -> T:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def generate(stub: pb_grpc.KVMeshStub, tokens: list[int], max_tokens: int = 4, **kw: object) -> list[pb.GenerateResponse]:
+    req = pb.GenerateRequest(
+        token_ids=tokens, sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True), **kw
+    )
+    return list(stub.Generate(req, timeout=60))
