@@ -53,12 +53,13 @@ def deployment_config(args: argparse.Namespace, *, embedded_redis: bool) -> Depl
 def run_deployment(config: DeploymentConfig) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     deployment = Deployment(config)
     try:
         print("kvmesh: starting Redis, Ray and workers ...", file=sys.stderr, flush=True)
         address = deployment.start()
+        # After start: ray.init installs its own SIGTERM handler, which would skip our cleanup.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
         assert deployment.cluster is not None
         workers = ", ".join(deployment.cluster.worker_ids())
         print(f"kvmesh is up at {address} (workers: {workers}; policy {config.coordinator.policy})", flush=True)

@@ -1,0 +1,50 @@
+# kvmesh: `make demo` and `make test` are the whole quickstart.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PYTEST_ARGS ?=
+
+.PHONY: install demo test test-unit test-integration test-gpu lint proto bench clean
+
+# Idempotent. Reuses a torch the system Python already has (a GPU machine's CUDA build);
+# otherwise installs the CPU build torch==2.13.0 before the project, so nothing pulls CUDA wheels.
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	@if [ ! -x $(BIN)/python ]; then \
+	  if $(PY) -c "import torch" 2>/dev/null; then $(PY) -m venv --system-site-packages $(VENV); \
+	  else $(PY) -m venv $(VENV); fi; \
+	fi
+	$(BIN)/python -m pip install -q --upgrade pip
+	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	@touch $@
+
+demo: install
+	RAY_AUTH_MODE=disabled $(BIN)/python -m kvmesh.client.demo
+
+test: install
+	RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q -m "not gpu" --timeout 600 $(PYTEST_ARGS)
+
+test-unit: install
+	$(BIN)/python -m pytest -q tests/unit $(PYTEST_ARGS)
+
+test-integration: install
+	RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q tests/integration $(PYTEST_ARGS)
+
+test-gpu: install
+	RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q -m gpu tests $(PYTEST_ARGS)
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy proto coordinator workers client
+
+proto: install
+	$(BIN)/python -m kvmesh.proto.generate
+
+bench: install
+	$(BIN)/python benchmarks/micro.py --json bench-results/micro.json
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
