@@ -1,6 +1,6 @@
 """`kvmesh`: the command line for running and querying a kvmesh cluster.
 
-    kvmesh up                          local cluster: embedded Redis, local Ray, workers, coordinator
+    kvmesh up                          local cluster: embedded Redis, Ray, workers, coordinator
     kvmesh serve --redis-url URL       coordinator on an existing Ray cluster and Redis
     kvmesh generate --tokens 1,2,3     one generation, with its cache facts
     kvmesh route | lookup | stats | workers      read-only views (add --json for scripts)
@@ -115,12 +115,25 @@ def build_parser(
     return parser
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows "(default: X)" only where X says something: not for None, "", switches, or help
+    text that already explains its default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        silent = default is None or default is False or default in ("", argparse.SUPPRESS)
+        if silent or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 def _subparser(sub: argparse._SubParsersAction, name: str, summary: str) -> argparse.ArgumentParser:
     return sub.add_parser(
         name,
         help=summary,
         description=summary[0].upper() + summary[1:] + ".",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
 
 
@@ -152,18 +165,33 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _add_cluster_options(parser: argparse.ArgumentParser, env: CliEnvironment) -> None:
-    """Options shared by `up` and `serve`: where the coordinator listens and what workers run."""
+def _add_cluster_options(
+    parser: argparse.ArgumentParser, env: CliEnvironment, default_workers: int | None
+) -> None:
+    """Options shared by `up` and `serve`: where the coordinator listens and what workers run.
+
+    `default_workers` None lets the launcher size the fleet (one worker per GPU of the cluster).
+    """
     parser.add_argument("--host", default="127.0.0.1", help="coordinator gRPC listen address")
-    parser.add_argument("--port", type=_port, default=50051, help="gRPC port (0: a free one)")
-    parser.add_argument("--workers", type=_positive_int, default=2, help="worker actors to start")
+    parser.add_argument(
+        "--port", type=_port, default=50051, metavar="P", help="gRPC port (0: a free one)"
+    )
+    parser.add_argument(
+        "--workers",
+        type=_positive_int,
+        default=default_workers,
+        metavar="N",
+        help="worker actors to start" + ("" if default_workers else " (default: one per GPU)"),
+    )
     parser.add_argument(
         "--model",
         default=env.model,
         metavar="NAME|PATH",
         help="model preset (tiny-random, <preset>-random) or Hugging Face checkpoint folder",
     )
-    parser.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block")
+    parser.add_argument(
+        "--block-size", type=_positive_int, default=16, metavar="N", help="tokens per KV block"
+    )
     parser.add_argument(
         "--policy",
         default=env.policy,
@@ -173,10 +201,13 @@ def _add_cluster_options(parser: argparse.ArgumentParser, env: CliEnvironment) -
         "--num-blocks",
         type=_non_negative_int,
         default=0,
+        metavar="N",
         help="KV blocks per worker (0: size from free device memory)",
     )
     parser.add_argument("--device", default=env.device, help="worker device: auto, cpu or cuda")
-    parser.add_argument("--seed", type=int, default=0, help="seed of random-weight model presets")
+    parser.add_argument(
+        "--seed", type=int, default=0, metavar="N", help="seed of random-weight model presets"
+    )
     parser.add_argument(
         "--gpus-per-worker",
         type=_positive_float,
@@ -188,7 +219,7 @@ def _add_cluster_options(parser: argparse.ArgumentParser, env: CliEnvironment) -
 
 def _add_up(sub: argparse._SubParsersAction, env: CliEnvironment) -> None:
     parser = _subparser(sub, "up", "start a local cluster: Redis, Ray, workers and a coordinator")
-    _add_cluster_options(parser, env)
+    _add_cluster_options(parser, env, default_workers=2)
     parser.add_argument(
         "--redis-url",
         default=env.redis_url,
@@ -208,7 +239,7 @@ def _add_serve(sub: argparse._SubParsersAction, env: CliEnvironment) -> None:
         help="the index's Redis, e.g. redis://host:6379/0 (env KVMESH_REDIS_URL)",
     )
     parser.add_argument("--ray-address", default=env.ray_address, help="Ray cluster to join")
-    _add_cluster_options(parser, env)
+    _add_cluster_options(parser, env, default_workers=None)
     parser.set_defaults(handler=_run_serve)
 
 
@@ -240,11 +271,15 @@ def _add_generate(sub: argparse._SubParsersAction, env: CliEnvironment) -> None:
     parser = _subparser(sub, "generate", "generate tokens and show the request's cache facts")
     _add_client_options(parser, env)
     _add_prompt_options(parser)
-    parser.add_argument("--max-tokens", type=_positive_int, default=16, help="tokens to generate")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1: off)")
-    parser.add_argument("--top-k", type=_non_negative_int, default=0, help="top-k (0: off)")
-    parser.add_argument("--seed", type=_non_negative_int, default=0, help="sampling seed")
+    parser.add_argument(
+        "--max-tokens", type=_positive_int, default=16, metavar="N", help="tokens to generate"
+    )
+    parser.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 is greedy")
+    parser.add_argument("--top-p", type=float, default=1.0, metavar="P", help="1 is off")
+    parser.add_argument("--top-k", type=_non_negative_int, default=0, metavar="K", help="0 is off")
+    parser.add_argument(
+        "--seed", type=_non_negative_int, default=0, metavar="N", help="sampling seed"
+    )
     parser.add_argument("--stop-token-ids", default="", metavar="IDS", help="e.g. 2,32000")
     parser.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
     parser.add_argument("--worker", default="", metavar="ID", help="force this worker")
@@ -317,7 +352,7 @@ def _command_name(argv: Sequence[str]) -> str | None:
 def describe_error(err: KVMeshError, address: str | None) -> str:
     """The one-line message for a failed call."""
     if isinstance(err, Unavailable) and err.is_connection_failure and address:
-        reason = err.details.rsplit(": ", 1)[-1]
+        reason = err.details.rsplit(": ", 1)[-1].strip(" []")
         return (
             f"cannot reach a kvmesh coordinator at {address} ({reason}); "
             "start one with `kvmesh up` or pass --address / set KVMESH_ADDRESS"

@@ -20,9 +20,6 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import grpc
-from kvmesh.proto import kvmesh_pb2 as pb
-from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
-
 from kvmesh.client import wire
 from kvmesh.client.errors import DeadlineExceeded, from_rpc_error
 from kvmesh.client.results import (
@@ -34,6 +31,8 @@ from kvmesh.client.results import (
     WorkerInfo,
 )
 from kvmesh.client.stream_accumulator import StreamAccumulator
+from kvmesh.proto import kvmesh_pb2 as pb
+from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 
@@ -163,7 +162,11 @@ class Client:
         return wire.route_from_proto(self._unary(self._stub.Route, request))
 
     def lookup(
-        self, token_ids: Sequence[int] | None = None, *, prompt: str | None = None, cache_salt: str = ""
+        self,
+        token_ids: Sequence[int] | None = None,
+        *,
+        prompt: str | None = None,
+        cache_salt: str = "",
     ) -> LookupResult:
         """The prompt's block hashes and how many leading blocks each worker holds."""
         request = wire.build_lookup_request(token_ids, prompt=prompt, cache_salt=cache_salt)
@@ -295,7 +298,11 @@ class AsyncClient:
         return wire.route_from_proto(await self._unary(self._stub.Route, request))
 
     async def lookup(
-        self, token_ids: Sequence[int] | None = None, *, prompt: str | None = None, cache_salt: str = ""
+        self,
+        token_ids: Sequence[int] | None = None,
+        *,
+        prompt: str | None = None,
+        cache_salt: str = "",
     ) -> LookupResult:
         request = wire.build_lookup_request(token_ids, prompt=prompt, cache_salt=cache_salt)
         return wire.lookup_from_proto(await self._unary(self._stub.Lookup, request))

@@ -48,7 +48,9 @@ def read_environment(environ: Mapping[str, str]) -> CliEnvironment:
     try:
         timeout_s = float(timeout_text) if timeout_text is not None else None
     except ValueError:
-        raise ValueError(f"KVMESH_TIMEOUT_S must be a number of seconds, got {timeout_text!r}") from None
+        raise ValueError(
+            f"KVMESH_TIMEOUT_S must be a number of seconds, got {timeout_text!r}"
+        ) from None
     defaults = CliEnvironment()
     return CliEnvironment(
         address=values.get("KVMESH_ADDRESS", defaults.address),

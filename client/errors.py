@@ -75,6 +75,7 @@ _CONNECTION_FAILURE_MARKERS = (
     "failed to connect",
     "connection refused",
     "dns resolution failed",
+    "errors resolving",
     "name resolution",
     "connection reset",
     "socket closed",

@@ -52,4 +52,5 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> st
 def format_fields(pairs: Sequence[tuple[str, object]]) -> str:
     """`name  value` lines with the values aligned, for one record (stats, a generation)."""
     width = max((len(name) for name, _ in pairs), default=0)
-    return "\n".join(f"{name.ljust(width)}{COLUMN_GAP}{format_cell(v)}".rstrip() for name, v in pairs)
+    lines = [f"{name.ljust(width)}{COLUMN_GAP}{format_cell(v)}".rstrip() for name, v in pairs]
+    return "\n".join(lines)

@@ -14,8 +14,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import fields
 from typing import Any
 
-from kvmesh.proto import kvmesh_pb2 as pb
-
 from kvmesh.client.results import (
     CacheFacts,
     LookupResult,
@@ -26,6 +24,7 @@ from kvmesh.client.results import (
     WorkerMatch,
     WorkerScore,
 )
+from kvmesh.proto import kvmesh_pb2 as pb
 
 MAX_UINT32 = 2**32 - 1
 MAX_UINT64 = 2**64 - 1

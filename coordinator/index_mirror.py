@@ -48,21 +48,27 @@ class _WorkerCursor:
 class IndexMirror:
     """Block -> holders map for every known worker.
 
+    Each worker gets a bit; a block's holders are an integer bitmask (any tier) plus a second
+    mask of those holding it on the device tier, so `match` walks a chain with one AND per block.
+
     Invariants (checked by `check_invariants`):
-      * block_to_holders[h][w] == t  iff  worker_blocks[w][h] == t
-      * no hash maps to an empty holder dict
-      * every worker with blocks has a cursor (generation, last applied seq)
+      * bit(w) is set in any_mask[h] iff h in worker_blocks[w]
+      * bit(w) is set in device_mask[h] iff worker_blocks[w][h] == TIER_DEVICE
+      * no hash maps to an empty mask; every worker with blocks has a cursor and a bit
     """
 
     def __init__(self) -> None:
-        self._block_to_holders: dict[BlockHash, dict[WorkerId, int]] = {}
+        self._any_mask: dict[BlockHash, int] = {}
+        self._device_mask: dict[BlockHash, int] = {}
         self._worker_blocks: dict[WorkerId, dict[BlockHash, int]] = {}
         self._cursors: dict[WorkerId, _WorkerCursor] = {}
+        self._bit_of: dict[WorkerId, int] = {}
+        self._worker_of_bit: dict[int, WorkerId] = {}
         self.num_events_applied = 0
 
     @property
     def num_blocks(self) -> int:
-        return len(self._block_to_holders)
+        return len(self._any_mask)
 
     def workers(self) -> list[WorkerId]:
         return list(self._cursors)
@@ -105,83 +111,119 @@ class IndexMirror:
         """Replace everything known about `worker` with a full snapshot (resync)."""
         self.remove_worker(worker)
         self._cursors[worker] = _WorkerCursor(generation, seq)
-        owned = self._worker_blocks.setdefault(worker, {})
+        self._worker_blocks[worker] = {}
         for h, tier in blocks:
-            owned[h] = tier
-            self._block_to_holders.setdefault(h, {})[worker] = tier
+            self._add(worker, (h,), tier)
 
     def remove_worker(self, worker: WorkerId) -> int:
         """Purge a worker (dead or restarting); returns how many of its blocks were dropped."""
         owned = self._worker_blocks.pop(worker, {})
+        bit = self._bit_of.pop(worker, 0)
         for h in owned:
-            holders = self._block_to_holders.get(h)
-            if holders is not None:
-                holders.pop(worker, None)
-                if not holders:
-                    del self._block_to_holders[h]
+            self._clear_bit(h, bit)
+        if bit:
+            del self._worker_of_bit[bit]
         self._cursors.pop(worker, None)
         return len(owned)
 
     def match(self, hashes: Sequence[BlockHash]) -> dict[WorkerId, PrefixMatch]:
         """Per worker, how many leading blocks of `hashes` it holds (workers with none omitted)."""
-        if not hashes:
+        any_mask, device_mask = self._any_mask, self._device_mask
+        active = any_mask.get(hashes[0], 0) if hashes else 0
+        if not active:
             return {}
-        first = self._block_to_holders.get(hashes[0])
-        if not first:
-            return {}
-        active = set(first)
-        num_blocks: dict[WorkerId, int] = {}
-        num_device: dict[WorkerId, int] = {w: 0 for w in active}
-        on_device = {w for w, t in first.items() if t == TIER_DEVICE}
-        for i, h in enumerate(hashes):
-            holders = self._block_to_holders.get(h)
-            if holders is None:
-                for w in active:
-                    num_blocks[w] = i
-                active = set()
-                break
-            if not holders.keys() >= active:
-                for w in [w for w in active if w not in holders]:
-                    num_blocks[w] = i
-                    active.discard(w)
-            if on_device:
-                for w in [w for w in on_device if holders.get(w) != TIER_DEVICE]:
-                    num_device[w] = i
-                    on_device.discard(w)
+        on_device = active
+        num_blocks: dict[int, int] = {}
+        num_device: dict[int, int] = {}
+        i = 0
+        for i, h in enumerate(hashes):  # noqa: B007 - i is read after the loop
+            held = active & any_mask.get(h, 0)
+            if held != active:
+                self._record(active & ~held, i, num_blocks)
+                active = held
+            held_dev = on_device & device_mask.get(h, 0)
+            if held_dev != on_device:
+                self._record(on_device & ~held_dev, i, num_device)
+                on_device = held_dev
             if not active:
                 break
-        for w in active:
-            num_blocks[w] = len(hashes)
-        for w in on_device:
-            num_device[w] = num_blocks[w]
-        return {w: PrefixMatch(n, num_device[w]) for w, n in num_blocks.items()}
+        else:
+            i = len(hashes)
+        self._record(active, i, num_blocks)
+        self._record(on_device, i, num_device)
+        return {
+            self._worker_of_bit[b]: PrefixMatch(n, num_device.get(b, 0))
+            for b, n in num_blocks.items()
+        }
+
+    @staticmethod
+    def _record(mask: int, length: int, out: dict[int, int]) -> None:
+        while mask:
+            low = mask & -mask
+            out[low] = length
+            mask ^= low
+
+    def _bit(self, worker: WorkerId) -> int:
+        bit = self._bit_of.get(worker)
+        if bit is None:
+            used = 0
+            for b in self._worker_of_bit:
+                used |= b
+            bit = ~used & (used + 1)  # lowest free bit
+            self._bit_of[worker] = bit
+            self._worker_of_bit[bit] = worker
+        return bit
 
     def _add(self, worker: WorkerId, hashes: Iterable[BlockHash], tier: int) -> None:
         owned = self._worker_blocks.setdefault(worker, {})
+        bit = self._bit(worker)
         for h in hashes:
             owned[h] = tier
-            self._block_to_holders.setdefault(h, {})[worker] = tier
+            self._any_mask[h] = self._any_mask.get(h, 0) | bit
+            if tier == TIER_DEVICE:
+                self._device_mask[h] = self._device_mask.get(h, 0) | bit
+            else:
+                self._clear_device_bit(h, bit)
 
     def _remove(self, worker: WorkerId, hashes: Iterable[BlockHash], tier: int | None) -> None:
         owned = self._worker_blocks.get(worker)
         if owned is None:
             return
+        bit = self._bit_of[worker]
         for h in hashes:
             held = owned.get(h)
             if held is None or (tier is not None and held != tier):
                 continue  # a removal from another tier than the one indexed: keep ours
             del owned[h]
-            holders = self._block_to_holders[h]
-            del holders[worker]
-            if not holders:
-                del self._block_to_holders[h]
+            self._clear_bit(h, bit)
+
+    def _clear_bit(self, h: BlockHash, bit: int) -> None:
+        left = self._any_mask.get(h, 0) & ~bit
+        if left:
+            self._any_mask[h] = left
+        else:
+            self._any_mask.pop(h, None)
+        self._clear_device_bit(h, bit)
+
+    def _clear_device_bit(self, h: BlockHash, bit: int) -> None:
+        left = self._device_mask.get(h, 0) & ~bit
+        if left:
+            self._device_mask[h] = left
+        else:
+            self._device_mask.pop(h, None)
 
     def check_invariants(self) -> None:
-        for h, holders in self._block_to_holders.items():
-            assert holders, f"hash {h:#x} has no holders"
-            for w, t in holders.items():
-                assert self._worker_blocks.get(w, {}).get(h) == t, f"{w} / {h:#x} not mirrored"
+        expected_any: dict[BlockHash, int] = {}
+        expected_dev: dict[BlockHash, int] = {}
         for w, owned in self._worker_blocks.items():
             assert w in self._cursors, f"worker {w} has blocks but no cursor"
+            if not owned:
+                continue
+            bit = self._bit_of[w]
+            assert self._worker_of_bit[bit] == w
             for h, t in owned.items():
-                assert self._block_to_holders.get(h, {}).get(w) == t, f"{w} / {h:#x} not indexed"
+                expected_any[h] = expected_any.get(h, 0) | bit
+                if t == TIER_DEVICE:
+                    expected_dev[h] = expected_dev.get(h, 0) | bit
+        assert expected_any == self._any_mask, "holder masks do not match the worker sets"
+        assert expected_dev == self._device_mask, "device masks do not match the worker sets"

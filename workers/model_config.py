@@ -1,8 +1,8 @@
 """Shape of a Llama-family decoder (Llama 2/3, Mistral, Qwen2) and where its weights come from.
 
-A `ModelConfig` is read from a Hugging Face `config.json` (`from_hf_dict`, `from_model_dir`) or built
-from a named preset (`preset`). Its `fingerprint()` names the model in the block-hash namespace: two
-configs share KV blocks only if every shape field *and* the weights source agree.
+A `ModelConfig` is read from a Hugging Face `config.json` (`from_hf_dict`, `from_model_dir`) or
+built from a named preset (`preset`). Its `fingerprint()` names the model in the block-hash
+namespace: two configs share KV blocks only if every shape field *and* the weights source agree.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ class RopeScaling:
     factor: float
     """How much longer the extended context is than the original one (8 for Llama 3.1)."""
     low_freq_factor: float
-    """Wavelengths longer than original_max_position_embeddings / low_freq_factor are scaled fully."""
+    """Wavelengths above original_max_position_embeddings / low_freq_factor are fully scaled."""
     high_freq_factor: float
-    """Wavelengths shorter than original_max_position_embeddings / high_freq_factor are untouched."""
+    """Wavelengths below original_max_position_embeddings / high_freq_factor are untouched."""
     original_max_position_embeddings: int
     """Context length the model was pretrained with, before scaling."""
 
@@ -224,7 +224,7 @@ def checkpoint_source(model_dir: str) -> str:
 
 
 def _read_rope(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
-    """(rope_theta, scaling) from transformers 5 `rope_parameters` or 4.x `rope_theta`/`rope_scaling`."""
+    """(theta, scaling) from transformers 5 `rope_parameters` or 4.x `rope_theta`/`rope_scaling`."""
     params = d.get("rope_parameters") or d.get("rope_scaling") or {}
     theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
@@ -251,90 +251,98 @@ def _sliding_window(d: dict[str, Any], architecture: str) -> int | None:
     return int(window)
 
 
+def _llama3_family(**shape: Any) -> dict[str, Any]:
+    """Preset fields shared by the Llama 3 family (and tiny-random); `shape` fills in the rest."""
+    return {
+        "architecture": "LlamaForCausalLM",
+        "vocab_size": 128256,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "qkv_bias": False,
+        "tie_word_embeddings": False,
+        "bos_token_id": 128000,
+        "eos_token_ids": (128001, 128008, 128009),
+        **shape,
+    }
+
+
 def _llama3_scaling(factor: float, original_context_len: int) -> RopeScaling:
-    return RopeScaling(
-        factor=factor,
-        low_freq_factor=1.0,
-        high_freq_factor=4.0,
-        original_max_position_embeddings=original_context_len,
+    return RopeScaling(factor, 1.0, 4.0, original_context_len)
+
+
+def _tiny_random() -> dict[str, Any]:
+    return _llama3_family(
+        vocab_size=320,  # 256 bytes + BOS/EOS + room for more specials
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+        rope_theta=10000.0,
+        # Scaling on, with all three frequency bands present, so every test exercises it.
+        rope_scaling=_llama3_scaling(4.0, 512),
+        bos_token_id=256,
+        eos_token_ids=(257,),
     )
+
+
+def _llama3_8b() -> dict[str, Any]:  # Llama 3.1 8B
+    return _llama3_family(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        max_position_embeddings=131072,
+        rope_scaling=_llama3_scaling(8.0, 8192),
+    )
+
+
+def _llama32_1b() -> dict[str, Any]:
+    return _llama3_family(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=64,
+        max_position_embeddings=131072,
+        rope_scaling=_llama3_scaling(32.0, 8192),
+        tie_word_embeddings=True,
+    )
+
+
+def _qwen2_05b() -> dict[str, Any]:
+    return {
+        "architecture": "Qwen2ForCausalLM",
+        "vocab_size": 151936,
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_layers": 24,
+        "num_heads": 14,
+        "num_kv_heads": 2,
+        "head_dim": 64,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "rope_scaling": None,
+        "qkv_bias": True,
+        "tie_word_embeddings": True,
+        "bos_token_id": 151643,
+        "eos_token_ids": (151643, 151645),
+    }
 
 
 def _preset_table() -> dict[str, dict[str, Any]]:
     """Shapes of the random presets; the big ones copy the published configs' shapes."""
-    llama3_specials = {"bos_token_id": 128000, "eos_token_ids": (128001, 128008, 128009)}
     return {
-        "tiny-random": {
-            "architecture": "LlamaForCausalLM",
-            "vocab_size": 320,  # 256 bytes + BOS/EOS + room for more specials
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_layers": 2,
-            "num_heads": 4,
-            "num_kv_heads": 2,
-            "head_dim": 16,
-            "max_position_embeddings": 2048,
-            "rms_norm_eps": 1e-5,
-            "rope_theta": 10000.0,
-            # Scaling on so every test exercises the llama3 frequency path.
-            "rope_scaling": _llama3_scaling(4.0, 512),
-            "qkv_bias": False,
-            "tie_word_embeddings": False,
-            "bos_token_id": 256,
-            "eos_token_ids": (257,),
-        },
-        "llama3-8b-random": {  # Llama 3.1 8B
-            "architecture": "LlamaForCausalLM",
-            "vocab_size": 128256,
-            "hidden_size": 4096,
-            "intermediate_size": 14336,
-            "num_layers": 32,
-            "num_heads": 32,
-            "num_kv_heads": 8,
-            "head_dim": 128,
-            "max_position_embeddings": 131072,
-            "rms_norm_eps": 1e-5,
-            "rope_theta": 500000.0,
-            "rope_scaling": _llama3_scaling(8.0, 8192),
-            "qkv_bias": False,
-            "tie_word_embeddings": False,
-            **llama3_specials,
-        },
-        "llama3.2-1b-random": {
-            "architecture": "LlamaForCausalLM",
-            "vocab_size": 128256,
-            "hidden_size": 2048,
-            "intermediate_size": 8192,
-            "num_layers": 16,
-            "num_heads": 32,
-            "num_kv_heads": 8,
-            "head_dim": 64,
-            "max_position_embeddings": 131072,
-            "rms_norm_eps": 1e-5,
-            "rope_theta": 500000.0,
-            "rope_scaling": _llama3_scaling(32.0, 8192),
-            "qkv_bias": False,
-            "tie_word_embeddings": True,
-            **llama3_specials,
-        },
-        "qwen2-0.5b-random": {
-            "architecture": "Qwen2ForCausalLM",
-            "vocab_size": 151936,
-            "hidden_size": 896,
-            "intermediate_size": 4864,
-            "num_layers": 24,
-            "num_heads": 14,
-            "num_kv_heads": 2,
-            "head_dim": 64,
-            "max_position_embeddings": 32768,
-            "rms_norm_eps": 1e-6,
-            "rope_theta": 1000000.0,
-            "rope_scaling": None,
-            "qkv_bias": True,
-            "tie_word_embeddings": True,
-            "bos_token_id": 151643,
-            "eos_token_ids": (151643, 151645),
-        },
+        "tiny-random": _tiny_random(),
+        "llama3-8b-random": _llama3_8b(),
+        "llama3.2-1b-random": _llama32_1b(),
+        "qwen2-0.5b-random": _qwen2_05b(),
     }
 
 

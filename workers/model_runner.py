@@ -1,90 +1,23 @@
 """Runs a Llama-family decoder over a paged KV cache.
 
-A forward pass takes one `SeqChunk` per sequence: the new tokens, where they start, and the block
-table that maps the sequence's positions to cache blocks. All chunks' tokens are flattened into one
-token dimension for the matmuls (varlen layout); attention is the only per-sequence step.
-
-      sequence positions:  0 ........... start_pos ........ start_pos + len(token_ids)
-                           |-- in cache --|---- new tokens (KV written now) ----|
-      block_table[j] holds positions [j * block_size, (j + 1) * block_size)
-      slot(p) = block_table[p // block_size] * block_size + p % block_size
-
-Attention groups the chunks three ways, each with the cheapest correct SDPA call:
-  * fresh prefill (start_pos == 0): the new K/V alone, plain causal mask;
-  * decode (one token after a cached prefix): all such chunks at once, keys gathered from the cache
-    and padded to the longest, a padding mask per row;
-  * chunked prefill (several tokens after a cached prefix): per chunk, keys gathered from the cache,
-    causal mask shifted by start_pos.
-GQA is folded into the query length (a KV head's query heads become extra query rows), so no K/V
-copy per query head is made and every SDPA backend applies.
+All chunks' tokens go through the matmuls as one flattened token dimension; attention is the only
+per-sequence step, grouped as `batch_plan` describes. GQA is folded into the query length (a KV
+head's query heads become extra query rows), so no K/V is copied per query head and every SDPA
+backend applies.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from kvmesh.workers.batch_plan import BatchPlan, SeqChunk, plan_batch, validate_batch
 from kvmesh.workers.model_config import ModelConfig, checkpoint_source
 from kvmesh.workers.weights import LayerWeights, ModelWeights, load_checkpoint, random_weights
 
-
-@dataclass(frozen=True, slots=True)
-class SeqChunk:
-    """New tokens of one sequence to run, and where its KV lives."""
-
-    token_ids: Sequence[int]
-    """The new tokens (at least one); their K/V is written to the cache."""
-    start_pos: int
-    """Tokens of this sequence already in the cache; the new tokens take positions from here."""
-    block_table: Sequence[int]
-    """Block ids holding positions [0, start_pos + len(token_ids)); extra trailing ids are fine."""
-
-    def __post_init__(self) -> None:
-        if len(self.token_ids) < 1:
-            raise ValueError("a chunk needs at least 1 new token, got 0")
-        if self.start_pos < 0:
-            raise ValueError(f"start_pos must be >= 0, got {self.start_pos}")
-
-    @property
-    def end_pos(self) -> int:
-        """Sequence length once this chunk has run."""
-        return self.start_pos + len(self.token_ids)
-
-
-@dataclass(frozen=True, slots=True)
-class _CachedChunk:
-    """A multi-token chunk behind a cached prefix: attends to gathered keys under a shifted mask."""
-
-    rows: slice
-    block_ids: torch.Tensor  # [ceil(end_pos / block_size)] blocks holding positions 0..end_pos-1
-    mask: torch.Tensor  # [num_queries_per_kv * num_new, end_pos]; True = may attend
-
-
-@dataclass(frozen=True, slots=True)
-class _DecodeGroup:
-    """Single-token chunks behind a cached prefix, attended in one padded SDPA call."""
-
-    rows: torch.Tensor  # [num_seqs] flattened-token row of each chunk's token
-    block_ids: torch.Tensor  # [num_seqs * max_blocks] each row's blocks, padded with block 0
-    mask: torch.Tensor  # [num_seqs, 1, 1, max_blocks * block_size]; True = a real position
-
-
-@dataclass(frozen=True, slots=True)
-class _BatchPlan:
-    """Everything about a batch that does not change from layer to layer, built once per forward."""
-
-    token_ids: torch.Tensor  # [num_tokens]
-    positions: torch.Tensor  # [num_tokens]
-    write_slots: torch.Tensor  # [num_tokens] where each new token's K/V goes
-    last_rows: torch.Tensor  # [num_chunks] row of each chunk's last token
-    chunk_lens: list[int]
-    fresh: list[slice]
-    cached: list[_CachedChunk]
-    decode: _DecodeGroup | None
+__all__ = ["ModelRunner", "SeqChunk", "apply_rope", "rms_norm", "rope_inv_freq"]
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -157,7 +90,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-        self.weights = weights or self._load_weights(weights_path, seed)
+        self.weights = weights if weights is not None else self._load_weights(weights_path, seed)
         self.kv_cache = torch.zeros(
             (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim),
             device=self.device,
@@ -228,7 +161,7 @@ class ModelRunner:
         normed = rms_norm(hidden, self.weights.norm, self.config.rms_norm_eps)
         return F.linear(normed, self.weights.lm_head).float()
 
-    def _run_layers(self, plan: _BatchPlan) -> torch.Tensor:
+    def _run_layers(self, plan: BatchPlan) -> torch.Tensor:
         eps = self.config.rms_norm_eps
         # Angles in float32 (positions reach 128K), applied in the model dtype like the reference.
         angles = plan.positions[:, None].float() * self.inv_freq[None, :]
@@ -250,7 +183,7 @@ class ModelRunner:
         h: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        plan: _BatchPlan,
+        plan: BatchPlan,
     ) -> torch.Tensor:
         c = self.config
         num_tokens, num_qk_heads = h.shape[0], c.num_heads + c.num_kv_heads
@@ -272,7 +205,7 @@ class ModelRunner:
         k: torch.Tensor,
         v: torch.Tensor,
         kv_blocks: torch.Tensor,
-        plan: _BatchPlan,
+        plan: BatchPlan,
     ) -> torch.Tensor:
         """Attention output [num_tokens, heads, dim] of every new token (see the module doc)."""
         c = self.config
@@ -330,87 +263,22 @@ class ModelRunner:
 
     def validate_batch(self, batch: Sequence[SeqChunk]) -> None:
         """Raise ValueError, with the numbers, for any chunk the cache or the model cannot run."""
-        if not batch:
-            raise ValueError("batch is empty")
-        vocab, context_len = self.config.vocab_size, self.config.max_position_embeddings
-        for i, chunk in enumerate(batch):
-            num_blocks_needed = -(-chunk.end_pos // self.block_size)
-            if len(chunk.block_table) < num_blocks_needed:
-                raise ValueError(
-                    f"chunk {i}: block table has {len(chunk.block_table)} blocks, "
-                    f"{chunk.end_pos} tokens need {num_blocks_needed} of {self.block_size}"
-                )
-            low, high = min(chunk.block_table), max(chunk.block_table)
-            if low < 0 or high >= self.num_blocks:
-                raise ValueError(
-                    f"chunk {i}: block ids span [{low}, {high}], pool has [0, {self.num_blocks})"
-                )
-            low, high = min(chunk.token_ids), max(chunk.token_ids)
-            if low < 0 or high >= vocab:
-                raise ValueError(f"chunk {i}: token ids span [{low}, {high}], vocab is {vocab}")
-            if chunk.end_pos > context_len:
-                raise ValueError(
-                    f"chunk {i}: reaches {chunk.end_pos} tokens, model context is {context_len}"
-                )
-
-    def _plan(self, batch: Sequence[SeqChunk]) -> _BatchPlan:
-        self.validate_batch(batch)
-        bs, dev = self.block_size, self.device
-        tables = [torch.tensor(c.block_table, dtype=torch.int64) for c in batch]
-        positions = [torch.arange(c.start_pos, c.end_pos) for c in batch]
-        slots = torch.cat(
-            [t[p // bs] * bs + p % bs for t, p in zip(tables, positions, strict=True)]
+        validate_batch(
+            batch,
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            vocab_size=self.config.vocab_size,
+            context_len=self.config.max_position_embeddings,
         )
-        if len(batch) > 1 and torch.unique(slots).numel() != slots.numel():
-            raise ValueError(f"chunks write {slots.numel()} tokens into fewer distinct cache slots")
-        token_ids = torch.tensor([t for c in batch for t in c.token_ids])
-        host = torch.stack([token_ids, torch.cat(positions), slots])
-        chunk_lens = [len(c.token_ids) for c in batch]
-        ends = list(itertools.accumulate(chunk_lens))
-        fresh, cached, decode_indices = [], [], []
-        for i, chunk in enumerate(batch):
-            rows = slice(ends[i] - chunk_lens[i], ends[i])
-            if chunk.start_pos == 0:
-                fresh.append(rows)
-            elif chunk_lens[i] == 1:
-                decode_indices.append(i)
-            else:
-                cached.append(self._cached_chunk(chunk, tables[i], rows))
-        decode = None
-        if decode_indices:
-            decode = self._decode_group(
-                [batch[i] for i in decode_indices],
-                [tables[i] for i in decode_indices],
-                [ends[i] - 1 for i in decode_indices],
-            )
-        host_dev = host.to(dev, non_blocking=True)
-        last_rows = torch.tensor(ends, device=dev) - 1
-        return _BatchPlan(*host_dev, last_rows, chunk_lens, fresh, cached, decode)
 
-    def _cached_chunk(self, chunk: SeqChunk, table: torch.Tensor, rows: slice) -> _CachedChunk:
-        query_pos = torch.arange(chunk.start_pos, chunk.end_pos, device=self.device)
-        key_pos = torch.arange(chunk.end_pos, device=self.device)
-        causal = key_pos[None, :] <= query_pos[:, None]  # [num_new, end_pos]
-        # Rows are (g, i): query head g of a KV group, token i. So the causal block repeats g times.
-        mask = causal.repeat(self.config.num_queries_per_kv, 1)
-        num_blocks = -(-chunk.end_pos // self.block_size)
-        return _CachedChunk(rows, table[:num_blocks].to(self.device), mask)
-
-    def _decode_group(
-        self, chunks: list[SeqChunk], tables: list[torch.Tensor], rows: list[int]
-    ) -> _DecodeGroup:
-        """Blocks of all decoding chunks, right-padded to the longest with block 0 (masked out)."""
-        lens = [c.end_pos for c in chunks]
-        max_blocks = -(-max(lens) // self.block_size)
-        padded = torch.zeros((len(chunks), max_blocks), dtype=torch.int64)
-        for row, (table, length) in enumerate(zip(tables, lens, strict=True)):
-            needed = -(-length // self.block_size)
-            padded[row, :needed] = table[:needed]
-        key_pos = torch.arange(max_blocks * self.block_size, device=self.device)
-        lens_dev = torch.tensor(lens, device=self.device)
-        mask = (key_pos[None, :] < lens_dev[:, None]).view(len(chunks), 1, 1, -1)
-        rows_dev = torch.tensor(rows, device=self.device)
-        return _DecodeGroup(rows_dev, padded.flatten().to(self.device), mask)
+    def _plan(self, batch: Sequence[SeqChunk]) -> BatchPlan:
+        self.validate_batch(batch)
+        return plan_batch(
+            batch,
+            block_size=self.block_size,
+            num_queries_per_kv=self.config.num_queries_per_kv,
+            device=self.device,
+        )
 
     # ------------------------------------------------------------------ block transfer
 

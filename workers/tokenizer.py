@@ -1,4 +1,4 @@
-"""Text <-> token ids: a byte-level tokenizer for random presets, `tokenizer.json` for checkpoints."""
+"""Text <-> token ids: bytes for the random presets, the checkpoint's `tokenizer.json` otherwise."""
 
 from __future__ import annotations
 
@@ -103,7 +103,7 @@ class HFTokenizer:
 
 
 def _generation_eos(model_dir: str) -> tuple[int, ...]:
-    """EOS ids from generation_config.json, which chat checkpoints often extend (e.g. <|eot_id|>)."""
+    """EOS ids from generation_config.json, which chat checkpoints extend (e.g. <|eot_id|>)."""
     path = os.path.join(model_dir, "generation_config.json")
     if not os.path.isfile(path):
         return ()
@@ -115,7 +115,7 @@ def _generation_eos(model_dir: str) -> tuple[int, ...]:
 
 
 def load_tokenizer(model: str, seed: int = 0) -> Tokenizer:
-    """The tokenizer for `--model`: a checkpoint folder's tokenizer.json if it has one, else bytes."""
+    """The tokenizer for `--model`: the checkpoint's tokenizer.json if it has one, else bytes."""
     config = load_model_config(model, seed)
     tokenizer_file = os.path.join(model, "tokenizer.json")
     if os.path.isfile(tokenizer_file):

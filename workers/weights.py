@@ -164,8 +164,8 @@ def hashed_uniform(
 ) -> torch.Tensor:
     """Uniform(-bound, bound) values that depend only on (key, shape, bound), on every device.
 
-    Every step is integer arithmetic or a float op with one exactly defined rounding, so CPU and CUDA
-    agree bit for bit.
+    Every step is integer arithmetic or a float op with one exactly defined rounding, so CPU and
+    CUDA agree bit for bit.
     """
     words = hashlib.sha256(key.encode()).digest()
     salt_1 = int.from_bytes(words[:4], "little")

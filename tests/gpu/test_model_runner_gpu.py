@@ -1,4 +1,4 @@
-"""Model runner on CUDA: bf16 stays close to an fp32 reference, and paging never changes the logits."""
+"""Model runner on CUDA: bf16 tracks an fp32 reference, and paging never changes the logits."""
 
 from __future__ import annotations
 

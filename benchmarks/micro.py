@@ -1,0 +1,160 @@
+"""Micro-benchmarks of the hot paths, each beside its goal:
+
+  * block hashing of an 8K-token prompt                       goal < 0.5 ms
+  * router decision (match + price + pick), 16 workers x 100K indexed blocks   goal p99 < 1 ms
+  * index event ingestion, worker -> Redis -> coordinator mirror               goal > 100K events/s
+
+Usage: python benchmarks/micro.py [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from kvmesh.coordinator.cost_model import CostModel
+from kvmesh.coordinator.index_follower import IndexFollower
+from kvmesh.coordinator.index_mirror import IndexMirror, WorkerId
+from kvmesh.coordinator.index_store import IndexStore
+from kvmesh.coordinator.redis_server import start_redis_server
+from kvmesh.coordinator.router import KvmeshPolicy, RouteQuery, WorkerView
+from kvmesh.proto.block_hash import BlockHash, block_hashes, namespace_hash
+from kvmesh.proto.events import BlockStored, EventBatch
+from kvmesh.workers.event_publisher import EventPublisher
+
+BS = 16
+ROOT = namespace_hash("bench-model")
+
+
+def percentiles(samples_ms: list[float]) -> dict[str, float]:
+    s = sorted(samples_ms)
+    return {
+        "p50_ms": s[len(s) // 2],
+        "p99_ms": s[min(len(s) - 1, int(len(s) * 0.99))],
+        "mean_ms": statistics.fmean(s),
+    }
+
+
+def bench_hash(iterations: int = 300) -> dict[str, float]:
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 128_000, 8192).tolist()
+    block_hashes(tokens, BS, ROOT)
+    samples = []
+    for _ in range(iterations):
+        t = time.perf_counter()
+        block_hashes(tokens, BS, ROOT)
+        samples.append((time.perf_counter() - t) * 1e3)
+    return percentiles(samples)
+
+
+def bench_router(num_workers: int = 16, num_blocks: int = 100_000, iterations: int = 2000) -> dict[str, float]:
+    rng = random.Random(0)
+    mirror = IndexMirror()
+    # 200 prompt families of 512 blocks (8K tokens); each worker holds prefixes of some of them.
+    families = [block_hashes(list(range(f * 10_000, f * 10_000 + 8192)), BS, ROOT) for f in range(200)]
+    indexed = 0
+    for w in range(num_workers):
+        mirror.load_worker(WorkerId(f"w{w}"), 1, 0, [])
+    seq = {w: 0 for w in range(num_workers)}
+    while indexed < num_blocks:
+        w, fam = rng.randrange(num_workers), rng.choice(families)
+        depth = rng.randrange(1, len(fam))
+        seq[w] += 1
+        mirror.apply(EventBatch(f"w{w}", 1, seq[w], (BlockStored(tuple(fam[:depth])),)))
+        indexed = mirror.num_blocks
+    policy = KvmeshPolicy(CostModel(), random.Random(1))
+    workers = [WorkerId(f"w{w}") for w in range(num_workers)]
+    samples = []
+    for i in range(iterations):
+        hashes = families[i % len(families)]
+        t = time.perf_counter()
+        matches = mirror.match(hashes)
+        views = []
+        for w in workers:
+            m = matches.get(w)
+            n = m.num_blocks if m else 0
+            views.append(WorkerView(w, 10_000, 5_000, rng.random() * 50, 100, 3, n, n))
+        policy.choose(RouteQuery(str(i), hashes, 8192, BS), views)
+        samples.append((time.perf_counter() - t) * 1e3)
+    out = percentiles(samples)
+    out["indexed_blocks"] = mirror.num_blocks
+    return out
+
+
+def bench_ingest(num_workers: int = 4, num_batches: int = 400, batch_blocks: int = 256) -> dict[str, float]:
+    server = start_redis_server()
+    try:
+        ns = "bench"
+        mirror, lock = IndexMirror(), threading.Lock()
+        follower = IndexFollower(IndexStore(server.url), mirror, lock, ns=ns)
+        follower.rebuild()
+        publishers = [EventPublisher(server.url, ns, f"w{w}") for w in range(num_workers)]
+        total_events = num_batches * batch_blocks
+        counter = 0
+        batches = []
+        for b in range(num_batches):
+            w = b % num_workers
+            hashes = tuple(BlockHash(counter + i + 1) for i in range(batch_blocks))
+            counter += batch_blocks
+            batches.append((w, EventBatch(f"w{w}", 1, b // num_workers + 1, (BlockStored(hashes),))))
+        done = threading.Event()
+
+        def follow() -> None:
+            while mirror.num_blocks < total_events:
+                follower.poll_once(block_ms=50)
+            done.set()
+
+        t0 = time.perf_counter()
+        thread = threading.Thread(target=follow, daemon=True)
+        thread.start()
+        for w, batch in batches:
+            publishers[w].publish(batch)
+        t_redis = time.perf_counter() - t0
+        done.wait(120)
+        t_total = time.perf_counter() - t0
+        return {
+            "events": total_events,
+            "redis_events_per_s": total_events / t_redis,
+            "end_to_end_events_per_s": total_events / t_total,
+            "mirror_blocks": mirror.num_blocks,
+        }
+    finally:
+        server.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", type=Path, help="write the results here")
+    args = parser.parse_args()
+    results = {
+        "machine": {"python": platform.python_version(), "cpu": platform.processor() or platform.machine()},
+        "hash_8k": bench_hash(),
+        "router_16w_100k": bench_router(),
+        "ingest": bench_ingest(),
+    }
+    h, r, g = results["hash_8k"], results["router_16w_100k"], results["ingest"]
+    rows = [
+        ("block hash, 8K tokens", f"p50 {h['p50_ms']:.3f} ms  p99 {h['p99_ms']:.3f} ms", "< 0.5 ms"),
+        ("router decision, 16 workers, 100K blocks", f"p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms", "p99 < 1 ms"),
+        ("event ingestion into Redis", f"{g['redis_events_per_s']:,.0f} events/s", "> 100K/s"),
+        ("event ingestion, Redis + mirror", f"{g['end_to_end_events_per_s']:,.0f} events/s", "> 100K/s"),
+    ]
+    width = max(len(a) for a, _, _ in rows)
+    print(f"{'benchmark':<{width}}  {'measured':<34}  goal")
+    for name, value, goal in rows:
+        print(f"{name:<{width}}  {value:<34}  {goal}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
