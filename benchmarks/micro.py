@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import platform
 import random
 import statistics
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -89,40 +91,55 @@ def bench_router(num_workers: int = 16, num_blocks: int = 100_000, iterations: i
     return out
 
 
-def bench_ingest(num_workers: int = 4, num_batches: int = 400, batch_blocks: int = 256) -> dict[str, float]:
+def _publish_share(
+    url: str, ns: str, worker: int, num_batches: int, batch_blocks: int, go: Any, ready: Any
+) -> None:
+    publisher = EventPublisher(url, ns, f"w{worker}")
+    base = worker * num_batches * batch_blocks
+    batches = [
+        EventBatch(
+            f"w{worker}", 1, b + 1,
+            (BlockStored(tuple(BlockHash(base + b * batch_blocks + i + 1) for i in range(batch_blocks))),),
+        )
+        for b in range(num_batches)
+    ]
+    ready.release()
+    go.wait()
+    for batch in batches:
+        publisher.publish(batch)
+
+
+def bench_ingest(num_workers: int = 2, num_batches: int = 300, batch_blocks: int = 256) -> dict[str, float]:
+    """Workers publish from their own processes (as Ray workers do); this process follows."""
     server = start_redis_server()
     try:
         ns = "bench"
         mirror, lock = IndexMirror(), threading.Lock()
         follower = IndexFollower(IndexStore(server.url), mirror, lock, ns=ns)
         follower.rebuild()
-        publishers = [EventPublisher(server.url, ns, f"w{w}") for w in range(num_workers)]
-        total_events = num_batches * batch_blocks
-        counter = 0
-        batches = []
-        for b in range(num_batches):
-            w = b % num_workers
-            hashes = tuple(BlockHash(counter + i + 1) for i in range(batch_blocks))
-            counter += batch_blocks
-            batches.append((w, EventBatch(f"w{w}", 1, b // num_workers + 1, (BlockStored(hashes),))))
-        done = threading.Event()
-
-        def follow() -> None:
-            while mirror.num_blocks < total_events:
-                follower.poll_once(block_ms=50)
-            done.set()
-
+        total_events = num_workers * num_batches * batch_blocks
+        ctx = multiprocessing.get_context("spawn")
+        go, ready = ctx.Event(), ctx.Semaphore(0)
+        procs = [
+            ctx.Process(
+                target=_publish_share, args=(server.url, ns, w, num_batches, batch_blocks, go, ready)
+            )
+            for w in range(num_workers)
+        ]
+        for p in procs:
+            p.start()
+        for _ in procs:
+            ready.acquire()  # processes started and batches built: time only the publishing
         t0 = time.perf_counter()
-        thread = threading.Thread(target=follow, daemon=True)
-        thread.start()
-        for w, batch in batches:
-            publishers[w].publish(batch)
-        t_redis = time.perf_counter() - t0
-        done.wait(120)
+        go.set()
+        while mirror.num_blocks < total_events:
+            follower.poll_once(block_ms=50)
         t_total = time.perf_counter() - t0
+        for p in procs:
+            p.join()
         return {
             "events": total_events,
-            "redis_events_per_s": total_events / t_redis,
+            "publishers": num_workers,
             "end_to_end_events_per_s": total_events / t_total,
             "mirror_blocks": mirror.num_blocks,
         }
@@ -130,7 +147,7 @@ def bench_ingest(num_workers: int = 4, num_batches: int = 400, batch_blocks: int
         server.stop()
 
 
-def main() -> None:
+def main() -> None:  # noqa: D103
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args()
@@ -144,8 +161,11 @@ def main() -> None:
     rows = [
         ("block hash, 8K tokens", f"p50 {h['p50_ms']:.3f} ms  p99 {h['p99_ms']:.3f} ms", "< 0.5 ms"),
         ("router decision, 16 workers, 100K blocks", f"p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms", "p99 < 1 ms"),
-        ("event ingestion into Redis", f"{g['redis_events_per_s']:,.0f} events/s", "> 100K/s"),
-        ("event ingestion, Redis + mirror", f"{g['end_to_end_events_per_s']:,.0f} events/s", "> 100K/s"),
+        (
+            f"event ingestion, {g['publishers']} workers -> Redis -> mirror",
+            f"{g['end_to_end_events_per_s']:,.0f} block events/s",
+            "> 100K/s",
+        ),
     ]
     width = max(len(a) for a, _, _ in rows)
     print(f"{'benchmark':<{width}}  {'measured':<34}  goal")

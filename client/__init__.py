@@ -1,1 +1,55 @@
-"""kvmesh.client."""
+"""kvmesh.client: Python clients (sync and asyncio) for a kvmesh coordinator, and the CLI.
+
+from kvmesh.client import Client
+with Client("127.0.0.1:50051") as client:
+    print(client.generate([1, 2, 3], max_tokens=8).tokens)
+"""
+
+from __future__ import annotations
+
+from kvmesh.client.client import AsyncClient, Client
+from kvmesh.client.errors import (
+    DeadlineExceeded,
+    InternalError,
+    InvalidArgument,
+    KVMeshError,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    Unauthenticated,
+    Unavailable,
+)
+from kvmesh.client.results import (
+    CacheFacts,
+    GenerateResult,
+    LookupResult,
+    RouteResult,
+    Stats,
+    StreamChunk,
+    WorkerInfo,
+    WorkerMatch,
+    WorkerScore,
+)
+
+__all__ = [
+    "AsyncClient",
+    "CacheFacts",
+    "Client",
+    "DeadlineExceeded",
+    "GenerateResult",
+    "InternalError",
+    "InvalidArgument",
+    "KVMeshError",
+    "LookupResult",
+    "NotFound",
+    "PermissionDenied",
+    "ResourceExhausted",
+    "RouteResult",
+    "Stats",
+    "StreamChunk",
+    "Unauthenticated",
+    "Unavailable",
+    "WorkerInfo",
+    "WorkerMatch",
+    "WorkerScore",
+]

@@ -176,9 +176,7 @@ class Client:
         return wire.stats_from_proto(self._unary(self._stub.Stats, pb.StatsRequest()))
 
     def list_workers(self) -> list[WorkerInfo]:
-        return wire.workers_from_proto(
-            self._unary(self._stub.ListWorkers, pb.ListWorkersRequest())
-        )
+        return wire.workers_from_proto(self._unary(self._stub.ListWorkers, pb.ListWorkersRequest()))
 
     def _unary(self, method: Any, request: Any) -> Any:
         try:

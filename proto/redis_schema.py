@@ -56,8 +56,10 @@ end
 """
 
 # ARGV: ns, worker, generation, seq, payload, maxlen, then groups of
-#   'S', tier, n, hash*n    stored      'R', tier, n, hash*n    removed      'C'    cleared
-# Returns the number of block events applied, or -1 for a stale / duplicate batch (not applied).
+#   'S', tier, hashes    stored       'R', tier, hashes    removed       'C'    cleared
+# where `hashes` is the concatenation of the blocks' 16-hex-digit names (one argument, not one
+# per block: per-argument overhead dominated the client's cost). Returns the number of block
+# events applied, or -1 for a stale / duplicate batch (not applied).
 APPLY_BATCH = (
     _WIPE
     + """
@@ -71,6 +73,7 @@ if cur[1] ~= gen then
   wipe(ns, worker)
 end
 local wkey = info .. ':blocks'
+local prefix = 'kvmesh:' .. ns .. ':blk:'
 local applied, i = 0, 7
 while i <= #ARGV do
   local kind = ARGV[i]
@@ -78,19 +81,29 @@ while i <= #ARGV do
     wipe(ns, worker)
     i = i + 1
   else
-    local tier, n = ARGV[i + 1], tonumber(ARGV[i + 2])
-    for j = i + 3, i + 2 + n do
-      local h = ARGV[j]
+    local tier, blob = ARGV[i + 1], ARGV[i + 2]
+    local n = #blob / 16
+    local fields = {}
+    for k = 0, n - 1 do
+      local h = string.sub(blob, k * 16 + 1, k * 16 + 16)
       if kind == 'S' then
-        redis.call('HSET', 'kvmesh:' .. ns .. ':blk:' .. h, worker, tier)
-        redis.call('HSET', wkey, h, tier)
+        redis.call('HSET', prefix .. h, worker, tier)
+        fields[#fields + 1] = h
+        fields[#fields + 1] = tier
+        if #fields >= 1000 then
+          redis.call('HSET', wkey, unpack(fields))
+          fields = {}
+        end
       elseif redis.call('HGET', wkey, h) == tier then
-        redis.call('HDEL', 'kvmesh:' .. ns .. ':blk:' .. h, worker)
+        redis.call('HDEL', prefix .. h, worker)
         redis.call('HDEL', wkey, h)
       end
     end
+    if #fields > 0 then
+      redis.call('HSET', wkey, unpack(fields))
+    end
     applied = applied + n
-    i = i + 3 + n
+    i = i + 3
   end
 end
 redis.call('HSET', info, 'generation', gen, 'seq', seq, 'ns', ns)

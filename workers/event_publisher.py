@@ -40,8 +40,7 @@ def batch_to_argv(ns: str, batch: EventBatch, maxlen: int) -> list[str | bytes |
             continue
         kind = "S" if isinstance(e, BlockStored) else "R"
         assert isinstance(e, BlockStored | BlockRemoved)
-        argv += [kind, str(e.tier), len(e.hashes)]
-        argv += [schema.hash_hex(h) for h in e.hashes]
+        argv += [kind, str(e.tier), "".join([schema.hash_hex(h) for h in e.hashes])]
     return argv
 
 

@@ -6,7 +6,6 @@ import socket
 
 import grpc
 import pytest
-
 from kvmesh.client.errors import (
     DeadlineExceeded,
     InternalError,
