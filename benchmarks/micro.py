@@ -57,11 +57,15 @@ def bench_hash(iterations: int = 300) -> dict[str, float]:
     return percentiles(samples)
 
 
-def bench_router(num_workers: int = 16, num_blocks: int = 100_000, iterations: int = 2000) -> dict[str, float]:
+def bench_router(
+    num_workers: int = 16, num_blocks: int = 100_000, iterations: int = 2000
+) -> dict[str, float]:
     rng = random.Random(0)
     mirror = IndexMirror()
     # 200 prompt families of 512 blocks (8K tokens); each worker holds prefixes of some of them.
-    families = [block_hashes(list(range(f * 10_000, f * 10_000 + 8192)), BS, ROOT) for f in range(200)]
+    families = [
+        block_hashes(list(range(f * 10_000, f * 10_000 + 8192)), BS, ROOT) for f in range(200)
+    ]
     indexed = 0
     for w in range(num_workers):
         mirror.load_worker(WorkerId(f"w{w}"), 1, 0, [])
@@ -98,8 +102,14 @@ def _publish_share(
     base = worker * num_batches * batch_blocks
     batches = [
         EventBatch(
-            f"w{worker}", 1, b + 1,
-            (BlockStored(tuple(BlockHash(base + b * batch_blocks + i + 1) for i in range(batch_blocks))),),
+            f"w{worker}",
+            1,
+            b + 1,
+            (
+                BlockStored(
+                    tuple(BlockHash(base + b * batch_blocks + i + 1) for i in range(batch_blocks))
+                ),
+            ),
         )
         for b in range(num_batches)
     ]
@@ -109,7 +119,9 @@ def _publish_share(
         publisher.publish(batch)
 
 
-def bench_ingest(num_workers: int = 2, num_batches: int = 300, batch_blocks: int = 256) -> dict[str, float]:
+def bench_ingest(
+    num_workers: int = 2, num_batches: int = 300, batch_blocks: int = 256
+) -> dict[str, float]:
     """Workers publish from their own processes (as Ray workers do); this process follows."""
     server = start_redis_server()
     try:
@@ -122,7 +134,8 @@ def bench_ingest(num_workers: int = 2, num_batches: int = 300, batch_blocks: int
         go, ready = ctx.Event(), ctx.Semaphore(0)
         procs = [
             ctx.Process(
-                target=_publish_share, args=(server.url, ns, w, num_batches, batch_blocks, go, ready)
+                target=_publish_share,
+                args=(server.url, ns, w, num_batches, batch_blocks, go, ready),
             )
             for w in range(num_workers)
         ]
@@ -148,19 +161,32 @@ def bench_ingest(num_workers: int = 2, num_batches: int = 300, batch_blocks: int
 
 
 def main() -> None:  # noqa: D103
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args()
     results = {
-        "machine": {"python": platform.python_version(), "cpu": platform.processor() or platform.machine()},
+        "machine": {
+            "python": platform.python_version(),
+            "cpu": platform.processor() or platform.machine(),
+        },
         "hash_8k": bench_hash(),
         "router_16w_100k": bench_router(),
         "ingest": bench_ingest(),
     }
     h, r, g = results["hash_8k"], results["router_16w_100k"], results["ingest"]
     rows = [
-        ("block hash, 8K tokens", f"p50 {h['p50_ms']:.3f} ms  p99 {h['p99_ms']:.3f} ms", "< 0.5 ms"),
-        ("router decision, 16 workers, 100K blocks", f"p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms", "p99 < 1 ms"),
+        (
+            "block hash, 8K tokens",
+            f"p50 {h['p50_ms']:.3f} ms  p99 {h['p99_ms']:.3f} ms",
+            "< 0.5 ms",
+        ),
+        (
+            "router decision, 16 workers, 100K blocks",
+            f"p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms",
+            "p99 < 1 ms",
+        ),
         (
             f"event ingestion, {g['publishers']} workers -> Redis -> mirror",
             f"{g['end_to_end_events_per_s']:,.0f} block events/s",

@@ -16,331 +16,23 @@ and work from an install that has only the client's dependencies.
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from importlib import metadata
-from types import ModuleType
+from collections.abc import Sequence
 
-from kvmesh.client import commands
-from kvmesh.client.environment import CliEnvironment, read_environment
+from kvmesh.client.environment import read_environment
 from kvmesh.client.errors import KVMeshError, Unavailable
+from kvmesh.client.extension import EXTENSIONS, NotInThisBuild, load_extension
+from kvmesh.client.parser import build_parser
 
 EXIT_OK = 0
 EXIT_CALL_FAILED = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
-Handler = Callable[[argparse.Namespace], int]
-
-
-@dataclass(frozen=True, slots=True)
-class Extension:
-    """A subcommand whose flags and code live in an optional module, imported only when chosen.
-
-    The module provides `add_arguments(parser)` (optional) and the `run_name` handler.
-    """
-
-    name: str
-    module: str
-    run_name: str
-    help: str
-
-
-EXTENSIONS = (
-    Extension(
-        "simulate",
-        "kvmesh.coordinator.simulate_cli",
-        "run_simulate",
-        "replay a workload through the routing policies in a simulated cluster",
-    ),
-    Extension("bench", "kvmesh.client.bench", "run_bench", "load-test a running coordinator"),
-)
-
-
-@dataclass(frozen=True, slots=True)
-class LoadedExtension:
-    """The outcome of importing an extension: its module, or why it is unavailable."""
-
-    extension: Extension
-    module: ModuleType | None
-    reason: str
-
-
-def load_extension(extension: Extension) -> LoadedExtension:
-    try:
-        module = importlib.import_module(extension.module)
-    except ImportError as err:
-        return LoadedExtension(extension, None, str(err))
-    if not callable(getattr(module, extension.run_name, None)):
-        return LoadedExtension(extension, None, f"{extension.module} has no {extension.run_name}")
-    return LoadedExtension(extension, module, "")
-
-
-def _version() -> str:
-    try:
-        return metadata.version("kvmesh")
-    except metadata.PackageNotFoundError:
-        return "unknown"
-
 
 def _error(message: str) -> None:
     print(f"kvmesh: error: {message}", file=sys.stderr)
-
-
-def build_parser(
-    env: CliEnvironment, loaded: LoadedExtension | None = None
-) -> argparse.ArgumentParser:
-    """The full parser; `loaded` is the extension subcommand being run, if any (its flags are
-    only known once its module has been imported)."""
-    parser = argparse.ArgumentParser(
-        prog="kvmesh",
-        description="kvmesh: a distributed KV-cache service for LLM serving.",
-        epilog="Run `kvmesh COMMAND --help` for a command's options.",
-    )
-    parser.add_argument("--version", action="version", version=f"kvmesh {_version()}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    _add_up(sub, env)
-    _add_serve(sub, env)
-    _add_generate(sub, env)
-    _add_route(sub, env)
-    _add_lookup(sub, env)
-    _add_read_command(sub, env, "stats", "cluster-wide counters", commands.run_stats)
-    _add_read_command(sub, env, "workers", "list the worker actors", commands.run_workers)
-    for extension in EXTENSIONS:
-        chosen = loaded if loaded is not None and loaded.extension == extension else None
-        _add_extension(sub, extension, chosen)
-    return parser
-
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows "(default: X)" only where X says something: not for None, "", switches, or help
-    text that already explains its default."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        text = action.help or ""
-        default = action.default
-        silent = default is None or default is False or default in ("", argparse.SUPPRESS)
-        if silent or "default" in text:
-            return text
-        return super()._get_help_string(action)
-
-
-def _subparser(sub: argparse._SubParsersAction, name: str, summary: str) -> argparse.ArgumentParser:
-    return sub.add_parser(
-        name,
-        help=summary,
-        description=summary[0].upper() + summary[1:] + ".",
-        formatter_class=_HelpFormatter,
-    )
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _port(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
-
-
-def _add_cluster_options(
-    parser: argparse.ArgumentParser, env: CliEnvironment, default_workers: int | None
-) -> None:
-    """Options shared by `up` and `serve`: where the coordinator listens and what workers run.
-
-    `default_workers` None lets the launcher size the fleet (one worker per GPU of the cluster).
-    """
-    parser.add_argument("--host", default="127.0.0.1", help="coordinator gRPC listen address")
-    parser.add_argument(
-        "--port", type=_port, default=50051, metavar="P", help="gRPC port (0: a free one)"
-    )
-    parser.add_argument(
-        "--workers",
-        type=_positive_int,
-        default=default_workers,
-        metavar="N",
-        help="worker actors to start" + ("" if default_workers else " (default: one per GPU)"),
-    )
-    parser.add_argument(
-        "--model",
-        default=env.model,
-        metavar="NAME|PATH",
-        help="model preset (tiny-random, <preset>-random) or Hugging Face checkpoint folder",
-    )
-    parser.add_argument(
-        "--block-size", type=_positive_int, default=16, metavar="N", help="tokens per KV block"
-    )
-    parser.add_argument(
-        "--policy",
-        default=env.policy,
-        help="routing policy: kvmesh, round_robin, least_loaded, session_sticky, ...",
-    )
-    parser.add_argument(
-        "--num-blocks",
-        type=_non_negative_int,
-        default=0,
-        metavar="N",
-        help="KV blocks per worker (0: size from free device memory)",
-    )
-    parser.add_argument("--device", default=env.device, help="worker device: auto, cpu or cuda")
-    parser.add_argument(
-        "--seed", type=int, default=0, metavar="N", help="seed of random-weight model presets"
-    )
-    parser.add_argument(
-        "--gpus-per-worker",
-        type=_positive_float,
-        default=None,
-        metavar="F",
-        help="GPUs each worker actor reserves (fractions share a GPU; default: 1 on GPU, 0 on CPU)",
-    )
-
-
-def _add_up(sub: argparse._SubParsersAction, env: CliEnvironment) -> None:
-    parser = _subparser(sub, "up", "start a local cluster: Redis, Ray, workers and a coordinator")
-    _add_cluster_options(parser, env, default_workers=2)
-    parser.add_argument(
-        "--redis-url",
-        default=env.redis_url,
-        metavar="URL",
-        help="use this Redis instead of starting an embedded one",
-    )
-    parser.set_defaults(handler=_run_up)
-
-
-def _add_serve(sub: argparse._SubParsersAction, env: CliEnvironment) -> None:
-    parser = _subparser(sub, "serve", "run a coordinator on an existing Ray cluster and Redis")
-    parser.add_argument(
-        "--redis-url",
-        default=env.redis_url,
-        required=env.redis_url is None,
-        metavar="URL",
-        help="the index's Redis, e.g. redis://host:6379/0 (env KVMESH_REDIS_URL)",
-    )
-    parser.add_argument("--ray-address", default=env.ray_address, help="Ray cluster to join")
-    _add_cluster_options(parser, env, default_workers=None)
-    parser.set_defaults(handler=_run_serve)
-
-
-def _add_client_options(parser: argparse.ArgumentParser, env: CliEnvironment) -> None:
-    parser.add_argument(
-        "--address",
-        default=env.address,
-        metavar="HOST:PORT",
-        help="coordinator address (env KVMESH_ADDRESS)",
-    )
-    parser.add_argument(
-        "--timeout",
-        type=_positive_float,
-        default=env.timeout_s,
-        metavar="SECONDS",
-        help="deadline of the call (env KVMESH_TIMEOUT_S; default: none)",
-    )
-    parser.add_argument("--json", action="store_true", help="print one JSON document")
-
-
-def _add_prompt_options(parser: argparse.ArgumentParser) -> None:
-    prompt = parser.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--tokens", metavar="IDS", help="prompt token ids, e.g. 1,2,3")
-    prompt.add_argument("--prompt", metavar="TEXT", help="prompt text (needs a tokenizer)")
-    parser.add_argument("--cache-salt", default="", metavar="S", help="tenant / cache salt")
-
-
-def _add_generate(sub: argparse._SubParsersAction, env: CliEnvironment) -> None:
-    parser = _subparser(sub, "generate", "generate tokens and show the request's cache facts")
-    _add_client_options(parser, env)
-    _add_prompt_options(parser)
-    parser.add_argument(
-        "--max-tokens", type=_positive_int, default=16, metavar="N", help="tokens to generate"
-    )
-    parser.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 is greedy")
-    parser.add_argument("--top-p", type=float, default=1.0, metavar="P", help="1 is off")
-    parser.add_argument("--top-k", type=_non_negative_int, default=0, metavar="K", help="0 is off")
-    parser.add_argument(
-        "--seed", type=_non_negative_int, default=0, metavar="N", help="sampling seed"
-    )
-    parser.add_argument("--stop-token-ids", default="", metavar="IDS", help="e.g. 2,32000")
-    parser.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
-    parser.add_argument("--worker", default="", metavar="ID", help="force this worker")
-    parser.add_argument("--session", default="", metavar="ID", help="session id (soft affinity)")
-    parser.set_defaults(handler=commands.run_generate)
-
-
-def _add_route(sub: argparse._SubParsersAction, env: CliEnvironment) -> None:
-    parser = _subparser(sub, "route", "show which worker the router would pick, and the costs")
-    _add_client_options(parser, env)
-    _add_prompt_options(parser)
-    parser.add_argument("--session", default="", metavar="ID", help="session id (soft affinity)")
-    parser.set_defaults(handler=commands.run_route)
-
-
-def _add_lookup(sub: argparse._SubParsersAction, env: CliEnvironment) -> None:
-    parser = _subparser(sub, "lookup", "show how much of a prompt each worker already caches")
-    _add_client_options(parser, env)
-    _add_prompt_options(parser)
-    parser.set_defaults(handler=commands.run_lookup)
-
-
-def _add_read_command(
-    sub: argparse._SubParsersAction, env: CliEnvironment, name: str, summary: str, run: Handler
-) -> None:
-    parser = _subparser(sub, name, summary)
-    _add_client_options(parser, env)
-    parser.set_defaults(handler=run)
-
-
-def _add_extension(
-    sub: argparse._SubParsersAction, extension: Extension, loaded: LoadedExtension | None
-) -> None:
-    parser = _subparser(sub, extension.name, extension.help)
-    if loaded is None:
-        return  # not the chosen command: its module stays unimported
-    if loaded.module is None:
-        parser.description = f"{parser.description} (not available in this build: {loaded.reason})"
-        return
-    add_arguments = getattr(loaded.module, "add_arguments", None)
-    if callable(add_arguments):
-        add_arguments(parser)
-    parser.set_defaults(handler=getattr(loaded.module, extension.run_name))
-
-
-def _run_up(args: argparse.Namespace) -> int:
-    try:
-        from kvmesh.coordinator.launcher import run_up
-    except ImportError as err:
-        _error(f"up is not available in this build ({err})")
-        return EXIT_USAGE
-    return run_up(args)
-
-
-def _run_serve(args: argparse.Namespace) -> int:
-    try:
-        from kvmesh.coordinator.launcher import run_serve
-    except ImportError as err:
-        _error(f"serve is not available in this build ({err})")
-        return EXIT_USAGE
-    return run_serve(args)
 
 
 def _command_name(argv: Sequence[str]) -> str | None:
@@ -368,14 +60,14 @@ def _parse(argv: list[str]) -> argparse.Namespace | int:
         _error(str(err))
         return EXIT_USAGE
     name = _command_name(argv)
-    extension = next((e for e in EXTENSIONS if e.name == name), None)
-    loaded = load_extension(extension) if extension is not None else None
+    chosen = next((e for e in EXTENSIONS if e.name == name), None)
+    loaded = load_extension(chosen) if chosen is not None else None
     wants_help = "-h" in argv or "--help" in argv
     if loaded is not None and loaded.module is None and not wants_help:
         _error(f"{loaded.extension.name} is not available in this build ({loaded.reason})")
         return EXIT_USAGE
     try:
-        return build_parser(env, loaded).parse_args(argv)
+        return build_parser(env, EXTENSIONS, loaded).parse_args(argv)
     except SystemExit as exit_:
         if exit_.code is None:
             return EXIT_OK
@@ -392,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     except KVMeshError as err:
         _error(describe_error(err, getattr(args, "address", None)))
         return EXIT_CALL_FAILED
+    except NotInThisBuild as err:
+        _error(str(err))
+        return EXIT_USAGE
     except ValueError as err:
         _error(" ".join(str(err).split()))
         return EXIT_USAGE

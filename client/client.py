@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import grpc
+
 from kvmesh.client import wire
 from kvmesh.client.errors import DeadlineExceeded, from_rpc_error
 from kvmesh.client.results import (

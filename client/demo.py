@@ -36,7 +36,16 @@ _READY = re.compile(r"kvmesh is up at (\S+)")
 
 
 def start_cluster(workers: int, timeout_s: float) -> tuple[subprocess.Popen[str], str]:
-    cmd = [sys.executable, "-m", "kvmesh.client.cli", "up", "--workers", str(workers), "--port", "0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvmesh.client.cli",
+        "up",
+        "--workers",
+        str(workers),
+        "--port",
+        "0",
+    ]
     env = dict(os.environ, RAY_AUTH_MODE=os.environ.get("RAY_AUTH_MODE", "disabled"))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     assert proc.stdout is not None
@@ -53,22 +62,39 @@ def start_cluster(workers: int, timeout_s: float) -> tuple[subprocess.Popen[str]
 
 
 def run_workload(address: str, rounds: int, max_tokens: int) -> list[list[str]]:
-    rows = []
+    rows: list[list[str]] = []
     with Client(address, timeout_s=60) as client:
         client.wait_ready(30)
         for r in range(rounds):
             for name, system in SYSTEM_PROMPTS.items():
                 question = QUESTIONS[(r + len(name)) % len(QUESTIONS)]
                 res = client.generate(prompt=system + question, max_tokens=max_tokens)
-                rows.append([
-                    str(len(rows) + 1), name, res.worker_id, str(res.prompt_tokens),
-                    str(res.cached_tokens), str(res.computed_tokens), f"{res.ttft_ms or 0:.1f}",
-                    repr(res.text[:16]),
-                ])
+                rows.append(
+                    [
+                        str(len(rows) + 1),
+                        name,
+                        res.worker_id,
+                        str(res.prompt_tokens),
+                        str(res.cached_tokens),
+                        str(res.computed_tokens),
+                        f"{res.ttft_ms or 0:.1f}",
+                        repr(res.text[:16]),
+                    ]
+                )
                 time.sleep(0.02)  # let the index catch up, as a real client's think time would
         stats = client.stats()
-    rows.append(["", "total", "", str(stats.prompt_tokens), str(stats.cached_tokens),
-                 str(stats.computed_tokens), "", f"hit rate {stats.hit_rate:.0%}"])
+    rows.append(
+        [
+            "",
+            "total",
+            "",
+            str(stats.prompt_tokens),
+            str(stats.cached_tokens),
+            str(stats.computed_tokens),
+            "",
+            f"hit rate {stats.hit_rate:.0%}",
+        ]
+    )
     return rows
 
 

@@ -1,9 +1,9 @@
 """The request path, without gRPC: validate, hash, look up, route, stream from the worker.
 
-    prepare()  token ids (or text) -> validated prompt + chained block hashes        (proto/)
-    match()    block hashes -> per-worker held prefix, from the in-memory mirror    (index_mirror)
-    route()    prices every live worker and picks one                               (router)
-    generate() streams the chosen worker's outputs, keeping the load tracker honest (cluster)
+prepare()  token ids (or text) -> validated prompt + chained block hashes        (proto/)
+match()    block hashes -> per-worker held prefix, from the in-memory mirror    (index_mirror)
+route()    prices every live worker and picks one                               (router)
+generate() streams the chosen worker's outputs, keeping the load tracker honest (cluster)
 """
 
 from __future__ import annotations
@@ -161,11 +161,14 @@ class Coordinator:
             num_blocks, num_free = self._worker_free_blocks(w)
             views.append(
                 WorkerView(
-                    WorkerId(w), num_blocks, num_free,
+                    WorkerId(w),
+                    num_blocks,
+                    num_free,
                     self.load.queued_prefill_ms(WorkerId(w)),
                     self.load.queued_prefill_tokens(WorkerId(w)),
                     self.load.num_running(WorkerId(w)),
-                    m.num_blocks, m.num_device_blocks,
+                    m.num_blocks,
+                    m.num_device_blocks,
                 )
             )
         return views
@@ -177,8 +180,11 @@ class Coordinator:
         if not live:
             raise NoLiveWorker("no live worker can take the request")
         query = RouteQuery(
-            request_id or uuid.uuid4().hex, prompt.block_hashes, len(prompt.token_ids),
-            self.config.block_size, session_id,
+            request_id or uuid.uuid4().hex,
+            prompt.block_hashes,
+            len(prompt.token_ids),
+            self.config.block_size,
+            session_id,
         )
         with self._lock:
             return self.policy.choose(query, self.views(prompt, live))
@@ -224,8 +230,13 @@ class Coordinator:
                 with self._lock:
                     self.counters.generated_tokens += len(out.new_token_ids)
                 yield StreamEvent(
-                    out.new_token_ids, worker, out.finished, out.finish_reason,
-                    out.cached_tokens, out.computed_tokens, len(request.prompt_ids),
+                    out.new_token_ids,
+                    worker,
+                    out.finished,
+                    out.finish_reason,
+                    out.cached_tokens,
+                    out.computed_tokens,
+                    len(request.prompt_ids),
                 )
                 if out.finished:
                     ok = True

@@ -85,8 +85,14 @@ class Deployment:
         if gpus_per_worker < 0:
             gpus_per_worker = 0.0 if not num_gpus else min(1.0, num_gpus / num_workers)
         workers = [
-            replace(cfg.worker, worker_id=f"w{i}", model=cc.model, block_size=cc.block_size,
-                    redis_url=redis_url, seed=cc.seed)
+            replace(
+                cfg.worker,
+                worker_id=f"w{i}",
+                model=cc.model,
+                block_size=cc.block_size,
+                redis_url=redis_url,
+                seed=cc.seed,
+            )
             for i in range(num_workers)
         ]
         ns = f"{namespace_hash(model.fingerprint()):016x}"
@@ -97,7 +103,11 @@ class Deployment:
         self.follower = IndexFollower(store, mirror, lock, ns=ns)
         cluster = self.cluster
         self.coordinator = Coordinator(
-            cc, model, cluster, mirror, lock,
+            cc,
+            model,
+            cluster,
+            mirror,
+            lock,
             tokenizer=load_tokenizer(cc.model),
             index_connected=lambda: self.follower is not None and self.follower.connected,
             worker_free_blocks=lambda w: _free_blocks(cluster, w),
@@ -117,8 +127,11 @@ class Deployment:
         self.cluster.start_monitor(cc.health_interval_s)
         servicer = KVMeshServicer(self.coordinator, self.cluster, self.follower)
         self.server, self.port, _health = build_server(
-            servicer, cc.host, cc.port,
-            max_message_bytes=cc.max_message_bytes, max_workers=cc.max_concurrent_rpcs,
+            servicer,
+            cc.host,
+            cc.port,
+            max_message_bytes=cc.max_message_bytes,
+            max_workers=cc.max_concurrent_rpcs,
         )
         self.server.start()
         return self.address

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+
 import redis
 
 from kvmesh.coordinator.index_mirror import ApplyResult, IndexMirror, WorkerId
@@ -48,7 +49,9 @@ class IndexFollower:
         try:
             self.rebuild()
         except redis.RedisError as exc:
-            log.warning("index: Redis unreachable at start (%s); serving with load-only routing", exc)
+            log.warning(
+                "index: Redis unreachable at start (%s); serving with load-only routing", exc
+            )
         self._thread.start()
 
     def stop(self) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis
 
@@ -41,7 +42,8 @@ class IndexStore:
     """Reads and maintains the index in Redis for one coordinator."""
 
     def __init__(self, redis_url: str, *, socket_timeout_s: float = 2.0) -> None:
-        self._client = redis.Redis.from_url(
+        # Any: redis-py's reply types are unions of bytes/str/None that it never narrows.
+        self._client: Any = redis.Redis.from_url(
             redis_url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s
         )
         self._purge = self._client.register_script(schema.PURGE_WORKER)
@@ -84,7 +86,9 @@ class IndexStore:
         return {k.decode(): int(v) for k, v in raw.items()}
 
     def num_block_keys(self, ns: str) -> int:
-        return sum(1 for _ in self._client.scan_iter(match=f"{schema.PREFIX}:{ns}:blk:*", count=1000))
+        return sum(
+            1 for _ in self._client.scan_iter(match=f"{schema.PREFIX}:{ns}:blk:*", count=1000)
+        )
 
     def purge_worker(self, ns: str, worker_id: str) -> int:
         return int(self._purge(args=[ns, worker_id, schema.EVENTS_STREAM_MAXLEN]))
@@ -94,7 +98,7 @@ class IndexStore:
         reply = self._client.xread({schema.EVENTS_STREAM: after_id}, count=count, block=block_ms)
         return list(self._entries(reply))
 
-    def _entries(self, reply: list) -> Iterator[StreamEntry]:
+    def _entries(self, reply: Any) -> Iterator[StreamEntry]:
         for _stream, entries in reply or []:
             for entry_id, fields in entries:
                 eid = entry_id.decode()

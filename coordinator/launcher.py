@@ -26,7 +26,9 @@ def _opt(args: argparse.Namespace, name: str, default: Any) -> Any:
 
 
 def deployment_config(args: argparse.Namespace, *, embedded_redis: bool) -> DeploymentConfig:
-    redis_url = _opt(args, "redis_url", "") or ("" if embedded_redis else os.environ.get("KVMESH_REDIS_URL", ""))
+    redis_url = _opt(args, "redis_url", "") or (
+        "" if embedded_redis else os.environ.get("KVMESH_REDIS_URL", "")
+    )
     coordinator = CoordinatorConfig(
         model=_opt(args, "model", "tiny-random"),
         seed=int(_opt(args, "seed", 0)),
@@ -51,7 +53,9 @@ def deployment_config(args: argparse.Namespace, *, embedded_redis: bool) -> Depl
 
 
 def run_deployment(config: DeploymentConfig) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     stop = threading.Event()
     deployment = Deployment(config)
     try:
@@ -62,7 +66,10 @@ def run_deployment(config: DeploymentConfig) -> int:
             signal.signal(sig, lambda *_: stop.set())
         assert deployment.cluster is not None
         workers = ", ".join(deployment.cluster.worker_ids())
-        print(f"kvmesh is up at {address} (workers: {workers}; policy {config.coordinator.policy})", flush=True)
+        print(
+            f"kvmesh is up at {address} (workers: {workers}; policy {config.coordinator.policy})",
+            flush=True,
+        )
         stop.wait()
         print("kvmesh: shutting down ...", file=sys.stderr, flush=True)
         return 0

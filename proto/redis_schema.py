@@ -2,7 +2,7 @@
 
     kvmesh:{ns}:blk:{hash}         HASH   worker_id -> tier        who holds the block
     kvmesh:worker:{id}             HASH   generation, seq, model, node, device, pid, num_blocks, ...
-    kvmesh:worker:{id}:blocks      HASH   hash -> tier             the worker's blocks (purge, resync)
+    kvmesh:worker:{id}:blocks      HASH   hash -> tier             the worker's blocks (resync)
     kvmesh:worker:{id}:alive       STRING with TTL                 heartbeat
     kvmesh:workers                 SET    worker ids
     kvmesh:events                  STREAM field "b" = msgpack EventBatch (proto/events.py),
@@ -113,8 +113,9 @@ return applied
 """
 )
 
-# ARGV: ns (used when the worker never recorded its own), worker, maxlen. Removes the worker and everything it held, tells followers (stream
-# field "p" = worker id); returns how many blocks were dropped.
+# ARGV: ns (used when the worker never recorded its own), worker, maxlen. Removes the worker and
+# everything it held, tells followers (stream field "p" = worker id); returns how many blocks
+# were dropped.
 PURGE_WORKER = (
     _WIPE
     + """

@@ -179,9 +179,14 @@ class WorkerActor:
     def _heartbeat_info(self) -> dict[str, str | int]:
         i = self.worker.info()
         return {
-            "node": i.node, "device": i.device, "pid": i.pid, "model": i.model,
-            "block_size": i.block_size, "num_blocks": i.num_blocks,
-            "num_free_blocks": i.num_free_blocks, "updated_ms": time.time_ns() // 1_000_000,
+            "node": i.node,
+            "device": i.device,
+            "pid": i.pid,
+            "model": i.model,
+            "block_size": i.block_size,
+            "num_blocks": i.num_blocks,
+            "num_free_blocks": i.num_free_blocks,
+            "updated_ms": time.time_ns() // 1_000_000,
         }
 
     def _ttl_ms(self) -> int:

@@ -10,11 +10,11 @@ class WorkerConfig:
     worker_id: str
     """Unique id of this worker in the cluster (also its Redis key)."""
     model: str = "tiny-random"
-    """A preset name (`tiny-random`, `llama3-8b-random`, ...) or a Hugging Face checkpoint folder."""
+    """A preset (`tiny-random`, `llama3-8b-random`, ...) or a Hugging Face checkpoint folder."""
     block_size: int = 16
     """Tokens per KV block; must match the coordinator's."""
     num_blocks: int = 0
-    """KV blocks in the pool; 0 sizes the pool from memory (see kv_cache_fraction / cpu_kv_cache_mb)."""
+    """KV blocks in the pool; 0 sizes it from memory (kv_cache_fraction / cpu_kv_cache_mb)."""
     device: str = "auto"
     """`cpu`, `cuda`, or `auto` (CUDA when Ray gave this worker a GPU)."""
     dtype: str = "auto"

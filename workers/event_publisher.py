@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 
@@ -50,7 +51,7 @@ class EventPublisher:
     def __init__(self, redis_url: str, ns: str, worker_id: str, *, socket_timeout_s: float = 2.0):
         self.ns = ns
         self.worker_id = worker_id
-        self._client = redis.Redis.from_url(
+        self._client: Any = redis.Redis.from_url(
             redis_url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s
         )
         self._apply = self._client.register_script(schema.APPLY_BATCH)

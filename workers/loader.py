@@ -48,7 +48,9 @@ def size_pool(config: WorkerConfig, model: ModelConfig, device: str, dtype: torc
     per_block = ModelRunner.kv_bytes_per_block(model, config.block_size, dtype)
     if device.startswith("cuda"):
         free, _total = torch.cuda.mem_get_info(torch.device(device))
-        budget = (free - weight_bytes(model, dtype) - _ACTIVATION_RESERVE_BYTES) * config.kv_cache_fraction
+        budget = (
+            free - weight_bytes(model, dtype) - _ACTIVATION_RESERVE_BYTES
+        ) * config.kv_cache_fraction
     else:
         budget = config.cpu_kv_cache_mb << 20
     min_blocks = -(-model.max_position_embeddings // config.block_size) + 1
@@ -62,8 +64,13 @@ def build_worker(config: WorkerConfig) -> Worker:
     num_blocks = size_pool(config, model, device, dtype)
     weights_path = config.model if os.path.isdir(config.model) else None
     runner = ModelRunner(
-        model, num_blocks, config.block_size, device=device, dtype=dtype,
-        weights_path=weights_path, seed=config.seed,
+        model,
+        num_blocks,
+        config.block_size,
+        device=device,
+        dtype=dtype,
+        weights_path=weights_path,
+        seed=config.seed,
     )
     scheduler_config = SchedulerConfig(
         block_size=config.block_size,
@@ -71,6 +78,10 @@ def build_worker(config: WorkerConfig) -> Worker:
         max_num_batched_tokens=config.max_num_batched_tokens,
     )
     return Worker(
-        config.worker_id, runner, model.fingerprint(), scheduler_config,
-        eos_token_ids=model.eos_token_ids, device=device,
+        config.worker_id,
+        runner,
+        model.fingerprint(),
+        scheduler_config,
+        eos_token_ids=model.eos_token_ids,
+        device=device,
     )

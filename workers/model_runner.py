@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+
 from kvmesh.workers.batch_plan import BatchPlan, SeqChunk, plan_batch, validate_batch
 from kvmesh.workers.model_config import ModelConfig, checkpoint_source
 from kvmesh.workers.weights import LayerWeights, ModelWeights, load_checkpoint, random_weights

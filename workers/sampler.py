@@ -40,7 +40,9 @@ class SamplingConfig:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
 
 
-def sample(logits: torch.Tensor, configs: Sequence[SamplingConfig], positions: Sequence[int]) -> list[int]:
+def sample(
+    logits: torch.Tensor, configs: Sequence[SamplingConfig], positions: Sequence[int]
+) -> list[int]:
     """One token per row of `logits` [num_seqs, vocab]; `positions` seed the per-row draws."""
     if logits.shape[0] != len(configs):
         raise ValueError(f"{logits.shape[0]} rows of logits for {len(configs)} sampling configs")

@@ -16,7 +16,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from kvmesh.workers.block_pool import BlockPool
-from kvmesh.workers.sequence import Sequence, SeqStatus
+from kvmesh.workers.sequence import SeqStatus, Sequence
 
 
 class StepKind(enum.Enum):
@@ -140,7 +140,9 @@ class Scheduler:
                 if block is None:
                     victim = self.running[-1]
                     if victim is seq and len(self.running) == 1:
-                        raise AssertionError("a lone sequence cannot outgrow a pool it was checked against")
+                        raise AssertionError(
+                            "a lone sequence cannot outgrow a pool it was checked against"
+                        )
                     self._preempt(victim)
                     continue  # retry the same index (the victim may have been this one)
                 seq.block_table.extend(block)
@@ -149,7 +151,9 @@ class Scheduler:
         scheduled = [s for s in scheduled if s.status is SeqStatus.RUNNING]
         if not scheduled:
             return None
-        return ScheduledStep(StepKind.DECODE, tuple(scheduled), tuple(s.num_tokens - 1 for s in scheduled))
+        return ScheduledStep(
+            StepKind.DECODE, tuple(scheduled), tuple(s.num_tokens - 1 for s in scheduled)
+        )
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -1,9 +1,9 @@
 """One request's state inside a worker: its tokens, its blocks and how far its KV is written.
 
-    all_ids:      | prompt ....................... | output ......... |
-    KV written:   [0, num_computed_tokens)            the last sampled token has no KV yet
-    block_table:  one block per block_size tokens of all_ids that have (or are about to get) KV
-    block_hashes: chained hashes of every full block of all_ids, extended as tokens arrive
+all_ids:      | prompt ....................... | output ......... |
+KV written:   [0, num_computed_tokens)            the last sampled token has no KV yet
+block_table:  one block per block_size tokens of all_ids that have (or are about to get) KV
+block_hashes: chained hashes of every full block of all_ids, extended as tokens arrive
 """
 
 from __future__ import annotations

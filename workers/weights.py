@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
 from kvmesh.workers.model_config import ModelConfig
 
 Shape = tuple[int, ...]

@@ -9,7 +9,8 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch
@@ -20,7 +21,7 @@ from kvmesh.workers.block_pool import BlockPool
 from kvmesh.workers.model_runner import ModelRunner, SeqChunk
 from kvmesh.workers.sampler import SamplingConfig, sample
 from kvmesh.workers.scheduler import ScheduledStep, Scheduler, SchedulerConfig, StepKind
-from kvmesh.workers.sequence import Sequence, SeqStatus
+from kvmesh.workers.sequence import SeqStatus, Sequence
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +134,10 @@ class Worker:
                 f" exceeds the model's context of {context} tokens"
             )
         seq = Sequence(
-            req.request_id, list(req.prompt_ids), req.sampling, self.root_hash(req.cache_salt),
+            req.request_id,
+            list(req.prompt_ids),
+            req.sampling,
+            self.root_hash(req.cache_salt),
             self.clock(),
         )
         self.scheduler.add(seq)
@@ -185,7 +189,10 @@ class Worker:
                 self.counters.num_finished += 1
             outputs.append(
                 RequestOutput(
-                    seq.request_id, (token,), finished, seq.finish_reason,
+                    seq.request_id,
+                    (token,),
+                    finished,
+                    seq.finish_reason,
                     seq.num_cached_tokens if first else -1,
                     seq.num_computed_prompt_tokens if first else -1,
                 )
@@ -216,7 +223,9 @@ class Worker:
 
     def _next_batch(self, events: list[KVEvent]) -> EventBatch:
         self._seq += 1
-        return EventBatch(self.worker_id, self.generation, self._seq, tuple(events), time.time_ns() // 1_000_000)
+        return EventBatch(
+            self.worker_id, self.generation, self._seq, tuple(events), time.time_ns() // 1_000_000
+        )
 
     def info(self) -> WorkerInfo:
         c = self.counters

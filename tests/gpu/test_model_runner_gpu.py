@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+
 from kvmesh.workers.model_config import ModelConfig, preset
 from kvmesh.workers.model_runner import ModelRunner, SeqChunk
 from kvmesh.workers.weights import random_weights

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -15,13 +16,17 @@ from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
 from kvmesh.workers.config import WorkerConfig
 
 T = TypeVar("T")
+# `KVMESH_TEST_DEVICE=cuda` runs the same suite with CUDA workers (bf16) on a GPU machine.
+TEST_DEVICE = os.environ.get("KVMESH_TEST_DEVICE", "cpu")
 
 
-def start_deployment(num_workers: int = 2, num_blocks: int = 128, **coordinator: object) -> Deployment:
+def start_deployment(
+    num_workers: int = 2, num_blocks: int = 128, **coordinator: object
+) -> Deployment:
     config = DeploymentConfig(
         coordinator=CoordinatorConfig(port=0, **coordinator),  # type: ignore[arg-type]
         num_workers=num_workers,
-        worker=WorkerConfig(worker_id="template", num_blocks=num_blocks, device="cpu"),
+        worker=WorkerConfig(worker_id="template", num_blocks=num_blocks, device=TEST_DEVICE),
     )
     deployment = Deployment(config)
     deployment.start()
@@ -43,7 +48,9 @@ def wait_for(predicate: Callable[[], T], timeout_s: float = 10.0, what: str = "c
         time.sleep(0.05)
 
 
-def generate(stub: pb_grpc.KVMeshStub, tokens: list[int], max_tokens: int = 4, **kw: object) -> list[pb.GenerateResponse]:
+def generate(
+    stub: pb_grpc.KVMeshStub, tokens: list[int], max_tokens: int = 4, **kw: object
+) -> list[pb.GenerateResponse]:
     req = pb.GenerateRequest(
         token_ids=tokens, sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True), **kw
     )

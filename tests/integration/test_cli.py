@@ -28,7 +28,11 @@ def test_up_serves_the_read_commands_and_cleans_up_on_sigterm() -> None:
     env = dict(os.environ, RAY_AUTH_MODE="disabled")
     up = subprocess.Popen(
         [*CLI, "up", "--workers", "2", "--port", "0", "--num-blocks", "96"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
     )
     try:
         assert up.stdout is not None
@@ -43,11 +47,31 @@ def test_up_serves_the_read_commands_and_cleans_up_on_sigterm() -> None:
         assert address, "kvmesh up never printed its address"
 
         prefix = ",".join(str(3 + i % 200) for i in range(64))
-        first = json.loads(kvmesh("generate", "--address", address, "--tokens", prefix + ",7", "--max-tokens", "3", "--json").stdout)
-        assert set(first) >= {"tokens", "worker_id", "cached_tokens", "computed_tokens", "ttft_ms", "total_ms"}
+        first = json.loads(
+            kvmesh(
+                "generate",
+                "--address",
+                address,
+                "--tokens",
+                prefix + ",7",
+                "--max-tokens",
+                "3",
+                "--json",
+            ).stdout
+        )
+        assert set(first) >= {
+            "tokens",
+            "worker_id",
+            "cached_tokens",
+            "computed_tokens",
+            "ttft_ms",
+            "total_ms",
+        }
         assert len(first["tokens"]) <= 3 and first["computed_tokens"] == 65
         time.sleep(0.3)
-        second = json.loads(kvmesh("generate", "--address", address, "--tokens", prefix + ",8", "--json").stdout)
+        second = json.loads(
+            kvmesh("generate", "--address", address, "--tokens", prefix + ",8", "--json").stdout
+        )
         assert second["worker_id"] == first["worker_id"] and second["cached_tokens"] == 64
 
         stats = json.loads(kvmesh("stats", "--address", address, "--json").stdout)
@@ -58,13 +82,17 @@ def test_up_serves_the_read_commands_and_cleans_up_on_sigterm() -> None:
             assert {"pid", "node", "device", "num_blocks", "num_free_blocks", "alive"} <= set(w)
             assert w["alive"] and w["num_blocks"] == 96
 
-        text = kvmesh("generate", "--address", address, "--prompt", "hello", "--max-tokens", "2", "--json")
+        text = kvmesh(
+            "generate", "--address", address, "--prompt", "hello", "--max-tokens", "2", "--json"
+        )
         assert json.loads(text.stdout)["prompt_tokens"] == 6
 
         bad = kvmesh("generate", "--address", address, "--tokens", "1,999999", check=False)
         assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr
         assert "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
-        unknown = kvmesh("generate", "--address", address, "--tokens", "1,2", "--worker", "w9", check=False)
+        unknown = kvmesh(
+            "generate", "--address", address, "--tokens", "1,2", "--worker", "w9", check=False
+        )
         assert unknown.returncode == 1 and "unknown worker" in unknown.stderr
 
         up.send_signal(signal.SIGTERM)

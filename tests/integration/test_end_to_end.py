@@ -69,7 +69,9 @@ def test_redis_keys_match_every_worker_pool(deployment: Deployment) -> None:
         assert ray.get(actor.check_invariants.remote())
 
 
-def test_bad_input_gets_clear_statuses_and_the_service_keeps_serving(deployment: Deployment) -> None:
+def test_bad_input_gets_clear_statuses_and_the_service_keeps_serving(
+    deployment: Deployment,
+) -> None:
     stub = stub_for(deployment.address)
     cases = [
         (dict(token_ids=[]), 4, grpc.StatusCode.INVALID_ARGUMENT, "empty"),
@@ -77,7 +79,12 @@ def test_bad_input_gets_clear_statuses_and_the_service_keeps_serving(deployment:
         (dict(token_ids=[1] * 2000), 100, grpc.StatusCode.INVALID_ARGUMENT, "context"),
         (dict(token_ids=[1, 2]), 0, grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
         (dict(token_ids=[1, 2]), 2**31, grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
-        (dict(token_ids=[1, 2], worker_id="nope"), 4, grpc.StatusCode.INVALID_ARGUMENT, "unknown worker"),
+        (
+            dict(token_ids=[1, 2], worker_id="nope"),
+            4,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "unknown worker",
+        ),
     ]
     for fields, max_tokens, code, text in cases:
         req = pb.GenerateRequest(sampling=pb.SamplingParams(max_tokens=max_tokens), **fields)
@@ -85,7 +92,9 @@ def test_bad_input_gets_clear_statuses_and_the_service_keeps_serving(deployment:
             list(stub.Generate(req, timeout=30))
         assert err.value.code() == code, fields
         assert text in err.value.details(), err.value.details()
-    huge = pb.GenerateRequest(token_ids=[2**31] * (4 << 20), sampling=pb.SamplingParams(max_tokens=1))
+    huge = pb.GenerateRequest(
+        token_ids=[2**31] * (4 << 20), sampling=pb.SamplingParams(max_tokens=1)
+    )
     with pytest.raises(grpc.RpcError) as err:
         list(stub.Generate(huge, timeout=30))
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -107,9 +116,11 @@ def test_forced_placement_and_route_and_stats(deployment: Deployment) -> None:
 
 def test_text_prompts_use_the_byte_tokenizer(deployment: Deployment) -> None:
     stub = stub_for(deployment.address)
-    req = pb.GenerateRequest(prompt="hello kvmesh", sampling=pb.SamplingParams(max_tokens=3, ignore_eos=True))
+    req = pb.GenerateRequest(
+        prompt="hello kvmesh", sampling=pb.SamplingParams(max_tokens=3, ignore_eos=True)
+    )
     out = list(stub.Generate(req, timeout=30))
-    assert out[0].cache.prompt_tokens == len("hello kvmesh".encode()) + 1  # BOS + bytes
+    assert out[0].cache.prompt_tokens == len(b"hello kvmesh") + 1  # BOS + bytes
     assert sum(len(r.token_ids) for r in out) == 3
 
 
@@ -119,6 +130,8 @@ def test_health_and_reflection_answer(deployment: Deployment) -> None:
     resp = health.Check(health_pb2.HealthCheckRequest(service="kvmesh.v1.KVMesh"))
     assert resp.status == health_pb2.HealthCheckResponse.SERVING
     refl = reflection_pb2_grpc.ServerReflectionStub(channel)
-    answers = refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+    answers = refl.ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+    )
     names = {s.name for a in answers for s in a.list_services_response.service}
     assert "kvmesh.v1.KVMesh" in names and "grpc.health.v1.Health" in names

@@ -27,14 +27,18 @@ def test_killed_worker_is_purged_and_later_requests_succeed(ray_session: None) -
         prompt = [(i * 3) % 250 + 3 for i in range(48)]
         victim = generate(stub, prompt, worker_id="w0")[0].cache.worker_id
         client = redis.Redis.from_url(d.redis.url)
-        wait_for(lambda: client.hlen(schema.worker_blocks_key(victim)) == 3, what="w0's blocks in Redis")
+        wait_for(
+            lambda: client.hlen(schema.worker_blocks_key(victim)) == 3, what="w0's blocks in Redis"
+        )
 
         # A second coordinator's mirror, rebuilt from Redis, agrees with the first one.
         mirror, lock = IndexMirror(), threading.Lock()
         follower = IndexFollower(IndexStore(d.redis.url), mirror, lock, ns="unused")
         follower.rebuild()
         assert d.coordinator is not None
-        assert mirror.worker_hashes(WorkerId(victim)) == d.coordinator.mirror.worker_hashes(WorkerId(victim))
+        assert mirror.worker_hashes(WorkerId(victim)) == d.coordinator.mirror.worker_hashes(
+            WorkerId(victim)
+        )
 
         ray.kill(d.cluster.actor(victim), no_restart=True)
         wait_for(lambda: not d.cluster.is_alive(victim), what="the coordinator to notice the death")  # type: ignore[union-attr]

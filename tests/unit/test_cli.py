@@ -6,20 +6,26 @@ client's wire handling is checked end to end without Ray, Redis or a model.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import socket
+import sys
+import types
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import fields
 
 import grpc
 import pytest
+
 from kvmesh.client import cli, wire
 from kvmesh.client.client import AsyncClient, Client
 from kvmesh.client.commands import parse_token_ids
 from kvmesh.client.environment import DEFAULT_ADDRESS, read_environment
 from kvmesh.client.errors import InvalidArgument, NotFound
+from kvmesh.client.extension import Extension
+from kvmesh.client.parser import build_parser
 from kvmesh.client.results import CacheFacts, Stats, StreamChunk, WorkerInfo
 from kvmesh.client.stream_accumulator import StreamAccumulator
 from kvmesh.client.table import format_fields, format_table
@@ -279,11 +285,54 @@ def test_bad_tokens_give_one_line_and_exit_2(
     assert err.startswith("kvmesh: error: --tokens") and len(err.strip().splitlines()) == 1
 
 
-def test_flag_validation_rejects_out_of_range_values(capsys: pytest.CaptureFixture[str]) -> None:
-    assert run_cli(capsys, "up", "--workers", "0", "--help")[0] == 2
-    assert run_cli(capsys, "up", "--port", "70000")[0] == 2
-    assert run_cli(capsys, "generate", "--tokens", "1", "--max-tokens", "0")[0] == 2
-    assert run_cli(capsys, "stats", "--timeout", "-1")[0] == 2
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["up", "--workers", "0"],
+        ["up", "--port", "70000"],
+        ["serve", "--redis-url", "redis://h", "--gpus-per-worker", "0"],
+        ["generate", "--tokens", "1", "--max-tokens", "0"],
+        ["stats", "--timeout", "-1"],
+    ],
+)
+def test_flag_validation_rejects_out_of_range_values(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    parser = build_parser(read_environment({}))
+    with pytest.raises(SystemExit) as raised:
+        parser.parse_args(argv)
+    assert raised.value.code == 2
+    assert "must be" in capsys.readouterr().err
+
+
+def test_up_hands_the_parsed_flags_to_the_launcher(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    seen: list[argparse.Namespace] = []
+
+    def run_up(args: argparse.Namespace) -> int:
+        seen.append(args)
+        return 7
+
+    launcher = types.ModuleType("kvmesh.coordinator.launcher")
+    launcher.run_up = run_up  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "kvmesh.coordinator.launcher", launcher)
+    code, _, _ = run_cli(capsys, "up", "--workers", "3", "--num-blocks", "96", "--port", "0")
+    assert code == 7
+    args = seen[0]
+    assert (args.workers, args.num_blocks, args.port, args.host) == (3, 96, 0, "127.0.0.1")
+    assert (args.model, args.block_size, args.policy) == ("tiny-random", 16, "kvmesh")
+    assert args.device == "auto"
+    assert args.redis_url is None and args.gpus_per_worker is None and args.seed == 0
+
+
+def test_up_without_a_launcher_reports_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "kvmesh.coordinator.launcher", None)  # import fails
+    code, _, err = run_cli(capsys, "up")
+    assert code == 2 and err.startswith("kvmesh: error: up is not available in this build")
+    assert len(err.strip().splitlines()) == 1
 
 
 def test_serve_requires_a_redis_url(capsys: pytest.CaptureFixture[str]) -> None:
@@ -294,7 +343,7 @@ def test_serve_requires_a_redis_url(capsys: pytest.CaptureFixture[str]) -> None:
 def test_unavailable_extension_reports_one_line(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    missing = cli.Extension("simulate", "kvmesh.client.no_such_module", "run", "x")
+    missing = Extension("simulate", "kvmesh.client.no_such_module", "run", "x")
     monkeypatch.setattr(cli, "EXTENSIONS", (missing,))
     code, _, err = run_cli(capsys, "simulate", "--anything")
     assert code == 2

@@ -6,6 +6,7 @@ import socket
 
 import grpc
 import pytest
+
 from kvmesh.client.errors import (
     DeadlineExceeded,
     InternalError,

@@ -73,8 +73,15 @@ def test_random_bytes_never_crash_the_decoder(data: bytes) -> None:
 
 u64 = st.integers(min_value=0, max_value=2**64 - 1)
 events = st.one_of(
-    st.builds(lambda hs, t, p: BlockStored(tuple(hs), t, p), st.lists(u64, max_size=5), st.sampled_from([0, 1]), u64),
-    st.builds(lambda hs, t: BlockRemoved(tuple(hs), t), st.lists(u64, max_size=5), st.sampled_from([0, 1])),
+    st.builds(
+        lambda hs, t, p: BlockStored(tuple(hs), t, p),
+        st.lists(u64, max_size=5),
+        st.sampled_from([0, 1]),
+        u64,
+    ),
+    st.builds(
+        lambda hs, t: BlockRemoved(tuple(hs), t), st.lists(u64, max_size=5), st.sampled_from([0, 1])
+    ),
     st.just(AllCleared()),
 )
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from kvmesh.workers.model_config import ModelConfig, RopeScaling, load_model_config, preset
 from kvmesh.workers.model_runner import ModelRunner, SeqChunk, rope_inv_freq
 from kvmesh.workers.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer

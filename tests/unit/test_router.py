@@ -20,7 +20,9 @@ CM = CostModel()
 HASHES = [BlockHash(i) for i in range(1, 9)]
 
 
-def view(w: str, matched: int = 0, queued_ms: float = 0.0, running: int = 0, free: int = 1000) -> WorkerView:
+def view(
+    w: str, matched: int = 0, queued_ms: float = 0.0, running: int = 0, free: int = 1000
+) -> WorkerView:
     return WorkerView(WorkerId(w), 1000, free, queued_ms, int(queued_ms), running, matched, matched)
 
 
@@ -44,9 +46,15 @@ def test_kvmesh_leaves_a_hot_worker_when_its_queue_costs_more_than_recompute() -
 
 
 def test_ties_break_randomly_but_reproducibly() -> None:
-    picks = {KvmeshPolicy(CM, random.Random(s)).choose(query(), [view("a"), view("b")]).worker_id for s in range(20)}
+    picks = {
+        KvmeshPolicy(CM, random.Random(s)).choose(query(), [view("a"), view("b")]).worker_id
+        for s in range(20)
+    }
     assert picks == {"a", "b"}
-    again = [KvmeshPolicy(CM, random.Random(3)).choose(query(), [view("a"), view("b")]).worker_id for _ in range(3)]
+    again = [
+        KvmeshPolicy(CM, random.Random(3)).choose(query(), [view("a"), view("b")]).worker_id
+        for _ in range(3)
+    ]
     assert len(set(again)) == 1
 
 

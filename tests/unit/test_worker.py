@@ -1,4 +1,4 @@
-"""The worker engine (pool + scheduler + model runner) without Ray: reuse must not change results."""
+"""The worker engine (pool + scheduler + runner) without Ray: reuse must not change results."""
 
 from __future__ import annotations
 
@@ -22,8 +22,12 @@ class Harness:
         self.logits: dict[str, list[torch.Tensor]] = defaultdict(list)
         runner = ModelRunner(config, num_blocks, BS, device="cpu", dtype=torch.float32, seed=0)
         self.worker = Worker(
-            "w0", runner, config.fingerprint(), SchedulerConfig(BS, max_num_seqs, 4096),
-            eos_token_ids=(), logits_sink=lambda rid, row: self.logits[rid].append(row),
+            "w0",
+            runner,
+            config.fingerprint(),
+            SchedulerConfig(BS, max_num_seqs, 4096),
+            eos_token_ids=(),
+            logits_sink=lambda rid, row: self.logits[rid].append(row),
         )
 
     def run(self, requests: list[WorkerRequest]) -> dict[str, list[RequestOutput]]:
