@@ -92,6 +92,7 @@ class Deployment:
                 block_size=cc.block_size,
                 redis_url=redis_url,
                 seed=cc.seed,
+                gpu_fraction=gpus_per_worker if 0 < gpus_per_worker < 1 else 1.0,
             )
             for i in range(num_workers)
         ]

@@ -60,7 +60,12 @@ def run_deployment(config: DeploymentConfig) -> int:
     deployment = Deployment(config)
     try:
         print("kvmesh: starting Redis, Ray and workers ...", file=sys.stderr, flush=True)
-        address = deployment.start()
+        try:
+            address = deployment.start()
+        except Exception as exc:  # one line for the user; the details are in the Ray logs
+            first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            print(f"kvmesh: error: could not start the cluster: {first_line}", file=sys.stderr)
+            return 1
         # After start: ray.init installs its own SIGTERM handler, which would skip our cleanup.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())

@@ -1,115 +1,56 @@
-"""Routing policies behind one interface, so the service and the simulator can swap them.
+"""Routing policies: kvmesh's continuous cost and the simple baselines, plus the registry.
 
-Every policy sees the same facts per live worker (`WorkerView`: how much of the prompt it holds,
-how much prefill work is queued on it, how many sequences it decodes) and returns a decision.
-Policies that keep their own state (round-robin's cursor, SGLang's approximate tree) keep it in
-the instance; randomness comes from the `random.Random` passed in, so runs are reproducible.
+The interface (`WorkerView`, `RouteQuery`, `RouteDecision`, `RoutingPolicy`) lives in
+`policy_base` and is re-exported here; reimplementations of other systems' routers live in
+`baseline_policies`. `POLICIES` names every policy a user can pick (`kvmesh up --policy NAME`,
+`kvmesh simulate --policies ...`); `make_policy` builds one.
 """
 
 from __future__ import annotations
 
 import random
-from abc import ABC, abstractmethod
+import time
 from collections import OrderedDict
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import ClassVar
+from collections.abc import Callable, Sequence
 
+from kvmesh.coordinator.baseline_policies import DynamoKvPolicy, SglangCacheAwarePolicy
 from kvmesh.coordinator.cost_model import CostModel
 from kvmesh.coordinator.index_mirror import WorkerId
-from kvmesh.proto.block_hash import BlockHash
+from kvmesh.coordinator.policy_base import (
+    RouteDecision,
+    RouteQuery,
+    RoutingPolicy,
+    WorkerScore,
+    WorkerView,
+)
 
-_TIE_EPSILON_MS = 1e-9
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerView:
-    worker_id: WorkerId
-    num_blocks: int  # pool capacity
-    num_free_blocks: int  # free (possibly cached) blocks the worker last reported
-    queued_prefill_ms: float  # predicted prefill work routed here and not yet done
-    queued_prefill_tokens: int
-    num_running: int  # sequences routed here and not finished
-    matched_blocks: int  # leading prompt blocks this worker holds (any tier)
-    matched_device_blocks: int  # ... of which the leading run on the device tier
-
-
-@dataclass(frozen=True, slots=True)
-class RouteQuery:
-    request_id: str
-    block_hashes: Sequence[BlockHash]
-    prompt_len: int
-    block_size: int
-    session_id: str = ""
-
-    @property
-    def num_prompt_blocks(self) -> int:
-        return -(-self.prompt_len // self.block_size)
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerScore:
-    worker_id: WorkerId
-    matched_blocks: int
-    cost_ms: float
-
-
-@dataclass(frozen=True, slots=True)
-class RouteDecision:
-    worker_id: WorkerId
-    matched_blocks: int
-    cost_ms: float
-    predicted_prefill_ms: float  # what the load tracker should queue on the chosen worker
-    scores: tuple[WorkerScore, ...]
-
-
-class RoutingPolicy(ABC):
-    """Contract: `choose` gets at least one worker and returns one of them; it never blocks."""
-
-    name: ClassVar[str]
-
-    def __init__(self, cost_model: CostModel, rng: random.Random) -> None:
-        self.cost_model = cost_model
-        self.rng = rng
-
-    @abstractmethod
-    def choose(self, query: RouteQuery, workers: Sequence[WorkerView]) -> RouteDecision: ...
-
-    def on_worker_removed(self, worker_id: WorkerId) -> None:  # noqa: B027 - optional hook
-        """Forget any state about a worker that left."""
-
-    def _pick_lowest(
-        self, query: RouteQuery, workers: Sequence[WorkerView], costs: Sequence[float]
-    ) -> RouteDecision:
-        if not workers:
-            raise ValueError("no workers to route to")
-        best = min(costs)
-        tied = [i for i, c in enumerate(costs) if c <= best + _TIE_EPSILON_MS]
-        i = tied[0] if len(tied) == 1 else self.rng.choice(tied)
-        w = workers[i]
-        scores = tuple(
-            WorkerScore(v.worker_id, v.matched_blocks, c)
-            for v, c in zip(workers, costs, strict=True)
-        )
-        return RouteDecision(
-            w.worker_id, w.matched_blocks, costs[i], self._prefill_ms(query, w), scores
-        )
-
-    def _prefill_ms(self, query: RouteQuery, w: WorkerView) -> float:
-        cached = self._cached_tokens(query, w)
-        return self.cost_model.prefill_ms(query.prompt_len - cached, cached)
-
-    @staticmethod
-    def _cached_tokens(query: RouteQuery, w: WorkerView) -> int:
-        # The last prompt token is always computed (its logits start decoding).
-        return min(w.matched_blocks * query.block_size, query.prompt_len - 1)
+__all__ = [
+    "POLICIES",
+    "DynamoKvPolicy",
+    "KvmeshPolicy",
+    "LeastLoadedPolicy",
+    "RoundRobinPolicy",
+    "RouteDecision",
+    "RouteQuery",
+    "RoutingPolicy",
+    "SessionStickyPolicy",
+    "SglangCacheAwarePolicy",
+    "WorkerScore",
+    "WorkerView",
+    "make_policy",
+]
 
 
 class RoundRobinPolicy(RoutingPolicy):
     name = "round_robin"
 
-    def __init__(self, cost_model: CostModel, rng: random.Random) -> None:
-        super().__init__(cost_model, rng)
+    def __init__(
+        self,
+        cost_model: CostModel,
+        rng: random.Random,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(cost_model, rng, clock)
         self._next = 0
 
     def choose(self, query: RouteQuery, workers: Sequence[WorkerView]) -> RouteDecision:
@@ -138,10 +79,15 @@ class SessionStickyPolicy(RoutingPolicy):
     name = "session_sticky"
     max_sessions = 100_000
 
-    def __init__(self, cost_model: CostModel, rng: random.Random) -> None:
-        super().__init__(cost_model, rng)
+    def __init__(
+        self,
+        cost_model: CostModel,
+        rng: random.Random,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(cost_model, rng, clock)
         self._session_to_worker: OrderedDict[str, WorkerId] = OrderedDict()
-        self._fallback = LeastLoadedPolicy(cost_model, rng)
+        self._fallback = LeastLoadedPolicy(cost_model, rng, clock)
 
     def choose(self, query: RouteQuery, workers: Sequence[WorkerView]) -> RouteDecision:
         sticky = self._session_to_worker.get(query.session_id) if query.session_id else None
@@ -175,8 +121,13 @@ class KvmeshPolicy(RoutingPolicy):
     name = "kvmesh"
     max_sessions = 100_000
 
-    def __init__(self, cost_model: CostModel, rng: random.Random) -> None:
-        super().__init__(cost_model, rng)
+    def __init__(
+        self,
+        cost_model: CostModel,
+        rng: random.Random,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(cost_model, rng, clock)
         self._session_to_worker: OrderedDict[str, WorkerId] = OrderedDict()
 
     def worker_cost(self, query: RouteQuery, w: WorkerView, sticky: WorkerId | None) -> float:
@@ -210,14 +161,29 @@ class KvmeshPolicy(RoutingPolicy):
 
 
 POLICIES: dict[str, type[RoutingPolicy]] = {
-    p.name: p for p in (KvmeshPolicy, RoundRobinPolicy, LeastLoadedPolicy, SessionStickyPolicy)
+    p.name: p
+    for p in (
+        KvmeshPolicy,
+        RoundRobinPolicy,
+        LeastLoadedPolicy,
+        SessionStickyPolicy,
+        SglangCacheAwarePolicy,
+        DynamoKvPolicy,
+    )
 }
 
 
-def make_policy(name: str, cost_model: CostModel, rng: random.Random) -> RoutingPolicy:
+def make_policy(
+    name: str,
+    cost_model: CostModel,
+    rng: random.Random,
+    clock: Callable[[], float] = time.monotonic,
+) -> RoutingPolicy:
+    """A fresh policy; `clock` (seconds) is what time-based policies (SGLang's tree) read."""
     try:
-        return POLICIES[name](cost_model, rng)
+        policy_type = POLICIES[name]
     except KeyError:
         raise ValueError(
             f"unknown policy {name!r}; choose from {', '.join(sorted(POLICIES))}"
         ) from None
+    return policy_type(cost_model, rng, clock)

@@ -21,6 +21,8 @@ class WorkerConfig:
     """`float32`, `bfloat16`, `float16` or `auto` (fp32 on CPU, bf16 on CUDA)."""
     kv_cache_fraction: float = 0.85
     """Share of the GPU memory left after the weights that the KV pool may take (per worker)."""
+    gpu_fraction: float = 1.0
+    """Share of the GPU this worker owns (fractional GPUs): pool sizing stays within that share."""
     cpu_kv_cache_mb: int = 256
     """KV pool size on CPU when num_blocks is 0."""
     redis_url: str = ""
@@ -49,6 +51,8 @@ class WorkerConfig:
             raise ValueError(f"unknown dtype {self.dtype!r}")
         if not 0.0 < self.kv_cache_fraction <= 1.0:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
+        if not 0.0 < self.gpu_fraction <= 1.0:
+            raise ValueError(f"gpu_fraction must be in (0, 1], got {self.gpu_fraction}")
         if self.heartbeat_ttl_s <= self.heartbeat_interval_s:
             raise ValueError(
                 f"heartbeat_ttl_s ({self.heartbeat_ttl_s}) must exceed the interval"

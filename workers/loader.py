@@ -47,10 +47,15 @@ def size_pool(config: WorkerConfig, model: ModelConfig, device: str, dtype: torc
         return config.num_blocks
     per_block = ModelRunner.kv_bytes_per_block(model, config.block_size, dtype)
     if device.startswith("cuda"):
-        free, _total = torch.cuda.mem_get_info(torch.device(device))
-        budget = (
-            free - weight_bytes(model, dtype) - _ACTIVATION_RESERVE_BYTES
-        ) * config.kv_cache_fraction
+        # Workers sharing a GPU each stay within their share of it, whatever the others took.
+        free, total = torch.cuda.mem_get_info(torch.device(device))
+        share = total * config.gpu_fraction
+        usable = (
+            min(free, share)
+            - weight_bytes(model, dtype)
+            - _ACTIVATION_RESERVE_BYTES * config.gpu_fraction
+        )
+        budget = max(0.0, usable) * config.kv_cache_fraction
     else:
         budget = config.cpu_kv_cache_mb << 20
     min_blocks = -(-model.max_position_embeddings // config.block_size) + 1
