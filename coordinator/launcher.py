@@ -1,14 +1,13 @@
 """`kvmesh up` and `kvmesh serve`: run a deployment in the foreground until SIGINT / SIGTERM.
 
-Flags win over KVMESH_* environment variables, which win over defaults; the CLI parses flags and
-hands the namespace here.
+Flags win over KVMESH_* environment variables, which win over defaults; the CLI merges both
+(kvmesh.client.environment) and hands the namespace here.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 import threading
@@ -26,9 +25,7 @@ def _opt(args: argparse.Namespace, name: str, default: Any) -> Any:
 
 
 def deployment_config(args: argparse.Namespace, *, embedded_redis: bool) -> DeploymentConfig:
-    redis_url = _opt(args, "redis_url", "") or (
-        "" if embedded_redis else os.environ.get("KVMESH_REDIS_URL", "")
-    )
+    redis_url = _opt(args, "redis_url", "")  # the CLI already merged KVMESH_REDIS_URL
     coordinator = CoordinatorConfig(
         model=_opt(args, "model", "tiny-random"),
         seed=int(_opt(args, "seed", 0)),
