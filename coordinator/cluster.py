@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
 from kvmesh.workers.actor import RequestError, remote_worker_class
 from kvmesh.workers.config import WorkerConfig
@@ -98,6 +99,45 @@ class Cluster:
         except RayActorError:
             self.mark_dead(worker_id)
             raise WorkerDied(worker_id) from None
+
+    def pull(
+        self, target: str, source: str, hashes: list[int], parent: int, timeout_s: float = 60.0
+    ) -> int:
+        """Have `target` fetch `source`'s run of `hashes` (object store); returns how many of them
+        `target` holds afterwards, 0 when the transfer failed (the request then recomputes)."""
+        try:
+            export = self.actor(source).export_blocks.remote(hashes)
+            return int(
+                ray.get(self.actor(target).import_blocks.remote(export, parent), timeout=timeout_s)
+            )
+        except RayActorError:
+            self._mark_dead_among(source, target)
+        except (RayError, GetTimeoutError) as exc:
+            log.warning("pull %s -> %s failed: %s", source, target, str(exc).splitlines()[0])
+        return 0
+
+    def _mark_dead_among(self, *worker_ids: str) -> None:
+        for w in worker_ids:
+            try:
+                ray.get(self.actor(w).ping.remote(), timeout=2)
+            except (RayError, GetTimeoutError):
+                self.mark_dead(w)
+
+    def measure_link(
+        self, source: str, target: str, num_bytes: int = 32 << 20
+    ) -> tuple[float, float]:
+        """(bytes per ms, fixed latency in ms) of moving probes source -> target."""
+
+        def move(n: int) -> float:
+            started = time.perf_counter()
+            probe = self.actor(source).make_probe.remote(n)
+            ray.get(self.actor(target).consume_probe.remote(probe), timeout=60)
+            return (time.perf_counter() - started) * 1e3
+
+        move(1)  # warm both actors' call paths
+        latency_ms = min(move(1) for _ in range(3))
+        big_ms = move(num_bytes)
+        return num_bytes / max(1e-6, big_ms - latency_ms), latency_ms
 
     def infos(self, timeout_s: float = 2.0) -> dict[str, dict[str, Any]]:
         with self._lock:

@@ -19,7 +19,9 @@ from kvmesh.coordinator.config import CoordinatorConfig
 from kvmesh.coordinator.cost_model import CostModel
 from kvmesh.coordinator.index_mirror import IndexMirror, PrefixMatch, WorkerId
 from kvmesh.coordinator.load_tracker import LoadTracker
+from kvmesh.coordinator.pull_planner import PullPlan, best_peer, cheapest_prefill
 from kvmesh.coordinator.router import RouteDecision, RouteQuery, WorkerView, make_policy
+from kvmesh.coordinator.transfer_manager import TransferManager
 from kvmesh.proto.block_hash import BlockHash, block_hashes, namespace_hash
 from kvmesh.workers.model_config import ModelConfig
 from kvmesh.workers.sampler import SamplingConfig
@@ -62,9 +64,10 @@ class StreamEvent:
     worker_id: str
     finished: bool
     finish_reason: str = ""
-    cached_tokens: int = -1  # >= 0 on the first event only
+    cached_tokens: int = -1  # >= 0 on the first event only: reused from the worker's own pool
     computed_tokens: int = -1
     prompt_tokens: int = 0
+    pulled_tokens: int = 0  # on the first event: fetched from a peer before the prefill
 
 
 @dataclass(slots=True)
@@ -73,6 +76,7 @@ class Counters:
     num_failed_requests: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    pulled_tokens: int = 0
     computed_tokens: int = 0
     generated_tokens: int = 0
     per_worker: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -91,6 +95,7 @@ class Coordinator:
         index_connected: Callable[[], bool] = lambda: True,
         worker_free_blocks: Callable[[str], tuple[int, int]] | None = None,
         cost_model: CostModel | None = None,
+        transfers: TransferManager | None = None,
     ) -> None:
         self.config = config
         self.model = model
@@ -106,6 +111,9 @@ class Coordinator:
         self._lock = threading.Lock()  # guards policy, load tracker and counters
         self.counters = Counters()
         self.fingerprint = model.fingerprint()
+        self.transfers = transfers
+        if transfers is not None:
+            self.policy.transfer_ms = transfers.price
 
     # ---- request preparation ------------------------------------------------------------------
 
@@ -204,29 +212,50 @@ class Coordinator:
         self.check_sampling(prompt, sampling)
         request_id = request_id or uuid.uuid4().hex
         if worker_id:
-            if worker_id not in self.backend.worker_ids():
-                raise InvalidRequest(f"unknown worker id {worker_id!r}")
-            if worker_id not in self.backend.live_worker_ids():
-                raise NoLiveWorker(f"worker {worker_id!r} is not alive")
-            chosen = WorkerId(worker_id)
-            view = self.views(prompt, [worker_id])[0]
-            cached = min(view.matched_blocks * self.config.block_size, len(prompt.token_ids) - 1)
-            predicted = self.cost_model.prefill_ms(len(prompt.token_ids) - cached, cached)
+            chosen, predicted, pull = self._forced(prompt, worker_id)
         else:
             decision = self.route(prompt, session_id, request_id)
-            chosen, predicted = decision.worker_id, decision.predicted_prefill_ms
+            chosen, predicted, pull = (
+                decision.worker_id,
+                decision.predicted_prefill_ms,
+                decision.pull,
+            )
         with self._lock:
             self.load.on_routed(request_id, chosen, predicted, len(prompt.token_ids))
             self.counters.num_requests += 1
+        pulled_tokens = 0
+        if pull is not None and self.transfers is not None:
+            root = namespace_hash(self.fingerprint, "", prompt.cache_salt)
+            pulled_tokens = self.transfers.execute(pull, chosen, prompt.block_hashes, root)
         request = WorkerRequest(request_id, prompt.token_ids, sampling, prompt.cache_salt)
-        return self._stream(chosen, request)
+        return self._stream(chosen, request, pulled_tokens)
 
-    def _stream(self, worker: WorkerId, request: WorkerRequest) -> Iterator[StreamEvent]:
+    def _forced(
+        self, prompt: PreparedPrompt, worker_id: str
+    ) -> tuple[WorkerId, float, PullPlan | None]:
+        """Placement chosen by the caller; a pull is still planned when a peer holds more."""
+        if worker_id not in self.backend.worker_ids():
+            raise InvalidRequest(f"unknown worker id {worker_id!r}")
+        live = self.backend.live_worker_ids()
+        if worker_id not in live:
+            raise NoLiveWorker(f"worker {worker_id!r} is not alive")
+        views = self.views(prompt, live)
+        target = next(v for v in views if v.worker_id == worker_id)
+        query = RouteQuery("", prompt.block_hashes, len(prompt.token_ids), self.config.block_size)
+        price = self.transfers.price if self.transfers is not None else None
+        option = cheapest_prefill(query, target, best_peer(views), self.cost_model, price)
+        return target.worker_id, option.prefill_ms, option.pull
+
+    def _stream(
+        self, worker: WorkerId, request: WorkerRequest, pulled_tokens: int = 0
+    ) -> Iterator[StreamEvent]:
         ok = False
         try:
             for out in self.backend.generate(worker, request):
+                pulled = 0
                 if out.cached_tokens >= 0:
-                    self._on_prefilled(worker, request, out)
+                    pulled = min(pulled_tokens, out.cached_tokens)
+                    self._on_prefilled(worker, request, out, pulled)
                 with self._lock:
                     self.counters.generated_tokens += len(out.new_token_ids)
                 yield StreamEvent(
@@ -234,9 +263,10 @@ class Coordinator:
                     worker,
                     out.finished,
                     out.finish_reason,
-                    out.cached_tokens,
+                    out.cached_tokens - pulled if out.cached_tokens >= 0 else -1,
                     out.computed_tokens,
                     len(request.prompt_ids),
+                    pulled,
                 )
                 if out.finished:
                     ok = True
@@ -247,15 +277,18 @@ class Coordinator:
                 if not ok:
                     self.counters.num_failed_requests += 1
 
-    def _on_prefilled(self, worker: WorkerId, request: WorkerRequest, out: RequestOutput) -> None:
+    def _on_prefilled(
+        self, worker: WorkerId, request: WorkerRequest, out: RequestOutput, pulled: int
+    ) -> None:
         with self._lock:
             self.load.on_prefilled(request.request_id)
             c = self.counters
             c.prompt_tokens += len(request.prompt_ids)
-            c.cached_tokens += out.cached_tokens
+            c.pulled_tokens += pulled
+            c.cached_tokens += out.cached_tokens - pulled
             c.computed_tokens += out.computed_tokens
             w = c.per_worker.setdefault(worker, {"cached_tokens": 0, "computed_tokens": 0})
-            w["cached_tokens"] += out.cached_tokens
+            w["cached_tokens"] += out.cached_tokens - pulled
             w["computed_tokens"] += out.computed_tokens
 
     def on_worker_dead(self, worker_id: str) -> None:
@@ -273,6 +306,7 @@ class Coordinator:
                 "num_failed_requests": c.num_failed_requests,
                 "prompt_tokens": c.prompt_tokens,
                 "cached_tokens": c.cached_tokens,
+                "pulled_tokens": c.pulled_tokens,
                 "computed_tokens": c.computed_tokens,
                 "generated_tokens": c.generated_tokens,
                 "hit_rate": c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,

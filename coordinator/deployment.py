@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import grpc
 import ray
+import torch
 
 from kvmesh.coordinator.cluster import Cluster
 from kvmesh.coordinator.config import CoordinatorConfig
@@ -20,9 +23,11 @@ from kvmesh.coordinator.index_mirror import IndexMirror
 from kvmesh.coordinator.index_store import IndexStore
 from kvmesh.coordinator.redis_server import RedisServer, start_redis_server
 from kvmesh.coordinator.service import KVMeshServicer, build_server
+from kvmesh.coordinator.transfer_manager import TransferManager
 from kvmesh.proto.block_hash import namespace_hash
 from kvmesh.workers.config import WorkerConfig
 from kvmesh.workers.model_config import load_model_config
+from kvmesh.workers.model_runner import ModelRunner
 from kvmesh.workers.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -99,6 +104,16 @@ class Deployment:
         ns = f"{namespace_hash(model.fingerprint()):016x}"
         self.cluster = Cluster()
         self.cluster.start_workers(workers, gpus_per_worker)
+        infos = self.cluster.infos()
+        first: dict[str, Any] = next(iter(infos.values()), {})
+        device = str(first.get("device", "cpu"))
+        dtype = torch.float32 if device == "cpu" else torch.bfloat16
+        kv_bytes_per_token = (
+            ModelRunner.kv_bytes_per_block(model, cc.block_size, dtype) // cc.block_size
+        )
+        transfers = TransferManager(
+            self.cluster, cluster_info(self.cluster), kv_bytes_per_token, cc.block_size
+        )
         mirror, lock = IndexMirror(), threading.Lock()
         store = IndexStore(redis_url)
         self.follower = IndexFollower(store, mirror, lock, ns=ns)
@@ -112,8 +127,10 @@ class Deployment:
             tokenizer=load_tokenizer(cc.model),
             index_connected=lambda: self.follower is not None and self.follower.connected,
             worker_free_blocks=lambda w: _free_blocks(cluster, w),
+            transfers=transfers,
         )
         coordinator = self.coordinator
+        self._calibrate_links(transfers)
 
         def on_dead(worker_id: str) -> None:
             coordinator.on_worker_dead(worker_id)
@@ -124,7 +141,6 @@ class Deployment:
 
         self.cluster.set_on_worker_dead(on_dead)
         self.follower.start()
-        self.cluster.infos()
         self.cluster.start_monitor(cc.health_interval_s)
         servicer = KVMeshServicer(self.coordinator, self.cluster, self.follower)
         self.server, self.port, _health = build_server(
@@ -136,6 +152,21 @@ class Deployment:
         )
         self.server.start()
         return self.address
+
+    def _calibrate_links(self, transfers: TransferManager) -> None:
+        """Measure one worker-to-worker link so the first pulls are priced from reality."""
+        assert self.cluster is not None
+        live = self.cluster.live_worker_ids()
+        if len(live) < 2:
+            return
+        try:
+            bandwidth, latency = self.cluster.measure_link(live[0], live[1])
+            transfers.calibrate(live[0], live[1], bandwidth, latency)
+            log.info(
+                "link %s -> %s: %.0f MB/s, %.2f ms", live[0], live[1], bandwidth / 1e3, latency
+            )
+        except Exception as exc:  # calibration is an optimisation: keep the defaults
+            log.warning("link calibration failed: %s", exc)
 
     def stop(self) -> None:
         if self.server is not None:
@@ -153,6 +184,10 @@ class Deployment:
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
+
+
+def cluster_info(cluster: Cluster) -> Callable[[str], dict[str, Any]]:
+    return cluster.latest_info
 
 
 def _free_blocks(cluster: Cluster, worker_id: str) -> tuple[int, int]:

@@ -12,6 +12,7 @@ import random
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from kvmesh.coordinator.baseline_policies import DynamoKvPolicy, SglangCacheAwarePolicy
 from kvmesh.coordinator.cost_model import CostModel
@@ -23,6 +24,7 @@ from kvmesh.coordinator.policy_base import (
     WorkerScore,
     WorkerView,
 )
+from kvmesh.coordinator.pull_planner import cheapest_prefill
 
 __all__ = [
     "POLICIES",
@@ -130,10 +132,17 @@ class KvmeshPolicy(RoutingPolicy):
         super().__init__(cost_model, rng, clock)
         self._session_to_worker: OrderedDict[str, WorkerId] = OrderedDict()
 
-    def worker_cost(self, query: RouteQuery, w: WorkerView, sticky: WorkerId | None) -> float:
+    def worker_cost(
+        self,
+        query: RouteQuery,
+        w: WorkerView,
+        sticky: WorkerId | None,
+        peer: WorkerView | None = None,
+    ) -> float:
+        """`peer`: the worker holding the longest device prefix, when pulls are priced."""
         cm = self.cost_model
-        cached = self._cached_tokens(query, w)
-        cost = w.queued_prefill_ms + cm.prefill_ms(query.prompt_len - cached, cached)
+        option = cheapest_prefill(query, w, peer, cm, self.transfer_ms)
+        cost = w.queued_prefill_ms + option.prefill_ms
         if w.num_running:
             cost += cm.decode_step_ms(w.num_running)
         needed_blocks = query.num_prompt_blocks - w.matched_device_blocks
@@ -146,8 +155,15 @@ class KvmeshPolicy(RoutingPolicy):
 
     def choose(self, query: RouteQuery, workers: Sequence[WorkerView]) -> RouteDecision:
         sticky = self._session_to_worker.get(query.session_id) if query.session_id else None
-        costs = [self.worker_cost(query, w, sticky) for w in workers]
+        costs = [self.worker_cost(query, w, sticky, workers) for w in workers]
         decision = self._pick_lowest(query, workers, costs)
+        if self.transfer_ms is not None:
+            chosen = next(w for w in workers if w.worker_id == decision.worker_id)
+            option = cheapest_prefill(query, chosen, workers, self.cost_model, self.transfer_ms)
+            if option.pull is not None:
+                decision = replace(
+                    decision, pull=option.pull, predicted_prefill_ms=option.prefill_ms
+                )
         if query.session_id:
             self._session_to_worker[query.session_id] = decision.worker_id
             self._session_to_worker.move_to_end(query.session_id)

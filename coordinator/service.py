@@ -82,6 +82,7 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
                             worker_id=event.worker_id,
                             prompt_tokens=event.prompt_tokens,
                             cached_tokens=max(event.cached_tokens, 0),
+                            pulled_tokens=event.pulled_tokens,
                             computed_tokens=max(event.computed_tokens, 0),
                             policy=self.coordinator.policy.name,
                         )
@@ -171,6 +172,8 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
                 num_resyncs=self.follower.num_resyncs if self.follower is not None else 0,
                 block_size=c.config.block_size,
                 model=c.fingerprint,
+                num_pulls=c.transfers.num_pulls if c.transfers is not None else 0,
+                num_failed_pulls=c.transfers.num_failed_pulls if c.transfers is not None else 0,
                 **s,
             )
 

@@ -147,7 +147,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("num_workers", "num_live_workers", "num_indexed_blocks", "num_requests", "num_failed_requests", "prompt_tokens", "cached_tokens", "computed_tokens", "generated_tokens", "hit_rate", "policy", "redis_connected", "num_events_applied", "num_resyncs", "block_size", "model")
+    __slots__ = ("num_workers", "num_live_workers", "num_indexed_blocks", "num_requests", "num_failed_requests", "prompt_tokens", "cached_tokens", "computed_tokens", "generated_tokens", "hit_rate", "policy", "redis_connected", "num_events_applied", "num_resyncs", "block_size", "model", "pulled_tokens", "num_pulls", "num_failed_pulls", "routing", "num_decode_errors", "num_drained_workers", "num_rejected_requests")
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     NUM_LIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
     NUM_INDEXED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +164,13 @@ class StatsResponse(_message.Message):
     NUM_RESYNCS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    PULLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PULLS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FAILED_PULLS_FIELD_NUMBER: _ClassVar[int]
+    ROUTING_FIELD_NUMBER: _ClassVar[int]
+    NUM_DECODE_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAINED_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REJECTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     num_workers: int
     num_live_workers: int
     num_indexed_blocks: int
@@ -180,10 +187,17 @@ class StatsResponse(_message.Message):
     num_resyncs: int
     block_size: int
     model: str
-    def __init__(self, num_workers: _Optional[int] = ..., num_live_workers: _Optional[int] = ..., num_indexed_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_failed_requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., hit_rate: _Optional[float] = ..., policy: _Optional[str] = ..., redis_connected: _Optional[bool] = ..., num_events_applied: _Optional[int] = ..., num_resyncs: _Optional[int] = ..., block_size: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+    pulled_tokens: int
+    num_pulls: int
+    num_failed_pulls: int
+    routing: str
+    num_decode_errors: int
+    num_drained_workers: int
+    num_rejected_requests: int
+    def __init__(self, num_workers: _Optional[int] = ..., num_live_workers: _Optional[int] = ..., num_indexed_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_failed_requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., hit_rate: _Optional[float] = ..., policy: _Optional[str] = ..., redis_connected: _Optional[bool] = ..., num_events_applied: _Optional[int] = ..., num_resyncs: _Optional[int] = ..., block_size: _Optional[int] = ..., model: _Optional[str] = ..., pulled_tokens: _Optional[int] = ..., num_pulls: _Optional[int] = ..., num_failed_pulls: _Optional[int] = ..., routing: _Optional[str] = ..., num_decode_errors: _Optional[int] = ..., num_drained_workers: _Optional[int] = ..., num_rejected_requests: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "pid", "node", "device", "num_blocks", "num_free_blocks", "alive", "cached_tokens", "computed_tokens", "num_requests", "num_running", "num_waiting", "generation", "num_indexed_blocks")
+    __slots__ = ("worker_id", "pid", "node", "device", "num_blocks", "num_free_blocks", "alive", "cached_tokens", "computed_tokens", "num_requests", "num_running", "num_waiting", "generation", "num_indexed_blocks", "drained")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
@@ -198,6 +212,7 @@ class WorkerInfo(_message.Message):
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     NUM_INDEXED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DRAINED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     pid: int
     node: str
@@ -212,7 +227,8 @@ class WorkerInfo(_message.Message):
     num_waiting: int
     generation: int
     num_indexed_blocks: int
-    def __init__(self, worker_id: _Optional[str] = ..., pid: _Optional[int] = ..., node: _Optional[str] = ..., device: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., alive: _Optional[bool] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., generation: _Optional[int] = ..., num_indexed_blocks: _Optional[int] = ...) -> None: ...
+    drained: bool
+    def __init__(self, worker_id: _Optional[str] = ..., pid: _Optional[int] = ..., node: _Optional[str] = ..., device: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., alive: _Optional[bool] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., generation: _Optional[int] = ..., num_indexed_blocks: _Optional[int] = ..., drained: _Optional[bool] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ()
@@ -223,3 +239,63 @@ class ListWorkersResponse(_message.Message):
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("worker_id", "undrain")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    UNDRAIN_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    undrain: bool
+    def __init__(self, worker_id: _Optional[str] = ..., undrain: _Optional[bool] = ...) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("drained_worker_ids",)
+    DRAINED_WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
+    drained_worker_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, drained_worker_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ClearCacheRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerCleared(_message.Message):
+    __slots__ = ("worker_id", "num_freed_blocks")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    num_freed_blocks: int
+    def __init__(self, worker_id: _Optional[str] = ..., num_freed_blocks: _Optional[int] = ...) -> None: ...
+
+class ClearCacheResponse(_message.Message):
+    __slots__ = ("workers",)
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerCleared]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerCleared, _Mapping]]] = ...) -> None: ...
+
+class VerifyIndexRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerIndexView(_message.Message):
+    __slots__ = ("worker_id", "alive", "mirror_hashes", "pool_hashes", "mirror_generation", "mirror_seq")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    MIRROR_HASHES_FIELD_NUMBER: _ClassVar[int]
+    POOL_HASHES_FIELD_NUMBER: _ClassVar[int]
+    MIRROR_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    MIRROR_SEQ_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    alive: bool
+    mirror_hashes: _containers.RepeatedScalarFieldContainer[int]
+    pool_hashes: _containers.RepeatedScalarFieldContainer[int]
+    mirror_generation: int
+    mirror_seq: int
+    def __init__(self, worker_id: _Optional[str] = ..., alive: _Optional[bool] = ..., mirror_hashes: _Optional[_Iterable[int]] = ..., pool_hashes: _Optional[_Iterable[int]] = ..., mirror_generation: _Optional[int] = ..., mirror_seq: _Optional[int] = ...) -> None: ...
+
+class VerifyIndexResponse(_message.Message):
+    __slots__ = ("workers", "redis_connected")
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    REDIS_CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerIndexView]
+    redis_connected: bool
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerIndexView, _Mapping]]] = ..., redis_connected: _Optional[bool] = ...) -> None: ...

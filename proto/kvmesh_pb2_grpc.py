@@ -59,6 +59,21 @@ class KVMeshStub:
                 request_serializer=kvmesh_dot_proto_dot_kvmesh__pb2.ListWorkersRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_proto_dot_kvmesh__pb2.ListWorkersResponse.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/kvmesh.v1.KVMesh/Drain',
+                request_serializer=kvmesh_dot_proto_dot_kvmesh__pb2.DrainRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_proto_dot_kvmesh__pb2.DrainResponse.FromString,
+                _registered_method=True)
+        self.ClearCache = channel.unary_unary(
+                '/kvmesh.v1.KVMesh/ClearCache',
+                request_serializer=kvmesh_dot_proto_dot_kvmesh__pb2.ClearCacheRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_proto_dot_kvmesh__pb2.ClearCacheResponse.FromString,
+                _registered_method=True)
+        self.VerifyIndex = channel.unary_unary(
+                '/kvmesh.v1.KVMesh/VerifyIndex',
+                request_serializer=kvmesh_dot_proto_dot_kvmesh__pb2.VerifyIndexRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_proto_dot_kvmesh__pb2.VerifyIndexResponse.FromString,
+                _registered_method=True)
 
 
 class KVMeshServicer:
@@ -94,6 +109,25 @@ class KVMeshServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """admin
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ClearCache(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def VerifyIndex(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVMeshServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -121,6 +155,21 @@ def add_KVMeshServicer_to_server(servicer, server):
                     servicer.ListWorkers,
                     request_deserializer=kvmesh_dot_proto_dot_kvmesh__pb2.ListWorkersRequest.FromString,
                     response_serializer=kvmesh_dot_proto_dot_kvmesh__pb2.ListWorkersResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=kvmesh_dot_proto_dot_kvmesh__pb2.DrainRequest.FromString,
+                    response_serializer=kvmesh_dot_proto_dot_kvmesh__pb2.DrainResponse.SerializeToString,
+            ),
+            'ClearCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClearCache,
+                    request_deserializer=kvmesh_dot_proto_dot_kvmesh__pb2.ClearCacheRequest.FromString,
+                    response_serializer=kvmesh_dot_proto_dot_kvmesh__pb2.ClearCacheResponse.SerializeToString,
+            ),
+            'VerifyIndex': grpc.unary_unary_rpc_method_handler(
+                    servicer.VerifyIndex,
+                    request_deserializer=kvmesh_dot_proto_dot_kvmesh__pb2.VerifyIndexRequest.FromString,
+                    response_serializer=kvmesh_dot_proto_dot_kvmesh__pb2.VerifyIndexResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -258,6 +307,87 @@ class KVMesh:
             '/kvmesh.v1.KVMesh/ListWorkers',
             kvmesh_dot_proto_dot_kvmesh__pb2.ListWorkersRequest.SerializeToString,
             kvmesh_dot_proto_dot_kvmesh__pb2.ListWorkersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.KVMesh/Drain',
+            kvmesh_dot_proto_dot_kvmesh__pb2.DrainRequest.SerializeToString,
+            kvmesh_dot_proto_dot_kvmesh__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClearCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.KVMesh/ClearCache',
+            kvmesh_dot_proto_dot_kvmesh__pb2.ClearCacheRequest.SerializeToString,
+            kvmesh_dot_proto_dot_kvmesh__pb2.ClearCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyIndex(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.KVMesh/VerifyIndex',
+            kvmesh_dot_proto_dot_kvmesh__pb2.VerifyIndexRequest.SerializeToString,
+            kvmesh_dot_proto_dot_kvmesh__pb2.VerifyIndexResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -16,14 +16,17 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
+from concurrent import futures
 from dataclasses import asdict
 from typing import Any
 
 import ray
+import torch
 
 from kvmesh.workers.config import WorkerConfig
 from kvmesh.workers.event_publisher import EventPublisher
 from kvmesh.workers.loader import build_worker
+from kvmesh.workers.transfer import BlockExport
 from kvmesh.workers.worker import RequestOutput, WorkerRequest
 
 log = logging.getLogger(__name__)
@@ -87,23 +90,36 @@ class WorkerActor:
     def ping(self) -> str:
         return self.config.worker_id
 
-    def clear_cache(self) -> int:
-        done: queue.SimpleQueue[int] = queue.SimpleQueue()
-        self._inbox.put(("clear", done))
-        self._wakeup.set()
-        return done.get(timeout=30)
+    async def clear_cache(self) -> int:
+        return int(await self._engine_call("clear", None))
 
-    def check_invariants(self) -> bool:
-        done: queue.SimpleQueue[bool] = queue.SimpleQueue()
-        self._inbox.put(("check", done))
-        self._wakeup.set()
-        return done.get(timeout=30)
+    async def check_invariants(self) -> bool:
+        return bool(await self._engine_call("check", None))
 
-    def cached_hashes(self) -> list[int]:
-        done: queue.SimpleQueue[list[int]] = queue.SimpleQueue()
-        self._inbox.put(("hashes", done))
+    async def cached_hashes(self) -> list[int]:
+        return list(await self._engine_call("hashes", None))
+
+    async def export_blocks(self, hashes: list[int]) -> BlockExport:
+        """The leading run of `hashes` this worker holds, as one CPU tensor (object store)."""
+        return await self._engine_call("export", hashes)  # type: ignore[no-any-return]
+
+    async def import_blocks(self, export: BlockExport, parent: int) -> int:
+        """Install a peer's exported run; returns how many of its blocks are now held here."""
+        return int(await self._engine_call("import", (export, parent)))
+
+    def make_probe(self, num_bytes: int) -> torch.Tensor:
+        """A tensor of `num_bytes` for measuring a link at start-up."""
+        return torch.ones(num_bytes, dtype=torch.uint8)
+
+    def consume_probe(self, probe: torch.Tensor) -> int:
+        return int(probe.numel())
+
+    async def _engine_call(self, kind: str, arg: Any) -> Any:
+        """Run an operation on the engine thread (which owns the pool) and await its result."""
+        reply: futures.Future[Any] = futures.Future()
+        self._inbox.put((kind, (arg, reply)))
         self._wakeup.set()
-        return done.get(timeout=30)
+        return await asyncio.wrap_future(reply)
 
     def shutdown(self) -> None:
         self._stopped.set()
@@ -144,14 +160,31 @@ class WorkerActor:
                     self._deliver(arg.request_id, RequestError(str(exc)))
             elif kind == "abort":
                 self.worker.abort(arg)
-            elif kind == "clear":
-                arg.put(self.worker.clear_cache())
+            else:
+                self._run_engine_op(kind, *arg)
+
+    def _run_engine_op(self, kind: str, arg: Any, reply: futures.Future[Any]) -> None:
+        try:
+            if kind == "clear":
+                result: Any = self.worker.clear_cache()
                 self._publish(self.worker.full_state_batch())
             elif kind == "check":
                 self.worker.check_invariants()
-                arg.put(True)
+                result = True
             elif kind == "hashes":
-                arg.put([int(h) for h in self.worker.pool.cached_hashes()])
+                result = [int(h) for h in self.worker.pool.cached_hashes()]
+            elif kind == "export":
+                result = self.worker.export_blocks(arg)
+            elif kind == "import":
+                export, parent = arg
+                result = self.worker.import_blocks(export, parent)
+                self._publish_events()  # announce imported blocks like computed ones
+            else:
+                raise ValueError(f"unknown engine op {kind!r}")
+        except Exception as exc:  # the caller gets the error; the engine keeps serving
+            reply.set_exception(exc)
+        else:
+            reply.set_result(result)
 
     def _publish_events(self) -> None:
         if self._publisher is None:

@@ -57,6 +57,9 @@ class BlockPool:
             (BlockId(b), None) for b in range(num_blocks)
         )
         self._pending_events: list[KVEvent] = []
+        # Registered blocks handed out again since the last drain: their KV is about to be
+        # overwritten, so a host tier must copy them out first.
+        self._evicted: list[tuple[BlockId, BlockHash]] = []
 
     @property
     def num_free(self) -> int:
@@ -123,6 +126,7 @@ class BlockPool:
                 del self._hash_to_block[h]
                 self._block_hash[b] = None
                 evicted.append(h)
+                self._evicted.append((b, h))
             self._ref_count[b] = 1
             self._last_use[b] = now
             blocks.append(b)
@@ -175,6 +179,11 @@ class BlockPool:
         if dropped:
             self._pending_events.append(BlockRemoved(tuple(dropped)))
         return len(dropped)
+
+    def drain_evicted(self) -> list[tuple[BlockId, BlockHash]]:
+        """(block, hash) of every registered block reallocated since the last call."""
+        evicted, self._evicted = self._evicted, []
+        return evicted
 
     def drain_events(self) -> list[KVEvent]:
         events, self._pending_events = self._pending_events, []

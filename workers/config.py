@@ -23,6 +23,8 @@ class WorkerConfig:
     """Share of the GPU memory left after the weights that the KV pool may take (per worker)."""
     gpu_fraction: float = 1.0
     """Share of the GPU this worker owns (fractional GPUs): pool sizing stays within that share."""
+    host_cache_gb: float = 0.0
+    """Pinned host-memory tier for blocks evicted from the device pool; 0 disables it."""
     cpu_kv_cache_mb: int = 256
     """KV pool size on CPU when num_blocks is 0."""
     redis_url: str = ""
@@ -51,6 +53,8 @@ class WorkerConfig:
             raise ValueError(f"unknown dtype {self.dtype!r}")
         if not 0.0 < self.kv_cache_fraction <= 1.0:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
+        if self.host_cache_gb < 0:
+            raise ValueError(f"host_cache_gb must be >= 0, got {self.host_cache_gb}")
         if not 0.0 < self.gpu_fraction <= 1.0:
             raise ValueError(f"gpu_fraction must be in (0, 1], got {self.gpu_fraction}")
         if self.heartbeat_ttl_s <= self.heartbeat_interval_s:

@@ -13,6 +13,7 @@ import os
 import torch
 
 from kvmesh.workers.config import WorkerConfig
+from kvmesh.workers.host_pool import HostPool
 from kvmesh.workers.model_config import ModelConfig, load_model_config
 from kvmesh.workers.model_runner import ModelRunner
 from kvmesh.workers.scheduler import SchedulerConfig
@@ -82,6 +83,11 @@ def build_worker(config: WorkerConfig) -> Worker:
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
     )
+    host_pool = None
+    if config.host_cache_gb > 0:
+        shape = (*runner.kv_cache.shape[:2], *runner.kv_cache.shape[3:])
+        num_slots = HostPool.slots_for_bytes(int(config.host_cache_gb * (1 << 30)), shape, dtype)
+        host_pool = HostPool(max(1, num_slots), shape, dtype, pin=torch.cuda.is_available())
     return Worker(
         config.worker_id,
         runner,
@@ -89,4 +95,5 @@ def build_worker(config: WorkerConfig) -> Worker:
         scheduler_config,
         eos_token_ids=model.eos_token_ids,
         device=device,
+        host_pool=host_pool,
     )

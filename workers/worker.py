@@ -16,12 +16,14 @@ from dataclasses import dataclass, field
 import torch
 
 from kvmesh.proto.block_hash import BlockHash, namespace_hash
-from kvmesh.proto.events import AllCleared, BlockStored, EventBatch, KVEvent
+from kvmesh.proto.events import TIER_HOST, AllCleared, BlockStored, EventBatch, KVEvent
 from kvmesh.workers.block_pool import BlockPool
+from kvmesh.workers.host_pool import HostPool
 from kvmesh.workers.model_runner import ModelRunner, SeqChunk
 from kvmesh.workers.sampler import SamplingConfig, sample
 from kvmesh.workers.scheduler import ScheduledStep, Scheduler, SchedulerConfig, StepKind
 from kvmesh.workers.sequence import SeqStatus, Sequence
+from kvmesh.workers.transfer import BlockExport
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +53,8 @@ class WorkerCounters:
     cached_tokens: int = 0
     computed_tokens: int = 0
     generated_tokens: int = 0
+    host_hit_tokens: int = 0
+    pulled_blocks: int = 0
     prefill_ms_total: float = 0.0
     prefill_tokens_total: int = 0
 
@@ -91,6 +95,7 @@ class Worker:
         clock: Callable[[], float] = time.monotonic,
         device: str = "cpu",
         logits_sink: Callable[[str, torch.Tensor], None] | None = None,
+        host_pool: HostPool | None = None,
     ) -> None:
         self.worker_id = worker_id
         self.runner = runner
@@ -100,6 +105,7 @@ class Worker:
         self.device = device
         self.clock = clock
         self.pool = BlockPool(runner.num_blocks, clock)
+        self.host_pool = host_pool
         self.scheduler = Scheduler(scheduler_config, self.pool)
         self.block_size = scheduler_config.block_size
         self.eos_token_ids = tuple(eos_token_ids)
@@ -153,7 +159,9 @@ class Worker:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns what each touched request produced."""
+        self._promote_from_host()
         step = self.scheduler.schedule()
+        self._demote_evicted()  # before the forward pass overwrites the reallocated blocks
         if step is None:
             return []
         started = time.perf_counter()
@@ -199,16 +207,98 @@ class Worker:
             )
         return outputs
 
+    # ---- tiers and transfer ----------------------------------------------------------------------
+
+    def _promote_from_host(self) -> None:
+        """Copy host-tier continuations of waiting prompts back to the device, so admission finds
+        them cached. Installed blocks stay free (matchable) until a sequence takes them."""
+        if self.host_pool is None or not self.host_pool.num_cached:
+            return
+        bs = self.block_size
+        for seq in list(self.scheduler.waiting)[: self.scheduler.config.max_num_seqs]:
+            hashes = seq.full_block_hashes(bs)[: (seq.num_tokens - 1) // bs]
+            k = len(self.pool.match_prefix(hashes))
+            n = self.host_pool.match(hashes[k:])
+            if n:
+                parent = hashes[k - 1] if k else seq.root_hash
+                run = hashes[k : k + n]
+                installed = self._install(run, self.host_pool.get(run), parent)
+                self.counters.host_hit_tokens += installed * bs
+
+    def _demote_evicted(self) -> None:
+        evicted = self.pool.drain_evicted()
+        if self.host_pool is None or not evicted:
+            return
+        ids = [b for b, _h in evicted]
+        self.host_pool.put([h for _b, h in evicted], self.runner.export_blocks(ids))
+
+    def _install(self, hashes: Seq[BlockHash], blocks: torch.Tensor, parent: BlockHash) -> int:
+        """Write blocks under their hashes as free, registered (matchable) blocks; returns how
+        many of the leading run were installed (fewer when the pool is short)."""
+        n = min(len(hashes), self.pool.num_free)
+        if n == 0:
+            return 0
+        ids = self.pool.allocate(n)
+        assert ids is not None
+        self._demote_evicted()
+        try:
+            self.runner.import_blocks(ids, blocks[:n])
+        except Exception:
+            self.pool.free(ids)  # half-imported blocks are released unregistered
+            raise
+        for block, h in zip(ids, hashes[:n], strict=True):
+            self.pool.register(block, h, parent)
+            parent = h
+        self.pool.free(ids)
+        return n
+
+    def export_blocks(self, hashes: Seq[BlockHash], to_cpu: bool = True) -> BlockExport:
+        """The leading run of `hashes` this worker holds (device tier, then host tier)."""
+        ids = self.pool.match_prefix(hashes)
+        parts = [self.runner.export_blocks(ids)] if ids else []
+        found = list(hashes[: len(ids)])
+        if self.host_pool is not None:
+            n = self.host_pool.match(hashes[len(ids) :])
+            if n:
+                run = hashes[len(ids) : len(ids) + n]
+                parts.append(self.host_pool.get(run).to(self.runner.kv_cache.device))
+                found += run
+        if not parts:
+            parts = [self.runner.export_blocks([])]
+        blocks = torch.cat(parts) if len(parts) > 1 else parts[0]
+        return BlockExport(self.worker_id, tuple(found), blocks.cpu() if to_cpu else blocks)
+
+    def import_blocks(self, export: BlockExport, parent: BlockHash) -> int:
+        """Install a peer's run (chain order, `parent` before its first block); returns how many
+        blocks are now held locally from it. Blocks already held are skipped, not copied."""
+        hashes = list(export.hashes)
+        if export.blocks.shape[0] != len(hashes):
+            raise ValueError(f"{export.blocks.shape[0]} blocks for {len(hashes)} hashes")
+        held = len(self.pool.match_prefix(hashes))
+        if held == len(hashes):
+            return held
+        start_parent = hashes[held - 1] if held else parent
+        installed = self._install(hashes[held:], export.blocks[held:], start_parent)
+        self.counters.pulled_blocks += installed
+        return held + installed
+
     def clear_cache(self) -> int:
         """Forget every cached block not in use; starts a new generation."""
         dropped = self.pool.evict_all_free()
+        self.pool.drain_evicted()
         self.pool.drain_events()
+        if self.host_pool is not None:
+            dropped += self.host_pool.num_cached
+            self.host_pool.clear()
+            self.host_pool.drain_events()
         self.generation = time.time_ns()
         self._seq = 0
         return dropped
 
     def drain_event_batch(self) -> EventBatch | None:
         events = self.pool.drain_events()
+        if self.host_pool is not None:
+            events += self.host_pool.drain_events()
         if not events:
             return None
         return self._next_batch(events)
@@ -216,10 +306,14 @@ class Worker:
     def full_state_batch(self) -> EventBatch:
         """Everything the pool holds, under a new generation (after Redis lost our events)."""
         self.pool.drain_events()
+        events: list[KVEvent] = [AllCleared()]
+        if self.host_pool is not None:
+            self.host_pool.drain_events()
+            events.append(BlockStored(tuple(self.host_pool.cached_hashes()), TIER_HOST))
+        events.append(BlockStored(tuple(self.pool.cached_hashes())))
         self.generation = time.time_ns()
         self._seq = 0
-        stored = BlockStored(tuple(self.pool.cached_hashes()))
-        return self._next_batch([AllCleared(), stored])
+        return self._next_batch(events)
 
     def _next_batch(self, events: list[KVEvent]) -> EventBatch:
         self._seq += 1
@@ -251,8 +345,13 @@ class Worker:
                 "generated_tokens": c.generated_tokens,
                 "prefill_ms_per_token": c.prefill_ms_total / max(1, c.prefill_tokens_total),
                 "num_preemptions": self.scheduler.num_preemptions,
+                "host_hit_tokens": c.host_hit_tokens,
+                "pulled_blocks": c.pulled_blocks,
+                "num_host_blocks": self.host_pool.num_cached if self.host_pool else 0,
             },
         )
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
+        if self.host_pool is not None:
+            self.host_pool.check_invariants()

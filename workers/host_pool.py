@@ -1,0 +1,107 @@
+"""The host-memory tier: pinned CPU slots that catch KV blocks evicted from the device pool.
+
+A demoted block keeps its hash here, so a later prompt that misses on the device but hits here is
+promoted back (one host-to-device copy) instead of recomputed. Slots are reused least recently
+used first. The tensors are pinned when CUDA is present, so the copies overlap compute.
+
+    device pool evicts block b (hash h) --export--> host slot s   (removed@device, stored@host)
+    prompt misses h on the device, finds h here --> promote: copy s into a fresh device block
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+
+from kvmesh.proto.block_hash import BlockHash
+from kvmesh.proto.events import TIER_HOST, BlockRemoved, BlockStored, KVEvent
+
+
+class HostPool:
+    """Invariants: hash_to_slot and the free slots partition range(num_slots); LRU order is the
+    OrderedDict's order (first = evicted first)."""
+
+    def __init__(
+        self, num_slots: int, block_shape: Sequence[int], dtype: torch.dtype, *, pin: bool
+    ) -> None:
+        if num_slots <= 0:
+            raise ValueError(f"num_slots must be positive, got {num_slots}")
+        self.num_slots = num_slots
+        self.data = torch.empty((num_slots, *block_shape), dtype=dtype, pin_memory=pin)
+        self._hash_to_slot: OrderedDict[BlockHash, int] = OrderedDict()
+        self._free_slots = list(range(num_slots - 1, -1, -1))
+        self._pending_events: list[KVEvent] = []
+
+    @staticmethod
+    def slots_for_bytes(num_bytes: int, block_shape: Sequence[int], dtype: torch.dtype) -> int:
+        per_block = torch.Size(block_shape).numel() * torch.finfo(dtype).bits // 8
+        return num_bytes // per_block
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._hash_to_slot)
+
+    def __contains__(self, h: BlockHash) -> bool:
+        return h in self._hash_to_slot
+
+    def cached_hashes(self) -> list[BlockHash]:
+        return list(self._hash_to_slot)
+
+    def put(self, hashes: Sequence[BlockHash], blocks: torch.Tensor) -> None:
+        """Store blocks (layout of ModelRunner.export_blocks) under their hashes, evicting LRU."""
+        if blocks.shape[0] != len(hashes):
+            raise ValueError(f"{blocks.shape[0]} blocks for {len(hashes)} hashes")
+        stored: list[BlockHash] = []
+        for i, h in enumerate(hashes):
+            slot = self._hash_to_slot.get(h)
+            if slot is None:
+                slot = self._take_slot()
+                self._hash_to_slot[h] = slot
+                stored.append(h)
+            else:
+                self._hash_to_slot.move_to_end(h)
+            self.data[slot].copy_(blocks[i], non_blocking=True)
+        if stored:
+            self._pending_events.append(BlockStored(tuple(stored), TIER_HOST))
+
+    def match(self, hashes: Sequence[BlockHash]) -> int:
+        """How many leading hashes are here."""
+        n = 0
+        for h in hashes:
+            if h not in self._hash_to_slot:
+                break
+            n += 1
+        return n
+
+    def get(self, hashes: Sequence[BlockHash]) -> torch.Tensor:
+        """The blocks for `hashes` (all must be present), marked recently used."""
+        slots = []
+        for h in hashes:
+            slots.append(self._hash_to_slot[h])
+            self._hash_to_slot.move_to_end(h)
+        return self.data[slots]
+
+    def drain_events(self) -> list[KVEvent]:
+        events, self._pending_events = self._pending_events, []
+        return events
+
+    def clear(self) -> None:
+        if self._hash_to_slot:
+            self._pending_events.append(BlockRemoved(tuple(self._hash_to_slot), TIER_HOST))
+        self._free_slots = list(range(self.num_slots - 1, -1, -1))
+        self._hash_to_slot.clear()
+
+    def _take_slot(self) -> int:
+        if self._free_slots:
+            return self._free_slots.pop()
+        victim, slot = self._hash_to_slot.popitem(last=False)
+        self._pending_events.append(BlockRemoved((victim,), TIER_HOST))
+        return slot
+
+    def check_invariants(self) -> None:
+        used = set(self._hash_to_slot.values())
+        assert len(used) == len(self._hash_to_slot), "two hashes share a slot"
+        assert used.isdisjoint(self._free_slots), "a used slot is on the free list"
+        assert len(used) + len(self._free_slots) == self.num_slots
