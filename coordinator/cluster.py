@@ -44,6 +44,7 @@ class Cluster:
         self._stop = threading.Event()
         self._monitor: threading.Thread | None = None
         self._latest_info: dict[str, dict[str, Any]] = {}
+        self._ipc_handles: dict[str, Any] = {}
 
     def set_on_worker_dead(self, callback: Callable[[str], None]) -> None:
         self._on_worker_dead = callback
@@ -103,18 +104,53 @@ class Cluster:
     def pull(
         self, target: str, source: str, hashes: list[int], parent: int, timeout_s: float = 60.0
     ) -> int:
-        """Have `target` fetch `source`'s run of `hashes` (object store); returns how many of them
-        `target` holds afterwards, 0 when the transfer failed (the request then recomputes)."""
+        """Have `target` fetch `source`'s run of `hashes`; returns how many of them `target`
+        holds afterwards, 0 when the transfer failed (the request then recomputes).
+
+        Workers on one GPU copy straight from each other's cache (CUDA IPC); others go through
+        Ray's object store as one contiguous tensor.
+        """
         try:
+            if self._same_gpu(source, target):
+                return self._pull_ipc(target, source, hashes, parent, timeout_s)
             export = self.actor(source).export_blocks.remote(hashes)
-            return int(
-                ray.get(self.actor(target).import_blocks.remote(export, parent), timeout=timeout_s)
-            )
+            importing = self.actor(target).import_blocks.remote(export, parent)
+            return int(ray.get(importing, timeout=timeout_s))
         except RayActorError:
             self._mark_dead_among(source, target)
         except (RayError, GetTimeoutError) as exc:
             log.warning("pull %s -> %s failed: %s", source, target, str(exc).splitlines()[0])
         return 0
+
+    def _same_gpu(self, a: str, b: str) -> bool:
+        ia, ib = self.latest_info(a), self.latest_info(b)
+        device = str(ia.get("device", ""))
+        return (
+            device.startswith("cuda")
+            and device == ib.get("device")
+            and ia.get("node") == ib.get("node")
+        )
+
+    def _pull_ipc(
+        self, target: str, source: str, hashes: list[int], parent: int, timeout_s: float
+    ) -> int:
+        peer = self.actor(source)
+        with self._lock:
+            handle = self._ipc_handles.get(source)
+        if handle is None:
+            handle = ray.get(peer.ipc_handle.remote(), timeout=timeout_s)
+            with self._lock:
+                self._ipc_handles[source] = handle
+        ids = ray.get(peer.pin_blocks.remote(hashes), timeout=timeout_s)
+        try:
+            if not ids:
+                return 0
+            call = self.actor(target).import_from_peer.remote(
+                source, handle, ids, hashes[: len(ids)], parent
+            )
+            return int(ray.get(call, timeout=timeout_s))
+        finally:
+            peer.unpin_blocks.remote(ids)
 
     def _mark_dead_among(self, *worker_ids: str) -> None:
         for w in worker_ids:

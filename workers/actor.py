@@ -22,6 +22,7 @@ from typing import Any
 
 import ray
 import torch
+from torch.multiprocessing.reductions import reduce_tensor
 
 from kvmesh.workers.config import WorkerConfig
 from kvmesh.workers.event_publisher import EventPublisher
@@ -55,6 +56,7 @@ class WorkerActor:
             else None
         )
         self._last_heartbeat = 0.0
+        self._peer_caches: dict[str, torch.Tensor] = {}  # same-GPU peers' KV, mapped by CUDA IPC
         self._heartbeat()
         self._thread = threading.Thread(target=self._engine_loop, name="kvmesh-engine", daemon=True)
         self._thread.start()
@@ -106,6 +108,23 @@ class WorkerActor:
     async def import_blocks(self, export: BlockExport, parent: int) -> int:
         """Install a peer's exported run; returns how many of its blocks are now held here."""
         return int(await self._engine_call("import", (export, parent)))
+
+    def ipc_handle(self) -> tuple[Any, Any] | None:
+        """What a worker on the same GPU needs to map this worker's KV cache (CUDA IPC)."""
+        cache = self.worker.runner.kv_cache
+        return reduce_tensor(cache) if cache.is_cuda else None
+
+    async def pin_blocks(self, hashes: list[int]) -> list[int]:
+        return [int(b) for b in await self._engine_call("pin", hashes)]
+
+    async def unpin_blocks(self, ids: list[int]) -> None:
+        await self._engine_call("unpin", ids)
+
+    async def import_from_peer(
+        self, peer_id: str, handle: tuple[Any, Any], ids: list[int], hashes: list[int], parent: int
+    ) -> int:
+        """Same-GPU pull: copy `ids` of the peer's cache (mapped once per peer) into our pool."""
+        return int(await self._engine_call("import_ipc", (peer_id, handle, ids, hashes, parent)))
 
     def make_probe(self, num_bytes: int) -> torch.Tensor:
         """A tensor of `num_bytes` for measuring a link at start-up."""
@@ -175,6 +194,19 @@ class WorkerActor:
                 result = [int(h) for h in self.worker.pool.cached_hashes()]
             elif kind == "export":
                 result = self.worker.export_blocks(arg)
+            elif kind == "pin":
+                result = self.worker.pin_run(arg)
+            elif kind == "unpin":
+                self.worker.unpin(arg)
+                result = None
+            elif kind == "import_ipc":
+                peer_id, handle, ids, hashes, parent = arg
+                if peer_id not in self._peer_caches:
+                    rebuild, rebuild_args = handle
+                    self._peer_caches[peer_id] = rebuild(*rebuild_args)
+                cache = self._peer_caches[peer_id]
+                result = self.worker.import_from_peer_cache(cache, ids, hashes, parent)
+                self._publish_events()
             elif kind == "import":
                 export, parent = arg
                 result = self.worker.import_blocks(export, parent)

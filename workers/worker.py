@@ -17,13 +17,13 @@ import torch
 
 from kvmesh.proto.block_hash import BlockHash, namespace_hash
 from kvmesh.proto.events import TIER_HOST, AllCleared, BlockStored, EventBatch, KVEvent
-from kvmesh.workers.block_pool import BlockPool
+from kvmesh.workers.block_pool import BlockId, BlockPool
 from kvmesh.workers.host_pool import HostPool
 from kvmesh.workers.model_runner import ModelRunner, SeqChunk
 from kvmesh.workers.sampler import SamplingConfig, sample
 from kvmesh.workers.scheduler import ScheduledStep, Scheduler, SchedulerConfig, StepKind
 from kvmesh.workers.sequence import SeqStatus, Sequence
-from kvmesh.workers.transfer import BlockExport
+from kvmesh.workers.transfer import BlockExport, copy_block_runs
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,9 +232,15 @@ class Worker:
         ids = [b for b, _h in evicted]
         self.host_pool.put([h for _b, h in evicted], self.runner.export_blocks(ids))
 
-    def _install(self, hashes: Seq[BlockHash], blocks: torch.Tensor, parent: BlockHash) -> int:
+    def _install(
+        self,
+        hashes: Seq[BlockHash],
+        blocks: torch.Tensor | Callable[[list[BlockId]], None],
+        parent: BlockHash,
+    ) -> int:
         """Write blocks under their hashes as free, registered (matchable) blocks; returns how
-        many of the leading run were installed (fewer when the pool is short)."""
+        many of the leading run were installed (fewer when the pool is short). `blocks` is the
+        data (export layout) or a writer that fills the given fresh blocks in place."""
         n = min(len(hashes), self.pool.num_free)
         if n == 0:
             return 0
@@ -242,7 +248,10 @@ class Worker:
         assert ids is not None
         self._demote_evicted()
         try:
-            self.runner.import_blocks(ids, blocks[:n])
+            if callable(blocks):
+                blocks(ids)
+            else:
+                self.runner.import_blocks(ids, blocks[:n])
         except Exception:
             self.pool.free(ids)  # half-imported blocks are released unregistered
             raise
@@ -279,6 +288,53 @@ class Worker:
             return held
         start_parent = hashes[held - 1] if held else parent
         installed = self._install(hashes[held:], export.blocks[held:], start_parent)
+        self.counters.pulled_blocks += installed
+        return held + installed
+
+    def pin_run(self, hashes: Seq[BlockHash]) -> list[BlockId]:
+        """Take refs on the leading device run of `hashes` so a peer can copy it in place
+        (same-GPU pulls); `unpin` releases them."""
+        ids = self.pool.match_prefix(hashes)
+        self.pool.acquire(ids)
+        return ids
+
+    def unpin(self, ids: Seq[BlockId]) -> None:
+        self.pool.free(ids)
+
+    def import_from_peer_cache(
+        self,
+        peer_cache: torch.Tensor,
+        ids: Seq[int],
+        hashes: Seq[BlockHash],
+        parent: BlockHash,
+    ) -> int:
+        """Copy pinned blocks straight out of a peer's cache mapped into this process (CUDA IPC):
+        one strided copy per contiguous run, no staging buffer, no host round trip."""
+        if len(ids) != len(hashes):
+            raise ValueError(f"{len(ids)} peer blocks for {len(hashes)} hashes")
+        ours = self.runner.kv_cache
+        same_layout = (
+            peer_cache.shape[:2] == ours.shape[:2] and peer_cache.shape[3:] == ours.shape[3:]
+        )
+        if not same_layout or peer_cache.dtype != ours.dtype:
+            raise ValueError(
+                f"peer cache {tuple(peer_cache.shape)} {peer_cache.dtype} does not match ours "
+                f"{tuple(ours.shape)} {ours.dtype}"
+            )
+        held = len(self.pool.match_prefix(hashes))
+        if held == len(hashes):
+            return held
+        src = [int(b) for b in ids[held:]]
+
+        def write(dst: list[BlockId]) -> None:
+            copy_block_runs(
+                self.runner.kv_cache, [int(b) for b in dst], peer_cache, src[: len(dst)]
+            )
+
+        start_parent = hashes[held - 1] if held else parent
+        installed = self._install(hashes[held:], write, start_parent)
+        if peer_cache.is_cuda:
+            torch.cuda.synchronize(peer_cache.device)  # the peer unpins once we return
         self.counters.pulled_blocks += installed
         return held + installed
 

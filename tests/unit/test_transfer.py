@@ -30,14 +30,20 @@ def make_worker(name: str, num_blocks: int = 64, host_slots: int = 0) -> tuple[W
         shape = (*runner.kv_cache.shape[:2], *runner.kv_cache.shape[3:])
         host = HostPool(host_slots, shape, torch.float32, pin=False)
     worker = Worker(
-        name, runner, CONFIG.fingerprint(), SchedulerConfig(BS, 8, 4096),
-        logits_sink=lambda rid, row: logits[rid].append(row), host_pool=host,
+        name,
+        runner,
+        CONFIG.fingerprint(),
+        SchedulerConfig(BS, 8, 4096),
+        logits_sink=lambda rid, row: logits[rid].append(row),
+        host_pool=host,
     )
     return worker, logits
 
 
 def run(worker: Worker, rid: str, prompt: list[int], max_tokens: int = 6) -> list[RequestOutput]:
-    worker.add_request(WorkerRequest(rid, tuple(prompt), SamplingConfig(max_tokens=max_tokens, ignore_eos=True)))
+    worker.add_request(
+        WorkerRequest(rid, tuple(prompt), SamplingConfig(max_tokens=max_tokens, ignore_eos=True))
+    )
     outs = []
     while worker.has_work:
         outs += [o for o in worker.step() if o.request_id == rid]
@@ -150,3 +156,36 @@ def test_link_table_prices_by_type_and_learns_from_observations() -> None:
     assert table.transfer_ms(LinkType.SAME_NODE, 0) == latency
     with pytest.raises(ValueError):
         table.set(LinkType.SAME_NODE, 0)
+
+
+def test_in_place_copy_from_a_pinned_peer_cache_matches_a_cold_recompute() -> None:
+    # The same-GPU path (CUDA IPC maps the peer's cache); here both caches live in one process.
+    from kvmesh.proto.block_hash import block_hashes
+
+    peer, _ = make_worker("peer")
+    run(peer, "warm", PREFIX + [1])
+    target, logits = make_worker("target")
+    chain = block_hashes(PREFIX, BS, target.root_hash())
+    ids = peer.pin_run(chain)
+    assert len(ids) == 6 and all(peer.pool.ref_count(b) == 1 for b in ids)
+    held = target.import_from_peer_cache(peer.runner.kv_cache, ids, chain, target.root_hash())
+    peer.unpin(ids)
+    peer.check_invariants()
+    assert held == 6 and peer.pool.num_free == peer.pool.num_blocks
+    prompt = PREFIX + [3, 4]
+    outs = run(target, "req", prompt)
+    assert outs[0].cached_tokens == 96
+    assert_same_as_cold(outs, logits, "req", prompt)
+
+
+def test_block_runs_are_copied_in_as_few_slices_as_possible() -> None:
+    from kvmesh.workers.transfer import copy_block_runs
+
+    src = torch.arange(2 * 2 * 30 * 3, dtype=torch.float32).reshape(2, 2, 30, 3)
+    dst = torch.zeros(2, 2, 30, 3)
+    src_ids, dst_ids = [7, 8, 9, 2, 3, 4], [10, 11, 12, 13, 20, 21]
+    assert copy_block_runs(dst, dst_ids, src, src_ids) == 3
+    for s, d in zip(src_ids, dst_ids, strict=True):
+        assert torch.equal(dst[:, :, d], src[:, :, s])
+    with pytest.raises(ValueError):
+        copy_block_runs(dst, [1], src, [1, 2])

@@ -1,0 +1,224 @@
+"""Cross-worker and host-tier KV movement on one GPU, each figure beside its ceiling.
+
+  1. ceilings: device-to-device copy, pinned host<->device copy (same run, same card)
+  2. block movement, Llama-3-8B KV layout (128 KiB per token), 7.5K tokens = 480 blocks of 16:
+     same-GPU pool-to-pool (the CUDA-IPC pull path), demote to / promote from the host tier
+  3. TTFT of an 8K-token prompt through kvmesh (2 workers sharing the GPU, gRPC + Ray):
+     cold recompute vs 7.5K pulled from the peer vs 7.5K local hit; and, in-process, vs 7.5K
+     promoted from the host tier
+
+Usage (GPU machine): python benchmarks/gpu_transfer.py --out DIR [--skip-e2e]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvmesh.workers.transfer import copy_block_runs
+
+BS = 16
+LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3-8B
+PROMPT, PREFIX = 8192, 7680
+
+
+def timed(fn: Any, repeats: int = 10) -> float:
+    """Median seconds of fn() on the GPU."""
+    fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3)
+    return sorted(samples)[len(samples) // 2]
+
+
+def ceilings(num_bytes: int = 2 << 30) -> dict[str, float]:
+    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    host = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
+    return {
+        "d2d_copy_GBps": num_bytes / timed(lambda: dst.copy_(src)) / 1e9,
+        "h2d_GBps": num_bytes / timed(lambda: src.copy_(host, non_blocking=True)) / 1e9,
+        "d2h_GBps": num_bytes / timed(lambda: host.copy_(src, non_blocking=True)) / 1e9,
+    }
+
+
+def block_movement(num_pool_blocks: int = 2048) -> dict[str, float]:
+    shape = (LAYERS, 2, num_pool_blocks, BS, KV_HEADS, HEAD_DIM)
+    a = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+    b = torch.zeros_like(a)
+    n = PREFIX // BS
+    moved = n * LAYERS * 2 * BS * KV_HEADS * HEAD_DIM * 2
+    src_run, dst_run = list(range(100, 100 + n)), list(range(1000, 1000 + n))
+    g = torch.Generator().manual_seed(0)
+    src_rand = torch.randperm(num_pool_blocks, generator=g)[:n].tolist()
+    dst_rand = torch.randperm(num_pool_blocks, generator=g)[:n].tolist()
+    host = torch.empty(
+        (n, LAYERS, 2, BS, KV_HEADS, HEAD_DIM), dtype=torch.bfloat16, pin_memory=True
+    )
+
+    def demote() -> None:
+        host.copy_(a[:, :, src_rand].permute(2, 0, 1, 3, 4, 5), non_blocking=True)
+
+    def promote() -> None:
+        b[:, :, dst_rand] = host.to("cuda", non_blocking=True).permute(1, 2, 0, 3, 4, 5)
+
+    out = {
+        "bytes": float(moved),
+        "pool_to_pool_contiguous_GBps": moved
+        / timed(lambda: copy_block_runs(b, dst_run, a, src_run))
+        / 1e9,
+        "pool_to_pool_scattered_GBps": moved
+        / timed(lambda: copy_block_runs(b, dst_rand, a, src_rand))
+        / 1e9,
+        "gather_scatter_GBps": moved
+        / timed(lambda: b.__setitem__((slice(None), slice(None), dst_rand), a[:, :, src_rand]))
+        / 1e9,
+        "demote_to_host_GBps": moved / timed(demote) / 1e9,
+        "promote_from_host_GBps": moved / timed(promote) / 1e9,
+    }
+    copy_block_runs(b, dst_rand, a, src_rand)
+    assert torch.equal(b[:, :, dst_rand], a[:, :, src_rand]), "block copy is wrong"
+    return out
+
+
+def host_tier_ttft() -> dict[str, float]:
+    """In-process (no Ray): an 8K prompt whose 7.5K prefix sits on the host tier."""
+    from kvmesh.workers.config import WorkerConfig
+    from kvmesh.workers.loader import build_worker
+    from kvmesh.workers.sampler import SamplingConfig
+    from kvmesh.workers.worker import WorkerRequest
+
+    worker = build_worker(
+        WorkerConfig(
+            "bench", model="llama3-8b-random", num_blocks=1024, host_cache_gb=4, device="cuda"
+        )
+    )
+    g = torch.Generator().manual_seed(1)
+    prefix = torch.randint(0, 128000, (PREFIX,), generator=g).tolist()
+
+    def ttft(rid: str, prompt: list[int]) -> float:
+        worker.add_request(
+            WorkerRequest(rid, tuple(prompt), SamplingConfig(max_tokens=1, ignore_eos=True))
+        )
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        while worker.has_work:
+            worker.step()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) * 1e3
+
+    tail = lambda k: torch.randint(0, 128000, (PROMPT - PREFIX,), generator=g).tolist()  # noqa: E731
+    ttft("warm", prefix[:1024] + tail(0))
+    cold = ttft("cold", prefix + tail(1))
+    local = ttft("local", prefix + tail(2))
+    for k in range(3):  # push the prefix out of the 1,024-block device pool onto the host tier
+        ttft(f"fill{k}", torch.randint(0, 128000, (7000,), generator=g).tolist())
+    before = worker.counters.host_hit_tokens
+    host = ttft("host", prefix + tail(3))
+    return {
+        "cold_ms": cold,
+        "local_hit_ms": local,
+        "host_hit_ms": host,
+        "host_hit_tokens": float(worker.counters.host_hit_tokens - before),
+    }
+
+
+def e2e_ttft() -> dict[str, float]:
+    """Through gRPC + Ray: two llama3-8b-random workers sharing the GPU."""
+    from kvmesh.client import Client
+    from kvmesh.coordinator.config import CoordinatorConfig
+    from kvmesh.coordinator.deployment import Deployment, DeploymentConfig
+    from kvmesh.workers.config import WorkerConfig
+
+    config = DeploymentConfig(
+        coordinator=CoordinatorConfig(model="llama3-8b-random", port=0, max_tokens_limit=64),
+        num_workers=2,
+        worker=WorkerConfig("t", num_blocks=2048, device="cuda"),
+        gpus_per_worker=0.5,
+    )
+    d = Deployment(config)
+    d.start()
+    try:
+        g = torch.Generator().manual_seed(2)
+        rand = lambda n: torch.randint(0, 128000, (n,), generator=g).tolist()  # noqa: E731
+        with Client(d.address, timeout_s=300) as c:
+            for w in ("w0", "w1"):
+                c.generate(rand(2048), max_tokens=1, worker_id=w)
+            results: dict[str, list[float]] = {"cold_ms": [], "pulled_ms": [], "local_hit_ms": []}
+            pulled_tokens = []
+            for _ in range(3):
+                prefix = rand(PREFIX)
+                cold = c.generate(prefix + rand(PROMPT - PREFIX), max_tokens=1, worker_id="w0")
+                time.sleep(0.2)  # the index learns w0's blocks
+                pulled = c.generate(prefix + rand(PROMPT - PREFIX), max_tokens=1, worker_id="w1")
+                local = c.generate(prefix + rand(PROMPT - PREFIX), max_tokens=1, worker_id="w0")
+                results["cold_ms"].append(cold.ttft_ms or 0)
+                results["pulled_ms"].append(pulled.ttft_ms or 0)
+                results["local_hit_ms"].append(local.ttft_ms or 0)
+                pulled_tokens.append(pulled.pulled_tokens)
+        out = {k: sorted(v)[len(v) // 2] for k, v in results.items()}
+        out["pulled_tokens_min"] = float(min(pulled_tokens))
+        return out
+    finally:
+        d.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-results")))
+    parser.add_argument("--skip-e2e", action="store_true")
+    args = parser.parse_args()
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name()}
+    results["ceilings"] = ceilings()
+    results["blocks"] = block_movement()
+    results["host_tier"] = host_tier_ttft()
+    torch.cuda.empty_cache()
+    if not args.skip_e2e:
+        results["e2e"] = e2e_ttft()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gpu_transfer.json").write_text(json.dumps(results, indent=2))
+    c, b, h = results["ceilings"], results["blocks"], results["host_tier"]
+    print(f"device: {results['device']}")
+    print(
+        f"ceiling d2d copy {c['d2d_copy_GBps']:.0f} GB/s | h2d {c['h2d_GBps']:.1f}"
+        f" | d2h {c['d2h_GBps']:.1f}"
+    )
+    for k in ("pool_to_pool_contiguous_GBps", "pool_to_pool_scattered_GBps", "gather_scatter_GBps"):
+        print(f"{k:34s} {b[k]:8.0f} GB/s   (ceiling {c['d2d_copy_GBps']:.0f}, goal >= 1000)")
+    for k in ("demote_to_host_GBps", "promote_from_host_GBps"):
+        print(
+            f"{k:34s} {b[k]:8.1f} GB/s"
+            f"   (ceiling {min(c['h2d_GBps'], c['d2h_GBps']):.1f}, goal >= 44)"
+        )
+    print(
+        f"host tier: cold {h['cold_ms']:.1f} ms, local hit {h['local_hit_ms']:.1f} ms, "
+        f"host hit {h['host_hit_ms']:.1f} ms ({h['host_hit_tokens']:.0f} tokens promoted)"
+    )
+    if "e2e" in results:
+        e = results["e2e"]
+        print(
+            f"e2e TTFT: cold {e['cold_ms']:.1f} ms, pulled {e['pulled_ms']:.1f} ms "
+            f"({e['pulled_tokens_min']:.0f} tokens), local hit {e['local_hit_ms']:.1f} ms"
+        )
+        print(
+            f"  cold/pulled = {e['cold_ms'] / e['pulled_ms']:.1f}x (goal >= 5), "
+            f"pulled/local = {e['pulled_ms'] / e['local_hit_ms']:.2f}x (goal <= 1.3)"
+        )
+
+
+if __name__ == "__main__":
+    main()
