@@ -11,7 +11,7 @@ import argparse
 from collections.abc import Callable, Sequence
 from importlib import metadata
 
-from kvmesh.client import commands, extension
+from kvmesh.client import commands, extension, index_verify
 from kvmesh.client.environment import CliEnvironment
 from kvmesh.client.extension import Extension, LoadedExtension
 
@@ -39,6 +39,7 @@ def build_parser(
     _add_lookup(sub, env)
     _add_read_command(sub, env, "stats", "cluster-wide counters", commands.run_stats)
     _add_read_command(sub, env, "workers", "list the worker actors", commands.run_workers)
+    _add_index(sub, env)
     for ext in extensions:
         _add_extension(sub, ext, loaded if loaded is not None and loaded.extension == ext else None)
     return parser
@@ -101,6 +102,13 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {value}")
+    return value
+
+
 def _add_listen_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="coordinator gRPC listen address")
     parser.add_argument(
@@ -146,6 +154,13 @@ def _add_worker_options(
         metavar="N",
         help="KV blocks per worker (0: size from free device memory)",
     )
+    parser.add_argument(
+        "--host-cache-gb",
+        type=float,
+        default=0.0,
+        metavar="GB",
+        help="pinned host-memory tier per worker for blocks evicted from the device (0: off)",
+    )
     parser.add_argument("--device", default=env.device, help="worker device: auto, cpu or cuda")
     parser.add_argument(
         "--gpus-per-worker",
@@ -167,6 +182,7 @@ def _add_up(sub: argparse._SubParsersAction, env: CliEnvironment) -> None:
         metavar="URL",
         help="use this Redis instead of starting an embedded one",
     )
+    _add_security_options(parser, env)
     parser.set_defaults(handler=extension.run_up)
 
 
@@ -183,15 +199,74 @@ def _add_serve(sub: argparse._SubParsersAction, env: CliEnvironment) -> None:
     _add_listen_options(parser)
     _add_model_options(parser, env)
     _add_worker_options(parser, env, default_workers=None)
+    _add_security_options(parser, env)
     parser.set_defaults(handler=extension.run_serve)
 
 
-def _add_client_options(parser: argparse.ArgumentParser, env: CliEnvironment) -> None:
+def _add_security_options(parser: argparse.ArgumentParser, env: CliEnvironment) -> None:
+    """Server-side auth, TLS and limits (docs/security.md). Token values never show in --help:
+    a help text that says "default" keeps the formatter from printing the value."""
+    group = parser.add_argument_group("security and limits")
+    group.add_argument(
+        "--auth-token",
+        default=env.auth_token,
+        metavar="TOKEN",
+        help="bearer token every call must carry; flags show in `ps`, so prefer"
+        " --auth-token-file or KVMESH_AUTH_TOKEN (default: no authentication)",
+    )
+    group.add_argument("--auth-token-file", metavar="PATH", help="accepted tokens, one a line")
+    group.add_argument(
+        "--admin-token",
+        default=env.admin_token,
+        metavar="TOKEN",
+        help="token for the admin calls Drain, ClearCache, VerifyIndex (env KVMESH_ADMIN_TOKEN;"
+        " default: none, and with --auth-token admin calls are refused)",
+    )
+    group.add_argument("--admin-token-file", metavar="PATH", help="admin tokens, one a line")
+    group.add_argument("--tls-cert", metavar="PEM", help="server certificate chain: gRPC over TLS")
+    group.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
+    group.add_argument(
+        "--tls-client-ca", metavar="PEM", help="require client certificates signed by this CA"
+    )
+    group.add_argument(
+        "--max-prompt-tokens",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="longest prompt accepted (0: the model's context)",
+    )
+    group.add_argument(
+        "--max-concurrent-streams",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="Generate streams served at once (0: bounded by the server's threads only)",
+    )
+    group.add_argument(
+        "--rate-limit",
+        type=_non_negative_float,
+        default=0.0,
+        metavar="RPS",
+        help="calls per second per client, counted by token or IP address (0: off)",
+    )
+    group.add_argument(
+        "--rate-limit-burst",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="calls a client may make at once (0: the rate, at least 1)",
+    )
+
+
+def _add_client_options(
+    parser: argparse.ArgumentParser, env: CliEnvironment, *, many_addresses: bool = False
+) -> None:
     parser.add_argument(
         "--address",
-        default=env.address,
+        default=[env.address] if many_addresses else env.address,
+        nargs="+" if many_addresses else None,
         metavar="HOST:PORT",
-        help="coordinator address (env KVMESH_ADDRESS)",
+        help="coordinator address" + ("es" if many_addresses else "") + " (env KVMESH_ADDRESS)",
     )
     parser.add_argument(
         "--timeout",
@@ -201,6 +276,21 @@ def _add_client_options(parser: argparse.ArgumentParser, env: CliEnvironment) ->
         help="deadline of the call (env KVMESH_TIMEOUT_S; default: none)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON document")
+    parser.add_argument(
+        "--token",
+        default=env.token,
+        metavar="TOKEN",
+        help="bearer token to send (env KVMESH_TOKEN; default: none)",
+    )
+    parser.add_argument("--tls", action="store_true", help="use TLS, trusting the system's CAs")
+    parser.add_argument(
+        "--tls-ca",
+        default=env.tls_ca,
+        metavar="PEM",
+        help="use TLS, trusting this CA (env KVMESH_TLS_CA)",
+    )
+    parser.add_argument("--tls-cert", metavar="PEM", help="client certificate (mutual TLS)")
+    parser.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
 
 
 def _add_prompt_options(parser: argparse.ArgumentParser) -> None:
@@ -243,6 +333,34 @@ def _add_lookup(sub: argparse._SubParsersAction, env: CliEnvironment) -> None:
     _add_client_options(parser, env)
     _add_prompt_options(parser)
     parser.set_defaults(handler=commands.run_lookup)
+
+
+def _add_index(sub: argparse._SubParsersAction, env: CliEnvironment) -> None:
+    parser = _subparser(sub, "index", "check the prefix index against the workers' pools")
+    actions = parser.add_subparsers(dest="index_command", metavar="ACTION", required=True)
+    summary = (
+        "compare Redis, each coordinator's mirror and each worker's pool; exit 1 if they differ"
+    )
+    verify = actions.add_parser(
+        "verify", help=summary, description=summary + ".", formatter_class=_HelpFormatter
+    )
+    _add_client_options(verify, env, many_addresses=True)
+    verify.add_argument(
+        "--redis-url",
+        default=env.redis_url,
+        metavar="URL",
+        help="also compare the index in this Redis (env KVMESH_REDIS_URL; default: mirrors"
+        " and pools only)",
+    )
+    verify.add_argument(
+        "--wait",
+        type=_non_negative_float,
+        default=5.0,
+        metavar="SECONDS",
+        help="under traffic the views differ for milliseconds: look again this long before"
+        " reporting a difference",
+    )
+    verify.set_defaults(handler=index_verify.run_index_verify)
 
 
 def _add_read_command(

@@ -15,20 +15,24 @@ import grpc
 import ray
 import torch
 
+from kvmesh.coordinator.admin import Admin, DrainableBackend
 from kvmesh.coordinator.cluster import Cluster
 from kvmesh.coordinator.config import CoordinatorConfig
 from kvmesh.coordinator.coordinator import Coordinator
 from kvmesh.coordinator.index_follower import IndexFollower
 from kvmesh.coordinator.index_mirror import IndexMirror
 from kvmesh.coordinator.index_store import IndexStore
+from kvmesh.coordinator.interceptor import gate_from_config
 from kvmesh.coordinator.redis_server import RedisServer, start_redis_server
 from kvmesh.coordinator.service import KVMeshServicer, build_server
+from kvmesh.coordinator.tls import load_server_tls
 from kvmesh.coordinator.transfer_manager import TransferManager
 from kvmesh.proto.block_hash import namespace_hash
 from kvmesh.workers.config import WorkerConfig
 from kvmesh.workers.model_config import load_model_config
 from kvmesh.workers.model_runner import ModelRunner
 from kvmesh.workers.tokenizer import load_tokenizer
+from kvmesh.workers.transfer import LinkType
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +81,12 @@ class Deployment:
         cfg = self.config
         cc = cfg.coordinator
         model = load_model_config(cc.model, cc.seed)
+        # TLS files first: a bad path should fail before Ray and the workers start.
+        tls = (
+            load_server_tls(cc.tls_cert_file, cc.tls_key_file, cc.tls_client_ca_file)
+            if cc.tls_cert_file
+            else None
+        )
         redis_url = cc.redis_url
         if not redis_url:
             self.redis = start_redis_server()
@@ -118,10 +128,11 @@ class Deployment:
         store = IndexStore(redis_url)
         self.follower = IndexFollower(store, mirror, lock, ns=ns)
         cluster = self.cluster
+        backend = DrainableBackend(cluster)  # admin Drain removes workers from routing here
         self.coordinator = Coordinator(
             cc,
             model,
-            cluster,
+            backend,
             mirror,
             lock,
             tokenizer=load_tokenizer(cc.model),
@@ -142,13 +153,19 @@ class Deployment:
         self.cluster.set_on_worker_dead(on_dead)
         self.follower.start()
         self.cluster.start_monitor(cc.health_interval_s)
-        servicer = KVMeshServicer(self.coordinator, self.cluster, self.follower)
+        gate = gate_from_config(cc)
+        admin = Admin(self.cluster, self.coordinator, backend)
+        servicer = KVMeshServicer(
+            self.coordinator, self.cluster, self.follower, admin=admin, gate=gate
+        )
         self.server, self.port, _health = build_server(
             servicer,
             cc.host,
             cc.port,
             max_message_bytes=cc.max_message_bytes,
             max_workers=cc.max_concurrent_rpcs,
+            interceptors=[gate],
+            tls=tls,
         )
         self.server.start()
         return self.address
@@ -157,8 +174,8 @@ class Deployment:
         """Measure one worker-to-worker link so the first pulls are priced from reality."""
         assert self.cluster is not None
         live = self.cluster.live_worker_ids()
-        if len(live) < 2:
-            return
+        if len(live) < 2 or transfers.link(live[0], live[1]) is LinkType.SAME_DEVICE:
+            return  # same-GPU pulls copy in place (CUDA IPC): observed pulls price that link
         try:
             bandwidth, latency = self.cluster.measure_link(live[0], live[1])
             transfers.calibrate(live[0], live[1], bandwidth, latency)

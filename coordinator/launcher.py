@@ -14,6 +14,7 @@ import threading
 from dataclasses import replace
 from typing import Any
 
+from kvmesh.coordinator.auth import read_token_file
 from kvmesh.coordinator.config import CoordinatorConfig
 from kvmesh.coordinator.deployment import Deployment, DeploymentConfig
 from kvmesh.workers.config import WorkerConfig
@@ -34,10 +35,20 @@ def deployment_config(args: argparse.Namespace, *, embedded_redis: bool) -> Depl
         redis_url=redis_url,
         host=_opt(args, "host", "127.0.0.1"),
         port=int(_opt(args, "port", 50051)),
+        auth_tokens=_tokens(args, "auth_token"),
+        admin_tokens=_tokens(args, "admin_token"),
+        tls_cert_file=_opt(args, "tls_cert", ""),
+        tls_key_file=_opt(args, "tls_key", ""),
+        tls_client_ca_file=_opt(args, "tls_client_ca", ""),
+        max_prompt_tokens=int(_opt(args, "max_prompt_tokens", 0)),
+        max_concurrent_streams=int(_opt(args, "max_concurrent_streams", 0)),
+        rate_limit_rps=float(_opt(args, "rate_limit", 0.0)),
+        rate_limit_burst=int(_opt(args, "rate_limit_burst", 0)),
     )
     worker = WorkerConfig(
         worker_id="template",
         num_blocks=int(_opt(args, "num_blocks", 0)),
+        host_cache_gb=float(_opt(args, "host_cache_gb", 0.0)),
         device=_opt(args, "device", "auto"),
     )
     return DeploymentConfig(
@@ -47,6 +58,13 @@ def deployment_config(args: argparse.Namespace, *, embedded_redis: bool) -> Depl
         gpus_per_worker=float(_opt(args, "gpus_per_worker", -1.0)),
         ray_address=_opt(args, "ray_address", ""),
     )
+
+
+def _tokens(args: argparse.Namespace, name: str) -> tuple[str, ...]:
+    """The `--NAME` token plus those of `--NAME-file` (one a line)."""
+    tokens = (_opt(args, name, ""),)
+    path = _opt(args, f"{name}_file", "")
+    return tuple(t for t in tokens if t) + (read_token_file(path) if path else ())
 
 
 def run_deployment(config: DeploymentConfig) -> int:
@@ -68,8 +86,12 @@ def run_deployment(config: DeploymentConfig) -> int:
             signal.signal(sig, lambda *_: stop.set())
         assert deployment.cluster is not None
         workers = ", ".join(deployment.cluster.worker_ids())
+        cc = config.coordinator
+        security = ("TLS" if cc.tls_cert_file else "plaintext") + (
+            ", token auth" if cc.auth_tokens or cc.admin_tokens else ""
+        )
         print(
-            f"kvmesh is up at {address} (workers: {workers}; policy {config.coordinator.policy})",
+            f"kvmesh is up at {address} (workers: {workers}; policy {cc.policy}; {security})",
             flush=True,
         )
         stop.wait()

@@ -17,13 +17,14 @@ import torch
 
 from kvmesh.proto.block_hash import BlockHash, namespace_hash
 from kvmesh.proto.events import TIER_HOST, AllCleared, BlockStored, EventBatch, KVEvent
+from kvmesh.workers.block_copy import copy_blocks
 from kvmesh.workers.block_pool import BlockId, BlockPool
 from kvmesh.workers.host_pool import HostPool
 from kvmesh.workers.model_runner import ModelRunner, SeqChunk
 from kvmesh.workers.sampler import SamplingConfig, sample
 from kvmesh.workers.scheduler import ScheduledStep, Scheduler, SchedulerConfig, StepKind
 from kvmesh.workers.sequence import SeqStatus, Sequence
-from kvmesh.workers.transfer import BlockExport, copy_block_runs
+from kvmesh.workers.transfer import BlockExport
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,7 +223,8 @@ class Worker:
             if n:
                 parent = hashes[k - 1] if k else seq.root_hash
                 run = hashes[k : k + n]
-                installed = self._install(run, self.host_pool.get(run), parent)
+                device = self.runner.kv_cache.device
+                installed = self._install(run, self.host_pool.get(run, device), parent)
                 self.counters.host_hit_tokens += installed * bs
 
     def _demote_evicted(self) -> None:
@@ -270,7 +272,7 @@ class Worker:
             n = self.host_pool.match(hashes[len(ids) :])
             if n:
                 run = hashes[len(ids) : len(ids) + n]
-                parts.append(self.host_pool.get(run).to(self.runner.kv_cache.device))
+                parts.append(self.host_pool.get(run, self.runner.kv_cache.device))
                 found += run
         if not parts:
             parts = [self.runner.export_blocks([])]
@@ -327,9 +329,7 @@ class Worker:
         src = [int(b) for b in ids[held:]]
 
         def write(dst: list[BlockId]) -> None:
-            copy_block_runs(
-                self.runner.kv_cache, [int(b) for b in dst], peer_cache, src[: len(dst)]
-            )
+            copy_blocks(self.runner.kv_cache, [int(b) for b in dst], peer_cache, src[: len(dst)])
 
         start_parent = hashes[held - 1] if held else parent
         installed = self._install(hashes[held:], write, start_parent)
