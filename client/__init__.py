@@ -8,6 +8,7 @@ with Client("127.0.0.1:50051") as client:
 from __future__ import annotations
 
 from kvmesh.client.client import AsyncClient, Client
+from kvmesh.client.credentials import tls_credentials
 from kvmesh.client.errors import (
     DeadlineExceeded,
     InternalError,
@@ -22,10 +23,12 @@ from kvmesh.client.errors import (
 from kvmesh.client.results import (
     CacheFacts,
     GenerateResult,
+    IndexReport,
     LookupResult,
     RouteResult,
     Stats,
     StreamChunk,
+    WorkerIndexView,
     WorkerInfo,
     WorkerMatch,
     WorkerScore,
@@ -37,6 +40,7 @@ __all__ = [
     "Client",
     "DeadlineExceeded",
     "GenerateResult",
+    "IndexReport",
     "InternalError",
     "InvalidArgument",
     "KVMeshError",
@@ -49,6 +53,8 @@ __all__ = [
     "StreamChunk",
     "Unauthenticated",
     "Unavailable",
+    "tls_credentials",
+    "WorkerIndexView",
     "WorkerInfo",
     "WorkerMatch",
     "WorkerScore",

@@ -10,6 +10,8 @@ Both speak the `kvmesh.v1.KVMesh` gRPC service and share one API:
 
 Every failed call raises a `kvmesh.client.errors.KVMeshError` subclass; a malformed argument raises
 `ValueError` before anything is sent. Results are frozen dataclasses (`kvmesh.client.results`).
+`token` is sent as `authorization: Bearer <token>` on every call (servers with auth on need it;
+admin calls need an admin token); `credentials` (see `kvmesh.client.credentials`) switch to TLS.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from kvmesh.client import wire
 from kvmesh.client.errors import DeadlineExceeded, from_rpc_error
 from kvmesh.client.results import (
     GenerateResult,
+    IndexReport,
     LookupResult,
     RouteResult,
     Stats,
@@ -36,6 +39,14 @@ from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
+
+
+def _auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    if token is None:
+        return ()
+    if not token or any(c.isspace() or not c.isprintable() for c in token):
+        raise ValueError("token must be non-empty printable text without spaces")
+    return (("authorization", f"Bearer {token}"),)
 
 
 def _channel_options(
@@ -68,10 +79,12 @@ class Client:
         timeout_s: float | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         credentials: grpc.ChannelCredentials | None = None,
+        token: str | None = None,
     ) -> None:
         options = _channel_options(address, timeout_s, max_message_bytes)
         self.address = address
         self.timeout_s = timeout_s
+        self._metadata = _auth_metadata(token)
         if credentials is None:
             self._channel = grpc.insecure_channel(address, options=options)
         else:
@@ -179,14 +192,34 @@ class Client:
     def list_workers(self) -> list[WorkerInfo]:
         return wire.workers_from_proto(self._unary(self._stub.ListWorkers, pb.ListWorkersRequest()))
 
+    # Admin calls: with auth on, the client's token must be an admin token.
+
+    def drain(self, worker_id: str, *, undrain: bool = False) -> list[str]:
+        """Stop routing new requests to `worker_id` (its running streams finish), or route to it
+        again with `undrain=True`; returns every drained worker."""
+        request = pb.DrainRequest(worker_id=worker_id, undrain=undrain)
+        return list(self._unary(self._stub.Drain, request).drained_worker_ids)
+
+    def clear_cache(self) -> dict[str, int]:
+        """Every worker drops its cached (unreferenced) blocks; returns blocks freed per worker."""
+        response = self._unary(self._stub.ClearCache, pb.ClearCacheRequest())
+        return {w.worker_id: w.num_freed_blocks for w in response.workers}
+
+    def index_views(self) -> IndexReport:
+        """Per worker, the coordinator's index mirror and the worker's pool (`kvmesh index
+        verify` compares them, and Redis)."""
+        return wire.index_report_from_proto(
+            self._unary(self._stub.VerifyIndex, pb.VerifyIndexRequest())
+        )
+
     def _unary(self, method: Any, request: Any) -> Any:
         try:
-            return method(request, timeout=self.timeout_s)
+            return method(request, timeout=self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from err
 
     def _chunks(self, request: pb.GenerateRequest) -> Iterator[StreamChunk]:
-        call = self._stub.Generate(request, timeout=self.timeout_s)
+        call = self._stub.Generate(request, timeout=self.timeout_s, metadata=self._metadata)
         try:
             for response in call:
                 yield wire.chunk_from_proto(response)
@@ -209,10 +242,12 @@ class AsyncClient:
         timeout_s: float | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         credentials: grpc.ChannelCredentials | None = None,
+        token: str | None = None,
     ) -> None:
         options = _channel_options(address, timeout_s, max_message_bytes)
         self.address = address
         self.timeout_s = timeout_s
+        self._metadata = _auth_metadata(token)
         if credentials is None:
             self._channel = grpc.aio.insecure_channel(address, options=options)
         else:
@@ -315,12 +350,12 @@ class AsyncClient:
 
     async def _unary(self, method: Any, request: Any) -> Any:
         try:
-            return await method(request, timeout=self.timeout_s)
+            return await method(request, timeout=self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from err
 
     async def _chunks(self, request: pb.GenerateRequest) -> AsyncIterator[StreamChunk]:
-        call = self._stub.Generate(request, timeout=self.timeout_s)
+        call = self._stub.Generate(request, timeout=self.timeout_s, metadata=self._metadata)
         try:
             async for response in call:
                 yield wire.chunk_from_proto(response)

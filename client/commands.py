@@ -15,6 +15,7 @@ from dataclasses import asdict
 from typing import Any
 
 from kvmesh.client.client import Client
+from kvmesh.client.credentials import tls_credentials
 from kvmesh.client.results import GenerateResult, LookupResult, RouteResult, Stats, WorkerInfo
 from kvmesh.client.table import format_fields, format_table
 from kvmesh.client.wire import MAX_UINT32
@@ -47,7 +48,14 @@ def _prompt_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _client(args: argparse.Namespace) -> Client:
-    return Client(args.address, timeout_s=args.timeout)
+    return client_from_args(args, args.address)
+
+
+def client_from_args(args: argparse.Namespace, address: str) -> Client:
+    """A client for `address` with the command's timeout, token and TLS flags."""
+    use_tls = args.tls or args.tls_ca or args.tls_cert
+    credentials = tls_credentials(args.tls_ca, args.tls_cert, args.tls_key) if use_tls else None
+    return Client(address, timeout_s=args.timeout, token=args.token, credentials=credentials)
 
 
 def _print_json(document: object) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
@@ -21,8 +21,9 @@ class CliEnvironment:
     """KVMESH_ADDRESS: the coordinator the read commands talk to (HOST:PORT)."""
     timeout_s: float | None = None
     """KVMESH_TIMEOUT_S: deadline of each client call, in seconds."""
-    redis_url: str | None = None
-    """KVMESH_REDIS_URL: the index's Redis for `serve` (and `up`, instead of an embedded one)."""
+    redis_url: str | None = field(default=None, repr=False)
+    """KVMESH_REDIS_URL: the index's Redis for `serve` (and `up`, instead of an embedded one),
+    and for `index verify`; it may hold a password, so it is kept out of repr."""
     ray_address: str = "auto"
     """KVMESH_RAY_ADDRESS: the Ray cluster `serve` joins."""
     model: str = "tiny-random"
@@ -31,6 +32,14 @@ class CliEnvironment:
     """KVMESH_POLICY: routing policy name."""
     device: str = "auto"
     """KVMESH_DEVICE: worker device (auto, cpu, cuda)."""
+    token: str | None = field(default=None, repr=False)
+    """KVMESH_TOKEN: bearer token the client commands send."""
+    tls_ca: str | None = None
+    """KVMESH_TLS_CA: PEM CA file; client commands then connect with TLS."""
+    auth_token: str | None = field(default=None, repr=False)
+    """KVMESH_AUTH_TOKEN: bearer token `up` / `serve` accept (instead of --auth-token)."""
+    admin_token: str | None = field(default=None, repr=False)
+    """KVMESH_ADMIN_TOKEN: admin token `up` / `serve` accept (instead of --admin-token)."""
 
     def __post_init__(self) -> None:
         if not self.address:
@@ -60,4 +69,8 @@ def read_environment(environ: Mapping[str, str]) -> CliEnvironment:
         model=values.get("KVMESH_MODEL", defaults.model),
         policy=values.get("KVMESH_POLICY", defaults.policy),
         device=values.get("KVMESH_DEVICE", defaults.device),
+        token=values.get("KVMESH_TOKEN"),
+        tls_ca=values.get("KVMESH_TLS_CA"),
+        auth_token=values.get("KVMESH_AUTH_TOKEN"),
+        admin_token=values.get("KVMESH_ADMIN_TOKEN"),
     )

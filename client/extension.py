@@ -36,7 +36,7 @@ class Extension:
 EXTENSIONS = (
     Extension(
         "simulate",
-        "kvmesh.coordinator.simulate_cli",
+        "kvmesh.client.simulate_cli",
         "run_simulate",
         "replay a workload through the routing policies in a simulated cluster",
     ),

@@ -125,6 +125,17 @@ class Stats:
     num_resyncs: int
     block_size: int
     model: str
+    pulled_tokens: int
+    """Prompt tokens fetched from peer workers instead of recomputed."""
+    num_pulls: int
+    num_failed_pulls: int
+    routing: str
+    """"cache_aware", or "load_only" while the coordinator cannot reach Redis."""
+    num_decode_errors: int
+    """Malformed KV-event batches the coordinator rejected (never applied to its index)."""
+    num_drained_workers: int
+    num_rejected_requests: int
+    """Calls refused by authentication or a limit (rate, concurrent streams, prompt size)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,3 +157,29 @@ class WorkerInfo:
     generation: int
     """Changes whenever the worker restarts or clears its cache."""
     num_indexed_blocks: int
+    drained: bool
+    """Taken out of routing by an admin `Drain`; it still finishes its running requests."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerIndexView:
+    """One worker as a coordinator sees it: its index mirror entries and its pool's content."""
+
+    worker_id: str
+    alive: bool
+    mirror_hashes: list[int]
+    """Blocks the coordinator's in-memory mirror says the worker holds."""
+    pool_hashes: list[int]
+    """Blocks the worker's pool really holds (registered, matchable)."""
+    mirror_generation: int
+    mirror_seq: int
+    owned: bool
+    """The coordinator runs this worker, so `pool_hashes` is meaningful."""
+
+
+@dataclass(frozen=True, slots=True)
+class IndexReport:
+    """A coordinator's view of the index, for `kvmesh index verify`."""
+
+    workers: list[WorkerIndexView]
+    redis_connected: bool

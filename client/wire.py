@@ -16,10 +16,12 @@ from typing import Any
 
 from kvmesh.client.results import (
     CacheFacts,
+    IndexReport,
     LookupResult,
     RouteResult,
     Stats,
     StreamChunk,
+    WorkerIndexView,
     WorkerInfo,
     WorkerMatch,
     WorkerScore,
@@ -184,3 +186,19 @@ def worker_from_proto(message: pb.WorkerInfo) -> WorkerInfo:
 
 def workers_from_proto(message: pb.ListWorkersResponse) -> list[WorkerInfo]:
     return [worker_from_proto(w) for w in message.workers]
+
+
+def index_report_from_proto(message: pb.VerifyIndexResponse) -> IndexReport:
+    views = [
+        WorkerIndexView(
+            worker_id=w.worker_id,
+            alive=w.alive,
+            mirror_hashes=list(w.mirror_hashes),
+            pool_hashes=list(w.pool_hashes),
+            mirror_generation=w.mirror_generation,
+            mirror_seq=w.mirror_seq,
+            owned=w.owned,
+        )
+        for w in message.workers
+    ]
+    return IndexReport(workers=views, redis_connected=message.redis_connected)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 from kvmesh.coordinator.router import POLICIES
 
@@ -17,8 +18,9 @@ class CoordinatorConfig:
     """Tokens per KV block; must match the workers'."""
     policy: str = "kvmesh"
     """Routing policy name (see kvmesh.coordinator.router.POLICIES)."""
-    redis_url: str = ""
-    """The index's Redis; empty runs without an index (load-only routing)."""
+    redis_url: str = field(default="", repr=False)
+    """The index's Redis; empty runs without an index (load-only routing). `redis://` or
+    `rediss://` (TLS), with a password or ACL user in it: never logged, hidden from repr."""
     host: str = "127.0.0.1"
     """gRPC listen address."""
     port: int = 50051
@@ -33,6 +35,26 @@ class CoordinatorConfig:
     """How often worker actors are checked for liveness."""
     route_seed: int = 0
     """Seed of the router's tie-breaking randomness."""
+    max_prompt_tokens: int = 0
+    """Longest prompt accepted, in tokens (0: the model's context); longer: INVALID_ARGUMENT."""
+    max_concurrent_streams: int = 0
+    """Generate streams served at once (0: only max_concurrent_rpcs bounds them); more get
+    RESOURCE_EXHAUSTED while unary calls (Stats, admin) still get a thread."""
+    rate_limit_rps: float = 0.0
+    """Calls per second per client (its token, else its IP address); 0 disables. Over the rate:
+    RESOURCE_EXHAUSTED."""
+    rate_limit_burst: int = 0
+    """Calls a client may make at once before the rate applies (0: max(1, rate_limit_rps))."""
+    auth_tokens: tuple[str, ...] = field(default=(), repr=False)
+    """Bearer tokens accepted on every RPC; with these and admin_tokens empty, no auth."""
+    admin_tokens: tuple[str, ...] = field(default=(), repr=False)
+    """Bearer tokens for the admin RPCs (Drain, ClearCache, VerifyIndex); valid for all RPCs."""
+    tls_cert_file: str = ""
+    """PEM certificate chain of the gRPC server; with tls_key_file, the server speaks TLS only."""
+    tls_key_file: str = ""
+    """PEM private key of tls_cert_file."""
+    tls_client_ca_file: str = ""
+    """PEM CA bundle; when set, clients must present a certificate it signed (mutual TLS)."""
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -47,3 +69,25 @@ class CoordinatorConfig:
             raise ValueError(f"max_concurrent_rpcs must be >= 1, got {self.max_concurrent_rpcs}")
         if self.health_interval_s <= 0:
             raise ValueError(f"health_interval_s must be > 0, got {self.health_interval_s}")
+        self._check_limits()
+        self._check_security()
+
+    def _check_limits(self) -> None:
+        for name in ("max_prompt_tokens", "max_concurrent_streams", "rate_limit_burst"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not (math.isfinite(self.rate_limit_rps) and self.rate_limit_rps >= 0):
+            raise ValueError(
+                f"rate_limit_rps must be a finite number >= 0, got {self.rate_limit_rps}"
+            )
+
+    def _check_security(self) -> None:
+        # Messages name the position of a bad token, never the token itself.
+        for name in ("auth_tokens", "admin_tokens"):
+            for i, token in enumerate(getattr(self, name)):
+                if not token or any(c.isspace() or not c.isprintable() for c in token):
+                    raise ValueError(f"{name}[{i}] must be non-empty printable text without spaces")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("tls_cert_file and tls_key_file go together: give both or neither")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise ValueError("tls_client_ca_file needs the server's tls_cert_file and tls_key_file")

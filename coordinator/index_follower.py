@@ -78,8 +78,9 @@ class IndexFollower:
         self.num_resyncs += 1
         return len(snap.blocks)
 
-    def poll_once(self, block_ms: int = _READ_BLOCK_MS) -> int:
-        """Apply what the stream has after the last entry seen; returns entries handled."""
+    def poll_once(self, block_ms: int | None = _READ_BLOCK_MS) -> int:
+        """Apply what the stream has after the last entry seen; returns entries handled.
+        `block_ms` None returns at once (Redis times blocking reads out in 100 ms ticks)."""
         entries = self.store.read_stream(self._last_id, block_ms)
         for entry in entries:
             if entry.purged_worker is not None:

@@ -11,8 +11,9 @@ import socket
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import quote
 
 
 def find_redis_server() -> str:
@@ -41,14 +42,19 @@ def free_port(host: str = "127.0.0.1") -> int:
 class RedisServer:
     """A running redis-server child process; `stop()` kills it and removes its folder."""
 
-    process: subprocess.Popen[bytes]
+    process: subprocess.Popen[bytes] = field(repr=False)
     port: int
     workdir: str
     host: str = "127.0.0.1"
+    password: str = field(default="", repr=False)
+    """`requirepass` of the server; part of `url`, so never log the URL as is."""
+    command: list[str] = field(default_factory=list, repr=False)
+    """The command line that started it, for `restart()`."""
 
     @property
     def url(self) -> str:
-        return f"redis://{self.host}:{self.port}/0"
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
+        return f"redis://{auth}{self.host}:{self.port}/0"
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -65,15 +71,25 @@ class RedisServer:
         self.process.kill()
         self.process.wait()
 
+    def restart(self, timeout_s: float = 10.0) -> None:
+        """Start an empty server on the same port after `kill()` (fault tests: Redis comes back
+        without its data, as an unpersisted production Redis would)."""
+        if self.process.poll() is None:
+            raise RuntimeError(f"redis-server on port {self.port} is still running; kill() it")
+        self.process = _spawn(self.command, self.workdir)
+        _wait_ready(self, timeout_s)
+
 
 def start_redis_server(
-    port: int = 0, host: str = "127.0.0.1", timeout_s: float = 10.0
+    port: int = 0, host: str = "127.0.0.1", timeout_s: float = 10.0, *, password: str = ""
 ) -> RedisServer:
+    """A fresh server on `port` (0: a free one); `password` turns on `requirepass`."""
     binary = find_redis_server()
     port = port or free_port(host)
     workdir = tempfile.mkdtemp(prefix="kvmesh-redis-")
     cmd = [
         binary,
+        _write_config(workdir, password),
         "--port",
         str(port),
         "--bind",
@@ -91,20 +107,44 @@ def start_redis_server(
         "--loglevel",
         "warning",
     ]
-    log = open(os.path.join(workdir, "redis.log"), "wb")  # noqa: SIM115 - lives with the process
-    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    server = RedisServer(process, port, workdir, host)
+    server = RedisServer(_spawn(cmd, workdir), port, workdir, host, password, cmd)
+    _wait_ready(server, timeout_s)
+    return server
+
+
+def _write_config(workdir: str, password: str) -> str:
+    """A config file for what must not show on the command line (`ps` shows argv to everyone)."""
+    path = os.path.join(workdir, "redis.conf")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        if password:
+            f.write(f'requirepass "{_quote_config(password)}"\n')
+    return path
+
+
+def _quote_config(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"')
+
+
+def _spawn(cmd: list[str], workdir: str) -> subprocess.Popen[bytes]:
+    log = open(os.path.join(workdir, "redis.log"), "ab")  # noqa: SIM115 - lives with the process
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _wait_ready(server: RedisServer, timeout_s: float) -> None:
+    host, port, process = server.host, server.port, server.process
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(
-                f"redis-server exited with {process.returncode}; see {workdir}/redis.log"
+                f"redis-server exited with {process.returncode}; see {server.workdir}/redis.log"
             )
         try:
             with socket.create_connection((host, port), timeout=0.2) as s:
                 s.sendall(b"PING\r\n")
-                if s.recv(16).startswith(b"+PONG"):
-                    return server
+                # NOAUTH: a password-protected server is up too; the password is not needed here.
+                if s.recv(16).startswith((b"+PONG", b"-NOAUTH")):
+                    return
         except OSError:
             time.sleep(0.05)
     server.stop()

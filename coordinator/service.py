@@ -6,24 +6,31 @@ stop the server:
     InvalidRequest / ValueError -> INVALID_ARGUMENT      NoLiveWorker / WorkerDied -> UNAVAILABLE
     RequestError (worker refused) -> INVALID_ARGUMENT     anything else -> INTERNAL
 Oversized messages are refused by gRPC itself with RESOURCE_EXHAUSTED (max_receive_message_length).
+Authentication, rate and stream limits and unparsable bytes are answered before a call gets here,
+by the interceptor (`coordinator/interceptor.py`). The admin RPCs (Drain, ClearCache, VerifyIndex)
+delegate to `coordinator/admin.py`.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
+from dataclasses import asdict
 from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvmesh.coordinator.admin import Admin
 from kvmesh.coordinator.cluster import Cluster, WorkerDied
-from kvmesh.coordinator.coordinator import Coordinator, InvalidRequest, NoLiveWorker
+from kvmesh.coordinator.coordinator import Coordinator, InvalidRequest, NoLiveWorker, PreparedPrompt
 from kvmesh.coordinator.detokenizer import IncrementalDetokenizer
 from kvmesh.coordinator.index_follower import IndexFollower
+from kvmesh.coordinator.interceptor import GateInterceptor
+from kvmesh.coordinator.tls import ServerTls
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
 from kvmesh.workers.actor import RequestError
@@ -44,11 +51,19 @@ def _status_for(exc: BaseException) -> grpc.StatusCode:
 
 class KVMeshServicer(pb_grpc.KVMeshServicer):
     def __init__(
-        self, coordinator: Coordinator, cluster: Cluster, follower: IndexFollower | None
+        self,
+        coordinator: Coordinator,
+        cluster: Cluster,
+        follower: IndexFollower | None,
+        *,
+        admin: Admin | None = None,
+        gate: GateInterceptor | None = None,
     ) -> None:
         self.coordinator = coordinator
         self.cluster = cluster
         self.follower = follower
+        self.admin = admin
+        self.gate = gate
 
     def _guard(self, context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
         try:
@@ -99,7 +114,7 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
 
     def _start_generate(self, request: pb.GenerateRequest) -> Iterator[Any]:
         c = self.coordinator
-        prompt = c.prepare(list(request.token_ids), request.prompt, request.cache_salt)
+        prompt = self._prepare(request.token_ids, request.prompt, request.cache_salt)
         s = request.sampling
         if not request.HasField("sampling") or s.max_tokens == 0:
             raise InvalidRequest("sampling.max_tokens must be >= 1")
@@ -120,10 +135,24 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
             request_id=request.request_id,
         )
 
+    def _prepare(self, token_ids: Any, prompt: str, cache_salt: str) -> PreparedPrompt:
+        """`Coordinator.prepare` within `max_prompt_tokens` (checked before hashing, and again
+        after tokenizing a text prompt)."""
+        limit = self.coordinator.config.max_prompt_tokens
+        prepared = None
+        if not limit or len(token_ids) <= limit:
+            prepared = self.coordinator.prepare(list(token_ids), prompt, cache_salt)
+            if not limit or len(prepared.token_ids) <= limit:
+                return prepared
+        n = len(token_ids) if prepared is None else len(prepared.token_ids)
+        raise InvalidRequest(
+            f"prompt of {n} tokens is over this server's max_prompt_tokens {limit}"
+        )
+
     def Route(self, request: pb.RouteRequest, context: grpc.ServicerContext) -> pb.RouteResponse:
         def run() -> pb.RouteResponse:
             c = self.coordinator
-            prompt = c.prepare(list(request.token_ids), request.prompt, request.cache_salt)
+            prompt = self._prepare(request.token_ids, request.prompt, request.cache_salt)
             d = c.route(prompt, request.session_id)
             return pb.RouteResponse(
                 worker_id=d.worker_id,
@@ -144,7 +173,7 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
     def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
         def run() -> pb.LookupResponse:
             c = self.coordinator
-            prompt = c.prepare(list(request.token_ids), request.prompt, request.cache_salt)
+            prompt = self._prepare(request.token_ids, request.prompt, request.cache_salt)
             matches = c.match(prompt)
             bs = c.config.block_size
             return pb.LookupResponse(
@@ -172,6 +201,10 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
                 num_resyncs=self.follower.num_resyncs if self.follower is not None else 0,
                 block_size=c.config.block_size,
                 model=c.fingerprint,
+                routing="cache_aware" if c.index_connected() else "load_only",
+                num_decode_errors=self.follower.store.num_decode_errors if self.follower else 0,
+                num_drained_workers=len(self.admin.backend.drained()) if self.admin else 0,
+                num_rejected_requests=self.gate.num_rejected if self.gate else 0,
                 num_pulls=c.transfers.num_pulls if c.transfers is not None else 0,
                 num_failed_pulls=c.transfers.num_failed_pulls if c.transfers is not None else 0,
                 **s,
@@ -207,17 +240,61 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
                     num_waiting=i.get("num_waiting", 0),
                     generation=i.get("generation", 0),
                     num_indexed_blocks=c.indexed_blocks_of(w),
+                    drained=self.admin is not None and self.admin.backend.is_drained(w),
                 )
             )
         return pb.ListWorkersResponse(workers=out)
 
+    # ---- admin RPCs (admin token required when auth is on: see auth.py) ------------------------
+
+    def _admin(self) -> Admin:
+        if self.admin is None:
+            raise InvalidRequest("this coordinator was started without admin operations")
+        return self.admin
+
+    def Drain(self, request: pb.DrainRequest, context: grpc.ServicerContext) -> pb.DrainResponse:
+        def run() -> pb.DrainResponse:
+            drained = self._admin().drain(request.worker_id, undrain=request.undrain)
+            return pb.DrainResponse(drained_worker_ids=drained)
+
+        return self._guard(context, run)
+
+    def ClearCache(
+        self, request: pb.ClearCacheRequest, context: grpc.ServicerContext
+    ) -> pb.ClearCacheResponse:
+        def run() -> pb.ClearCacheResponse:
+            freed = sorted(self._admin().clear_cache().items())
+            cleared = [pb.WorkerCleared(worker_id=w, num_freed_blocks=n) for w, n in freed]
+            return pb.ClearCacheResponse(workers=cleared)
+
+        return self._guard(context, run)
+
+    def VerifyIndex(
+        self, request: pb.VerifyIndexRequest, context: grpc.ServicerContext
+    ) -> pb.VerifyIndexResponse:
+        def run() -> pb.VerifyIndexResponse:
+            views = [pb.WorkerIndexView(**asdict(v)) for v in self._admin().index_views()]
+            connected = self.follower is not None and self.follower.connected
+            return pb.VerifyIndexResponse(workers=views, redis_connected=connected)
+
+        return self._guard(context, run)
+
 
 def build_server(
-    servicer: KVMeshServicer, host: str, port: int, *, max_message_bytes: int, max_workers: int
+    servicer: KVMeshServicer,
+    host: str,
+    port: int,
+    *,
+    max_message_bytes: int,
+    max_workers: int,
+    interceptors: Sequence[grpc.ServerInterceptor] = (),
+    tls: ServerTls | None = None,
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
-    """A configured, not yet started server with health checking and reflection, and its port."""
+    """A configured, not yet started server with health checking and reflection, and its port.
+    With `tls` the port speaks TLS only (and requires client certificates if it has a CA)."""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvmesh-rpc"),
+        interceptors=list(interceptors),
         maximum_concurrent_rpcs=max_workers,
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
@@ -233,7 +310,15 @@ def build_server(
         reflection.SERVICE_NAME,
     )
     reflection.enable_server_reflection(names, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if tls is None:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    else:
+        credentials = grpc.ssl_server_credentials(
+            [(tls.private_key, tls.certificate_chain)],
+            root_certificates=tls.client_ca,
+            require_client_auth=tls.client_ca is not None,
+        )
+        bound = server.add_secure_port(f"{host}:{port}", credentials)
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
     for name in (SERVICE_NAME, ""):

@@ -277,20 +277,22 @@ class VerifyIndexRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerIndexView(_message.Message):
-    __slots__ = ("worker_id", "alive", "mirror_hashes", "pool_hashes", "mirror_generation", "mirror_seq")
+    __slots__ = ("worker_id", "alive", "mirror_hashes", "pool_hashes", "mirror_generation", "mirror_seq", "owned")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
     MIRROR_HASHES_FIELD_NUMBER: _ClassVar[int]
     POOL_HASHES_FIELD_NUMBER: _ClassVar[int]
     MIRROR_GENERATION_FIELD_NUMBER: _ClassVar[int]
     MIRROR_SEQ_FIELD_NUMBER: _ClassVar[int]
+    OWNED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     alive: bool
     mirror_hashes: _containers.RepeatedScalarFieldContainer[int]
     pool_hashes: _containers.RepeatedScalarFieldContainer[int]
     mirror_generation: int
     mirror_seq: int
-    def __init__(self, worker_id: _Optional[str] = ..., alive: _Optional[bool] = ..., mirror_hashes: _Optional[_Iterable[int]] = ..., pool_hashes: _Optional[_Iterable[int]] = ..., mirror_generation: _Optional[int] = ..., mirror_seq: _Optional[int] = ...) -> None: ...
+    owned: bool
+    def __init__(self, worker_id: _Optional[str] = ..., alive: _Optional[bool] = ..., mirror_hashes: _Optional[_Iterable[int]] = ..., pool_hashes: _Optional[_Iterable[int]] = ..., mirror_generation: _Optional[int] = ..., mirror_seq: _Optional[int] = ..., owned: _Optional[bool] = ...) -> None: ...
 
 class VerifyIndexResponse(_message.Message):
     __slots__ = ("workers", "redis_connected")

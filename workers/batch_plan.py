@@ -10,12 +10,16 @@ that maps the sequence's positions to cache blocks.
       slot(p) = block_table[p // block_size] * block_size + p % block_size
 
 All chunks' tokens are flattened into one token dimension ("rows", varlen layout). For attention the
-plan sorts chunks three ways, each served by the cheapest correct SDPA call:
-  * fresh prefill (start_pos == 0): the new K/V alone under a plain causal mask;
-  * decode (one token behind a cached prefix): all such chunks in one call, their blocks gathered
-    and right-padded to the longest, a padding mask per row;
-  * chunked prefill (several tokens behind a cached prefix): one call per chunk over its gathered
-    blocks, with the causal mask shifted by start_pos.
+plan sorts chunks three ways:
+  * fresh prefill (start_pos == 0): the new K/V alone under a plain causal mask (flash SDPA);
+  * decode (one token behind a cached prefix): all such chunks in one call;
+  * chunked prefill (several tokens behind a cached prefix): causal mask shifted by start_pos.
+The last two read the cache. With `AttentionMode.paged_*` they go to the paged Triton kernel (one
+launch each, straight from the block tables); otherwise to SDPA over gathered blocks: decode
+right-padded to the longest with a padding mask, chunked prefill one call per chunk.
+
+Planning runs on the host for every step, so it sticks to Python integers and numpy and crosses to
+the device in a few packed transfers; nothing in a layer waits on the host.
 """
 
 from __future__ import annotations
@@ -24,7 +28,16 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from kvmesh.workers.paged_attention import (
+    DECODE_TILE,
+    PREFILL_TILE,
+    PagedChunk,
+    PagedLayout,
+    build_paged_layout,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,12 +64,25 @@ class SeqChunk:
 
 
 @dataclass(frozen=True, slots=True)
+class AttentionMode:
+    """Which attention path serves the chunks that read cached K/V."""
+
+    paged_decode: bool
+    """Decode chunks through the paged Triton kernel (else gathered blocks + padded SDPA)."""
+    paged_prefill: bool
+    """Chunked prefills through the paged Triton kernel (else gathered blocks + SDPA per chunk)."""
+    explicit_masks: bool
+    """SDPA paths take boolean masks (CPU); else a lower-right causal bias (CUDA flash kernels)."""
+
+
+@dataclass(frozen=True, slots=True)
 class CachedChunk:
-    """A multi-token chunk behind a cached prefix: attends to gathered keys under a shifted mask."""
+    """A multi-token chunk behind a cached prefix: attends to gathered keys, causally shifted."""
 
     rows: slice
+    end_pos: int
     block_ids: torch.Tensor  # [ceil(end_pos / block_size)] blocks holding positions 0..end_pos-1
-    mask: torch.Tensor  # [num_queries_per_kv * num_new, end_pos]; True = may attend
+    mask: torch.Tensor | None  # [num_queries_per_kv * num_new, end_pos]; True = may attend
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +106,8 @@ class BatchPlan:
     fresh: list[slice]
     cached: list[CachedChunk]
     decode: DecodeGroup | None
+    paged: list[PagedLayout]
+    """Launches of the paged kernel (decode and/or chunked prefill)."""
 
 
 def validate_batch(
@@ -114,81 +142,122 @@ def validate_batch(
             )
 
 
+def _write_slots(chunk: SeqChunk, block_size: int) -> np.ndarray:
+    """Cache slot of each new token (see the module doc for the formula)."""
+    bs, start = block_size, chunk.start_pos
+    if len(chunk.token_ids) == 1:  # decode: plain integers beat any array machinery
+        return np.array([chunk.block_table[start // bs] * bs + start % bs], dtype=np.int64)
+    table = np.asarray(chunk.block_table[: -(-chunk.end_pos // bs)], dtype=np.int64)
+    positions = np.arange(start, chunk.end_pos, dtype=np.int64)
+    return table[positions // bs] * bs + positions % bs
+
+
 def plan_batch(
-    batch: Sequence[SeqChunk], *, block_size: int, num_queries_per_kv: int, device: torch.device
+    batch: Sequence[SeqChunk],
+    *,
+    block_size: int,
+    num_queries_per_kv: int,
+    device: torch.device,
+    mode: AttentionMode,
 ) -> BatchPlan:
     """Index tensors for a validated batch (see `validate_batch`), moved to `device` once."""
-    bs = block_size
-    tables = [torch.tensor(c.block_table, dtype=torch.int64) for c in batch]
-    positions = [torch.arange(c.start_pos, c.end_pos) for c in batch]
-    slots = torch.cat([t[p // bs] * bs + p % bs for t, p in zip(tables, positions, strict=True)])
-    if len(batch) > 1 and torch.unique(slots).numel() != slots.numel():
-        raise ValueError(f"chunks write {slots.numel()} tokens into fewer distinct cache slots")
-    token_ids = torch.tensor([t for c in batch for t in c.token_ids])
-    host = torch.stack([token_ids, torch.cat(positions), slots]).to(device, non_blocking=True)
+    slots = np.concatenate([_write_slots(c, block_size) for c in batch])
+    if len(batch) > 1 and np.unique(slots).size != slots.size:
+        raise ValueError(f"chunks write {slots.size} tokens into fewer distinct cache slots")
     chunk_lens = [len(c.token_ids) for c in batch]
     ends = list(itertools.accumulate(chunk_lens))
-    fresh, cached, decode_indices = [], [], []
+    positions = np.concatenate([np.arange(c.start_pos, c.end_pos) for c in batch])
+    token_ids = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in batch), np.int64)
+    packed = np.concatenate([token_ids, positions, slots, np.asarray(ends) - 1])
+    host = torch.from_numpy(packed).to(device, non_blocking=True)
+    num_tokens = len(token_ids)
+    fresh, cached_indices, decode_indices = [], [], []
     for i, chunk in enumerate(batch):
-        rows = slice(ends[i] - chunk_lens[i], ends[i])
         if chunk.start_pos == 0:
-            fresh.append(rows)
+            fresh.append(slice(ends[i] - chunk_lens[i], ends[i]))
         elif chunk_lens[i] == 1:
             decode_indices.append(i)
         else:
-            cached.append(_cached_chunk(chunk, tables[i], rows, bs, num_queries_per_kv, device))
+            cached_indices.append(i)
+    paged = []
+    for indices, use_kernel, tile in (
+        (decode_indices, mode.paged_decode, DECODE_TILE),
+        (cached_indices, mode.paged_prefill, PREFILL_TILE),
+    ):
+        if indices and use_kernel:
+            chunks = [
+                PagedChunk(
+                    batch[i].end_pos, chunk_lens[i], ends[i] - chunk_lens[i], batch[i].block_table
+                )
+                for i in indices
+            ]
+            paged.append(
+                build_paged_layout(
+                    chunks,
+                    block_size=block_size,
+                    num_queries_per_kv=num_queries_per_kv,
+                    tile=tile,
+                    device=device,
+                )
+            )
+    cached = []
+    if not mode.paged_prefill:
+        for i in cached_indices:
+            rows = slice(ends[i] - chunk_lens[i], ends[i])
+            cached.append(
+                _cached_chunk(batch[i], rows, block_size, num_queries_per_kv, device, mode)
+            )
     decode = None
-    if decode_indices:
+    if decode_indices and not mode.paged_decode:
         decode = _decode_group(
             [batch[i] for i in decode_indices],
-            [tables[i] for i in decode_indices],
             [ends[i] - 1 for i in decode_indices],
-            bs,
+            block_size,
             device,
         )
     return BatchPlan(
-        token_ids=host[0],
-        positions=host[1],
-        write_slots=host[2],
-        last_rows=torch.tensor(ends, device=device) - 1,
+        token_ids=host[:num_tokens],
+        positions=host[num_tokens : 2 * num_tokens],
+        write_slots=host[2 * num_tokens : 3 * num_tokens],
+        last_rows=host[3 * num_tokens :],
         chunk_lens=chunk_lens,
         fresh=fresh,
         cached=cached,
         decode=decode,
+        paged=paged,
     )
 
 
 def _cached_chunk(
     chunk: SeqChunk,
-    table: torch.Tensor,
     rows: slice,
     block_size: int,
     num_queries_per_kv: int,
     device: torch.device,
+    mode: AttentionMode,
 ) -> CachedChunk:
+    num_blocks = -(-chunk.end_pos // block_size)
+    block_ids = torch.tensor(chunk.block_table[:num_blocks], dtype=torch.int64).to(device)
+    if not mode.explicit_masks:
+        return CachedChunk(rows, chunk.end_pos, block_ids, None)
     query_pos = torch.arange(chunk.start_pos, chunk.end_pos, device=device)
     key_pos = torch.arange(chunk.end_pos, device=device)
     causal = key_pos[None, :] <= query_pos[:, None]  # [num_new, end_pos]
     # Rows are (g, i): query head g of a KV group, token i. So the causal block repeats g times.
     mask = causal.repeat(num_queries_per_kv, 1)
-    num_blocks = -(-chunk.end_pos // block_size)
-    return CachedChunk(rows, table[:num_blocks].to(device), mask)
+    return CachedChunk(rows, chunk.end_pos, block_ids, mask)
 
 
 def _decode_group(
-    chunks: list[SeqChunk],
-    tables: list[torch.Tensor],
-    rows: list[int],
-    block_size: int,
-    device: torch.device,
+    chunks: list[SeqChunk], rows: list[int], block_size: int, device: torch.device
 ) -> DecodeGroup:
     """Blocks of all decoding chunks, right-padded to the longest with block 0 (masked out)."""
     lens = [c.end_pos for c in chunks]
     max_blocks = -(-max(lens) // block_size)
     padded = torch.zeros((len(chunks), max_blocks), dtype=torch.int64)
-    for row, (table, length) in enumerate(zip(tables, lens, strict=True)):
+    for row, (chunk, length) in enumerate(zip(chunks, lens, strict=True)):
         needed = -(-length // block_size)
-        padded[row, :needed] = table[:needed]
+        padded[row, :needed] = torch.tensor(chunk.block_table[:needed])
     key_pos = torch.arange(max_blocks * block_size, device=device)
     lens_dev = torch.tensor(lens, device=device)
     mask = (key_pos[None, :] < lens_dev[:, None]).view(len(chunks), 1, 1, -1)

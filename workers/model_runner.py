@@ -1,21 +1,34 @@
 """Runs a Llama-family decoder over a paged KV cache.
 
 All chunks' tokens go through the matmuls as one flattened token dimension; attention is the only
-per-sequence step, grouped as `batch_plan` describes. GQA is folded into the query length (a KV
-head's query heads become extra query rows), so no K/V is copied per query head and every SDPA
-backend applies.
+per-sequence step, grouped as `batch_plan` describes. On CUDA, attention over cached K/V (decode
+and chunked prefill) reads the cache through block tables in the paged Triton kernel
+(`paged_attention`); fresh prompts use flash SDPA on their own new K/V. On CPU (the reference
+path, matched against transformers in the unit tests) cached K/V is gathered into contiguous
+buffers for SDPA, and GQA is folded into the query length (a KV head's query heads become extra
+query rows), so no K/V is copied per query head.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
-from kvmesh.workers.batch_plan import BatchPlan, SeqChunk, plan_batch, validate_batch
+from kvmesh.workers.batch_plan import (
+    AttentionMode,
+    BatchPlan,
+    CachedChunk,
+    SeqChunk,
+    plan_batch,
+    validate_batch,
+)
 from kvmesh.workers.model_config import ModelConfig, checkpoint_source
+from kvmesh.workers.paged_attention import paged_attention
 from kvmesh.workers.weights import LayerWeights, ModelWeights, load_checkpoint, random_weights
 
 __all__ = ["ModelRunner", "SeqChunk", "apply_rope", "rms_norm", "rope_inv_freq"]
@@ -98,6 +111,14 @@ class ModelRunner:
             dtype=self.dtype,
         )
         self.inv_freq = rope_inv_freq(config).to(self.device)
+        on_gpu = self.device.type == "cuda" and importlib.util.find_spec("triton") is not None
+        # Benchmarks and tests may switch paths on a live runner; results must not change.
+        self.attention_mode = AttentionMode(
+            paged_decode=on_gpu, paged_prefill=on_gpu, explicit_masks=self.device.type != "cuda"
+        )
+        self._num_sms = (
+            torch.cuda.get_device_properties(self.device).multi_processor_count if on_gpu else 0
+        )
         self.check_invariants()
 
     def _load_weights(self, weights_path: str | None, seed: int | None) -> ModelWeights:
@@ -218,18 +239,31 @@ class ModelRunner:
             attn = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
             out[rows] = attn.squeeze(0).transpose(0, 1)
         for chunk in plan.cached:
-            end_pos = chunk.mask.shape[1]
-            keys, values = self._gather(kv_blocks, chunk.block_ids, 1)
-            attn = self._grouped_attention(
-                q[chunk.rows].unsqueeze(0), keys[:, :end_pos], values[:, :end_pos], chunk.mask
-            )
-            out[chunk.rows] = attn.squeeze(0)
+            out[chunk.rows] = self._attend_cached(q, kv_blocks, chunk)
         if plan.decode is not None:
             d = plan.decode
             keys, values = self._gather(kv_blocks, d.block_ids, len(d.rows))
             attn = self._grouped_attention(q[d.rows].unsqueeze(1), keys, values, d.mask)
             out[d.rows] = attn.squeeze(1)
+        for layout in plan.paged:
+            paged_attention(q, kv_blocks[0], kv_blocks[1], out, layout, num_sms=self._num_sms)
         return out
+
+    def _attend_cached(
+        self, q: torch.Tensor, kv_blocks: torch.Tensor, chunk: CachedChunk
+    ) -> torch.Tensor:
+        """One chunked prefill over its gathered blocks: [num_new, heads, dim]."""
+        keys, values = self._gather(kv_blocks, chunk.block_ids, 1)
+        keys, values = keys[:, : chunk.end_pos], values[:, : chunk.end_pos]
+        if chunk.mask is not None:
+            attn = self._grouped_attention(q[chunk.rows].unsqueeze(0), keys, values, chunk.mask)
+            return attn.squeeze(0)
+        # The new tokens are the last ones: bottom-right causal, native to the flash kernel.
+        qt = q[chunk.rows].transpose(0, 1).unsqueeze(0)
+        kt, vt = keys.transpose(1, 2), values.transpose(1, 2)
+        bias = causal_lower_right(qt.shape[2], kt.shape[2])
+        attn = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=bias, enable_gqa=True)
+        return attn.squeeze(0).transpose(0, 1)
 
     def _gather(
         self, kv_blocks: torch.Tensor, block_ids: torch.Tensor, num_seqs: int
@@ -279,6 +313,7 @@ class ModelRunner:
             block_size=self.block_size,
             num_queries_per_kv=self.config.num_queries_per_kv,
             device=self.device,
+            mode=self.attention_mode,
         )
 
     # ------------------------------------------------------------------ block transfer

@@ -1,0 +1,132 @@
+"""The card's ceilings, and the paged decode kernel's bandwidth beside them (used by gpu_runner).
+
+Ceilings are measured, not quoted: a bf16 matrix product, a device-to-device copy (bytes read +
+written), causal SDPA at 8K tokens. The kernel reads K/V of `num_seqs` sequences straight from a
+paged cache whose blocks are shuffled; its bandwidth counts each K/V byte once (what it must read).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+from kvmesh.workers.paged_attention import (
+    DECODE_TILE,
+    PagedChunk,
+    TileShape,
+    build_paged_layout,
+    paged_attention_reference,
+)
+from kvmesh.workers.paged_attention_kernel import choose_splits, launch_paged_attention
+
+
+def median_ms(fn: Any) -> float:
+    return float(do_bench(fn, warmup=25, rep=200, return_mode="median"))
+
+
+def measure_ceilings() -> dict[str, float]:
+    """bf16 matmul TFLOP/s, HBM copy GB/s, causal SDPA 8K TFLOP/s (GQA 32/8 and plain MHA)."""
+    n = 8192
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    matmul_ms = median_ms(lambda: a @ b)
+    src = torch.randn(1 << 29, device="cuda", dtype=torch.bfloat16)  # 1 GiB
+    dst = torch.empty_like(src)
+    copy_ms = median_ms(lambda: dst.copy_(src))
+    q = torch.randn(1, 32, n, 128, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(1, 8, n, 128, device="cuda", dtype=torch.bfloat16)
+    k_full = kv.repeat_interleave(4, dim=1)
+    gqa_ms = median_ms(
+        lambda: F.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True)
+    )
+    mha_ms = median_ms(lambda: F.scaled_dot_product_attention(q, k_full, k_full, is_causal=True))
+    attn_flops = 4 * 32 * 128 * n * (n + 1) / 2
+    return {
+        "matmul_bf16_tflops": 2 * n**3 / matmul_ms / 1e9,
+        "hbm_copy_gbps": 2 * (1 << 30) / copy_ms / 1e6,
+        "sdpa_causal_8k_gqa_tflops": attn_flops / gqa_ms / 1e9,
+        "sdpa_causal_8k_mha_tflops": attn_flops / mha_ms / 1e9,
+    }
+
+
+def _decode_case(
+    num_seqs: int, seq_len: int, page: int = 16, kv_heads: int = 8, group: int = 4, dim: int = 128
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[PagedChunk]]:
+    """Random bf16 queries and a shuffled paged cache holding exactly the sequences' blocks."""
+    blocks_per_seq = -(-seq_len // page)
+    num_blocks = num_seqs * blocks_per_seq
+    shape = (num_blocks, page, kv_heads, dim)
+    k = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(num_seqs, kv_heads * group, dim, device="cuda", dtype=torch.bfloat16)
+    order = random.Random(0).sample(range(num_blocks), num_blocks)
+    chunks = [
+        PagedChunk(seq_len, 1, i, order[i * blocks_per_seq : (i + 1) * blocks_per_seq])
+        for i in range(num_seqs)
+    ]
+    return q, k, v, chunks
+
+
+def bench_decode_kernel(
+    num_seqs: int, seq_len: int, tiles: list[TileShape], splits: list[int | None], num_sms: int
+) -> list[dict[str, Any]]:
+    """Bandwidth of every (tile, split) variant on one shape; the first row is checked against
+    the float64 reference."""
+    q, k, v, chunks = _decode_case(num_seqs, seq_len)
+    kv_bytes = 2 * num_seqs * seq_len * k.shape[2] * k.shape[3] * k.element_size()
+    rows: list[dict[str, Any]] = []
+    for tile in tiles:
+        layout = build_paged_layout(
+            chunks, block_size=16, num_queries_per_kv=4, tile=tile, device=torch.device("cuda")
+        )
+        for num_splits in splits:
+            out = torch.full_like(q, float("nan"))
+
+            def run(
+                layout: Any = layout, out: torch.Tensor = out, n: int | None = num_splits
+            ) -> None:
+                launch_paged_attention(q, k, v, out, layout, num_sms=num_sms, num_splits=n)
+
+            ms = median_ms(run)
+            used = num_splits or choose_splits(layout, k.shape[2], num_sms)[0]
+            row = {
+                "num_seqs": num_seqs,
+                "seq_len": seq_len,
+                "block_n": tile.block_n,
+                "num_warps": tile.num_warps,
+                "num_stages": tile.num_stages,
+                "splits": used,
+                "auto_splits": num_splits is None,
+                "us": ms * 1e3,
+                "gbps": kv_bytes / ms / 1e6,
+            }
+            if not rows:
+                ref = torch.full_like(q, float("nan"))
+                paged_attention_reference(q, k, v, ref, layout)
+                err = (out.double() - ref.double()).norm() / ref.double().norm()
+                row["rel_err_vs_reference"] = err.item()
+            rows.append(row)
+    return rows
+
+
+def decode_kernel_report(num_sms: int) -> dict[str, Any]:
+    """The goal shape (32 x 2K) with a small sweep, and two other shapes at the default tile."""
+    sweep_tiles = [
+        DECODE_TILE,
+        TileShape(32, 32, 4, 3, 256),
+        TileShape(16, 128, 4, 3, 256),
+        TileShape(16, 64, 4, 2, 256),
+        TileShape(16, 64, 4, 4, 256),
+        TileShape(16, 64, 8, 3, 256),
+        TileShape(16, 128, 8, 3, 256),
+    ]
+    goal = bench_decode_kernel(32, 2048, sweep_tiles, [None, 1, 2, 4, 8], num_sms)
+    others = bench_decode_kernel(64, 4096, [DECODE_TILE], [None], num_sms)
+    others += bench_decode_kernel(4, 8192, [DECODE_TILE], [None], num_sms)
+    others += bench_decode_kernel(1, 2048, [DECODE_TILE], [None], num_sms)
+    default = goal[0]
+    best = max(goal, key=lambda r: r["gbps"])
+    return {"goal_shape_default": default, "goal_shape_best": best, "sweep": goal, "others": others}

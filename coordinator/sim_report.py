@@ -1,0 +1,105 @@
+"""What one policy achieved in a simulation: the contract's metrics, and the samples behind them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+# The keys `kvmesh simulate --json` promises per policy, in print order.
+METRIC_KEYS = (
+    "hit_rate",
+    "pulled_rate",
+    "ttft_p50_ms",
+    "ttft_p90_ms",
+    "ttft_p99_ms",
+    "throughput_rps",
+    "imbalance",
+    "decisions_per_s",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyResult:
+    """One policy's run over one workload."""
+
+    policy: str
+    num_requests: int
+    """Requests completed (every request of the workload)."""
+    prompt_tokens: int
+    cached_tokens: int
+    """Prompt tokens whose KV the serving worker already held."""
+    pulled_tokens: int
+    """Prompt tokens fetched from a peer (0 until the router plans pulls)."""
+    hit_rate: float
+    """cached_tokens / prompt_tokens."""
+    pulled_rate: float
+    """pulled_tokens / prompt_tokens."""
+    ttft_p50_ms: float
+    ttft_p90_ms: float
+    ttft_p99_ms: float
+    throughput_rps: float
+    """Completed requests per second, from the first arrival to the last completion."""
+    imbalance: float
+    """max / mean of the workers' busy time (1.0 is perfectly even)."""
+    decisions_per_s: float
+    """Routing decisions per second of CPU (index lookup + views + policy), one process."""
+    busy_ms: tuple[float, ...]
+    """Per worker, simulated time spent prefilling or decoding."""
+    requests_per_worker: tuple[int, ...]
+    ttft_ms: tuple[float, ...]
+    """Every request's time to first token, in workload order (for CDFs)."""
+    wall_s: float
+    """Real time the simulation of this policy took."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.hit_rate <= 1.0:
+            raise ValueError(f"hit_rate must be in [0, 1], got {self.hit_rate}")
+        if self.num_requests != len(self.ttft_ms):
+            raise ValueError(f"{self.num_requests} requests but {len(self.ttft_ms)} TTFT samples")
+
+    def metrics(self) -> dict[str, float]:
+        """The contract's metrics (`METRIC_KEYS`)."""
+        return {k: float(getattr(self, k)) for k in METRIC_KEYS}
+
+
+def summarize(
+    policy: str,
+    prompt_lens: Sequence[int],
+    cached_tokens: Sequence[int],
+    ttft_ms: Sequence[float],
+    first_arrival_ms: float,
+    last_finish_ms: float,
+    busy_ms: Sequence[float],
+    requests_per_worker: Sequence[int],
+    decision_s: float,
+    wall_s: float,
+) -> PolicyResult:
+    """Fold per-request samples into a `PolicyResult`."""
+    n = len(ttft_ms)
+    if n == 0:
+        raise ValueError("cannot summarize a run without requests")
+    prompt, cached = int(sum(prompt_lens)), int(sum(cached_tokens))
+    p50, p90, p99 = (float(x) for x in np.percentile(np.asarray(ttft_ms), [50, 90, 99]))
+    span_s = max(last_finish_ms - first_arrival_ms, 1e-9) / 1000.0
+    mean_busy = sum(busy_ms) / len(busy_ms)
+    return PolicyResult(
+        policy=policy,
+        num_requests=n,
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        pulled_tokens=0,
+        hit_rate=cached / prompt,
+        pulled_rate=0.0,
+        ttft_p50_ms=p50,
+        ttft_p90_ms=p90,
+        ttft_p99_ms=p99,
+        throughput_rps=n / span_s,
+        imbalance=max(busy_ms) / mean_busy if mean_busy > 0 else 1.0,
+        decisions_per_s=n / max(decision_s, 1e-9),
+        busy_ms=tuple(float(b) for b in busy_ms),
+        requests_per_worker=tuple(requests_per_worker),
+        ttft_ms=tuple(float(t) for t in ttft_ms),
+        wall_s=wall_s,
+    )
