@@ -16,15 +16,12 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
+from kvmesh.coordinator.coordinator import WorkerDied
 from kvmesh.workers.actor import RequestError, remote_worker_class
 from kvmesh.workers.config import WorkerConfig
 from kvmesh.workers.worker import RequestOutput, WorkerRequest
 
 log = logging.getLogger(__name__)
-
-
-class WorkerDied(Exception):
-    """The worker's actor died during a call."""
 
 
 @dataclass

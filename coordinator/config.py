@@ -29,6 +29,8 @@ class CoordinatorConfig:
     """Largest request the gRPC server accepts; bigger ones get RESOURCE_EXHAUSTED."""
     max_concurrent_rpcs: int = 256
     """Server threads: concurrent streams beyond this are refused with RESOURCE_EXHAUSTED."""
+    max_migrations: int = 2
+    """How often a request may move to another worker after its worker died mid-stream."""
     max_tokens_limit: int = 1 << 20
     """Largest max_tokens a request may ask for."""
     health_interval_s: float = 0.5

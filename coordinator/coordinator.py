@@ -12,7 +12,7 @@ import random
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from kvmesh.coordinator.config import CoordinatorConfig
@@ -34,6 +34,10 @@ class InvalidRequest(ValueError):
 
 class NoLiveWorker(RuntimeError):
     """No worker can take the request (maps to UNAVAILABLE)."""
+
+
+class WorkerDied(RuntimeError):
+    """The worker's actor died during a call (maps to UNAVAILABLE when it cannot be migrated)."""
 
 
 class WorkerBackend(Protocol):
@@ -79,6 +83,7 @@ class Counters:
     pulled_tokens: int = 0
     computed_tokens: int = 0
     generated_tokens: int = 0
+    num_migrations: int = 0
     per_worker: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
@@ -249,33 +254,77 @@ class Coordinator:
     def _stream(
         self, worker: WorkerId, request: WorkerRequest, pulled_tokens: int = 0
     ) -> Iterator[StreamEvent]:
+        """The worker's outputs as stream events. If the worker dies mid-stream, the request
+        moves to another live worker with its prompt plus the tokens already streamed (at most
+        `max_migrations` times), so the client sees a slower stream, not an error."""
         ok = False
+        produced: list[int] = []
+        migrations = 0
+        current = request
         try:
-            for out in self.backend.generate(worker, request):
-                pulled = 0
-                if out.cached_tokens >= 0:
-                    pulled = min(pulled_tokens, out.cached_tokens)
-                    self._on_prefilled(worker, request, out, pulled)
-                with self._lock:
-                    self.counters.generated_tokens += len(out.new_token_ids)
-                yield StreamEvent(
-                    out.new_token_ids,
-                    worker,
-                    out.finished,
-                    out.finish_reason,
-                    out.cached_tokens - pulled if out.cached_tokens >= 0 else -1,
-                    out.computed_tokens,
-                    len(request.prompt_ids),
-                    pulled,
-                )
-                if out.finished:
-                    ok = True
-                    return
+            while True:
+                try:
+                    for event in self._events(worker, current, pulled_tokens, request):
+                        produced.extend(event.token_ids)
+                        yield event
+                        if event.finished:
+                            ok = True
+                            return
+                    return  # the worker's stream ended without a final output
+                except WorkerDied:
+                    migrations += 1
+                    if migrations > self.config.max_migrations:
+                        raise
+                    worker, current = self._migrate(worker, request, produced, migrations)
+                    pulled_tokens = 0
         finally:
             with self._lock:
-                self.load.on_finished(request.request_id)
+                self.load.on_finished(current.request_id)
                 if not ok:
                     self.counters.num_failed_requests += 1
+
+    def _events(
+        self, worker: WorkerId, request: WorkerRequest, pulled_tokens: int, original: WorkerRequest
+    ) -> Iterator[StreamEvent]:
+        for out in self.backend.generate(worker, request):
+            pulled = 0
+            if out.cached_tokens >= 0:
+                pulled = min(pulled_tokens, out.cached_tokens)
+                self._on_prefilled(worker, request, out, pulled)
+            with self._lock:
+                self.counters.generated_tokens += len(out.new_token_ids)
+            yield StreamEvent(
+                out.new_token_ids,
+                worker,
+                out.finished,
+                out.finish_reason,
+                out.cached_tokens - pulled if out.cached_tokens >= 0 else -1,
+                out.computed_tokens,
+                len(original.prompt_ids),
+                pulled,
+            )
+
+    def _migrate(
+        self, dead: WorkerId, original: WorkerRequest, produced: list[int], attempt: int
+    ) -> tuple[WorkerId, WorkerRequest]:
+        """Re-route what is left of `original` after its worker died."""
+        with self._lock:
+            self.load.forget_worker(dead)
+            self.counters.num_migrations += 1
+        remaining = original.sampling.max_tokens - len(produced)
+        if remaining < 1:
+            raise WorkerDied(dead)  # nothing left to generate but the final message was lost
+        prompt = self.prepare(list(original.prompt_ids) + produced, "", original.cache_salt)
+        request_id = f"{original.request_id}.m{attempt}"
+        decision = self.route(prompt, request_id=request_id)  # raises NoLiveWorker if none
+        with self._lock:
+            self.load.on_routed(
+                request_id, decision.worker_id, decision.predicted_prefill_ms, len(prompt.token_ids)
+            )
+        sampling = replace(original.sampling, max_tokens=remaining)
+        return decision.worker_id, WorkerRequest(
+            request_id, prompt.token_ids, sampling, original.cache_salt
+        )
 
     def _on_prefilled(
         self, worker: WorkerId, request: WorkerRequest, out: RequestOutput, pulled: int
@@ -309,6 +358,7 @@ class Coordinator:
                 "pulled_tokens": c.pulled_tokens,
                 "computed_tokens": c.computed_tokens,
                 "generated_tokens": c.generated_tokens,
+                "num_migrations": c.num_migrations,
                 "hit_rate": c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
             }
         with self.mirror_lock:

@@ -12,7 +12,7 @@ import random
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from kvmesh.coordinator.baseline_policies import DynamoKvPolicy, SglangCacheAwarePolicy
 from kvmesh.coordinator.cost_model import CostModel
@@ -24,12 +24,15 @@ from kvmesh.coordinator.policy_base import (
     WorkerScore,
     WorkerView,
 )
-from kvmesh.coordinator.pull_planner import cheapest_prefill
+from kvmesh.coordinator.pull_planner import PrefillOption, best_peer, cheapest_prefill
+from kvmesh.coordinator.recent_load import RecentLoad
+from kvmesh.coordinator.routed_prefixes import RoutedPrefixes
 
 __all__ = [
     "POLICIES",
     "DynamoKvPolicy",
     "KvmeshPolicy",
+    "KvmeshWeights",
     "LeastLoadedPolicy",
     "RoundRobinPolicy",
     "RouteDecision",
@@ -110,14 +113,51 @@ class SessionStickyPolicy(RoutingPolicy):
             del self._session_to_worker[s]
 
 
+@dataclass(frozen=True, slots=True)
+class KvmeshWeights:
+    """The knobs of kvmesh's cost (defaults tuned with `kvmesh simulate`, docs/benchmarks.md)."""
+
+    recompute_weight: float = 1.0
+    """Recomputed prefill is counted (1 + this) times: once as this request's latency, and again
+    as GPU time taken from the requests that queue behind it later. 0 is purely greedy."""
+    placement_balance: float = 0.3
+    """Weight of the work recently routed to a worker, scaled by the share of the prompt it would
+    compute: new prefixes go where little was placed lately, since their followers come too."""
+    request_balance: float = 0.1
+    """Weight of the requests recently routed to a worker, scaled by the cheapest prefill of
+    this prompt anywhere: keeps a hot prefix's holder from taking every follower."""
+    balance_horizon_s: float = 10.0
+    """How far back "recently" reaches (exponential decay time)."""
+    routed_prefix_ttl_s: float = 30.0
+    """How long a routed prompt counts as held by its worker before the index confirms it."""
+
+    def __post_init__(self) -> None:
+        for name in ("recompute_weight", "placement_balance", "request_balance"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("balance_horizon_s", "routed_prefix_ttl_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
 class KvmeshPolicy(RoutingPolicy):
-    """One continuous cost per worker; the lowest wins, ties break randomly.
+    """One continuous cost per worker, in milliseconds; the lowest wins, ties break randomly.
 
-        cost(w) = queue(w) + prefill(uncached on w) + decode_pressure(w) + memory_pressure(w)
-                  - session_affinity(w)
+        cost(w) = queue(w)                 prefill work routed to w and not yet done
+                + ready(w)                 prefill of what w lacks (after a pull, when cheaper)
+                + r * recompute(w)         that recompute again, as work taken from later requests
+                + decode_step(w)           the running batch rides along the prefill
+                + memory(w)                ramps up as the prompt's new blocks outgrow w's free ones
+                + p * recent_work(w) * uncached_share(w)
+                + q * recent_requests(w) * min over workers of ready
+                - session_affinity(w)
 
-    A worker that holds more of the prompt saves prefill; a busy one pays its queue. There is no
-    threshold: a long cached prefix wins until the queue it builds costs more than recomputing.
+    (recent_* are measured above the least-loaded worker's, so only differences count.) A worker
+    that holds more of the prompt saves prefill and recompute; a busy one pays its queue. Nothing
+    switches at a threshold: a cached prefix wins until the queue it builds costs more than
+    recomputing twice. The index only learns of a prefix once its prefill is done, so prompts
+    routed in the last `routed_prefix_ttl_s` count as held by their worker (`RoutedPrefixes`):
+    a burst sharing a new prefix lands together instead of being recomputed everywhere.
     """
 
     name = "kvmesh"
@@ -128,52 +168,98 @@ class KvmeshPolicy(RoutingPolicy):
         cost_model: CostModel,
         rng: random.Random,
         clock: Callable[[], float] = time.monotonic,
+        weights: KvmeshWeights | None = None,
     ) -> None:
         super().__init__(cost_model, rng, clock)
+        self.weights = weights or KvmeshWeights()
         self._session_to_worker: OrderedDict[str, WorkerId] = OrderedDict()
-
-    def worker_cost(
-        self,
-        query: RouteQuery,
-        w: WorkerView,
-        sticky: WorkerId | None,
-        peer: WorkerView | None = None,
-    ) -> float:
-        """`peer`: the worker holding the longest device prefix, when pulls are priced."""
-        cm = self.cost_model
-        option = cheapest_prefill(query, w, peer, cm, self.transfer_ms)
-        cost = w.queued_prefill_ms + option.prefill_ms
-        if w.num_running:
-            cost += cm.decode_step_ms(w.num_running)
-        needed_blocks = query.num_prompt_blocks - w.matched_device_blocks
-        if needed_blocks > w.num_free_blocks:
-            # The worker must wait for running sequences to finish (or preempt one).
-            cost += cm.decode_step_ms(w.num_running) * query.block_size
-        if sticky == w.worker_id:
-            cost -= cm.prefill_per_token_ms * query.block_size
-        return cost
+        self._routed = RoutedPrefixes(self.weights.routed_prefix_ttl_s)
+        self._recent = RecentLoad(self.weights.balance_horizon_s)
 
     def choose(self, query: RouteQuery, workers: Sequence[WorkerView]) -> RouteDecision:
+        if not workers:
+            raise ValueError("no workers to route to")
+        now = self.clock()
+        self._routed.expire(now)
+        views = self._with_routed_prefixes(query, workers)
+        peer = best_peer(views) if self.transfer_ms is not None else None
+        options = [
+            cheapest_prefill(query, w, peer, self.cost_model, self.transfer_ms) for w in views
+        ]
+        costs = self._costs(query, views, options, now)
+        decision = self._pick_lowest(query, views, costs)
+        option = options[next(i for i, w in enumerate(views) if w.worker_id == decision.worker_id)]
+        if option.pull is not None:
+            decision = replace(decision, pull=option.pull, predicted_prefill_ms=option.prefill_ms)
+        self._remember(query, decision, now)
+        return decision
+
+    def _with_routed_prefixes(
+        self, query: RouteQuery, workers: Sequence[WorkerView]
+    ) -> Sequence[WorkerView]:
+        routed = self._routed.match(query.block_hashes) if len(self._routed) else {}
+        if not routed:
+            return workers
+        # Only the local match grows: a routed prefix is not yet there to be pulled by a peer.
+        return [
+            w._replace(matched_blocks=max(w.matched_blocks, routed.get(w.worker_id, 0)))
+            for w in workers
+        ]
+
+    def _costs(
+        self,
+        query: RouteQuery,
+        views: Sequence[WorkerView],
+        options: Sequence[PrefillOption],
+        now: float,
+    ) -> list[float]:
+        cm, weights, recent = self.cost_model, self.weights, self._recent
         sticky = self._session_to_worker.get(query.session_id) if query.session_id else None
-        costs = [self.worker_cost(query, w, sticky, workers) for w in workers]
-        decision = self._pick_lowest(query, workers, costs)
-        if self.transfer_ms is not None:
-            chosen = next(w for w in workers if w.worker_id == decision.worker_id)
-            option = cheapest_prefill(query, chosen, workers, self.cost_model, self.transfer_ms)
-            if option.pull is not None:
-                decision = replace(
-                    decision, pull=option.pull, predicted_prefill_ms=option.prefill_ms
-                )
+        work = [recent.work_ms(w.worker_id, now) for w in views]
+        requests = [recent.num_requests(w.worker_id, now) for w in views]
+        least_work, least_requests = min(work), min(requests)
+        cheapest_ready = min(o.prefill_ms for o in options)
+        costs = []
+        for w, option, w_work, w_requests in zip(views, options, work, requests, strict=True):
+            recompute_ms = option.prefill_ms - (option.pull.transfer_ms if option.pull else 0.0)
+            cost = w.queued_prefill_ms + option.prefill_ms + weights.recompute_weight * recompute_ms
+            if w.num_running:
+                cost += cm.decode_step_ms(w.num_running)
+            cost += self._memory_pressure_ms(query, w)
+            uncached_share = 1.0 - self._cached_tokens(query, w) / query.prompt_len
+            cost += weights.placement_balance * (w_work - least_work) * uncached_share
+            cost += weights.request_balance * (w_requests - least_requests) * cheapest_ready
+            if sticky == w.worker_id:
+                cost -= cm.prefill_per_token_ms * query.block_size
+            costs.append(cost)
+        return costs
+
+    def _memory_pressure_ms(self, query: RouteQuery, w: WorkerView) -> float:
+        """0 while the prompt's new blocks fit in w's free blocks; then up to one block's worth of
+        decode steps (running sequences must finish, or be preempted, to make room)."""
+        needed = query.num_prompt_blocks - w.matched_device_blocks
+        if needed <= 0 or needed <= w.num_free_blocks:
+            return 0.0
+        shortfall = (needed - w.num_free_blocks) / needed
+        return shortfall * self.cost_model.decode_step_ms(w.num_running) * query.block_size
+
+    def _remember(self, query: RouteQuery, decision: RouteDecision, now: float) -> None:
+        self._routed.add(query.request_id, decision.worker_id, query.block_hashes, now)
+        self._recent.add(decision.worker_id, decision.predicted_prefill_ms, now)
         if query.session_id:
             self._session_to_worker[query.session_id] = decision.worker_id
             self._session_to_worker.move_to_end(query.session_id)
             if len(self._session_to_worker) > self.max_sessions:
                 self._session_to_worker.popitem(last=False)
-        return decision
+
+    def on_request_done(self, request_id: str) -> None:
+        self._routed.discard(request_id)
 
     def on_worker_removed(self, worker_id: WorkerId) -> None:
         for s in [s for s, w in self._session_to_worker.items() if w == worker_id]:
             del self._session_to_worker[s]
+        self._routed.forget_worker(worker_id)
+        self._recent.forget(worker_id)
 
 
 POLICIES: dict[str, type[RoutingPolicy]] = {

@@ -25,8 +25,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvmesh.coordinator.admin import Admin
-from kvmesh.coordinator.cluster import Cluster, WorkerDied
-from kvmesh.coordinator.coordinator import Coordinator, InvalidRequest, NoLiveWorker, PreparedPrompt
+from kvmesh.coordinator.cluster import Cluster
+from kvmesh.coordinator.coordinator import (
+    Coordinator,
+    InvalidRequest,
+    NoLiveWorker,
+    PreparedPrompt,
+    WorkerDied,
+)
 from kvmesh.coordinator.detokenizer import IncrementalDetokenizer
 from kvmesh.coordinator.index_follower import IndexFollower
 from kvmesh.coordinator.interceptor import GateInterceptor

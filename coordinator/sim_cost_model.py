@@ -21,6 +21,9 @@ lent H100 (shared/device/README.md, 2026-11-26) and the model's shape (32 layers
   * decode_per_seq_ms 0.02: per-sequence sampling and bookkeeping (engine-typical).
   * chunk_tokens 8192: the chunked-prefill budget vLLM and SGLang use on an H100; running decodes
     ride along each prefill chunk, so a chunk costs one decode step more.
+  * transfer_per_token_ms 0.0024: "moving its KV over PCIe 2.4 us" per token, measured (55 GB/s
+    pinned host<->device); a 400 Gb/s NIC moves it at about the same rate. transfer_fixed_ms 1.0:
+    one round trip of control messages plus registration (engine-typical).
 
 Override any of them with `--cost-model FILE.json` (a JSON object of these field names) or with
 `--cost FIELD=VALUE`.
@@ -55,6 +58,10 @@ class SimCostModel:
     """Extra decode-step cost per token of KV the batch attends to."""
     chunk_tokens: int = 8192
     """Chunked-prefill budget: a prefill of n new tokens runs in ceil(n / chunk_tokens) steps."""
+    transfer_fixed_ms: float = 1.0
+    """Set-up of one peer-to-peer KV pull (request, registration, completion)."""
+    transfer_per_token_ms: float = 0.0024
+    """Moving one token's KV (128 KiB) between workers."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -113,6 +120,11 @@ class SimCostModel:
             + batch_size * self.decode_per_seq_ms
             + context_tokens * self.decode_per_context_token_ms
         )
+
+    def transfer_ms(self, num_tokens: int) -> float:
+        if num_tokens <= 0:
+            return 0.0
+        return self.transfer_fixed_ms + num_tokens * self.transfer_per_token_ms
 
     def router_cost_model(self, typical_context_tokens: int = 4096) -> CostModel:
         """The router's (coarser) model of the same hardware: what a calibrated coordinator

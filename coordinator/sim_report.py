@@ -31,9 +31,9 @@ class PolicyResult:
     cached_tokens: int
     """Prompt tokens whose KV the serving worker already held."""
     pulled_tokens: int
-    """Prompt tokens fetched from a peer (0 until the router plans pulls)."""
+    """Prompt tokens fetched from a peer before the prefill."""
     hit_rate: float
-    """cached_tokens / prompt_tokens."""
+    """cached_tokens / prompt_tokens (local reuse; pulls are counted apart)."""
     pulled_rate: float
     """pulled_tokens / prompt_tokens."""
     ttft_p50_ms: float
@@ -68,6 +68,7 @@ def summarize(
     policy: str,
     prompt_lens: Sequence[int],
     cached_tokens: Sequence[int],
+    pulled_tokens: Sequence[int],
     ttft_ms: Sequence[float],
     first_arrival_ms: float,
     last_finish_ms: float,
@@ -80,7 +81,7 @@ def summarize(
     n = len(ttft_ms)
     if n == 0:
         raise ValueError("cannot summarize a run without requests")
-    prompt, cached = int(sum(prompt_lens)), int(sum(cached_tokens))
+    prompt, cached, pulled = int(sum(prompt_lens)), int(sum(cached_tokens)), int(sum(pulled_tokens))
     p50, p90, p99 = (float(x) for x in np.percentile(np.asarray(ttft_ms), [50, 90, 99]))
     span_s = max(last_finish_ms - first_arrival_ms, 1e-9) / 1000.0
     mean_busy = sum(busy_ms) / len(busy_ms)
@@ -89,9 +90,9 @@ def summarize(
         num_requests=n,
         prompt_tokens=prompt,
         cached_tokens=cached,
-        pulled_tokens=0,
+        pulled_tokens=pulled,
         hit_rate=cached / prompt,
-        pulled_rate=0.0,
+        pulled_rate=pulled / prompt,
         ttft_p50_ms=p50,
         ttft_p90_ms=p90,
         ttft_p99_ms=p99,

@@ -16,6 +16,8 @@ worker can match, and what it evicts, is exactly what the live system would do.
 * Admission reserves blocks for prompt and output at once (no preemption); prompt blocks are
   registered when the prefill ends, generated blocks when the sequence finishes (when the
   workload knows the tokens a later prompt quotes), then the sequence frees tail-first.
+* A planned pull copies the blocks the peer still holds at admission, priced by the cost model's
+  transfer time before the prefill; pulled blocks are registered like computed ones.
 """
 
 from __future__ import annotations
@@ -55,6 +57,16 @@ class SimRequest:
         return self.hashes[: self.num_prompt_blocks]
 
 
+@dataclass(frozen=True, slots=True)
+class PullSource:
+    """Where a routed request should pull its prefix from, and how much of it."""
+
+    pool: BlockPool
+    """The peer's pool (read at admission: blocks it evicted meanwhile are not pulled)."""
+    num_blocks: int
+    """Leading prompt blocks the peer held when the router planned the pull."""
+
+
 @dataclass(slots=True, eq=False)
 class SimSequence:
     """A request admitted on a worker."""
@@ -63,6 +75,7 @@ class SimSequence:
     blocks: list[BlockId]
     num_matched_blocks: int  # leading blocks found in the pool at admission
     cached_tokens: int
+    pulled_tokens: int
     admitted_ms: float
     context_tokens: int  # KV the sequence attends to while decoding (prompt + half its output)
     finish_step: float = 0.0
@@ -95,7 +108,7 @@ class SimWorker:
         self.cost = cost
         self.block_size = block_size
         self.root = root
-        self.queue: deque[SimRequest] = deque()
+        self.queue: deque[tuple[SimRequest, PullSource | None]] = deque()
         self.prefilling: SimSequence | None = None
         self.prefill_end_ms = math.inf
         self._batch: list[tuple[float, int, SimSequence]] = []  # heap by finish step
@@ -111,13 +124,13 @@ class SimWorker:
     def num_decoding(self) -> int:
         return len(self._batch)
 
-    def enqueue(self, request: SimRequest) -> None:
+    def enqueue(self, request: SimRequest, pull: PullSource | None = None) -> None:
         if request.num_reserved_blocks > self.pool.num_blocks:
             raise ValueError(
                 f"request {request.request_id} needs {request.num_reserved_blocks} blocks; "
                 f"worker {self.worker_id} has {self.pool.num_blocks}"
             )
-        self.queue.append(request)
+        self.queue.append((request, pull))
 
     def next_event_ms(self) -> float:
         t = self.prefill_end_ms if self.prefilling is not None else math.inf
@@ -152,7 +165,7 @@ class SimWorker:
         self._progress(now_ms)
         if self.prefilling is not None or not self.queue:
             return None
-        request = self.queue[0]
+        request, pull = self.queue[0]
         pool = self.pool
         matched = pool.match_prefix(request.prompt_hashes)
         need = request.num_reserved_blocks - len(matched)
@@ -163,18 +176,28 @@ class SimWorker:
         pool.acquire(matched)
         fresh = pool.allocate(need)
         assert fresh is not None
-        cached = min(len(matched) * self.block_size, request.prompt_len - 1)
-        new = request.prompt_len - cached
-        context = request.prompt_len + request.output_len // 2
-        seq = SimSequence(request, matched + fresh, len(matched), cached, now_ms, context)
-        duration = self.cost.prefill_ms(new, cached)
+        n, bs = request.prompt_len, self.block_size
+        cached = min(len(matched) * bs, n - 1)
+        ready = max(cached, self._pullable_tokens(request, pull))
+        context = n + request.output_len // 2
+        seq = SimSequence(
+            request, matched + fresh, len(matched), cached, ready - cached, now_ms, context
+        )
+        duration = self.cost.transfer_ms(ready - cached) + self.cost.prefill_ms(n - ready, ready)
         if self._batch:
-            chunks = self.cost.num_chunks(new)
+            chunks = self.cost.num_chunks(n - ready)
             duration += chunks * self.cost.decode_step_ms(len(self._batch), self.batch_context)
             self._rate = chunks / duration
         self.prefilling, self.prefill_end_ms = seq, now_ms + duration
         self._update_rate()
         return seq
+
+    def _pullable_tokens(self, request: SimRequest, pull: PullSource | None) -> int:
+        """Prompt tokens available after the pull: what the peer still holds of the plan."""
+        if pull is None:
+            return 0
+        held = len(pull.pool.match_prefix(request.prompt_hashes[: pull.num_blocks]))
+        return min(held * self.block_size, request.prompt_len - 1)
 
     def _progress(self, now_ms: float) -> None:
         elapsed = now_ms - self._last_ms

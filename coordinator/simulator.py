@@ -33,7 +33,7 @@ from kvmesh.coordinator.load_tracker import LoadTracker
 from kvmesh.coordinator.router import POLICIES, RouteQuery, WorkerView, make_policy
 from kvmesh.coordinator.sim_cost_model import SimCostModel
 from kvmesh.coordinator.sim_report import PolicyResult, summarize
-from kvmesh.coordinator.sim_worker import SimRequest, SimSequence, SimWorker
+from kvmesh.coordinator.sim_worker import PullSource, SimRequest, SimSequence, SimWorker
 from kvmesh.proto.block_hash import block_hashes, namespace_hash
 from kvmesh.proto.events import EventBatch
 from kvmesh.workers.block_pool import BlockPool
@@ -71,6 +71,8 @@ class SimConfig:
     """Seeds every policy's tie-breaking."""
     cost: SimCostModel = field(default_factory=SimCostModel)
     """Compute times (the router's model is derived from it: a calibrated coordinator)."""
+    pulls: bool = True
+    """Workers can pull prefixes from each other (policies that plan pulls, kvmesh's, use it)."""
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
@@ -159,11 +161,15 @@ class ClusterSimulation:
             random.Random(config.seed),
             lambda: self.now_ms / 1000.0,
         )
+        if config.pulls and not self.oracle:
+            cost = config.cost
+            self.policy.transfer_ms = lambda _src, _dst, num_tokens: cost.transfer_ms(num_tokens)
         self._heap: list[tuple[float, int, int, int]] = []
         self._scheduled_epoch = [-1] * n
         self._order = 0
         self._decision_s = 0.0
         self._cached = [0] * len(requests)
+        self._pulled = [0] * len(requests)
         self._ttft = [math.nan] * len(requests)
         self._worker_of = [-1] * len(requests)
         self._last_finish_ms = 0.0
@@ -192,6 +198,7 @@ class ClusterSimulation:
             self.policy_name,
             [r.prompt_len for r in requests],
             self._cached,
+            self._pulled,
             self._ttft,
             requests[0].arrival_ms if requests else 0.0,
             self._last_finish_ms,
@@ -220,7 +227,11 @@ class ClusterSimulation:
             decision.predicted_prefill_ms,
             request.prompt_len - predicted_cached,
         )
-        self.workers[w].enqueue(request)
+        pull = None
+        if decision.pull is not None:
+            source = self.workers[self._index_of[decision.pull.source]].pool
+            pull = PullSource(source, decision.pull.num_blocks)
+        self.workers[w].enqueue(request, pull)
         self._admit(w)
         self._schedule(w)
 
@@ -274,6 +285,7 @@ class ClusterSimulation:
         seq = self.workers[w].try_admit(self.now_ms)
         if seq is not None:
             self._cached[seq.request.index] = seq.cached_tokens
+            self._pulled[seq.request.index] = seq.pulled_tokens
             self._worker_of[seq.request.index] = w
             self._flush_events(w)
 

@@ -147,7 +147,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("num_workers", "num_live_workers", "num_indexed_blocks", "num_requests", "num_failed_requests", "prompt_tokens", "cached_tokens", "computed_tokens", "generated_tokens", "hit_rate", "policy", "redis_connected", "num_events_applied", "num_resyncs", "block_size", "model", "pulled_tokens", "num_pulls", "num_failed_pulls", "routing", "num_decode_errors", "num_drained_workers", "num_rejected_requests")
+    __slots__ = ("num_workers", "num_live_workers", "num_indexed_blocks", "num_requests", "num_failed_requests", "prompt_tokens", "cached_tokens", "computed_tokens", "generated_tokens", "hit_rate", "policy", "redis_connected", "num_events_applied", "num_resyncs", "block_size", "model", "pulled_tokens", "num_pulls", "num_failed_pulls", "num_migrations", "routing", "num_decode_errors", "num_drained_workers", "num_rejected_requests")
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     NUM_LIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
     NUM_INDEXED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +167,7 @@ class StatsResponse(_message.Message):
     PULLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_PULLS_FIELD_NUMBER: _ClassVar[int]
     NUM_FAILED_PULLS_FIELD_NUMBER: _ClassVar[int]
+    NUM_MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     ROUTING_FIELD_NUMBER: _ClassVar[int]
     NUM_DECODE_ERRORS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAINED_WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -190,11 +191,12 @@ class StatsResponse(_message.Message):
     pulled_tokens: int
     num_pulls: int
     num_failed_pulls: int
+    num_migrations: int
     routing: str
     num_decode_errors: int
     num_drained_workers: int
     num_rejected_requests: int
-    def __init__(self, num_workers: _Optional[int] = ..., num_live_workers: _Optional[int] = ..., num_indexed_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_failed_requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., hit_rate: _Optional[float] = ..., policy: _Optional[str] = ..., redis_connected: _Optional[bool] = ..., num_events_applied: _Optional[int] = ..., num_resyncs: _Optional[int] = ..., block_size: _Optional[int] = ..., model: _Optional[str] = ..., pulled_tokens: _Optional[int] = ..., num_pulls: _Optional[int] = ..., num_failed_pulls: _Optional[int] = ..., routing: _Optional[str] = ..., num_decode_errors: _Optional[int] = ..., num_drained_workers: _Optional[int] = ..., num_rejected_requests: _Optional[int] = ...) -> None: ...
+    def __init__(self, num_workers: _Optional[int] = ..., num_live_workers: _Optional[int] = ..., num_indexed_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_failed_requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., hit_rate: _Optional[float] = ..., policy: _Optional[str] = ..., redis_connected: _Optional[bool] = ..., num_events_applied: _Optional[int] = ..., num_resyncs: _Optional[int] = ..., block_size: _Optional[int] = ..., model: _Optional[str] = ..., pulled_tokens: _Optional[int] = ..., num_pulls: _Optional[int] = ..., num_failed_pulls: _Optional[int] = ..., num_migrations: _Optional[int] = ..., routing: _Optional[str] = ..., num_decode_errors: _Optional[int] = ..., num_drained_workers: _Optional[int] = ..., num_rejected_requests: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("worker_id", "pid", "node", "device", "num_blocks", "num_free_blocks", "alive", "cached_tokens", "computed_tokens", "num_requests", "num_running", "num_waiting", "generation", "num_indexed_blocks", "drained")

@@ -37,12 +37,12 @@ def test_kvmesh_prefers_the_worker_holding_the_prefix() -> None:
 
 
 def test_kvmesh_leaves_a_hot_worker_when_its_queue_costs_more_than_recompute() -> None:
-    p = KvmeshPolicy(CM, random.Random(0))
+    # Fresh policies: a policy remembers where it sent a prompt (see test_kvmesh_policy.py).
     recompute_ms = CM.prefill_ms(130)
     busy = view("w1", matched=8, queued_ms=10 * recompute_ms)
-    assert p.choose(query(), [view("w0"), busy]).worker_id == "w0"
+    assert KvmeshPolicy(CM, random.Random(0)).choose(query(), [view("w0"), busy]).worker_id == "w0"
     light = view("w1", matched=8, queued_ms=0.1 * recompute_ms)
-    assert p.choose(query(), [view("w0"), light]).worker_id == "w1"
+    assert KvmeshPolicy(CM, random.Random(0)).choose(query(), [view("w0"), light]).worker_id == "w1"
 
 
 def test_ties_break_randomly_but_reproducibly() -> None:
