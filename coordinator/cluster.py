@@ -7,6 +7,7 @@ died; `on_worker_dead` then purges it from the index and the router stops seeing
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -42,6 +43,8 @@ class Cluster:
         self._monitor: threading.Thread | None = None
         self._latest_info: dict[str, dict[str, Any]] = {}
         self._ipc_handles: dict[str, Any] = {}
+        self._nccl_ranks: dict[str, int] = {}
+        self._nccl_lock = threading.Lock()
 
     def set_on_worker_dead(self, callback: Callable[[str], None]) -> None:
         self._on_worker_dead = callback
@@ -110,6 +113,8 @@ class Cluster:
         try:
             if self._same_gpu(source, target):
                 return self._pull_ipc(target, source, hashes, parent, timeout_s)
+            if source in self._nccl_ranks and target in self._nccl_ranks:
+                return self._pull_nccl(target, source, hashes, parent, timeout_s)
             export = self.actor(source).export_blocks.remote(hashes)
             importing = self.actor(target).import_blocks.remote(export, parent)
             return int(ray.get(importing, timeout=timeout_s))
@@ -127,6 +132,43 @@ class Cluster:
             and device == ib.get("device")
             and ia.get("node") == ib.get("node")
         )
+
+    def setup_nccl(self, timeout_s: float = 120.0) -> bool:
+        """Put every live CUDA worker on its own GPU into one NCCL group (GPU-to-GPU pulls)."""
+        live = self.live_worker_ids()
+        devices = {w: self.latest_info(w).get("device", "") for w in live}
+        on_gpus = all(str(d).startswith("cuda") for d in devices.values())
+        if len(live) < 2 or not on_gpus or len(set(devices.values())) < len(live):
+            return False  # NCCL cannot put two ranks on one GPU: same-GPU pulls use CUDA IPC
+        host = ray.util.get_node_ip_address()
+        with socket.socket() as probe:
+            probe.bind(("", 0))
+            port = probe.getsockname()[1]
+        init = f"tcp://{host}:{port}"
+        ray.get(
+            [self.actor(w).nccl_init.remote(init, len(live), r) for r, w in enumerate(live)],
+            timeout=timeout_s,
+        )
+        with self._lock:
+            self._nccl_ranks = {w: r for r, w in enumerate(live)}
+        return True
+
+    def _pull_nccl(
+        self, target: str, source: str, hashes: list[int], parent: int, timeout_s: float
+    ) -> int:
+        # NCCL point-to-point calls must pair up in the same order on both ranks: one at a time.
+        with self._nccl_lock:
+            peer = self.actor(source)
+            ids = ray.get(peer.pin_blocks.remote(hashes), timeout=timeout_s)
+            if not ids:
+                return 0
+            send = peer.nccl_send.remote(ids, self._nccl_ranks[target])
+            recv = self.actor(target).nccl_recv.remote(
+                len(ids), self._nccl_ranks[source], hashes[: len(ids)], parent, source
+            )
+            held = int(ray.get(recv, timeout=timeout_s))
+            ray.get(send, timeout=timeout_s)
+            return held
 
     def _pull_ipc(
         self, target: str, source: str, hashes: list[int], parent: int, timeout_s: float

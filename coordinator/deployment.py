@@ -174,6 +174,14 @@ class Deployment:
         """Measure one worker-to-worker link so the first pulls are priced from reality."""
         assert self.cluster is not None
         live = self.cluster.live_worker_ids()
+        try:
+            if self.cluster.setup_nccl():
+                # GPU-to-GPU pulls go over NCCL: start from an NVLink-class guess (50 GB/s, 2 ms)
+                # and let the observed pulls correct it.
+                transfers.links.set(LinkType.SAME_NODE, 5e7, 2.0)
+                return
+        except Exception as exc:  # no NCCL: pulls between GPUs use the object store
+            log.warning("NCCL group not available (%s); GPU-to-GPU pulls use the object store", exc)
         if len(live) < 2 or transfers.link(live[0], live[1]) is LinkType.SAME_DEVICE:
             return  # same-GPU pulls copy in place (CUDA IPC): observed pulls price that link
         try:

@@ -45,6 +45,10 @@ class WorkerActor:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self.worker = build_worker(config)
+        if self.worker.device.startswith("cuda") and ray.get_gpu_ids():
+            # Label the device by the GPU Ray gave us (every actor sees its own as cuda:0), so
+            # the coordinator can tell workers sharing a GPU from workers on different GPUs.
+            self.worker.device = f"cuda:{ray.get_gpu_ids()[0]}"
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
@@ -125,6 +129,25 @@ class WorkerActor:
     ) -> int:
         """Same-GPU pull: copy `ids` of the peer's cache (mapped once per peer) into our pool."""
         return int(await self._engine_call("import_ipc", (peer_id, handle, ids, hashes, parent)))
+
+    def nccl_init(self, init_method: str, world_size: int, rank: int) -> int:
+        """Join the workers' NCCL group (one rank per GPU) for GPU-to-GPU pulls."""
+        import torch.distributed as dist  # only multi-GPU deployments need it
+
+        torch.cuda.set_device(self.worker.runner.kv_cache.device)
+        dist.init_process_group("nccl", init_method=init_method, world_size=world_size, rank=rank)
+        return rank
+
+    async def nccl_send(self, ids: list[int], dst_rank: int) -> int:
+        """Send pinned blocks (from `pin_blocks`) to `dst_rank`, then unpin them."""
+        return int(await self._engine_call("nccl_send", (ids, dst_rank)))
+
+    async def nccl_recv(
+        self, num_blocks: int, src_rank: int, hashes: list[int], parent: int, source: str
+    ) -> int:
+        """Receive `num_blocks` from `src_rank` and install them under `hashes`."""
+        args = (num_blocks, src_rank, hashes, parent, source)
+        return int(await self._engine_call("nccl_recv", args))
 
     def make_probe(self, num_bytes: int) -> torch.Tensor:
         """A tensor of `num_bytes` for measuring a link at start-up."""
@@ -207,6 +230,11 @@ class WorkerActor:
                 cache = self._peer_caches[peer_id]
                 result = self.worker.import_from_peer_cache(cache, ids, hashes, parent)
                 self._publish_events()
+            elif kind == "nccl_send":
+                result = self._nccl_send(*arg)
+            elif kind == "nccl_recv":
+                result = self._nccl_recv(*arg)
+                self._publish_events()
             elif kind == "import":
                 export, parent = arg
                 result = self.worker.import_blocks(export, parent)
@@ -217,6 +245,30 @@ class WorkerActor:
             reply.set_exception(exc)
         else:
             reply.set_result(result)
+
+    def _nccl_send(self, ids: list[int], dst_rank: int) -> int:
+        import torch.distributed as dist
+
+        try:
+            blocks = self.worker.runner.export_blocks(ids)
+            dist.send(blocks, dst=dst_rank)
+            torch.cuda.synchronize()
+        finally:
+            self.worker.unpin(ids)  # type: ignore[arg-type]
+        return len(ids)
+
+    def _nccl_recv(
+        self, num_blocks: int, src_rank: int, hashes: list[int], parent: int, source: str
+    ) -> int:
+        import torch.distributed as dist
+
+        cache = self.worker.runner.kv_cache
+        shape = (num_blocks, *cache.shape[:2], *cache.shape[3:])
+        blocks = torch.empty(shape, dtype=cache.dtype, device=cache.device)
+        dist.recv(blocks, src=src_rank)
+        torch.cuda.synchronize()
+        export = BlockExport(source, tuple(hashes), blocks)  # type: ignore[arg-type]
+        return self.worker.import_blocks(export, parent)  # type: ignore[arg-type]
 
     def _publish_events(self) -> None:
         if self._publisher is None:
