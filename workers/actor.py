@@ -24,6 +24,7 @@ import ray
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
+from kvmesh.workers.block_copy import copy_blocks
 from kvmesh.workers.config import WorkerConfig
 from kvmesh.workers.event_publisher import EventPublisher
 from kvmesh.workers.loader import build_worker
@@ -250,8 +251,12 @@ class WorkerActor:
         import torch.distributed as dist
 
         try:
-            blocks = self.worker.runner.export_blocks(ids)
-            dist.send(blocks, dst=dst_rank)
+            cache = self.worker.runner.kv_cache
+            # Stage the blocks in cache layout with the copy kernel (a gather by advanced
+            # indexing runs at a fraction of memory bandwidth), then send one tensor.
+            staging = cache.new_empty((*cache.shape[:2], len(ids), *cache.shape[3:]))
+            copy_blocks(staging, list(range(len(ids))), cache, ids)
+            dist.send(staging, dst=dst_rank)
             torch.cuda.synchronize()
         finally:
             self.worker.unpin(ids)  # type: ignore[arg-type]
@@ -263,12 +268,15 @@ class WorkerActor:
         import torch.distributed as dist
 
         cache = self.worker.runner.kv_cache
-        shape = (num_blocks, *cache.shape[:2], *cache.shape[3:])
-        blocks = torch.empty(shape, dtype=cache.dtype, device=cache.device)
-        dist.recv(blocks, src=src_rank)
+        staging = cache.new_empty((*cache.shape[:2], num_blocks, *cache.shape[3:]))
+        dist.recv(staging, src=src_rank)
         torch.cuda.synchronize()
-        export = BlockExport(source, tuple(hashes), blocks)  # type: ignore[arg-type]
-        return self.worker.import_blocks(export, parent)  # type: ignore[arg-type]
+        return self.worker.import_from_peer_cache(
+            staging,
+            list(range(num_blocks)),
+            hashes,
+            parent,  # type: ignore[arg-type]
+        )
 
     def _publish_events(self) -> None:
         if self._publisher is None:
