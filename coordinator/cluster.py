@@ -43,11 +43,16 @@ class Cluster:
         self._monitor: threading.Thread | None = None
         self._latest_info: dict[str, dict[str, Any]] = {}
         self._ipc_handles: dict[str, Any] = {}
+        self._on_info: Callable[[str, dict[str, Any]], None] | None = None
         self._nccl_ranks: dict[str, int] = {}
         self._nccl_lock = threading.Lock()
 
     def set_on_worker_dead(self, callback: Callable[[str], None]) -> None:
         self._on_worker_dead = callback
+
+    def set_on_info(self, callback: Callable[[str, dict[str, Any]], None]) -> None:
+        """Called from the health loop with every worker's fresh info (pool, counters)."""
+        self._on_info = callback
 
     def start_workers(
         self, configs: list[WorkerConfig], num_gpus: float, *, ready_timeout_s: float = 600.0
@@ -266,6 +271,8 @@ class Cluster:
                 else:
                     with self._lock:
                         self._latest_info[w] = info
+                    if self._on_info is not None:
+                        self._on_info(w, info)
 
     def stop(self) -> None:
         self._stop.set()

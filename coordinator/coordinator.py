@@ -366,6 +366,16 @@ class Coordinator:
             snapshot["num_events_applied"] = self.mirror.num_events_applied
         return snapshot
 
+    def observe_worker(self, worker_id: str, info: dict[str, Any]) -> None:
+        """Fold a worker's measured prefill cost into the router's cost model, so prices follow
+        the hardware (a CPU worker and an H100 differ by orders of magnitude)."""
+        measured = float(info.get("counters", {}).get("prefill_ms_per_token", 0.0))
+        if measured <= 0:
+            return
+        with self._lock:
+            self.cost_model = self.cost_model.with_measured_prefill(measured)
+            self.policy.cost_model = self.cost_model
+
     def indexed_blocks_of(self, worker_id: str) -> int:
         with self.mirror_lock:
             return self.mirror.num_worker_blocks(WorkerId(worker_id))

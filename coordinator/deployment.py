@@ -151,6 +151,7 @@ class Deployment:
                 log.warning("could not purge %s from Redis: %s", worker_id, exc)
 
         self.cluster.set_on_worker_dead(on_dead)
+        self.cluster.set_on_info(coordinator.observe_worker)
         self.follower.start()
         self.cluster.start_monitor(cc.health_interval_s)
         gate = gate_from_config(cc)
