@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from prefix_ttft import PREFIX, prefix_ttft_trials
 
-PROMPT, PREFIX, BS = 8192, 7680, 16
+BS = 16
 
 
 def p2p_ceiling(num_bytes: int = 2 << 30) -> float:
@@ -77,20 +78,7 @@ def through_kvmesh() -> dict[str, Any]:
             out["pull_blocks"] = held
             out["pull_GBps"] = moved / elapsed / 1e9
             out["pull_ms"] = elapsed * 1e3
-            ttft: dict[str, list[float]] = {"cold_ms": [], "pulled_ms": [], "local_hit_ms": []}
-            pulled_tokens = []
-            for _ in range(3):
-                prefix = rand(PREFIX)
-                cold = c.generate(prefix + rand(PROMPT - PREFIX), max_tokens=1, worker_id="w0")
-                time.sleep(0.2)
-                pulled = c.generate(prefix + rand(PROMPT - PREFIX), max_tokens=1, worker_id="w1")
-                local = c.generate(prefix + rand(PROMPT - PREFIX), max_tokens=1, worker_id="w0")
-                ttft["cold_ms"].append(cold.ttft_ms or 0)
-                ttft["pulled_ms"].append(pulled.ttft_ms or 0)
-                ttft["local_hit_ms"].append(local.ttft_ms or 0)
-                pulled_tokens.append(pulled.pulled_tokens)
-            out.update({k: sorted(v)[1] for k, v in ttft.items()})
-            out["pulled_tokens_min"] = min(pulled_tokens)
+            out.update(prefix_ttft_trials(c, rand, "w0", "w1"))
         return out
     finally:
         d.stop()

@@ -20,13 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from prefix_ttft import PREFIX, PROMPT, prefix_ttft_trials
 
 from kvmesh.workers.block_copy import copy_blocks
 from kvmesh.workers.transfer import copy_block_runs
 
 BS = 16
 LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3-8B
-PROMPT, PREFIX = 8192, 7680
 
 
 def timed(fn: Any, repeats: int = 10) -> float:
@@ -162,21 +162,7 @@ def e2e_ttft() -> dict[str, float]:
         with Client(d.address, timeout_s=300) as c:
             for w in ("w0", "w1"):
                 c.generate(rand(2048), max_tokens=1, worker_id=w)
-            results: dict[str, list[float]] = {"cold_ms": [], "pulled_ms": [], "local_hit_ms": []}
-            pulled_tokens = []
-            for _ in range(3):
-                prefix = rand(PREFIX)
-                cold = c.generate(prefix + rand(PROMPT - PREFIX), max_tokens=1, worker_id="w0")
-                time.sleep(0.2)  # the index learns w0's blocks
-                pulled = c.generate(prefix + rand(PROMPT - PREFIX), max_tokens=1, worker_id="w1")
-                local = c.generate(prefix + rand(PROMPT - PREFIX), max_tokens=1, worker_id="w0")
-                results["cold_ms"].append(cold.ttft_ms or 0)
-                results["pulled_ms"].append(pulled.ttft_ms or 0)
-                results["local_hit_ms"].append(local.ttft_ms or 0)
-                pulled_tokens.append(pulled.pulled_tokens)
-        out = {k: sorted(v)[len(v) // 2] for k, v in results.items()}
-        out["pulled_tokens_min"] = float(min(pulled_tokens))
-        return out
+            return prefix_ttft_trials(c, rand, "w0", "w1")
     finally:
         d.stop()
 
