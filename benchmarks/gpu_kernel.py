@@ -112,8 +112,20 @@ def bench_decode_kernel(
     return rows
 
 
-def decode_kernel_report(num_sms: int) -> dict[str, Any]:
-    """The goal shape (32 x 2K) with a small sweep, and two other shapes at the default tile."""
+def decode_kernel_report(num_sms: int, sweep: bool = True) -> dict[str, Any]:
+    """The goal shape (32 x 2K), with a small sweep unless `sweep` is off, and other shapes at
+    the default tile."""
+    if not sweep:
+        goal = bench_decode_kernel(32, 2048, [DECODE_TILE], [None, 1, 2], num_sms)
+        others = bench_decode_kernel(64, 4096, [DECODE_TILE], [None], num_sms)
+        others += bench_decode_kernel(1, 2048, [DECODE_TILE], [None], num_sms)
+        best = max(goal, key=lambda r: r["gbps"])
+        return {
+            "goal_shape_default": goal[0],
+            "goal_shape_best": best,
+            "sweep": goal,
+            "others": others,
+        }
     sweep_tiles = [
         DECODE_TILE,
         TileShape(32, 32, 4, 3, 256),

@@ -179,13 +179,14 @@ def main() -> None:  # noqa: D103
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--profile-dir", type=Path, help="write profiler tables here")
+    parser.add_argument("--quick", action="store_true", help="skip the kernel tile sweep")
     args = parser.parse_args()
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
     results: dict[str, Any] = {"device": props.name, "torch": torch.__version__}
     results["ceilings"] = ceil = measure_ceilings()
     print("ceilings", json.dumps(ceil), flush=True)
-    results["decode_kernel"] = decode_kernel_report(props.multi_processor_count)
+    results["decode_kernel"] = decode_kernel_report(props.multi_processor_count, not args.quick)
     print("kernel", json.dumps(results["decode_kernel"]["goal_shape_default"]), flush=True)
     config = preset("llama3-8b-random")
     first_decode_block = PROMPT_LEN // BLOCK
@@ -240,7 +241,8 @@ def run_profiles(runner: ModelRunner, tables: list[list[int]], out: Path | None)
     return tables_out
 
 
-def print_table(r: dict[str, Any]) -> None:
+def table_rows(r: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(benchmark, measured, goal) rows of the summary table."""
     c, p, d = r["ceilings"], r["prefill"], r["decode"]
     k = r["decode_kernel"]["goal_shape_default"]
     kb = r["decode_kernel"]["goal_shape_best"]
@@ -295,6 +297,11 @@ def print_table(r: dict[str, Any]) -> None:
             ">= 1500 GB/s",
         ),
     ]
+    return rows
+
+
+def print_table(r: dict[str, Any]) -> None:
+    rows = table_rows(r)
     width = max(len(a) for a, _, _ in rows)
     print(f"\n{r['device']}\n{'benchmark':<{width}}  {'measured':<58}  goal")
     for name, value, goal in rows:

@@ -36,6 +36,7 @@ from kvmesh.workers.paged_attention import (
     PREFILL_TILE,
     PagedChunk,
     PagedLayout,
+    TileShape,
     build_paged_layout,
 )
 
@@ -152,6 +153,43 @@ def _write_slots(chunk: SeqChunk, block_size: int) -> np.ndarray:
     return table[positions // bs] * bs + positions % bs
 
 
+def _sort_chunks(batch: Sequence[SeqChunk]) -> tuple[list[int], list[int], list[int]]:
+    """Indices of the fresh, chunked-prefill and decode chunks (see the module doc)."""
+    fresh, cached, decode = [], [], []
+    for i, chunk in enumerate(batch):
+        if chunk.start_pos == 0:
+            fresh.append(i)
+        elif len(chunk.token_ids) == 1:
+            decode.append(i)
+        else:
+            cached.append(i)
+    return fresh, cached, decode
+
+
+def _paged_layout(
+    batch: Sequence[SeqChunk],
+    indices: list[int],
+    ends: list[int],
+    block_size: int,
+    num_queries_per_kv: int,
+    *,
+    tile: TileShape,
+    device: torch.device,
+) -> PagedLayout:
+    chunks = []
+    for i in indices:
+        query_len = len(batch[i].token_ids)
+        row = ends[i] - query_len
+        chunks.append(PagedChunk(batch[i].end_pos, query_len, row, batch[i].block_table))
+    return build_paged_layout(
+        chunks,
+        block_size=block_size,
+        num_queries_per_kv=num_queries_per_kv,
+        tile=tile,
+        device=device,
+    )
+
+
 def plan_batch(
     batch: Sequence[SeqChunk],
     *,
@@ -170,58 +208,34 @@ def plan_batch(
     token_ids = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in batch), np.int64)
     packed = np.concatenate([token_ids, positions, slots, np.asarray(ends) - 1])
     host = torch.from_numpy(packed).to(device, non_blocking=True)
-    num_tokens = len(token_ids)
-    fresh, cached_indices, decode_indices = [], [], []
-    for i, chunk in enumerate(batch):
-        if chunk.start_pos == 0:
-            fresh.append(slice(ends[i] - chunk_lens[i], ends[i]))
-        elif chunk_lens[i] == 1:
-            decode_indices.append(i)
-        else:
-            cached_indices.append(i)
+    n = len(token_ids)
+    fresh, cached_indices, decode_indices = _sort_chunks(batch)
     paged = []
     for indices, use_kernel, tile in (
         (decode_indices, mode.paged_decode, DECODE_TILE),
         (cached_indices, mode.paged_prefill, PREFILL_TILE),
     ):
         if indices and use_kernel:
-            chunks = [
-                PagedChunk(
-                    batch[i].end_pos, chunk_lens[i], ends[i] - chunk_lens[i], batch[i].block_table
-                )
-                for i in indices
-            ]
-            paged.append(
-                build_paged_layout(
-                    chunks,
-                    block_size=block_size,
-                    num_queries_per_kv=num_queries_per_kv,
-                    tile=tile,
-                    device=device,
-                )
+            layout = _paged_layout(
+                batch, indices, ends, block_size, num_queries_per_kv, tile=tile, device=device
             )
-    cached = []
-    if not mode.paged_prefill:
-        for i in cached_indices:
-            rows = slice(ends[i] - chunk_lens[i], ends[i])
-            cached.append(
-                _cached_chunk(batch[i], rows, block_size, num_queries_per_kv, device, mode)
-            )
+            paged.append(layout)
+    rows = [slice(end - length, end) for end, length in zip(ends, chunk_lens, strict=True)]
+    cached = [
+        _cached_chunk(batch[i], rows[i], block_size, num_queries_per_kv, device, mode)
+        for i in ([] if mode.paged_prefill else cached_indices)
+    ]
     decode = None
     if decode_indices and not mode.paged_decode:
-        decode = _decode_group(
-            [batch[i] for i in decode_indices],
-            [ends[i] - 1 for i in decode_indices],
-            block_size,
-            device,
-        )
+        decode_rows = [ends[i] - 1 for i in decode_indices]
+        decode = _decode_group([batch[i] for i in decode_indices], decode_rows, block_size, device)
     return BatchPlan(
-        token_ids=host[:num_tokens],
-        positions=host[num_tokens : 2 * num_tokens],
-        write_slots=host[2 * num_tokens : 3 * num_tokens],
-        last_rows=host[3 * num_tokens :],
+        token_ids=host[:n],
+        positions=host[n : 2 * n],
+        write_slots=host[2 * n : 3 * n],
+        last_rows=host[3 * n :],
         chunk_lens=chunk_lens,
-        fresh=fresh,
+        fresh=[rows[i] for i in fresh],
         cached=cached,
         decode=decode,
         paged=paged,

@@ -1,0 +1,317 @@
+"""End to end through kvmesh: TTFT vs request rate per routing policy (issue 5).
+
+Workers share one GPU (fractional GPUs), each with a KV pool too small to hold every group's
+system prompt, so where a request lands decides whether its prefix is recomputed. The workload is
+the shared-prefix one (`kvmesh.client.workloads.shared_prefix`: G groups x U users, system prompt
+S tokens, question Q, output O), sent open-loop at Poisson arrivals, one rate after another.
+Every policy gets a fresh deployment (fresh caches, its own Redis) inside one Ray session. The
+rates reuse one request stream in disjoint slices: the same system prompts, never the same
+question, so caches carry over from rate to rate as in a long-running service.
+
+Usage (GPU machine): python benchmarks/gpu_e2e.py --json $OUT/e2e.json --png $OUT/e2e.png
+Smoke test (CPU):    python benchmarks/gpu_e2e.py --device cpu --model tiny-random \
+                        --num-blocks 512 --system-len 200 --question-len 20 --vocab-size 256 \
+                        --rates 2,4 --duration 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+
+from kvmesh.client.bench import BenchSample, send_times, summarize
+from kvmesh.client.client import AsyncClient
+from kvmesh.client.errors import KVMeshError
+from kvmesh.client.workloads import SharedPrefixConfig, WorkloadRequest, shared_prefix
+from kvmesh.coordinator.config import CoordinatorConfig
+from kvmesh.coordinator.deployment import Deployment, DeploymentConfig
+from kvmesh.workers.config import WorkerConfig
+
+
+@dataclass(frozen=True, slots=True)
+class E2EConfig:
+    """One run of the sweep (all figures in the report come from these)."""
+
+    model: str
+    device: str
+    num_workers: int
+    gpus_per_worker: float
+    num_blocks: int
+    """KV blocks per worker (16 tokens each): sized so a worker holds its share of the groups
+    under kvmesh's routing, but not every group."""
+    groups: int
+    system_len: int
+    question_len: int
+    output_len: int
+    vocab_size: int
+    """Token ids of the workload are drawn from [0, vocab_size)."""
+    rates: tuple[float, ...]
+    duration_s: float
+    stop_p90_s: float
+    """A policy's sweep stops after the first rate whose p90 TTFT exceeds this (saturated)."""
+    time_budget_s: float
+    request_timeout_s: float
+    seed: int
+
+
+def parse_args() -> tuple[E2EConfig, Path | None, Path | None, list[str]]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="llama3.2-1b-random")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--num-workers", type=int, default=4)
+    p.add_argument("--gpus-per-worker", type=float, default=0.25)
+    p.add_argument("--num-blocks", type=int, default=6144)
+    p.add_argument("--groups", type=int, default=32)
+    p.add_argument("--system-len", type=int, default=8192)
+    p.add_argument("--question-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=8)
+    p.add_argument("--vocab-size", type=int, default=32000)
+    p.add_argument("--rates", default="5,10,20,30,40,50,60,80,100,120")
+    p.add_argument("--duration", type=float, default=8.0, help="seconds of arrivals per rate")
+    p.add_argument("--stop-p90", type=float, default=2.5)
+    p.add_argument("--time-budget", type=float, default=420.0, help="seconds for the whole run")
+    p.add_argument("--request-timeout", type=float, default=60.0)
+    p.add_argument("--policies", default="round_robin,kvmesh,least_loaded")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path)
+    p.add_argument("--png", type=Path)
+    a = p.parse_args()
+    config = E2EConfig(
+        model=a.model,
+        device=a.device,
+        num_workers=a.num_workers,
+        gpus_per_worker=a.gpus_per_worker if a.device != "cpu" else 0.0,
+        num_blocks=a.num_blocks,
+        groups=a.groups,
+        system_len=a.system_len,
+        question_len=a.question_len,
+        output_len=a.output_len,
+        vocab_size=a.vocab_size,
+        rates=tuple(float(r) for r in a.rates.split(",")),
+        duration_s=a.duration,
+        stop_p90_s=a.stop_p90,
+        time_budget_s=a.time_budget,
+        request_timeout_s=a.request_timeout,
+        seed=a.seed,
+    )
+    return config, a.json, a.png, [s.strip() for s in a.policies.split(",")]
+
+
+def workload(config: E2EConfig) -> list[WorkloadRequest]:
+    """One stream long enough for every rate's slice."""
+    needed = sum(int(r * config.duration_s * 1.3) + 8 for r in config.rates)
+    users = -(-needed // config.groups)
+    spec = SharedPrefixConfig(
+        num_groups=config.groups,
+        users_per_group=users,
+        system_prompt_len=config.system_len,
+        question_len=config.question_len,
+        output_len=config.output_len,
+        vocab_size=config.vocab_size,
+    )
+    return shared_prefix(spec, config.seed)
+
+
+def start_deployment(config: E2EConfig, policy: str) -> Deployment:
+    deployment = Deployment(
+        DeploymentConfig(
+            coordinator=CoordinatorConfig(model=config.model, policy=policy, port=0),
+            num_workers=config.num_workers,
+            worker=WorkerConfig(
+                worker_id="template", device=config.device, num_blocks=config.num_blocks
+            ),
+            gpus_per_worker=config.gpus_per_worker,
+        )
+    )
+    deployment.start()
+    return deployment
+
+
+async def _one(client: AsyncClient, prompt: list[int], max_tokens: int, **pin: str) -> BenchSample:
+    try:
+        r = await client.generate(prompt, max_tokens=max_tokens, ignore_eos=True, **pin)
+    except KVMeshError as err:
+        return BenchSample(False, "", len(prompt), 0, 0, None, f"{err.code}: {err.details}")
+    return BenchSample(
+        True, r.worker_id, r.prompt_tokens, r.cached_tokens, r.pulled_tokens, r.ttft_ms
+    )
+
+
+async def warm_up(client: AsyncClient, config: E2EConfig, worker_ids: list[str]) -> None:
+    """Compile every kernel variant on every worker before measuring: a cold prompt (fresh
+    prefill, batch-1 decode), then 20 concurrent requests behind its cached prefix (batched
+    chunked prefill, batch-20 decode: grids large enough to skip the split-merge). Prompts are
+    distinct from the workload's."""
+    rng = np.random.default_rng([config.seed, 7])
+
+    async def one_worker(worker_id: str, prefix: list[int]) -> list[BenchSample]:
+        tails = [
+            rng.integers(0, config.vocab_size, config.question_len).tolist() for _ in range(21)
+        ]
+        first = await _one(client, prefix + tails[0], 4, worker_id=worker_id)
+        rest = await asyncio.gather(
+            *(_one(client, prefix + t, 4, worker_id=worker_id) for t in tails[1:])
+        )
+        return [first, *rest]
+
+    prefixes = [rng.integers(0, config.vocab_size, config.system_len).tolist() for _ in worker_ids]
+    per_worker = await asyncio.gather(*map(one_worker, worker_ids, prefixes))
+    failed = [s.error for samples in per_worker for s in samples if not s.ok]
+    if failed:
+        raise RuntimeError(f"warm-up failed: {failed[:3]}")
+
+
+async def run_rate(
+    client: AsyncClient, schedule: list[tuple[float, WorkloadRequest]], max_tokens: int
+) -> tuple[list[BenchSample], float]:
+    async def fire(at_s: float, request: WorkloadRequest) -> BenchSample:
+        await asyncio.sleep(max(0.0, start + at_s - time.perf_counter()))
+        return await _one(client, request.token_ids.tolist(), max_tokens)
+
+    start = time.perf_counter()
+    samples = await asyncio.gather(*(fire(t, r) for t, r in schedule))
+    return list(samples), time.perf_counter() - start
+
+
+async def sweep_policy(
+    address: str, config: E2EConfig, requests: list[WorkloadRequest], deadline: float
+) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    async with AsyncClient(address, timeout_s=config.request_timeout_s) as client:
+        await client.wait_ready(30.0)
+        worker_ids = [w.worker_id for w in await client.list_workers()]
+        await warm_up(client, config, worker_ids)
+        offset = 0
+        for i, rate in enumerate(config.rates):
+            if rows and time.monotonic() > deadline:  # every policy gets at least one rate
+                print(f"  time budget spent: skipping rates from {rate}", flush=True)
+                break
+            schedule = send_times(requests[offset:], rate, config.duration_s, config.seed + i)
+            offset += len(schedule)
+            samples, elapsed = await run_rate(client, schedule, config.output_len)
+            metrics = summarize(samples, worker_ids, elapsed)
+            metrics["rate_rps"] = rate
+            metrics["errors"] = sorted({s.error for s in samples if s.error})[:3]
+            rows.append(metrics)
+            print(
+                f"  rate {rate:6.1f}/s  n={metrics['num_requests']:4d}  "
+                f"p50 {metrics['ttft_p50_ms']:8.1f} ms  p90 {metrics['ttft_p90_ms']:8.1f} ms  "
+                f"hit {metrics['hit_rate']:.2f}  failed {metrics['num_failed']}  "
+                f"per worker {list(metrics['requests_per_worker'].values())}",
+                flush=True,
+            )
+            if metrics["ttft_p90_ms"] > config.stop_p90_s * 1e3:
+                break
+    return rows
+
+
+def max_rate_under(rows: list[dict[str, Any]], p90_ms: float) -> float:
+    """Highest swept rate whose p90 TTFT stays under `p90_ms` (0 if none)."""
+    ok = [r["rate_rps"] for r in rows if r["ttft_p90_ms"] < p90_ms and not r["num_failed"]]
+    return max(ok, default=0.0)
+
+
+def verdict(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """The issue's two goals, read off the sweep."""
+    rr, km = results.get("round_robin", []), results.get("kvmesh", [])
+    out: dict[str, Any] = {}
+    over = [r["rate_rps"] for r in rr if r["ttft_p90_ms"] > 2000.0]
+    if over:
+        rate = min(over)
+        at = [r for r in km if r["rate_rps"] == rate]
+        out["rr_passes_2s_at_rps"] = rate
+        out["kvmesh_p90_ms_there"] = at[0]["ttft_p90_ms"] if at else None
+        out["goal_p90_under_200ms"] = bool(at) and at[0]["ttft_p90_ms"] < 200.0
+    out["max_rps_p90_under_1s"] = {p: max_rate_under(rows, 1000.0) for p, rows in results.items()}
+    rr_max, km_max = out["max_rps_p90_under_1s"].get("round_robin"), max_rate_under(km, 1000.0)
+    if rr_max:
+        out["kvmesh_over_rr_max_rate"] = km_max / rr_max
+        out["goal_2x_rate"] = km_max >= 2 * rr_max
+    return out
+
+
+def plot(results: dict[str, list[dict[str, Any]]], config: E2EConfig, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for policy, rows in results.items():
+        rates = [r["rate_rps"] for r in rows]
+        for ax, key in zip(axes, ("ttft_p90_ms", "ttft_p50_ms"), strict=True):
+            ax.plot(rates, [r[key] / 1e3 for r in rows], marker="o", label=policy)
+    for ax, name in zip(axes, ("p90", "p50"), strict=True):
+        ax.set_yscale("log")
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(f"{name} TTFT (s)")
+        ax.axhline(2.0, color="grey", lw=0.6, ls="--")
+        ax.axhline(0.2, color="grey", lw=0.6, ls=":")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(
+        f"{config.model}, {config.num_workers} workers sharing one GPU; shared prefix "
+        f"G={config.groups} S={config.system_len} Q={config.question_len} O={config.output_len}",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def save(
+    report: dict[str, Any], config: E2EConfig, json_path: Path | None, png: Path | None
+) -> None:
+    """Written after every policy, so a run cut short still leaves its finished sweeps."""
+    report["verdict"] = verdict(report["results"])
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(report, indent=2))
+    if png and report["results"]:
+        plot(report["results"], config, png)
+
+
+def main() -> None:  # noqa: D103
+    config, json_path, png_path, policies = parse_args()
+    started = time.monotonic()
+    deadline = started + config.time_budget_s
+    requests = workload(config)
+    if config.device == "cpu":
+        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    else:
+        ray.init(num_gpus=1, include_dashboard=False, log_to_driver=False)
+    report: dict[str, Any] = {"config": asdict(config), "results": {}, "errors": {}}
+    try:
+        for i, policy in enumerate(policies):
+            t0 = time.monotonic()
+            # Each policy gets an equal share of what is left, so a slow one cannot starve the rest.
+            policy_deadline = t0 + (deadline - t0) / (len(policies) - i)
+            try:
+                deployment = start_deployment(config, policy)
+                print(f"{policy}: deployment up in {time.monotonic() - t0:.1f} s", flush=True)
+                try:
+                    report["results"][policy] = asyncio.run(
+                        sweep_policy(deployment.address, config, requests, policy_deadline)
+                    )
+                finally:
+                    deployment.stop()
+            except Exception as exc:  # one policy's failure must not lose the others' sweeps
+                print(f"{policy}: failed: {exc!r}", flush=True)
+                report["errors"][policy] = repr(exc)
+            report["wall_s"] = time.monotonic() - started
+            save(report, config, json_path, png_path)
+    finally:
+        ray.shutdown()
+    print(json.dumps(report["verdict"], indent=2), flush=True)
+
+
+if __name__ == "__main__":
+    main()
