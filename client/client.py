@@ -348,6 +348,18 @@ class AsyncClient:
         response = await self._unary(self._stub.ListWorkers, pb.ListWorkersRequest())
         return wire.workers_from_proto(response)
 
+    async def drain(self, worker_id: str, *, undrain: bool = False) -> list[str]:
+        request = pb.DrainRequest(worker_id=worker_id, undrain=undrain)
+        return list((await self._unary(self._stub.Drain, request)).drained_worker_ids)
+
+    async def clear_cache(self) -> dict[str, int]:
+        response = await self._unary(self._stub.ClearCache, pb.ClearCacheRequest())
+        return {w.worker_id: w.num_freed_blocks for w in response.workers}
+
+    async def index_views(self) -> IndexReport:
+        response = await self._unary(self._stub.VerifyIndex, pb.VerifyIndexRequest())
+        return wire.index_report_from_proto(response)
+
     async def _unary(self, method: Any, request: Any) -> Any:
         try:
             return await method(request, timeout=self.timeout_s, metadata=self._metadata)

@@ -52,6 +52,11 @@ def _version() -> str:
         return "unknown"
 
 
+# Flags whose default may come from the environment and hold a secret (a token, a Redis URL with
+# its password): --help never prints their value.
+_SECRET_DESTS = frozenset({"redis_url", "token", "auth_token", "admin_token"})
+
+
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows "(default: X)" only where X says something: not for None, "", switches, or help
     text that already explains its default."""
@@ -60,6 +65,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         text = action.help or ""
         default = action.default
         silent = default is None or default is False or default in ("", argparse.SUPPRESS)
+        silent = silent or action.dest in _SECRET_DESTS
         if silent or "default" in text:
             return text
         return super()._get_help_string(action)

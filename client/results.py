@@ -129,6 +129,8 @@ class Stats:
     """Prompt tokens fetched from peer workers instead of recomputed."""
     num_pulls: int
     num_failed_pulls: int
+    num_migrations: int
+    """Streams moved to another worker after theirs died mid-stream."""
     routing: str
     """"cache_aware", or "load_only" while the coordinator cannot reach Redis."""
     num_decode_errors: int

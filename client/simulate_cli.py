@@ -61,6 +61,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FIELD=VALUE",
         help="override one cost-model field (repeatable), e.g. prefill_per_token_ms=0.03",
     )
+    parser.add_argument(
+        "--no-pulls",
+        action="store_true",
+        help="workers cannot pull prefixes from each other (kvmesh then only recomputes)",
+    )
     parser.add_argument("--plot", metavar="DIR", help="write PNG charts into DIR")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
 
@@ -76,7 +81,9 @@ def run_simulate(args: argparse.Namespace) -> int:
     names = simulator.policy_names(args.policies)
     default_block = DEFAULT_TRACE_BLOCK_SIZE if args.trace else DEFAULT_WORKLOAD_BLOCK_SIZE
     block_size = args.block_size or (args.trace_block_size if args.trace else default_block)
-    config = simulator.SimConfig(args.workers, args.capacity_tokens, block_size, args.seed, cost)
+    config = simulator.SimConfig(
+        args.workers, args.capacity_tokens, block_size, args.seed, cost, not args.no_pulls
+    )
     start = time.perf_counter()
     requests = simulator.prepare_requests(load_requests(args), block_size)
     if not requests:
@@ -116,6 +123,7 @@ def _document(results: dict[str, Any], config: Any, source: str, num_requests: i
             "capacity_tokens": config.capacity_tokens,
             "block_size": config.block_size,
             "seed": config.seed,
+            "pulls": config.pulls,
             "cost_model": config.cost.as_dict(),
         },
     }

@@ -9,7 +9,9 @@
                     output and one action per step
 
 Arrivals are open-loop (a turn arrives a think time after the previous turn *arrived*), so the same
-stream can be replayed against any policy or cluster. A request carries the answer the workload
+stream can be replayed against any policy or cluster. The default sizes and rates load 8 simulated
+H100s (64K-token caches each) well past what round-robin can serve, so placement matters; scale
+them down (`--workload-arg`) for a CPU cluster. A request carries the answer the workload
 expects (`completion_ids`) when a later turn quotes it, so a cache that keeps generated tokens
 can be credited for them. The same seed always gives the same requests, token for token.
 """
@@ -72,7 +74,7 @@ class SharedPrefixConfig:
     """Tokens of each user's question (Q)."""
     output_len: int = 256
     """Tokens generated per request (O)."""
-    rate_rps: float = 24.0
+    rate_rps: float = 80.0
     """Poisson arrival rate of the requests, in requests per second."""
     vocab_size: int = 32000
     """Token ids are drawn from [0, vocab_size)."""
@@ -85,7 +87,7 @@ class SharedPrefixConfig:
 class MultiTurnConfig:
     """Chat sessions that start as a Poisson process and each run a fixed number of turns."""
 
-    num_sessions: int = 256
+    num_sessions: int = 1024
     """Conversations."""
     turns_per_session: int = 6
     """Turns of each conversation."""
@@ -99,7 +101,7 @@ class MultiTurnConfig:
     """Tokens of each answer; the next turn quotes it."""
     think_time_s: float = 20.0
     """Mean time between a turn's arrival and the next one's (exponential)."""
-    session_rate_rps: float = 2.0
+    session_rate_rps: float = 8.0
     """Poisson rate at which conversations start, per second."""
     vocab_size: int = 32000
     """Token ids are drawn from [0, vocab_size)."""
@@ -126,7 +128,7 @@ class RagConfig:
     """Tokens of the question after the documents."""
     output_len: int = 128
     """Tokens generated per request."""
-    rate_rps: float = 24.0
+    rate_rps: float = 48.0
     """Poisson arrival rate, in requests per second."""
     vocab_size: int = 32000
     """Token ids are drawn from [0, vocab_size)."""
@@ -143,7 +145,7 @@ class RagConfig:
 class AgenticConfig:
     """Agent loops: every step re-sends the whole, growing context with short actions."""
 
-    num_agents: int = 64
+    num_agents: int = 256
     """Agent runs."""
     steps_per_agent: int = 12
     """Model calls per run."""
@@ -157,7 +159,7 @@ class AgenticConfig:
     """Tokens the model generates per step (a tool call); the next step quotes it."""
     tool_time_s: float = 2.0
     """Mean time between a step's arrival and the next one's (exponential)."""
-    agent_rate_rps: float = 1.0
+    agent_rate_rps: float = 4.0
     """Poisson rate at which agent runs start, per second."""
     vocab_size: int = 32000
     """Token ids are drawn from [0, vocab_size)."""

@@ -51,6 +51,22 @@ class RecentLoad:
     def num_requests(self, worker: WorkerId, now_s: float) -> float:
         return self._decayed(worker, now_s).num_requests
 
+    def snapshot(self, workers: list[WorkerId], now_s: float) -> tuple[list[float], list[float]]:
+        """(work_ms, num_requests) of each worker at `now_s`, in order; one pass, no allocation
+        per worker (the router calls this for every worker on every decision)."""
+        work, requests = [], []
+        sums, horizon, exp = self._sums, self.horizon_s, math.exp
+        for w in workers:
+            s = sums.get(w)
+            if s is None:
+                work.append(0.0)
+                requests.append(0.0)
+                continue
+            f = exp((s.at_s - now_s) / horizon) if now_s > s.at_s else 1.0
+            work.append(s.work_ms * f)
+            requests.append(s.num_requests * f)
+        return work, requests
+
     def add(self, worker: WorkerId, work_ms: float, now_s: float) -> None:
         """One request routed to `worker`, predicted to cost `work_ms` there."""
         if work_ms < 0:

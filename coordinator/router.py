@@ -215,8 +215,7 @@ class KvmeshPolicy(RoutingPolicy):
     ) -> list[float]:
         cm, weights, recent = self.cost_model, self.weights, self._recent
         sticky = self._session_to_worker.get(query.session_id) if query.session_id else None
-        work = [recent.work_ms(w.worker_id, now) for w in views]
-        requests = [recent.num_requests(w.worker_id, now) for w in views]
+        work, requests = recent.snapshot([w.worker_id for w in views], now)
         least_work, least_requests = min(work), min(requests)
         cheapest_ready = min(o.prefill_ms for o in options)
         costs = []
@@ -225,7 +224,8 @@ class KvmeshPolicy(RoutingPolicy):
             cost = w.queued_prefill_ms + option.prefill_ms + weights.recompute_weight * recompute_ms
             if w.num_running:
                 cost += cm.decode_step_ms(w.num_running)
-            cost += self._memory_pressure_ms(query, w)
+            if query.num_prompt_blocks - w.matched_device_blocks > w.num_free_blocks:
+                cost += self._memory_pressure_ms(query, w)
             uncached_share = 1.0 - self._cached_tokens(query, w) / query.prompt_len
             cost += weights.placement_balance * (w_work - least_work) * uncached_share
             cost += weights.request_balance * (w_requests - least_requests) * cheapest_ready

@@ -1,4 +1,5 @@
-"""The gRPC face of the coordinator: the one module that imports grpc on the server side.
+"""The gRPC face of the coordinator: with its gate (`interceptor.py`), the only server-side
+module that imports grpc.
 
 Every RPC maps the coordinator's exceptions to a status code and never lets one request's failure
 stop the server:

@@ -101,9 +101,18 @@ class SimWorker:
     """
 
     def __init__(
-        self, worker_id: str, pool: BlockPool, cost: SimCostModel, block_size: int, root: BlockHash
+        self,
+        worker_id: str,
+        pool: BlockPool,
+        cost: SimCostModel,
+        block_size: int,
+        root: BlockHash,
+        register_on_admit: bool = False,
     ) -> None:
         self.worker_id = worker_id
+        # The oracle's lanes share one pool: a prefix counts as reusable as soon as some lane
+        # starts computing it, so the bound never loses a hit to two lanes racing.
+        self.register_on_admit = register_on_admit
         self.pool = pool
         self.cost = cost
         self.block_size = block_size
@@ -146,7 +155,8 @@ class SimWorker:
         if self.prefilling is not None and self.prefill_end_ms <= now_ms:
             prefilled, self.prefilling, self.prefill_end_ms = self.prefilling, None, math.inf
             request = prefilled.request
-            self._register(prefilled, prefilled.num_matched_blocks, request.num_prompt_blocks)
+            if not self.register_on_admit:
+                self._register(prefilled, prefilled.num_matched_blocks, request.num_prompt_blocks)
             prefilled.finish_step = self.steps + request.output_len - 1
             heapq.heappush(self._batch, (prefilled.finish_step, self._order, prefilled))
             self._order += 1
@@ -189,6 +199,8 @@ class SimWorker:
             duration += chunks * self.cost.decode_step_ms(len(self._batch), self.batch_context)
             self._rate = chunks / duration
         self.prefilling, self.prefill_end_ms = seq, now_ms + duration
+        if self.register_on_admit:
+            self._register(seq, seq.num_matched_blocks, request.num_prompt_blocks)
         self._update_rate()
         return seq
 

@@ -12,8 +12,8 @@ a policy believes is exactly what the live system would believe (minus network d
 is replaced, by `SimCostModel`.
 
 The `oracle` is a bound, not a policy: one shared pool of N x C blocks served by N compute lanes
-(each request goes to the lane with the least queued work), i.e. what the cluster could reuse if
-placement never cost a hit.
+(each request goes to the lane with the least queued work), in which a prefix is reusable from the
+moment any lane starts computing it: what the cluster could reuse if placement never cost a hit.
 """
 
 from __future__ import annotations
@@ -30,7 +30,13 @@ import numpy as np
 
 from kvmesh.coordinator.index_mirror import ApplyResult, IndexMirror, WorkerId
 from kvmesh.coordinator.load_tracker import LoadTracker
-from kvmesh.coordinator.router import POLICIES, RouteQuery, WorkerView, make_policy
+from kvmesh.coordinator.router import (
+    POLICIES,
+    RouteQuery,
+    RoutingPolicy,
+    WorkerView,
+    make_policy,
+)
 from kvmesh.coordinator.sim_cost_model import SimCostModel
 from kvmesh.coordinator.sim_report import PolicyResult, summarize
 from kvmesh.coordinator.sim_worker import PullSource, SimRequest, SimSequence, SimWorker
@@ -139,15 +145,9 @@ class ClusterSimulation:
         self.requests = requests
         self._timer = timer
         self.now_ms = 0.0
-        n, c = config.num_workers, config.num_blocks
+        n = config.num_workers
         self.oracle = policy_name == ORACLE
-        clock = self._clock_ms
-        shared = BlockPool(n * c, clock) if self.oracle else None
-        root = namespace_hash(_SIM_MODEL)
-        self.workers = [
-            SimWorker(f"w{i}", shared or BlockPool(c, clock), config.cost, config.block_size, root)
-            for i in range(n)
-        ]
+        self.workers = self._build_workers()
         self.worker_ids = [WorkerId(w.worker_id) for w in self.workers]
         self._index_of = {wid: i for i, wid in enumerate(self.worker_ids)}
         self.mirror = IndexMirror()
@@ -155,15 +155,7 @@ class ClusterSimulation:
             self.mirror.load_worker(wid, 1, 0, [])
         self._event_seq = [0] * n
         self.load = LoadTracker()
-        self.policy = make_policy(
-            "least_loaded" if self.oracle else policy_name,
-            config.cost.router_cost_model(),
-            random.Random(config.seed),
-            lambda: self.now_ms / 1000.0,
-        )
-        if config.pulls and not self.oracle:
-            cost = config.cost
-            self.policy.transfer_ms = lambda _src, _dst, num_tokens: cost.transfer_ms(num_tokens)
+        self.policy = self._build_policy()
         self._heap: list[tuple[float, int, int, int]] = []
         self._scheduled_epoch = [-1] * n
         self._order = 0
@@ -173,6 +165,36 @@ class ClusterSimulation:
         self._ttft = [math.nan] * len(requests)
         self._worker_of = [-1] * len(requests)
         self._last_finish_ms = 0.0
+
+    def _build_workers(self) -> list[SimWorker]:
+        config, clock = self.config, self._clock_ms
+        n, c = config.num_workers, config.num_blocks
+        shared = BlockPool(n * c, clock) if self.oracle else None
+        root = namespace_hash(_SIM_MODEL)
+        return [
+            SimWorker(
+                f"w{i}",
+                shared or BlockPool(c, clock),
+                config.cost,
+                config.block_size,
+                root,
+                register_on_admit=shared is not None,
+            )
+            for i in range(n)
+        ]
+
+    def _build_policy(self) -> RoutingPolicy:
+        config = self.config
+        policy = make_policy(
+            "least_loaded" if self.oracle else self.policy_name,
+            config.cost.router_cost_model(),
+            random.Random(config.seed),
+            lambda: self.now_ms / 1000.0,
+        )
+        if config.pulls and not self.oracle:
+            cost = config.cost
+            policy.transfer_ms = lambda _src, _dst, num_tokens: cost.transfer_ms(num_tokens)
+        return policy
 
     def _clock_ms(self) -> float:
         return self.now_ms

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,8 +27,9 @@ class WorkerConfig:
     """Pinned host-memory tier for blocks evicted from the device pool; 0 disables it."""
     cpu_kv_cache_mb: int = 256
     """KV pool size on CPU when num_blocks is 0."""
-    redis_url: str = ""
-    """Where to publish KV events and heartbeats; empty disables publishing (tests)."""
+    redis_url: str = field(default="", repr=False)
+    """Where to publish KV events and heartbeats; empty disables publishing (tests). It may hold
+    a password, so it is kept out of repr."""
     seed: int = 0
     """Seed of the random-weight presets (every worker of a cluster must use the same one)."""
     max_num_seqs: int = 64

@@ -240,3 +240,35 @@ def test_a_restarted_coordinator_rebuilds_a_million_blocks_from_redis(url: str) 
     assert loaded == follower.mirror.num_blocks == num_workers * per_worker
     assert follower.mirror.cursor(WorkerId("w3")) == (GEN, per_worker // per_batch)
     assert elapsed_s < 30
+
+
+def test_a_least_privilege_acl_user_runs_the_whole_index(url: str, server: RedisServer) -> None:
+    """The ACL documented in docs/security.md: kvmesh:* keys only, no dangerous commands."""
+    redis.Redis.from_url(url).execute_command(
+        "ACL", "SETUSER", "kvmesh-test", "reset", "on", ">acl-pw", "~kvmesh:*",
+        "+@read", "+@write", "+@stream", "+@scripting", "+@connection", "-@dangerous",
+    )  # fmt: skip
+    acl_url = f"redis://kvmesh-test:acl-pw@{server.host}:{server.port}/0"
+    pub = EventPublisher(acl_url, NS, "w0")
+    assert pub.publish(EventBatch("w0", GEN, 1, (stored(1, 2),))).ok
+    assert pub.heartbeat({"node": "n"}, 3000)
+    follower = follower_for(acl_url)
+    pub.publish(EventBatch("w0", GEN, 2, (stored(3),)))
+    drain(follower)
+    assert follower.mirror.worker_hashes(WorkerId("w0")) == {1: 0, 2: 0, 3: 0}
+    assert follower.store.purge_worker(NS, "w0") == 3
+    restricted = redis.Redis.from_url(acl_url)
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        restricted.flushall()
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        restricted.set("not-kvmesh", 1)
+
+
+def test_rediss_urls_configure_tls_connections() -> None:
+    """No TLS-enabled redis-server here to connect to; this pins the URL plumbing (redis-py)."""
+    tls_url = "rediss://kvmesh:pw@redis.example:6380/0?ssl_cert_reqs=required&ssl_ca_certs=/ca.pem"
+    for client in (IndexStore(tls_url)._client, EventPublisher(tls_url, NS, "w0")._client):
+        pool = client.connection_pool
+        assert pool.connection_class is redis.SSLConnection
+        assert pool.connection_kwargs["ssl_ca_certs"] == "/ca.pem"
+        assert pool.connection_kwargs["username"] == "kvmesh"

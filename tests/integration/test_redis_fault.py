@@ -1,0 +1,76 @@
+"""Redis dies (SIGKILL) under traffic and comes back empty on the same port: no request fails,
+routing falls back to load only and says so, and the index equals the pools again within 5 s.
+
+The Redis here requires a password (`requirepass`), so the same run checks that password URLs
+work end to end and that the password never reaches a log line. `pytest -s` prints the figures
+quoted in docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kvmesh.coordinator.deployment import Deployment
+from kvmesh.coordinator.redis_server import RedisServer, start_redis_server
+from kvmesh.proto import kvmesh_pb2 as pb
+from tests.integration.fault_helpers import Traffic, index_matches_pools, seconds_until
+from tests.integration.helpers import start_deployment, stub_for, wait_for
+
+pytestmark = [pytest.mark.redis, pytest.mark.ray]
+
+PASSWORD = "pw-7c1e-never-logged"
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    server = start_redis_server(password=PASSWORD)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def deployment(ray_session: None, redis_server: RedisServer) -> Iterator[Deployment]:
+    d = start_deployment(num_workers=2, num_blocks=96, redis_url=redis_server.url)
+    yield d
+    d.stop()
+
+
+def test_redis_killed_and_restarted_empty_costs_no_request(
+    deployment: Deployment, redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    stub = stub_for(deployment.address)
+    url = redis_server.url
+    with Traffic(stub, num_threads=2) as traffic:
+        seconds_until(lambda: traffic.report.ok >= 10, 60, "warm-up traffic")
+        seconds_until(lambda: index_matches_pools(deployment, url), 10, "a consistent index")
+
+        redis_server.kill()
+        killed = time.monotonic()
+        wait_for(lambda: not stub.Stats(pb.StatsRequest()).redis_connected, what="Redis loss")
+        stats = stub.Stats(pb.StatsRequest())
+        assert stats.routing == "load_only"
+        detected_s = time.monotonic() - killed
+        sent_before = traffic.report.sent
+        time.sleep(1.5)  # requests keep flowing with Redis away
+        assert traffic.report.sent > sent_before
+
+        redis_server.restart()  # empty: nothing persisted
+        recover_s = seconds_until(
+            lambda: index_matches_pools(deployment, url), 15, "the index to equal the pools"
+        )
+        assert stub.Stats(pb.StatsRequest()).routing == "cache_aware"
+        time.sleep(0.5)  # and traffic goes on after the recovery
+    report = traffic.report
+    print(
+        f"\nFAULT redis-kill-restart: sent={report.sent} failed={report.failed}"
+        f" lost={report.lost} detected_s={detected_s:.2f} recover_s={recover_s:.2f}"
+    )
+    assert report.failed == 0 and report.lost == 0, report.errors
+    assert recover_s < 5.0
+    assert PASSWORD not in caplog.text
+    assert PASSWORD not in repr(deployment.config)

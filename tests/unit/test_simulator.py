@@ -1,0 +1,173 @@
+"""The routing simulator: real router, mirror and pools on simulated time; and its CLI contract."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvmesh.client import cli, trace_replay, workloads
+from kvmesh.client.workloads import WorkloadRequest
+from kvmesh.coordinator.sim_cost_model import SimCostModel
+from kvmesh.coordinator.sim_report import METRIC_KEYS
+from kvmesh.coordinator.sim_worker import SimRequest
+from kvmesh.coordinator.simulator import (
+    ClusterSimulation,
+    SimConfig,
+    policy_names,
+    prepare_requests,
+    simulate,
+)
+
+SHARED = {
+    "num_groups": 8,
+    "users_per_group": 12,
+    "system_prompt_len": 256,
+    "question_len": 32,
+    "output_len": 16,
+    "rate_rps": 200.0,
+}
+
+
+@pytest.fixture(scope="module")
+def shared_prefix() -> list[SimRequest]:
+    return prepare_requests(workloads.generate("shared_prefix", 3, SHARED), 16)
+
+
+def small_config(**kw: object) -> SimConfig:
+    # 4 workers of 96 blocks; 8 system prompts of 16 blocks: placement decides the hit rate.
+    return SimConfig(**{"num_workers": 4, "capacity_tokens": 1536, "block_size": 16, **kw})  # type: ignore[arg-type]
+
+
+def test_runs_are_deterministic_for_a_seed(shared_prefix: list[SimRequest]) -> None:
+    names = ["kvmesh", "sglang", "dynamo"]
+    first = simulate(small_config(seed=5), shared_prefix, names)
+    second = simulate(small_config(seed=5), shared_prefix, names)
+    for name in names:
+        a, b = first[name], second[name]
+        assert (a.cached_tokens, a.pulled_tokens, a.ttft_ms) == (
+            b.cached_tokens,
+            b.pulled_tokens,
+            b.ttft_ms,
+        )
+        assert a.requests_per_worker == b.requests_per_worker
+
+
+def test_oracle_bounds_every_policy_without_pulls(shared_prefix: list[SimRequest]) -> None:
+    results = simulate(small_config(pulls=False), shared_prefix, policy_names("all"))
+    oracle = results.pop("oracle")
+    assert results and all(r.hit_rate <= oracle.hit_rate + 1e-9 for r in results.values())
+    assert all(r.pulled_rate == 0 for r in results.values())
+
+
+def test_round_robin_spreads_requests_evenly(shared_prefix: list[SimRequest]) -> None:
+    result = ClusterSimulation(small_config(), "round_robin", shared_prefix).run()
+    assert max(result.requests_per_worker) - min(result.requests_per_worker) <= 1
+    assert sum(result.requests_per_worker) == len(shared_prefix)
+
+
+def test_kvmesh_reuses_more_than_round_robin_on_shared_prefixes(
+    shared_prefix: list[SimRequest],
+) -> None:
+    config = small_config(pulls=False)
+    kvmesh = ClusterSimulation(config, "kvmesh", shared_prefix).run()
+    rr = ClusterSimulation(config, "round_robin", shared_prefix).run()
+    assert kvmesh.hit_rate > 1.5 * rr.hit_rate
+    assert kvmesh.ttft_p90_ms < rr.ttft_p90_ms
+
+
+def test_pools_and_index_stay_consistent_after_a_run(shared_prefix: list[SimRequest]) -> None:
+    sim = ClusterSimulation(small_config(), "kvmesh", shared_prefix)
+    result = sim.run()
+    assert result.num_requests == len(shared_prefix)
+    sim.mirror.check_invariants()
+    sim.load.check_invariants()
+    for worker in sim.workers:
+        worker.pool.check_invariants()
+        worker.check_invariants()
+        assert worker.pool.num_free == worker.pool.num_blocks  # everything finished and freed
+        indexed = set(sim.mirror.worker_hashes(worker.worker_id))
+        assert indexed == set(worker.pool.cached_hashes())  # the mirror follows the pool exactly
+
+
+def test_pulls_are_counted_apart_from_local_hits(shared_prefix: list[SimRequest]) -> None:
+    cheap_links = SimCostModel(transfer_per_token_ms=0.0001)
+    with_pulls = ClusterSimulation(small_config(cost=cheap_links), "kvmesh", shared_prefix).run()
+    assert with_pulls.pulled_rate > 0
+    assert with_pulls.hit_rate + with_pulls.pulled_rate <= 1.0
+    dynamo = ClusterSimulation(small_config(cost=cheap_links), "dynamo", shared_prefix).run()
+    assert dynamo.pulled_rate == 0  # only kvmesh plans pulls
+
+
+def test_a_hand_written_trace_gives_the_hit_rate_it_implies(tmp_path: Path) -> None:
+    # One worker, one big pool: the second request reuses the two full blocks it shares.
+    trace = tmp_path / "tiny.jsonl"
+    rows = [
+        {"timestamp": 0, "input_length": 20, "output_length": 2, "hash_ids": [0, 1, 2]},
+        {"timestamp": 1000, "input_length": 24, "output_length": 2, "hash_ids": [0, 1, 3]},
+    ]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    reqs = trace_replay.replay_file(trace, trace_replay.TraceReplayConfig(block_size=8))
+    prepared = prepare_requests(reqs, 8)
+    result = ClusterSimulation(SimConfig(1, 1024, 8), "kvmesh", prepared).run()
+    assert result.cached_tokens == 16 and result.prompt_tokens == 44
+    assert result.ttft_ms[1] < result.ttft_ms[0]
+
+
+def test_multi_turn_reuses_the_quoted_answer() -> None:
+    prompt = np.arange(32, dtype=np.uint32)
+    answer = np.arange(100, 116, dtype=np.uint32)
+    turns = [
+        WorkloadRequest(0.0, prompt, 16, "s", answer),
+        WorkloadRequest(5000.0, np.concatenate([prompt, answer, prompt[:8]]), 4, "s"),
+    ]
+    result = ClusterSimulation(SimConfig(1, 1024, 16), "kvmesh", prepare_requests(turns, 16)).run()
+    assert result.cached_tokens == 48  # the prompt's 2 blocks and the answer's block
+
+
+def test_requests_larger_than_a_worker_are_refused() -> None:
+    big = [WorkloadRequest(0.0, np.zeros(100, dtype=np.uint32), 100)]
+    sim = ClusterSimulation(SimConfig(2, 64, 16), "kvmesh", prepare_requests(big, 16))
+    with pytest.raises(ValueError, match="needs 13 blocks; worker w\\d has 4"):
+        sim.run()
+
+
+def test_policy_names_validates_and_puts_the_oracle_last() -> None:
+    assert policy_names("oracle,kvmesh,kvmesh") == ["kvmesh", "oracle"]
+    assert policy_names("all")[-1] == "oracle" and "sglang" in policy_names("all")
+    with pytest.raises(ValueError, match="unknown policies nope"):
+        policy_names("kvmesh,nope")
+
+
+def test_cli_json_has_the_contract_keys(capsys: pytest.CaptureFixture[str]) -> None:
+    code = cli.main(
+        [
+            "simulate",
+            "--workload",
+            "shared_prefix",
+            *("--workload-arg", "num_groups=3", "--workload-arg", "users_per_group=4"),
+            *("--workers", "2", "--capacity-tokens", "8192", "--policies", "kvmesh,round_robin"),
+            "--json",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    doc = json.loads(out)
+    assert set(doc["policies"]) == {"kvmesh", "round_robin", "oracle"}
+    for metrics in doc["policies"].values():
+        assert set(METRIC_KEYS) <= set(metrics)
+        assert all(isinstance(metrics[k], float) for k in METRIC_KEYS)
+
+
+def test_cli_table_and_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["simulate", "--workload", "rag", "--workload-arg", "num_requests=20"]
+    args += ["--workers", "2", "--capacity-tokens", "8192", "--policies", "round_robin"]
+    assert cli.main(args) == 0
+    table = capsys.readouterr().out
+    assert "round_robin" in table and "oracle" in table and "hit %" in table
+    assert cli.main([*args, "--policies", "nope"]) == 2
+    assert "unknown policies nope" in capsys.readouterr().err
+    assert cli.main([*args, "--cost", "nope=1"]) == 2
+    assert "unknown cost-model field" in capsys.readouterr().err
