@@ -16,8 +16,16 @@ import numpy as np
 from kvmesh.client.extension import NotInThisBuild
 
 _DPI = 80
-_KVMESH_COLOR = "#d62728"
-_ORACLE_COLOR = "#7f7f7f"
+# Fixed colours, so a policy looks the same in every chart; only kvmesh is red.
+_COLORS = {
+    "kvmesh": "#d62728",
+    "oracle": "#7f7f7f",
+    "round_robin": "#1f77b4",
+    "least_loaded": "#ff7f0e",
+    "session_sticky": "#2ca02c",
+    "sglang": "#9467bd",
+    "dynamo": "#8c564b",
+}
 
 
 def _pyplot() -> Any:
@@ -31,8 +39,8 @@ def _pyplot() -> Any:
     return plt
 
 
-def _color(name: str) -> str | None:
-    return {"kvmesh": _KVMESH_COLOR, "oracle": _ORACLE_COLOR}.get(name)
+def _color(name: str) -> str:
+    return _COLORS.get(name, "#17becf")
 
 
 def write_plots(
@@ -45,10 +53,25 @@ def write_plots(
     names = list(results)
 
     fig, ax = plt.subplots(figsize=(6.4, 3.2))
-    rates = [100 * results[n].hit_rate for n in names]
-    colors = [_color(n) or "#1f77b4" for n in names]
-    bars = ax.bar(names, rates, color=colors)
-    ax.bar_label(bars, fmt="%.1f", fontsize=8)
+    local = [100 * results[n].hit_rate for n in names]
+    pulled = [100 * results[n].pulled_rate for n in names]
+    colors = [_color(n) for n in names]
+    ax.bar(names, local, color=colors, label="local hit")
+    bars = ax.bar(
+        names,
+        pulled,
+        bottom=local,
+        color=colors,
+        alpha=0.45,
+        hatch="//",
+        label="pulled from a peer",
+    )
+    ax.bar_label(
+        bars, labels=[f"{a + b:.1f}" for a, b in zip(local, pulled, strict=True)], fontsize=8
+    )
+    ax.set_ylim(0, 1.3 * max(a + b for a, b in zip(local, pulled, strict=True)) + 1e-9)
+    if any(pulled):
+        ax.legend(fontsize=8, loc="upper center", ncol=2)
     ax.set_ylabel("prompt tokens reused (%)")
     ax.set_title(f"Hit rate - {title}", fontsize=10)
     ax.tick_params(axis="x", labelrotation=20, labelsize=8)

@@ -59,7 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="FIELD=VALUE",
-        help="override one cost-model field (repeatable), e.g. prefill_per_token_ms=0.03",
+        help="override one cost-model field, e.g. prefill_per_token_ms=0.03 "
+        "(repeatable; default: none)",
     )
     parser.add_argument(
         "--no-pulls",

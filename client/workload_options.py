@@ -39,7 +39,8 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="FIELD=VALUE",
-        help="override a field of the workload's config (repeatable), e.g. num_groups=32",
+        help="override a field of the workload's config, e.g. num_groups=32 "
+        "(repeatable; default: none)",
     )
     parser.add_argument(
         "--trace-block-size",

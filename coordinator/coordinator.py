@@ -217,7 +217,7 @@ class Coordinator:
         self.check_sampling(prompt, sampling)
         request_id = request_id or uuid.uuid4().hex
         if worker_id:
-            chosen, predicted, pull = self._forced(prompt, worker_id)
+            chosen, predicted, pull, matched = self._forced(prompt, worker_id)
         else:
             decision = self.route(prompt, session_id, request_id)
             chosen, predicted, pull = (
@@ -225,8 +225,12 @@ class Coordinator:
                 decision.predicted_prefill_ms,
                 decision.pull,
             )
+            matched = decision.matched_blocks
+        if pull is not None:
+            matched = pull.num_blocks
         with self._lock:
-            self.load.on_routed(request_id, chosen, predicted, len(prompt.token_ids))
+            uncached = self._uncached_tokens(len(prompt.token_ids), matched)
+            self.load.on_routed(request_id, chosen, predicted, uncached)
             self.counters.num_requests += 1
         pulled_tokens = 0
         if pull is not None and self.transfers is not None:
@@ -237,8 +241,9 @@ class Coordinator:
 
     def _forced(
         self, prompt: PreparedPrompt, worker_id: str
-    ) -> tuple[WorkerId, float, PullPlan | None]:
-        """Placement chosen by the caller; a pull is still planned when a peer holds more."""
+    ) -> tuple[WorkerId, float, PullPlan | None, int]:
+        """Placement chosen by the caller; a pull is still planned when a peer holds more.
+        Returns the worker, its predicted prefill, the pull (if any) and its matched blocks."""
         if worker_id not in self.backend.worker_ids():
             raise InvalidRequest(f"unknown worker id {worker_id!r}")
         live = self.backend.live_worker_ids()
@@ -249,7 +254,11 @@ class Coordinator:
         query = RouteQuery("", prompt.block_hashes, len(prompt.token_ids), self.config.block_size)
         price = self.transfers.price if self.transfers is not None else None
         option = cheapest_prefill(query, target, best_peer(views), self.cost_model, price)
-        return target.worker_id, option.prefill_ms, option.pull
+        return target.worker_id, option.prefill_ms, option.pull, target.matched_blocks
+
+    def _uncached_tokens(self, prompt_len: int, matched_blocks: int) -> int:
+        """Prompt tokens the worker must prefill (the last one always is)."""
+        return prompt_len - min(matched_blocks * self.config.block_size, prompt_len - 1)
 
     def _stream(
         self, worker: WorkerId, request: WorkerRequest, pulled_tokens: int = 0
@@ -280,6 +289,9 @@ class Coordinator:
         finally:
             with self._lock:
                 self.load.on_finished(current.request_id)
+                self.policy.on_request_done(current.request_id)
+                if current is not request:
+                    self.policy.on_request_done(request.request_id)
                 if not ok:
                     self.counters.num_failed_requests += 1
 
@@ -318,8 +330,9 @@ class Coordinator:
         request_id = f"{original.request_id}.m{attempt}"
         decision = self.route(prompt, request_id=request_id)  # raises NoLiveWorker if none
         with self._lock:
+            uncached = self._uncached_tokens(len(prompt.token_ids), decision.matched_blocks)
             self.load.on_routed(
-                request_id, decision.worker_id, decision.predicted_prefill_ms, len(prompt.token_ids)
+                request_id, decision.worker_id, decision.predicted_prefill_ms, uncached
             )
         sampling = replace(original.sampling, max_tokens=remaining)
         return decision.worker_id, WorkerRequest(

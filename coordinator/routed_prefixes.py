@@ -9,6 +9,9 @@ to, and treats that worker as about to hold it:
     routed now ──────────────► prefilled (events reach the mirror) ──► done / expired: forgotten
                remembered here                                    (the mirror knows by then)
 
+Only the blocks beyond what the index already shows on that worker are kept, so a follow-up
+turn of a cached conversation costs a few entries, not its whole chain.
+
 Entries leave when the request is reported done, or after `ttl_s` at the latest, so the memory
 stays bounded even if completions are never reported.
 """
@@ -31,10 +34,10 @@ class _Routed:
 
 
 class RoutedPrefixes:
-    """Block chains routed to each worker and not yet confirmed, with reference counts.
+    """Runs of blocks routed to each worker and not yet confirmed, with reference counts.
 
     Invariants (checked by `check_invariants`):
-      * hash_to_worker_refs[h][w] == number of live entries routed to w whose chain contains h
+      * hash_to_worker_refs[h][w] == number of live entries routed to w whose run contains h
       * no empty inner dict is kept
       * entries are ordered by expiry (insertion order with one TTL)
     """
@@ -53,10 +56,17 @@ class RoutedPrefixes:
         return len(self._entries)
 
     def add(
-        self, request_id: str, worker: WorkerId, hashes: Sequence[BlockHash], now_s: float
+        self,
+        request_id: str,
+        worker: WorkerId,
+        hashes: Sequence[BlockHash],
+        now_s: float,
+        start: int = 0,
     ) -> None:
+        """Remember that `hashes[start:]` were sent to `worker` (the index already shows it
+        holding `hashes[:start]`, so only the blocks it will add are kept)."""
         self.discard(request_id)
-        entry = _Routed(worker, tuple(hashes), now_s + self.ttl_s)
+        entry = _Routed(worker, tuple(hashes[start:]), now_s + self.ttl_s)
         self._entries[request_id] = entry
         refs = self._hash_to_worker_refs
         for h in entry.hashes:
@@ -85,21 +95,29 @@ class RoutedPrefixes:
         for request_id in [r for r, e in self._entries.items() if e.worker == worker]:
             self.discard(request_id)
 
-    def match(self, hashes: Sequence[BlockHash]) -> dict[WorkerId, int]:
-        """Per worker, the leading blocks of `hashes` routed to it (workers with none omitted)."""
+    def extend(self, worker: WorkerId, hashes: Sequence[BlockHash], held: int) -> int:
+        """How many leading blocks of `hashes` `worker` will hold, given that it holds the first
+        `held` (the index says so) and the routed blocks that continue them.
+
+        A routed run of blocks is contiguous, so its end is found by bisection, not by walking
+        the prompt: a handful of lookups whatever the prompt's length.
+        """
         refs = self._hash_to_worker_refs
-        out: dict[WorkerId, int] = {}
-        active: set[WorkerId] | None = None
-        for i, h in enumerate(hashes, 1):
-            holders = refs.get(h)
-            if holders is None:
-                break
-            active = set(holders) if active is None else active.intersection(holders)
-            if not active:
-                break
-            for w in active:
-                out[w] = i
-        return out
+        n = len(hashes)
+        if held >= n:
+            return held
+        holders = refs.get(hashes[held])
+        if holders is None or worker not in holders:
+            return held
+        lo, hi = held + 1, n  # worker holds hashes[:lo]; it does not hold hashes[:hi + 1]
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            holders = refs.get(hashes[mid - 1])
+            if holders is not None and worker in holders:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def _drop(self, entry: _Routed) -> None:
         refs = self._hash_to_worker_refs

@@ -188,23 +188,24 @@ class KvmeshPolicy(RoutingPolicy):
         ]
         costs = self._costs(query, views, options, now)
         decision = self._pick_lowest(query, views, costs)
-        option = options[next(i for i, w in enumerate(views) if w.worker_id == decision.worker_id)]
+        chosen = next(i for i, w in enumerate(views) if w.worker_id == decision.worker_id)
+        option = options[chosen]
         if option.pull is not None:
             decision = replace(decision, pull=option.pull, predicted_prefill_ms=option.prefill_ms)
-        self._remember(query, decision, now)
+        self._remember(query, decision, workers[chosen].matched_blocks, now)
         return decision
 
     def _with_routed_prefixes(
         self, query: RouteQuery, workers: Sequence[WorkerView]
     ) -> Sequence[WorkerView]:
-        routed = self._routed.match(query.block_hashes) if len(self._routed) else {}
-        if not routed:
+        if not len(self._routed):
             return workers
-        # Only the local match grows: a routed prefix is not yet there to be pulled by a peer.
-        return [
-            w._replace(matched_blocks=max(w.matched_blocks, routed.get(w.worker_id, 0)))
-            for w in workers
-        ]
+        out = []
+        for w in workers:
+            held = self._routed.extend(w.worker_id, query.block_hashes, w.matched_blocks)
+            # Only the local match grows: a routed prefix is not yet there for a peer to pull.
+            out.append(w if held == w.matched_blocks else w._replace(matched_blocks=held))
+        return out
 
     def _costs(
         self,
@@ -243,8 +244,12 @@ class KvmeshPolicy(RoutingPolicy):
         shortfall = (needed - w.num_free_blocks) / needed
         return shortfall * self.cost_model.decode_step_ms(w.num_running) * query.block_size
 
-    def _remember(self, query: RouteQuery, decision: RouteDecision, now: float) -> None:
-        self._routed.add(query.request_id, decision.worker_id, query.block_hashes, now)
+    def _remember(
+        self, query: RouteQuery, decision: RouteDecision, indexed: int, now: float
+    ) -> None:
+        """`indexed`: the chosen worker's match in the index, before routed prefixes."""
+        hashes = query.block_hashes
+        self._routed.add(query.request_id, decision.worker_id, hashes, now, indexed)
         self._recent.add(decision.worker_id, decision.predicted_prefill_ms, now)
         if query.session_id:
             self._session_to_worker[query.session_id] = decision.worker_id

@@ -38,16 +38,18 @@ class Clock:
         return self.now_s
 
 
-def test_routed_prefixes_match_per_worker_until_done_or_expired() -> None:
+def test_routed_prefixes_extend_a_worker_until_done_or_expired() -> None:
     r = RoutedPrefixes(ttl_s=10.0)
     r.add("r1", A, hashes(1, 2, 3), now_s=0.0)
-    r.add("r2", B, hashes(1, 2), now_s=1.0)
-    assert r.match(hashes(1, 2, 3, 4)) == {A: 3, B: 2}
+    r.add("r2", B, hashes(1, 2, 3, 4), now_s=1.0, start=2)  # the index shows b holding 1, 2
+    chain = hashes(1, 2, 3, 4, 5)
+    assert (r.extend(A, chain, 0), r.extend(B, chain, 2), r.extend(B, chain, 0)) == (3, 4, 0)
+    assert r.extend(A, chain, 5) == 5  # already holds more than was routed
     r.check_invariants()
     r.discard("r1")
-    assert r.match(hashes(1, 2, 3)) == {B: 2}
+    assert r.extend(A, chain, 0) == 0 and r.extend(B, chain, 2) == 4
     r.expire(now_s=11.5)
-    assert r.match(hashes(1)) == {} and len(r) == 0
+    assert r.extend(B, chain, 2) == 2 and len(r) == 0
     r.check_invariants()
 
 
@@ -55,7 +57,8 @@ def test_routed_prefixes_stay_bounded() -> None:
     r = RoutedPrefixes(ttl_s=10.0, max_entries=2)
     for i in range(5):
         r.add(f"r{i}", A, hashes(i, 100 + i), now_s=0.0)
-    assert len(r) == 2 and r.match(hashes(0)) == {} and r.match(hashes(4)) == {A: 1}
+    assert len(r) == 2 and r.extend(A, hashes(0, 100), 0) == 0
+    assert r.extend(A, hashes(4, 104), 0) == 2
     r.check_invariants()
     with pytest.raises(ValueError, match="ttl_s must be > 0, got 0"):
         RoutedPrefixes(ttl_s=0)
