@@ -15,6 +15,7 @@ from __future__ import annotations
 import random
 import time
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, NamedTuple
@@ -151,3 +152,30 @@ class RoutingPolicy(ABC):
     def _cached_tokens(query: RouteQuery, w: WorkerView) -> int:
         # The last prompt token is always computed (its logits start decoding).
         return min(w.matched_blocks * query.block_size, query.prompt_len - 1)
+
+
+class SessionMap:
+    """Which worker each session last went to; bounded, the least recently used session goes
+    first. Invariant: len <= max_sessions."""
+
+    def __init__(self, max_sessions: int = 100_000) -> None:
+        self.max_sessions = max_sessions
+        self._session_to_worker: OrderedDict[str, WorkerId] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._session_to_worker)
+
+    def get(self, session_id: str) -> WorkerId | None:
+        return self._session_to_worker.get(session_id) if session_id else None
+
+    def remember(self, session_id: str, worker: WorkerId) -> None:
+        if not session_id:
+            return
+        self._session_to_worker[session_id] = worker
+        self._session_to_worker.move_to_end(session_id)
+        if len(self._session_to_worker) > self.max_sessions:
+            self._session_to_worker.popitem(last=False)
+
+    def forget_worker(self, worker: WorkerId) -> None:
+        for s in [s for s, w in self._session_to_worker.items() if w == worker]:
+            del self._session_to_worker[s]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import random
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -21,6 +20,7 @@ from kvmesh.coordinator.policy_base import (
     RouteDecision,
     RouteQuery,
     RoutingPolicy,
+    SessionMap,
     WorkerScore,
     WorkerView,
 )
@@ -91,26 +91,21 @@ class SessionStickyPolicy(RoutingPolicy):
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(cost_model, rng, clock)
-        self._session_to_worker: OrderedDict[str, WorkerId] = OrderedDict()
+        self._sessions = SessionMap(self.max_sessions)
         self._fallback = LeastLoadedPolicy(cost_model, rng, clock)
 
     def choose(self, query: RouteQuery, workers: Sequence[WorkerView]) -> RouteDecision:
-        sticky = self._session_to_worker.get(query.session_id) if query.session_id else None
+        sticky = self._sessions.get(query.session_id)
         if sticky is not None and any(v.worker_id == sticky for v in workers):
             costs = [0.0 if v.worker_id == sticky else 1.0 for v in workers]
             decision = self._pick_lowest(query, workers, costs)
         else:
             decision = self._fallback.choose(query, workers)
-        if query.session_id:
-            self._session_to_worker[query.session_id] = decision.worker_id
-            self._session_to_worker.move_to_end(query.session_id)
-            if len(self._session_to_worker) > self.max_sessions:
-                self._session_to_worker.popitem(last=False)
+        self._sessions.remember(query.session_id, decision.worker_id)
         return decision
 
     def on_worker_removed(self, worker_id: WorkerId) -> None:
-        for s in [s for s, w in self._session_to_worker.items() if w == worker_id]:
-            del self._session_to_worker[s]
+        self._sessions.forget_worker(worker_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,7 +167,7 @@ class KvmeshPolicy(RoutingPolicy):
     ) -> None:
         super().__init__(cost_model, rng, clock)
         self.weights = weights or KvmeshWeights()
-        self._session_to_worker: OrderedDict[str, WorkerId] = OrderedDict()
+        self._sessions = SessionMap(self.max_sessions)
         self._routed = RoutedPrefixes(self.weights.routed_prefix_ttl_s)
         self._recent = RecentLoad(self.weights.balance_horizon_s)
 
@@ -215,7 +210,7 @@ class KvmeshPolicy(RoutingPolicy):
         now: float,
     ) -> list[float]:
         cm, weights, recent = self.cost_model, self.weights, self._recent
-        sticky = self._session_to_worker.get(query.session_id) if query.session_id else None
+        sticky = self._sessions.get(query.session_id)
         work, requests = recent.snapshot([w.worker_id for w in views], now)
         least_work, least_requests = min(work), min(requests)
         cheapest_ready = min(o.prefill_ms for o in options)
@@ -251,18 +246,13 @@ class KvmeshPolicy(RoutingPolicy):
         hashes = query.block_hashes
         self._routed.add(query.request_id, decision.worker_id, hashes, now, indexed)
         self._recent.add(decision.worker_id, decision.predicted_prefill_ms, now)
-        if query.session_id:
-            self._session_to_worker[query.session_id] = decision.worker_id
-            self._session_to_worker.move_to_end(query.session_id)
-            if len(self._session_to_worker) > self.max_sessions:
-                self._session_to_worker.popitem(last=False)
+        self._sessions.remember(query.session_id, decision.worker_id)
 
     def on_request_done(self, request_id: str) -> None:
         self._routed.discard(request_id)
 
     def on_worker_removed(self, worker_id: WorkerId) -> None:
-        for s in [s for s, w in self._session_to_worker.items() if w == worker_id]:
-            del self._session_to_worker[s]
+        self._sessions.forget_worker(worker_id)
         self._routed.forget_worker(worker_id)
         self._recent.forget(worker_id)
 

@@ -119,3 +119,18 @@ def test_load_tracker_queues_until_prefilled_and_runs_until_finished() -> None:
     with pytest.raises(ValueError, match="routed twice"):
         t.on_routed("c", w, 1.0, 1)
         t.on_routed("c", w, 1.0, 1)
+
+
+def test_session_map_is_bounded_and_forgets_dead_workers() -> None:
+    from kvmesh.coordinator.policy_base import SessionMap
+
+    sessions = SessionMap(max_sessions=2)
+    sessions.remember("a", WorkerId("w0"))
+    sessions.remember("b", WorkerId("w1"))
+    sessions.remember("a", WorkerId("w0"))  # refreshes a: b is now the oldest
+    sessions.remember("c", WorkerId("w0"))
+    assert len(sessions) == 2 and sessions.get("b") is None and sessions.get("a") == "w0"
+    sessions.forget_worker(WorkerId("w0"))
+    assert sessions.get("a") is None and sessions.get("c") is None
+    sessions.remember("", WorkerId("w1"))  # no session: nothing remembered
+    assert len(sessions) == 0
