@@ -1,4 +1,4 @@
-"""End to end through kvmesh: TTFT vs request rate per routing policy (issue 5).
+"""End to end through kvmesh: TTFT vs request rate per routing policy.
 
 Workers share one GPU (fractional GPUs), each with a KV pool too small to hold every group's
 system prompt, so where a request lands decides whether its prefix is recomputed. The workload is

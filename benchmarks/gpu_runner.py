@@ -1,4 +1,4 @@
-"""GPU benchmarks of the model runner (issue 5), each figure beside its ceiling from the same run.
+"""GPU benchmarks of the model runner, each figure beside its ceiling from the same run.
 
 Llama-3-8B shape, random bf16 weights, one GPU:
   * prefill of an 8K prompt: model TFLOP/s vs the measured bf16 matmul rate, and vs Hugging Face

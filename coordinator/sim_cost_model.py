@@ -6,8 +6,8 @@
                              = decode_fixed_ms + batch * decode_per_seq_ms
                                + context_tokens * decode_per_context_token_ms
 
-Defaults model Llama-3-8B in bf16 on one H100 SXM, from the ceilings the project measured on the
-lent H100 (shared/device/README.md, 2026-11-26) and the model's shape (32 layers, 4096 wide,
+Defaults model Llama-3-8B in bf16 on one H100 SXM, from ceilings measured on an H100 (bf16
+matmul 790 TFLOP/s, pinned PCIe 55 GB/s, 2026-11-26) and the model's shape (32 layers, 4096 wide,
 8 KV heads of 128, 8.03 B parameters):
 
   * prefill_per_token_ms 0.020: 2 x 8.03 GFLOP per token at the measured 790 TFLOP/s bf16 matmul

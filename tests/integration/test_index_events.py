@@ -222,7 +222,7 @@ def test_two_followers_started_at_different_times_agree_with_redis(url: str) -> 
 def test_a_restarted_coordinator_rebuilds_a_million_blocks_from_redis(url: str) -> None:
     """1M indexed blocks (4 workers x 250K, written by the real apply script) come back into a
     fresh mirror from Redis alone. The time goes to docs/reliability.md; the bound here only
-    catches a collapse (the issue's goal is 10 s: 4.7 s measured on the 2-core CI machine)."""
+    catches a collapse (the goal is 10 s: 4.7 s measured on a 2-core CPU machine)."""
     num_workers, per_worker, per_batch = 4, 250_000, 50_000
     for w in range(num_workers):
         pub = EventPublisher(url, NS, f"w{w}")
