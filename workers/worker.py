@@ -1,5 +1,8 @@
 """The worker's logic, without Ray: requests in, tokens and KV events out.
 
+Its inputs and outputs (`WorkerRequest`, `RequestOutput`, `WorkerInfo`) live in `messages` and
+are re-exported here.
+
 The actor shell (actor.py) owns the threads and Ray; this class owns the pool, the scheduler and
 the model runner, and is driven by `step()`. Time comes from the injected clock.
 """
@@ -11,7 +14,6 @@ import socket
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
 
 import torch
 
@@ -20,61 +22,14 @@ from kvmesh.proto.events import TIER_HOST, AllCleared, BlockStored, EventBatch, 
 from kvmesh.workers.block_copy import copy_blocks
 from kvmesh.workers.block_pool import BlockId, BlockPool
 from kvmesh.workers.host_pool import HostPool
+from kvmesh.workers.messages import RequestOutput, WorkerCounters, WorkerInfo, WorkerRequest
 from kvmesh.workers.model_runner import ModelRunner, SeqChunk
-from kvmesh.workers.sampler import SamplingConfig, sample
+from kvmesh.workers.sampler import sample
 from kvmesh.workers.scheduler import ScheduledStep, Scheduler, SchedulerConfig, StepKind
 from kvmesh.workers.sequence import SeqStatus, Sequence
 from kvmesh.workers.transfer import BlockExport
 
-
-@dataclass(frozen=True, slots=True)
-class WorkerRequest:
-    request_id: str
-    prompt_ids: tuple[int, ...]
-    sampling: SamplingConfig
-    cache_salt: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class RequestOutput:
-    request_id: str
-    new_token_ids: tuple[int, ...]
-    finished: bool
-    finish_reason: str = ""
-    # Set on the first output of a request (when its prefill is done).
-    cached_tokens: int = -1
-    computed_tokens: int = -1
-
-
-@dataclass(slots=True)
-class WorkerCounters:
-    num_requests: int = 0
-    num_finished: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    computed_tokens: int = 0
-    generated_tokens: int = 0
-    host_hit_tokens: int = 0
-    pulled_blocks: int = 0
-    prefill_ms_total: float = 0.0
-    prefill_tokens_total: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerInfo:
-    worker_id: str
-    pid: int
-    node: str
-    device: str
-    model: str
-    block_size: int
-    num_blocks: int
-    num_free_blocks: int
-    num_cached_blocks: int
-    num_running: int
-    num_waiting: int
-    generation: int
-    counters: dict[str, float] = field(default_factory=dict)
+__all__ = ["RequestOutput", "Worker", "WorkerCounters", "WorkerInfo", "WorkerRequest"]
 
 
 class Worker:
