@@ -11,10 +11,8 @@ import logging
 import threading
 import time
 
-import redis
-
 from kvmesh.coordinator.index_mirror import ApplyResult, IndexMirror, WorkerId
-from kvmesh.coordinator.index_store import IndexStore
+from kvmesh.coordinator.index_store import IndexStore, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +46,7 @@ class IndexFollower:
     def start(self, wait_s: float = 5.0) -> None:
         try:
             self.rebuild()
-        except redis.RedisError as exc:
+        except StoreError as exc:
             log.warning(
                 "index: Redis unreachable at start (%s); serving with load-only routing", exc
             )
@@ -102,7 +100,7 @@ class IndexFollower:
                     log.info("index: Redis is back; mirror rebuilt")
                 self.poll_once()
                 self._sweep_expired()
-            except redis.RedisError as exc:
+            except StoreError as exc:
                 if self.connected:
                     log.warning("index: lost Redis (%s); routing by load only", exc)
                 self.connected = False

@@ -22,6 +22,9 @@ from kvmesh.proto.events import EventBatch, EventDecodeError, decode_batch
 
 log = logging.getLogger(__name__)
 
+# What every store call may raise when Redis is away; followers catch this, not redis itself.
+StoreError = redis.RedisError
+
 
 # One worker's info and blocks, atomically, with the blocks packed into two strings: 16 hex digits
 # per hash, one digit per tier (HKEYS and HVALS walk the hash in the same order). A rebuild then
