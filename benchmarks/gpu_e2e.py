@@ -31,8 +31,8 @@ from kvmesh.client.bench import BenchSample, send_times, summarize
 from kvmesh.client.client import AsyncClient
 from kvmesh.client.errors import KVMeshError
 from kvmesh.client.workloads import SharedPrefixConfig, WorkloadRequest, shared_prefix
+from kvmesh.coordinator.cluster.deployment import Deployment, DeploymentConfig
 from kvmesh.coordinator.config import CoordinatorConfig
-from kvmesh.coordinator.deployment import Deployment, DeploymentConfig
 from kvmesh.workers.config import WorkerConfig
 
 

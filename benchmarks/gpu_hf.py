@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from kvmesh.workers.model_config import ModelConfig
-from kvmesh.workers.model_runner import ModelRunner
+from kvmesh.workers.model.model_config import ModelConfig
+from kvmesh.workers.model.runner import ModelRunner
 
 
 def hf_config(config: ModelConfig, attn_implementation: str) -> Any:

@@ -14,14 +14,14 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-from kvmesh.workers.paged_attention import (
+from kvmesh.workers.model.paged_attention import (
     DECODE_TILE,
     PagedChunk,
     TileShape,
     build_paged_layout,
     paged_attention_reference,
 )
-from kvmesh.workers.paged_attention_kernel import choose_splits, launch_paged_attention
+from kvmesh.workers.model.paged_attention_kernel import choose_splits, launch_paged_attention
 
 
 def median_ms(fn: Any) -> float:

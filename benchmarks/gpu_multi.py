@@ -42,8 +42,8 @@ def p2p_ceiling(num_bytes: int = 2 << 30) -> float:
 
 def through_kvmesh() -> dict[str, Any]:
     from kvmesh.client import Client
+    from kvmesh.coordinator.cluster.deployment import Deployment, DeploymentConfig
     from kvmesh.coordinator.config import CoordinatorConfig
-    from kvmesh.coordinator.deployment import Deployment, DeploymentConfig
     from kvmesh.proto.block_hash import block_hashes, namespace_hash
     from kvmesh.workers.config import WorkerConfig
 

@@ -26,9 +26,9 @@ import torch
 from gpu_hf import hf_llama_sharing_weights  # type: ignore[import-not-found]
 from gpu_kernel import decode_kernel_report, measure_ceilings  # type: ignore[import-not-found]
 
-from kvmesh.workers.batch_plan import AttentionMode
-from kvmesh.workers.model_config import ModelConfig, preset
-from kvmesh.workers.model_runner import ModelRunner, SeqChunk
+from kvmesh.workers.model.batch_plan import AttentionMode
+from kvmesh.workers.model.model_config import ModelConfig, preset
+from kvmesh.workers.model.runner import ModelRunner, SeqChunk
 
 BLOCK = 16
 PROMPT_LEN, CACHED_LEN = 8192, 7680

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from prefix_ttft import PREFIX, PROMPT, prefix_ttft_trials
 
-from kvmesh.workers.block_copy import copy_blocks
-from kvmesh.workers.transfer import copy_block_runs
+from kvmesh.workers.transfer.block_copy import copy_blocks
+from kvmesh.workers.transfer.links import copy_block_runs
 
 BS = 16
 LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3-8B
@@ -100,9 +100,9 @@ def block_movement(num_pool_blocks: int = 2048) -> dict[str, float]:
 def host_tier_ttft() -> dict[str, float]:
     """In-process (no Ray): an 8K prompt whose 7.5K prefix sits on the host tier."""
     from kvmesh.workers.config import WorkerConfig
-    from kvmesh.workers.loader import build_worker
-    from kvmesh.workers.sampler import SamplingConfig
-    from kvmesh.workers.worker import WorkerRequest
+    from kvmesh.workers.engine.sampler import SamplingConfig
+    from kvmesh.workers.engine.worker import WorkerRequest
+    from kvmesh.workers.model.loader import build_worker
 
     worker = build_worker(
         WorkerConfig(
@@ -144,8 +144,8 @@ def host_tier_ttft() -> dict[str, float]:
 def e2e_ttft() -> dict[str, float]:
     """Through gRPC + Ray: two llama3-8b-random workers sharing the GPU."""
     from kvmesh.client import Client
+    from kvmesh.coordinator.cluster.deployment import Deployment, DeploymentConfig
     from kvmesh.coordinator.config import CoordinatorConfig
-    from kvmesh.coordinator.deployment import Deployment, DeploymentConfig
     from kvmesh.workers.config import WorkerConfig
 
     config = DeploymentConfig(

@@ -22,15 +22,15 @@ from typing import Any
 
 import numpy as np
 
-from kvmesh.coordinator.cost_model import CostModel
-from kvmesh.coordinator.index_follower import IndexFollower
-from kvmesh.coordinator.index_mirror import IndexMirror, WorkerId
-from kvmesh.coordinator.index_store import IndexStore
-from kvmesh.coordinator.redis_server import start_redis_server
-from kvmesh.coordinator.router import KvmeshPolicy, RouteQuery, WorkerView
+from kvmesh.coordinator.cluster.redis_server import start_redis_server
+from kvmesh.coordinator.index.follower import IndexFollower
+from kvmesh.coordinator.index.mirror import IndexMirror, WorkerId
+from kvmesh.coordinator.index.store import IndexStore
+from kvmesh.coordinator.routing.cost_model import CostModel
+from kvmesh.coordinator.routing.router import KvmeshPolicy, RouteQuery, WorkerView
 from kvmesh.proto.block_hash import BlockHash, block_hashes, namespace_hash
 from kvmesh.proto.events import BlockStored, EventBatch
-from kvmesh.workers.event_publisher import EventPublisher
+from kvmesh.workers.engine.event_publisher import EventPublisher
 
 BS = 16
 ROOT = namespace_hash("bench-model")

@@ -34,8 +34,8 @@ import ray
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.integration helpers
 
+from kvmesh.coordinator.cluster.deployment import Deployment, DeploymentConfig  # noqa: E402
 from kvmesh.coordinator.config import CoordinatorConfig  # noqa: E402
-from kvmesh.coordinator.deployment import Deployment, DeploymentConfig  # noqa: E402
 from kvmesh.proto import kvmesh_pb2 as pb  # noqa: E402
 from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc  # noqa: E402
 from kvmesh.workers.config import WorkerConfig  # noqa: E402

@@ -66,7 +66,7 @@ def load_extension(extension: Extension) -> LoadedExtension:
 def run_up(args: argparse.Namespace) -> int:
     """`kvmesh up`, delegated to the coordinator's launcher."""
     try:
-        from kvmesh.coordinator.launcher import run_up as launch
+        from kvmesh.coordinator.cluster.launcher import run_up as launch
     except ImportError as err:
         raise NotInThisBuild(f"up is not available in this build ({err})") from err
     return launch(args)
@@ -75,7 +75,7 @@ def run_up(args: argparse.Namespace) -> int:
 def run_serve(args: argparse.Namespace) -> int:
     """`kvmesh serve`, delegated to the coordinator's launcher."""
     try:
-        from kvmesh.coordinator.launcher import run_serve as launch
+        from kvmesh.coordinator.cluster.launcher import run_serve as launch
     except ImportError as err:
         raise NotInThisBuild(f"serve is not available in this build ({err})") from err
     return launch(args)

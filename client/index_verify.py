@@ -120,7 +120,7 @@ def _difference(
 
 def read_redis_sets(redis_url: str) -> dict[str, set[int]]:
     """Every registered worker's block set in Redis."""
-    from kvmesh.coordinator.index_store import IndexStore  # server-side: only with --redis-url
+    from kvmesh.coordinator.index.store import IndexStore  # server-side: only with --redis-url
 
     try:
         store = IndexStore(redis_url)

@@ -4,7 +4,7 @@
     kvmesh simulate --workload shared_prefix --workers 8 --capacity-tokens 65536 --plot docs/img
 
 The workload (generated here, or read from a Mooncake-format trace) is built on the client side;
-the simulation engine (`kvmesh.coordinator.simulator`: the real router, index mirror and block
+the simulation engine (`kvmesh.coordinator.sim.simulator`: the real router, index mirror and block
 pools) is imported only when the command runs, so the client's import rule (`client -> proto`)
 holds and a client-only install reports the command as unavailable instead of failing to start.
 """
@@ -73,8 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_simulate(args: argparse.Namespace) -> int:
     try:
-        from kvmesh.coordinator import simulator
-        from kvmesh.coordinator.sim_cost_model import SimCostModel
+        from kvmesh.coordinator.sim import simulator
+        from kvmesh.coordinator.sim.cost_model import SimCostModel
     except ImportError as err:
         raise NotInThisBuild(f"simulate is not available in this build ({err})") from err
     cost = SimCostModel.from_json(args.cost_model) if args.cost_model else SimCostModel()
@@ -97,7 +97,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     results = simulator.simulate(config, requests, names, done)
     source = args.trace or args.workload
     if args.plot:
-        from kvmesh.client.sim_plots import write_plots
+        from kvmesh.coordinator.sim.plots import write_plots
 
         stem = f"{Path(source).stem.replace('_', '-')}-{args.workers}w"
         title = f"{Path(source).name}, {args.workers} workers"

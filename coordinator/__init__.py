@@ -1,1 +1,1 @@
-"""kvmesh.coordinator."""
+"""The coordinator: prefix index, router, request path (service, index, routing, cluster, sim)."""

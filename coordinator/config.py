@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from kvmesh.coordinator.router import POLICIES
+from kvmesh.coordinator.routing.router import POLICIES
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,7 +17,7 @@ class CoordinatorConfig:
     block_size: int = 16
     """Tokens per KV block; must match the workers'."""
     policy: str = "kvmesh"
-    """Routing policy name (see kvmesh.coordinator.router.POLICIES)."""
+    """Routing policy name (see kvmesh.coordinator.routing.router.POLICIES)."""
     redis_url: str = field(default="", repr=False)
     """The index's Redis; empty runs without an index (load-only routing). `redis://` or
     `rediss://` (TLS), with a password or ACL user in it: never logged, hidden from repr."""

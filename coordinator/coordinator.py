@@ -15,17 +15,17 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from kvmesh.coordinator.cluster.transfer_manager import TransferManager
 from kvmesh.coordinator.config import CoordinatorConfig
-from kvmesh.coordinator.cost_model import CostModel
-from kvmesh.coordinator.index_mirror import IndexMirror, PrefixMatch, WorkerId
-from kvmesh.coordinator.load_tracker import LoadTracker
-from kvmesh.coordinator.pull_planner import PullPlan, best_peer, cheapest_prefill
-from kvmesh.coordinator.router import RouteDecision, RouteQuery, WorkerView, make_policy
-from kvmesh.coordinator.transfer_manager import TransferManager
+from kvmesh.coordinator.index.mirror import IndexMirror, PrefixMatch, WorkerId
+from kvmesh.coordinator.routing.cost_model import CostModel
+from kvmesh.coordinator.routing.load_tracker import LoadTracker
+from kvmesh.coordinator.routing.pull_planner import PullPlan, best_peer, cheapest_prefill
+from kvmesh.coordinator.routing.router import RouteDecision, RouteQuery, WorkerView, make_policy
 from kvmesh.proto.block_hash import BlockHash, block_hashes, namespace_hash
-from kvmesh.workers.model_config import ModelConfig
-from kvmesh.workers.sampler import SamplingConfig
-from kvmesh.workers.worker import RequestOutput, WorkerRequest
+from kvmesh.workers.engine.sampler import SamplingConfig
+from kvmesh.workers.engine.worker import RequestOutput, WorkerRequest
+from kvmesh.workers.model.model_config import ModelConfig
 
 
 class InvalidRequest(ValueError):

@@ -24,12 +24,12 @@ import ray
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
-from kvmesh.workers.block_copy import copy_blocks
 from kvmesh.workers.config import WorkerConfig
-from kvmesh.workers.event_publisher import EventPublisher
-from kvmesh.workers.loader import build_worker
-from kvmesh.workers.transfer import BlockExport
-from kvmesh.workers.worker import RequestOutput, WorkerRequest
+from kvmesh.workers.engine.event_publisher import EventPublisher
+from kvmesh.workers.engine.worker import RequestOutput, WorkerRequest
+from kvmesh.workers.model.loader import build_worker
+from kvmesh.workers.transfer.block_copy import copy_blocks
+from kvmesh.workers.transfer.links import BlockExport
 
 log = logging.getLogger(__name__)
 

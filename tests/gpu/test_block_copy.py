@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvmesh.workers.block_copy import copy_blocks
+from kvmesh.workers.transfer.block_copy import copy_blocks
 
 pytestmark = pytest.mark.gpu
 

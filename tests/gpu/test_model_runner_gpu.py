@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-from kvmesh.workers.model_config import ModelConfig, preset
-from kvmesh.workers.model_runner import ModelRunner, SeqChunk
-from kvmesh.workers.weights import random_weights
+from kvmesh.workers.model.model_config import ModelConfig, preset
+from kvmesh.workers.model.runner import ModelRunner, SeqChunk
+from kvmesh.workers.model.weights import random_weights
 
 pytestmark = [
     pytest.mark.gpu,

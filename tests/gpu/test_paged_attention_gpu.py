@@ -9,10 +9,9 @@ import random
 import pytest
 import torch
 
-from kvmesh.workers.batch_plan import AttentionMode
-from kvmesh.workers.model_config import ModelConfig, preset
-from kvmesh.workers.model_runner import ModelRunner, SeqChunk
-from kvmesh.workers.paged_attention import (
+from kvmesh.workers.model.batch_plan import AttentionMode
+from kvmesh.workers.model.model_config import ModelConfig, preset
+from kvmesh.workers.model.paged_attention import (
     DECODE_TILE,
     PREFILL_TILE,
     PagedChunk,
@@ -20,6 +19,7 @@ from kvmesh.workers.paged_attention import (
     build_paged_layout,
     paged_attention_reference,
 )
+from kvmesh.workers.model.runner import ModelRunner, SeqChunk
 
 pytestmark = [
     pytest.mark.gpu,
@@ -41,7 +41,7 @@ def run_case(
     num_splits: int | None,
     seed: int,
 ) -> None:
-    from kvmesh.workers.paged_attention_kernel import launch_paged_attention
+    from kvmesh.workers.model.paged_attention_kernel import launch_paged_attention
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     rng = random.Random(seed)

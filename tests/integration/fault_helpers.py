@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 import grpc
 import ray
 
-from kvmesh.coordinator.deployment import Deployment
-from kvmesh.coordinator.index_mirror import WorkerId
-from kvmesh.coordinator.index_store import IndexStore
+from kvmesh.coordinator.cluster.deployment import Deployment
+from kvmesh.coordinator.index.mirror import WorkerId
+from kvmesh.coordinator.index.store import IndexStore
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
 

@@ -9,8 +9,8 @@ from typing import TypeVar
 
 import grpc
 
+from kvmesh.coordinator.cluster.deployment import Deployment, DeploymentConfig
 from kvmesh.coordinator.config import CoordinatorConfig
-from kvmesh.coordinator.deployment import Deployment, DeploymentConfig
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
 from kvmesh.workers.config import WorkerConfig

@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import pytest
 
 from kvmesh.client import cli
-from kvmesh.coordinator.deployment import Deployment
-from kvmesh.coordinator.sim_report import METRIC_KEYS
+from kvmesh.coordinator.cluster.deployment import Deployment
+from kvmesh.coordinator.sim.report import METRIC_KEYS
 from tests.integration.helpers import start_deployment
 
 pytestmark = [pytest.mark.redis, pytest.mark.ray, pytest.mark.slow]

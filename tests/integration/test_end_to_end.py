@@ -11,7 +11,7 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from kvmesh.coordinator.deployment import Deployment
+from kvmesh.coordinator.cluster.deployment import Deployment
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import redis_schema as schema
 from tests.integration.helpers import generate, start_deployment, stub_for, wait_for

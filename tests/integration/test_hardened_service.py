@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from kvmesh.client import Client, tls_credentials
 from kvmesh.client import cli as kvmesh_cli
 from kvmesh.client.errors import PermissionDenied, Unauthenticated
-from kvmesh.coordinator.deployment import Deployment
+from kvmesh.coordinator.cluster.deployment import Deployment
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
 from kvmesh.proto import redis_schema as schema

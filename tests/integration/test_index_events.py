@@ -14,10 +14,10 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvmesh.coordinator.index_follower import IndexFollower
-from kvmesh.coordinator.index_mirror import IndexMirror, WorkerId
-from kvmesh.coordinator.index_store import IndexStore
-from kvmesh.coordinator.redis_server import RedisServer, start_redis_server
+from kvmesh.coordinator.cluster.redis_server import RedisServer, start_redis_server
+from kvmesh.coordinator.index.follower import IndexFollower
+from kvmesh.coordinator.index.mirror import IndexMirror, WorkerId
+from kvmesh.coordinator.index.store import IndexStore
 from kvmesh.proto import redis_schema as schema
 from kvmesh.proto.block_hash import BlockHash
 from kvmesh.proto.events import (
@@ -28,7 +28,7 @@ from kvmesh.proto.events import (
     decode_batch,
     encode_batch,
 )
-from kvmesh.workers.event_publisher import EventPublisher
+from kvmesh.workers.engine.event_publisher import EventPublisher
 
 pytestmark = [pytest.mark.redis]
 

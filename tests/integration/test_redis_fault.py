@@ -14,8 +14,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvmesh.coordinator.deployment import Deployment
-from kvmesh.coordinator.redis_server import RedisServer, start_redis_server
+from kvmesh.coordinator.cluster.deployment import Deployment
+from kvmesh.coordinator.cluster.redis_server import RedisServer, start_redis_server
 from kvmesh.proto import kvmesh_pb2 as pb
 from tests.integration.fault_helpers import Traffic, index_matches_pools, seconds_until
 from tests.integration.helpers import start_deployment, stub_for, wait_for

@@ -9,9 +9,9 @@ import pytest
 import ray
 import redis
 
-from kvmesh.coordinator.index_follower import IndexFollower
-from kvmesh.coordinator.index_mirror import IndexMirror, WorkerId
-from kvmesh.coordinator.index_store import IndexStore
+from kvmesh.coordinator.index.follower import IndexFollower
+from kvmesh.coordinator.index.mirror import IndexMirror, WorkerId
+from kvmesh.coordinator.index.store import IndexStore
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import redis_schema as schema
 from tests.integration.helpers import generate, start_deployment, stub_for, wait_for

@@ -16,8 +16,8 @@ import grpc
 import pytest
 import redis
 
-from kvmesh.coordinator.deployment import Deployment
-from kvmesh.coordinator.index_mirror import WorkerId
+from kvmesh.coordinator.cluster.deployment import Deployment
+from kvmesh.coordinator.index.mirror import WorkerId
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import redis_schema as schema
 from tests.integration.fault_helpers import Traffic

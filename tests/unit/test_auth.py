@@ -6,15 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.coordinator.auth import (
+from kvmesh.coordinator.config import CoordinatorConfig
+from kvmesh.coordinator.service.auth import (
     Authenticator,
     Verdict,
     bearer_token,
     client_key,
     read_token_file,
 )
-from kvmesh.coordinator.config import CoordinatorConfig
-from kvmesh.coordinator.limits import RateLimiter, StreamSlots
+from kvmesh.coordinator.service.limits import RateLimiter, StreamSlots
 
 STATS = "/kvmesh.v1.KVMesh/Stats"
 DRAIN = "/kvmesh.v1.KVMesh/Drain"

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import random
 
-from kvmesh.coordinator.baseline_policies import DynamoKvPolicy, SglangCacheAwarePolicy
-from kvmesh.coordinator.cost_model import CostModel
-from kvmesh.coordinator.index_mirror import WorkerId
-from kvmesh.coordinator.router import RouteQuery, WorkerView, make_policy
+from kvmesh.coordinator.index.mirror import WorkerId
+from kvmesh.coordinator.routing.baselines import DynamoKvPolicy, SglangCacheAwarePolicy
+from kvmesh.coordinator.routing.cost_model import CostModel
+from kvmesh.coordinator.routing.router import RouteQuery, WorkerView, make_policy
 from kvmesh.proto.block_hash import BlockHash
 
 CM = CostModel()

@@ -7,7 +7,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvmesh.proto.block_hash import BlockHash
 from kvmesh.proto.events import BlockRemoved, BlockStored
-from kvmesh.workers.block_pool import BlockId, BlockPool
+from kvmesh.workers.kv.block_pool import BlockId, BlockPool
 
 
 class FakeClock:

@@ -314,9 +314,9 @@ def test_up_hands_the_parsed_flags_to_the_launcher(
         seen.append(args)
         return 7
 
-    launcher = types.ModuleType("kvmesh.coordinator.launcher")
+    launcher = types.ModuleType("kvmesh.coordinator.cluster.launcher")
     launcher.run_up = run_up  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "kvmesh.coordinator.launcher", launcher)
+    monkeypatch.setitem(sys.modules, "kvmesh.coordinator.cluster.launcher", launcher)
     code, _, _ = run_cli(capsys, "up", "--workers", "3", "--num-blocks", "96", "--port", "0")
     assert code == 7
     args = seen[0]
@@ -329,7 +329,7 @@ def test_up_hands_the_parsed_flags_to_the_launcher(
 def test_up_without_a_launcher_reports_one_line(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setitem(sys.modules, "kvmesh.coordinator.launcher", None)  # import fails
+    monkeypatch.setitem(sys.modules, "kvmesh.coordinator.cluster.launcher", None)  # import fails
     code, _, err = run_cli(capsys, "up")
     assert code == 2 and err.startswith("kvmesh: error: up is not available in this build")
     assert len(err.strip().splitlines()) == 1

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
-from kvmesh.coordinator.detokenizer import IncrementalDetokenizer
-from kvmesh.workers.tokenizer import ByteTokenizer
+from kvmesh.coordinator.service.detokenizer import IncrementalDetokenizer
+from kvmesh.workers.model.tokenizer import ByteTokenizer
 
 
 def test_multibyte_characters_are_never_split() -> None:

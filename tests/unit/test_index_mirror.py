@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from kvmesh.coordinator.index_mirror import ApplyResult, IndexMirror, PrefixMatch, WorkerId
+from kvmesh.coordinator.index.mirror import ApplyResult, IndexMirror, PrefixMatch, WorkerId
 from kvmesh.proto.block_hash import BlockHash
 from kvmesh.proto.events import TIER_HOST, AllCleared, BlockRemoved, BlockStored, EventBatch
 

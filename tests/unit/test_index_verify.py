@@ -12,7 +12,7 @@ from kvmesh.client.environment import read_environment
 from kvmesh.client.index_verify import compare, render
 from kvmesh.client.parser import build_parser
 from kvmesh.client.results import IndexReport, WorkerIndexView
-from kvmesh.coordinator.launcher import deployment_config
+from kvmesh.coordinator.cluster.launcher import deployment_config
 
 
 def view(worker: str, mirror: set[int], pool: set[int], *, owned: bool = True) -> WorkerIndexView:

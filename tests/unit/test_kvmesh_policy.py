@@ -6,11 +6,11 @@ import random
 
 import pytest
 
-from kvmesh.coordinator.cost_model import CostModel
-from kvmesh.coordinator.index_mirror import WorkerId
-from kvmesh.coordinator.recent_load import RecentLoad
-from kvmesh.coordinator.routed_prefixes import RoutedPrefixes
-from kvmesh.coordinator.router import KvmeshPolicy, KvmeshWeights, RouteQuery, WorkerView
+from kvmesh.coordinator.index.mirror import WorkerId
+from kvmesh.coordinator.routing.cost_model import CostModel
+from kvmesh.coordinator.routing.recent_load import RecentLoad
+from kvmesh.coordinator.routing.routed_prefixes import RoutedPrefixes
+from kvmesh.coordinator.routing.router import KvmeshPolicy, KvmeshWeights, RouteQuery, WorkerView
 from kvmesh.proto.block_hash import BlockHash
 
 CM = CostModel()

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvmesh.workers.model_config import ModelConfig, RopeScaling, load_model_config, preset
-from kvmesh.workers.model_runner import ModelRunner, SeqChunk, rope_inv_freq
-from kvmesh.workers.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
-from kvmesh.workers.weights import hashed_uniform, hf_param_shapes, random_weights
+from kvmesh.workers.model.model_config import ModelConfig, RopeScaling, load_model_config, preset
+from kvmesh.workers.model.runner import ModelRunner, SeqChunk, rope_inv_freq
+from kvmesh.workers.model.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from kvmesh.workers.model.weights import hashed_uniform, hf_param_shapes, random_weights
 
 NUM_BLOCKS = 64
 BLOCK_SIZE = 4

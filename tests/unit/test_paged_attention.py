@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvmesh.workers.paged_attention import (
+from kvmesh.workers.model.paged_attention import (
     DECODE_TILE,
     PREFILL_TILE,
     PagedChunk,

@@ -4,10 +4,10 @@ import random
 
 import pytest
 
-from kvmesh.coordinator.cost_model import CostModel
-from kvmesh.coordinator.index_mirror import WorkerId
-from kvmesh.coordinator.load_tracker import LoadTracker
-from kvmesh.coordinator.router import (
+from kvmesh.coordinator.index.mirror import WorkerId
+from kvmesh.coordinator.routing.cost_model import CostModel
+from kvmesh.coordinator.routing.load_tracker import LoadTracker
+from kvmesh.coordinator.routing.router import (
     POLICIES,
     KvmeshPolicy,
     RouteQuery,
@@ -122,7 +122,7 @@ def test_load_tracker_queues_until_prefilled_and_runs_until_finished() -> None:
 
 
 def test_session_map_is_bounded_and_forgets_dead_workers() -> None:
-    from kvmesh.coordinator.policy_base import SessionMap
+    from kvmesh.coordinator.routing.policy import SessionMap
 
     sessions = SessionMap(max_sessions=2)
     sessions.remember("a", WorkerId("w0"))

@@ -10,16 +10,16 @@ import pytest
 
 from kvmesh.client import cli, trace_replay, workloads
 from kvmesh.client.workloads import WorkloadRequest
-from kvmesh.coordinator.sim_cost_model import SimCostModel
-from kvmesh.coordinator.sim_report import METRIC_KEYS
-from kvmesh.coordinator.sim_worker import SimRequest
-from kvmesh.coordinator.simulator import (
+from kvmesh.coordinator.sim.cost_model import SimCostModel
+from kvmesh.coordinator.sim.report import METRIC_KEYS
+from kvmesh.coordinator.sim.simulator import (
     ClusterSimulation,
     SimConfig,
     policy_names,
     prepare_requests,
     simulate,
 )
+from kvmesh.coordinator.sim.worker import SimRequest
 
 SHARED = {
     "num_groups": 8,

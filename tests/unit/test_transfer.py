@@ -7,15 +7,15 @@ from collections import defaultdict
 import pytest
 import torch
 
-from kvmesh.coordinator.index_mirror import IndexMirror, WorkerId
+from kvmesh.coordinator.index.mirror import IndexMirror, WorkerId
 from kvmesh.proto.events import TIER_DEVICE, TIER_HOST
-from kvmesh.workers.host_pool import HostPool
-from kvmesh.workers.model_config import preset
-from kvmesh.workers.model_runner import ModelRunner
-from kvmesh.workers.sampler import SamplingConfig
-from kvmesh.workers.scheduler import SchedulerConfig
-from kvmesh.workers.transfer import BlockExport, LinkTable, LinkType, link_type
-from kvmesh.workers.worker import RequestOutput, Worker, WorkerRequest
+from kvmesh.workers.engine.sampler import SamplingConfig
+from kvmesh.workers.engine.scheduler import SchedulerConfig
+from kvmesh.workers.engine.worker import RequestOutput, Worker, WorkerRequest
+from kvmesh.workers.kv.host_pool import HostPool
+from kvmesh.workers.model.model_config import preset
+from kvmesh.workers.model.runner import ModelRunner
+from kvmesh.workers.transfer.links import BlockExport, LinkTable, LinkType, link_type
 
 BS = 16
 CONFIG = preset("tiny-random")
@@ -179,7 +179,7 @@ def test_in_place_copy_from_a_pinned_peer_cache_matches_a_cold_recompute() -> No
 
 
 def test_block_runs_are_copied_in_as_few_slices_as_possible() -> None:
-    from kvmesh.workers.transfer import copy_block_runs
+    from kvmesh.workers.transfer.links import copy_block_runs
 
     src = torch.arange(2 * 2 * 30 * 3, dtype=torch.float32).reshape(2, 2, 30, 3)
     dst = torch.zeros(2, 2, 30, 3)

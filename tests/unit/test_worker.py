@@ -7,11 +7,11 @@ from collections import defaultdict
 import pytest
 import torch
 
-from kvmesh.workers.model_config import preset
-from kvmesh.workers.model_runner import ModelRunner
-from kvmesh.workers.sampler import SamplingConfig
-from kvmesh.workers.scheduler import SchedulerConfig
-from kvmesh.workers.worker import RequestOutput, Worker, WorkerRequest
+from kvmesh.workers.engine.sampler import SamplingConfig
+from kvmesh.workers.engine.scheduler import SchedulerConfig
+from kvmesh.workers.engine.worker import RequestOutput, Worker, WorkerRequest
+from kvmesh.workers.model.model_config import preset
+from kvmesh.workers.model.runner import ModelRunner
 
 BS = 16
 

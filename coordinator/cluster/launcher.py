@@ -1,0 +1,116 @@
+"""`kvmesh up` and `kvmesh serve`: run a deployment in the foreground until SIGINT / SIGTERM.
+
+Flags win over KVMESH_* environment variables, which win over defaults; the CLI merges both
+(kvmesh.client.environment) and hands the namespace here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from dataclasses import replace
+from typing import Any
+
+from kvmesh.coordinator.cluster.deployment import Deployment, DeploymentConfig
+from kvmesh.coordinator.config import CoordinatorConfig
+from kvmesh.coordinator.service.auth import read_token_file
+from kvmesh.workers.config import WorkerConfig
+
+
+def _opt(args: argparse.Namespace, name: str, default: Any) -> Any:
+    value = getattr(args, name, None)
+    return default if value is None else value
+
+
+def deployment_config(args: argparse.Namespace, *, embedded_redis: bool) -> DeploymentConfig:
+    redis_url = _opt(args, "redis_url", "")  # the CLI already merged KVMESH_REDIS_URL
+    coordinator = CoordinatorConfig(
+        model=_opt(args, "model", "tiny-random"),
+        seed=int(_opt(args, "seed", 0)),
+        block_size=int(_opt(args, "block_size", 16)),
+        policy=_opt(args, "policy", "kvmesh"),
+        redis_url=redis_url,
+        host=_opt(args, "host", "127.0.0.1"),
+        port=int(_opt(args, "port", 50051)),
+        auth_tokens=_tokens(args, "auth_token"),
+        admin_tokens=_tokens(args, "admin_token"),
+        tls_cert_file=_opt(args, "tls_cert", ""),
+        tls_key_file=_opt(args, "tls_key", ""),
+        tls_client_ca_file=_opt(args, "tls_client_ca", ""),
+        max_prompt_tokens=int(_opt(args, "max_prompt_tokens", 0)),
+        max_concurrent_streams=int(_opt(args, "max_concurrent_streams", 0)),
+        rate_limit_rps=float(_opt(args, "rate_limit", 0.0)),
+        rate_limit_burst=int(_opt(args, "rate_limit_burst", 0)),
+    )
+    worker = WorkerConfig(
+        worker_id="template",
+        num_blocks=int(_opt(args, "num_blocks", 0)),
+        host_cache_gb=float(_opt(args, "host_cache_gb", 0.0)),
+        device=_opt(args, "device", "auto"),
+    )
+    return DeploymentConfig(
+        coordinator=coordinator,
+        num_workers=int(_opt(args, "workers", 0 if not embedded_redis else 2)),
+        worker=worker,
+        gpus_per_worker=float(_opt(args, "gpus_per_worker", -1.0)),
+        ray_address=_opt(args, "ray_address", ""),
+    )
+
+
+def _tokens(args: argparse.Namespace, name: str) -> tuple[str, ...]:
+    """The `--NAME` token plus those of `--NAME-file` (one a line)."""
+    tokens = (_opt(args, name, ""),)
+    path = _opt(args, f"{name}_file", "")
+    return tuple(t for t in tokens if t) + (read_token_file(path) if path else ())
+
+
+def run_deployment(config: DeploymentConfig) -> int:
+    logging.basicConfig(
+        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    stop = threading.Event()
+    deployment = Deployment(config)
+    try:
+        print("kvmesh: starting Redis, Ray and workers ...", file=sys.stderr, flush=True)
+        try:
+            address = deployment.start()
+        except Exception as exc:  # one line for the user; the details are in the Ray logs
+            first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            print(f"kvmesh: error: could not start the cluster: {first_line}", file=sys.stderr)
+            return 1
+        # After start: ray.init installs its own SIGTERM handler, which would skip our cleanup.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        assert deployment.cluster is not None
+        workers = ", ".join(deployment.cluster.worker_ids())
+        cc = config.coordinator
+        security = ("TLS" if cc.tls_cert_file else "plaintext") + (
+            ", token auth" if cc.auth_tokens or cc.admin_tokens else ""
+        )
+        print(
+            f"kvmesh is up at {address} (workers: {workers}; policy {cc.policy}; {security})",
+            flush=True,
+        )
+        stop.wait()
+        print("kvmesh: shutting down ...", file=sys.stderr, flush=True)
+        return 0
+    finally:
+        deployment.stop()
+
+
+def run_up(args: argparse.Namespace) -> int:
+    """Local cluster: embedded Redis (unless --redis-url), local Ray, N workers, the coordinator."""
+    config = deployment_config(args, embedded_redis=True)
+    return run_deployment(config)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Coordinator + workers on an existing Ray cluster, against an external Redis."""
+    config = deployment_config(args, embedded_redis=False)
+    if not config.coordinator.redis_url:
+        raise ValueError("serve needs --redis-url (or KVMESH_REDIS_URL)")
+    config = replace(config, ray_address=config.ray_address or "auto")
+    return run_deployment(config)

@@ -1,0 +1,1 @@
+"""The prefix index: Redis store, event-stream follower, in-memory mirror."""

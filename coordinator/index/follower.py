@@ -1,0 +1,124 @@
+"""Keeps an `IndexMirror` in step with Redis: initial rebuild, the event stream, resyncs, purges.
+
+Runs on its own thread. While Redis is unreachable the mirror keeps its last state (the router
+then routes by load only, see `connected`); when Redis answers again the mirror is rebuilt from
+the snapshots, which the workers re-publish in full once they reconnect.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from kvmesh.coordinator.index.mirror import ApplyResult, IndexMirror, WorkerId
+from kvmesh.coordinator.index.store import IndexStore, StoreError
+
+log = logging.getLogger(__name__)
+
+_READ_BLOCK_MS = 100
+_RETRY_S = 0.2
+_SWEEP_S = 1.0
+
+
+class IndexFollower:
+    """Owns the mirror's writes; readers take `lock` around `mirror` calls."""
+
+    def __init__(
+        self,
+        store: IndexStore,
+        mirror: IndexMirror,
+        lock: threading.Lock,
+        *,
+        ns: str,
+    ) -> None:
+        self.store = store
+        self.mirror = mirror
+        self.lock = lock
+        self.ns = ns
+        self.connected = False
+        self.num_resyncs = 0
+        self._last_id = "0-0"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvmesh-index", daemon=True)
+        self._last_sweep = 0.0
+
+    def start(self, wait_s: float = 5.0) -> None:
+        try:
+            self.rebuild()
+        except StoreError as exc:
+            log.warning(
+                "index: Redis unreachable at start (%s); serving with load-only routing", exc
+            )
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+
+    def rebuild(self) -> int:
+        """Reload every worker from Redis; returns the number of blocks loaded."""
+        last_id = self.store.last_stream_id()
+        loaded = 0
+        for worker in self.store.worker_ids():
+            loaded += self.resync(worker)
+        self._last_id = last_id
+        self.connected = True
+        return loaded
+
+    def resync(self, worker: str) -> int:
+        snap = self.store.snapshot(worker)
+        with self.lock:
+            if snap is None:
+                self.mirror.remove_worker(WorkerId(worker))
+                return 0
+            self.mirror.load_worker(WorkerId(worker), snap.generation, snap.seq, snap.blocks)
+        self.num_resyncs += 1
+        return len(snap.blocks)
+
+    def poll_once(self, block_ms: int | None = _READ_BLOCK_MS) -> int:
+        """Apply what the stream has after the last entry seen; returns entries handled.
+        `block_ms` None returns at once (Redis times blocking reads out in 100 ms ticks)."""
+        entries = self.store.read_stream(self._last_id, block_ms)
+        for entry in entries:
+            if entry.purged_worker is not None:
+                with self.lock:
+                    self.mirror.remove_worker(WorkerId(entry.purged_worker))
+            elif entry.batch is not None:
+                with self.lock:
+                    result = self.mirror.apply(entry.batch)
+                if result is ApplyResult.NEEDS_RESYNC:
+                    self.resync(entry.batch.worker_id)
+            self._last_id = entry.entry_id
+        return len(entries)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if not self.connected:
+                    self.rebuild()
+                    log.info("index: Redis is back; mirror rebuilt")
+                self.poll_once()
+                self._sweep_expired()
+            except StoreError as exc:
+                if self.connected:
+                    log.warning("index: lost Redis (%s); routing by load only", exc)
+                self.connected = False
+                self._stop.wait(_RETRY_S)
+
+    def _sweep_expired(self) -> None:
+        """Purge workers whose heartbeat lapsed (their process died without anyone noticing).
+
+        A live worker whose heartbeat merely stalled notices its missing state on its next
+        heartbeat and re-publishes everything under a new generation.
+        """
+        now = time.monotonic()
+        if now - self._last_sweep < _SWEEP_S:
+            return
+        self._last_sweep = now
+        for worker in self.store.worker_ids():
+            if not self.store.is_alive(worker):
+                log.warning("index: heartbeat of %s lapsed; purging its blocks", worker)
+                self.store.purge_worker(self.ns, worker)
+                with self.lock:
+                    self.mirror.remove_worker(WorkerId(worker))

@@ -1,0 +1,1 @@
+"""Routing: the policy interface, kvmesh's cost router, baselines, load and pull planning."""

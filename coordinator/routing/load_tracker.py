@@ -1,0 +1,80 @@
+"""Predicted outstanding work per worker: what the router has sent and the worker has not done.
+
+A route adds its predicted prefill time to the worker's queue; the first token (prefill done)
+takes it off again, and a finished request leaves the running set. Predictions are corrected by
+what actually happened: the queue never goes negative and a request's share is removed exactly once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvmesh.coordinator.index.mirror import WorkerId
+
+
+@dataclass(slots=True)
+class _Pending:
+    worker: WorkerId
+    prefill_ms: float
+    prefill_tokens: int
+    prefilled: bool = False
+
+
+class LoadTracker:
+    """Invariants: queued_ms[w] == sum of prefill_ms of w's requests not yet prefilled (>= 0);
+    num_running[w] == number of w's requests routed and not finished."""
+
+    def __init__(self) -> None:
+        self._pending: dict[str, _Pending] = {}
+        self._queued_ms: dict[WorkerId, float] = {}
+        self._queued_tokens: dict[WorkerId, int] = {}
+        self._num_running: dict[WorkerId, int] = {}
+
+    def queued_prefill_ms(self, worker: WorkerId) -> float:
+        return max(0.0, self._queued_ms.get(worker, 0.0))
+
+    def queued_prefill_tokens(self, worker: WorkerId) -> int:
+        return self._queued_tokens.get(worker, 0)
+
+    def num_running(self, worker: WorkerId) -> int:
+        return self._num_running.get(worker, 0)
+
+    def on_routed(self, request_id: str, worker: WorkerId, prefill_ms: float, tokens: int) -> None:
+        if request_id in self._pending:
+            raise ValueError(f"request {request_id!r} routed twice")
+        self._pending[request_id] = _Pending(worker, prefill_ms, tokens)
+        self._queued_ms[worker] = self._queued_ms.get(worker, 0.0) + prefill_ms
+        self._queued_tokens[worker] = self._queued_tokens.get(worker, 0) + tokens
+        self._num_running[worker] = self._num_running.get(worker, 0) + 1
+
+    def on_prefilled(self, request_id: str) -> None:
+        p = self._pending.get(request_id)
+        if p is None or p.prefilled:
+            return
+        p.prefilled = True
+        self._queued_ms[p.worker] = max(0.0, self._queued_ms[p.worker] - p.prefill_ms)
+        self._queued_tokens[p.worker] = max(0, self._queued_tokens[p.worker] - p.prefill_tokens)
+
+    def on_finished(self, request_id: str) -> None:
+        self.on_prefilled(request_id)
+        p = self._pending.pop(request_id, None)
+        if p is not None:
+            self._num_running[p.worker] -= 1
+
+    def forget_worker(self, worker: WorkerId) -> list[str]:
+        """Drop a dead worker's requests; returns their ids."""
+        ids = [rid for rid, p in self._pending.items() if p.worker == worker]
+        for rid in ids:
+            del self._pending[rid]
+        self._queued_ms.pop(worker, None)
+        self._queued_tokens.pop(worker, None)
+        self._num_running.pop(worker, None)
+        return ids
+
+    def check_invariants(self) -> None:
+        for w, n in self._num_running.items():
+            assert n == sum(1 for p in self._pending.values() if p.worker == w), w
+            expected = sum(
+                p.prefill_ms for p in self._pending.values() if p.worker == w and not p.prefilled
+            )
+            assert abs(self.queued_prefill_ms(w) - expected) < 1e-6 * max(1.0, expected), w

@@ -1,0 +1,142 @@
+"""Prefixes the router has just sent somewhere, before the index can know about them.
+
+The index mirror learns that a worker holds a prefix only when the worker has prefilled it and
+its KV events arrive. Until then, a burst of requests sharing a new prefix would all look
+uncached everywhere and be spread over the cluster, each worker recomputing the same prefix.
+The router therefore remembers, for a short time, which worker it sent each prompt's block chain
+to, and treats that worker as about to hold it:
+
+    routed now ──────────────► prefilled (events reach the mirror) ──► done / expired: forgotten
+               remembered here                                    (the mirror knows by then)
+
+Only the blocks beyond what the index already shows on that worker are kept, so a follow-up
+turn of a cached conversation costs a few entries, not its whole chain.
+
+Entries leave when the request is reported done, or after `ttl_s` at the latest, so the memory
+stays bounded even if completions are never reported.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvmesh.coordinator.index.mirror import WorkerId
+from kvmesh.proto.block_hash import BlockHash
+
+
+@dataclass(frozen=True, slots=True)
+class _Routed:
+    worker: WorkerId
+    hashes: tuple[BlockHash, ...]
+    expires_s: float
+
+
+class RoutedPrefixes:
+    """Runs of blocks routed to each worker and not yet confirmed, with reference counts.
+
+    Invariants (checked by `check_invariants`):
+      * hash_to_worker_refs[h][w] == number of live entries routed to w whose run contains h
+      * no empty inner dict is kept
+      * entries are ordered by expiry (insertion order with one TTL)
+    """
+
+    def __init__(self, ttl_s: float = 30.0, max_entries: int = 100_000) -> None:
+        if not ttl_s > 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be >= 1, got {max_entries}")
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self._entries: OrderedDict[str, _Routed] = OrderedDict()
+        self._hash_to_worker_refs: dict[BlockHash, dict[WorkerId, int]] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add(
+        self,
+        request_id: str,
+        worker: WorkerId,
+        hashes: Sequence[BlockHash],
+        now_s: float,
+        start: int = 0,
+    ) -> None:
+        """Remember that `hashes[start:]` were sent to `worker` (the index already shows it
+        holding `hashes[:start]`, so only the blocks it will add are kept)."""
+        self.discard(request_id)
+        entry = _Routed(worker, tuple(hashes[start:]), now_s + self.ttl_s)
+        self._entries[request_id] = entry
+        refs = self._hash_to_worker_refs
+        for h in entry.hashes:
+            holders = refs.get(h)
+            if holders is None:
+                refs[h] = {worker: 1}
+            else:
+                holders[worker] = holders.get(worker, 0) + 1
+        if len(self._entries) > self.max_entries:
+            self._drop(self._entries.popitem(last=False)[1])
+
+    def discard(self, request_id: str) -> None:
+        entry = self._entries.pop(request_id, None)
+        if entry is not None:
+            self._drop(entry)
+
+    def expire(self, now_s: float) -> None:
+        while self._entries:
+            request_id, entry = next(iter(self._entries.items()))
+            if entry.expires_s > now_s:
+                return
+            del self._entries[request_id]
+            self._drop(entry)
+
+    def forget_worker(self, worker: WorkerId) -> None:
+        for request_id in [r for r, e in self._entries.items() if e.worker == worker]:
+            self.discard(request_id)
+
+    def extend(self, worker: WorkerId, hashes: Sequence[BlockHash], held: int) -> int:
+        """How many leading blocks of `hashes` `worker` will hold, given that it holds the first
+        `held` (the index says so) and the routed blocks that continue them.
+
+        A routed run of blocks is contiguous, so its end is found by bisection, not by walking
+        the prompt: a handful of lookups whatever the prompt's length.
+        """
+        refs = self._hash_to_worker_refs
+        n = len(hashes)
+        if held >= n:
+            return held
+        holders = refs.get(hashes[held])
+        if holders is None or worker not in holders:
+            return held
+        lo, hi = held + 1, n  # worker holds hashes[:lo]; it does not hold hashes[:hi + 1]
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            holders = refs.get(hashes[mid - 1])
+            if holders is not None and worker in holders:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _drop(self, entry: _Routed) -> None:
+        refs = self._hash_to_worker_refs
+        for h in entry.hashes:
+            holders = refs[h]
+            left = holders[entry.worker] - 1
+            if left:
+                holders[entry.worker] = left
+            else:
+                del holders[entry.worker]
+                if not holders:
+                    del refs[h]
+
+    def check_invariants(self) -> None:
+        expected: dict[BlockHash, dict[WorkerId, int]] = {}
+        for entry in self._entries.values():
+            for h in entry.hashes:
+                holders = expected.setdefault(h, {})
+                holders[entry.worker] = holders.get(entry.worker, 0) + 1
+        assert expected == self._hash_to_worker_refs, "reference counts drifted from entries"
+        expiries = [e.expires_s for e in self._entries.values()]
+        assert expiries == sorted(expiries), "entries are not in expiry order"

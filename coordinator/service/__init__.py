@@ -1,0 +1,1 @@
+"""The front door: gRPC service, interceptor (auth, limits), TLS, admin, detokenizing."""

@@ -1,0 +1,333 @@
+"""The gRPC face of the coordinator: with its gate (`interceptor.py`), the only server-side
+module that imports grpc.
+
+Every RPC maps the coordinator's exceptions to a status code and never lets one request's failure
+stop the server:
+
+    InvalidRequest / ValueError -> INVALID_ARGUMENT      NoLiveWorker / WorkerDied -> UNAVAILABLE
+    RequestError (worker refused) -> INVALID_ARGUMENT     anything else -> INTERNAL
+Oversized messages are refused by gRPC itself with RESOURCE_EXHAUSTED (max_receive_message_length).
+Authentication, rate and stream limits and unparsable bytes are answered before a call gets here,
+by the interceptor (`service/interceptor.py`). The admin RPCs (Drain, ClearCache, VerifyIndex)
+delegate to `coordinator/service/admin.py`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent import futures
+from dataclasses import asdict
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvmesh.coordinator.cluster.cluster import Cluster
+from kvmesh.coordinator.coordinator import (
+    Coordinator,
+    InvalidRequest,
+    NoLiveWorker,
+    PreparedPrompt,
+    WorkerDied,
+)
+from kvmesh.coordinator.index.follower import IndexFollower
+from kvmesh.coordinator.service.admin import Admin
+from kvmesh.coordinator.service.detokenizer import IncrementalDetokenizer
+from kvmesh.coordinator.service.interceptor import GateInterceptor
+from kvmesh.coordinator.service.tls import ServerTls
+from kvmesh.proto import kvmesh_pb2 as pb
+from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
+from kvmesh.workers.actor import RequestError
+from kvmesh.workers.engine.sampler import SamplingConfig
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+SERVICE_NAME = "kvmesh.v1.KVMesh"
+
+
+def _status_for(exc: BaseException) -> grpc.StatusCode:
+    if isinstance(exc, InvalidRequest | RequestError | ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(exc, NoLiveWorker | WorkerDied):
+        return grpc.StatusCode.UNAVAILABLE
+    return grpc.StatusCode.INTERNAL
+
+
+class KVMeshServicer(pb_grpc.KVMeshServicer):
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        cluster: Cluster,
+        follower: IndexFollower | None,
+        *,
+        admin: Admin | None = None,
+        gate: GateInterceptor | None = None,
+    ) -> None:
+        self.coordinator = coordinator
+        self.cluster = cluster
+        self.follower = follower
+        self.admin = admin
+        self.gate = gate
+
+    def _guard(self, context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except Exception as exc:
+            code = _status_for(exc)
+            if code is grpc.StatusCode.INTERNAL:
+                log.exception("internal error")
+            context.abort(code, str(exc) or type(exc).__name__)
+            raise  # unreachable: abort raises
+
+    def Generate(
+        self, request: pb.GenerateRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.GenerateResponse]:
+        started = time.perf_counter()
+        stream = self._guard(context, lambda: self._start_generate(request))
+        first = True
+        tokenizer = self.coordinator.tokenizer
+        detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        try:
+            for event in stream:
+                resp = pb.GenerateResponse(token_ids=event.token_ids, request_id=request.request_id)
+                if detok is not None:
+                    resp.text = detok.push(event.token_ids) + (
+                        detok.flush() if event.finished else ""
+                    )
+                if first:
+                    resp.ttft_ms = (time.perf_counter() - started) * 1e3
+                    resp.cache.CopyFrom(
+                        pb.CacheFacts(
+                            worker_id=event.worker_id,
+                            prompt_tokens=event.prompt_tokens,
+                            cached_tokens=max(event.cached_tokens, 0),
+                            pulled_tokens=event.pulled_tokens,
+                            computed_tokens=max(event.computed_tokens, 0),
+                            policy=self.coordinator.policy.name,
+                        )
+                    )
+                    first = False
+                if event.finished:
+                    resp.finish_reason = event.finish_reason
+                yield resp
+        except Exception as exc:
+            code = _status_for(exc)
+            if code is grpc.StatusCode.INTERNAL:
+                log.exception("generate failed")
+            context.abort(code, str(exc) or type(exc).__name__)
+
+    def _start_generate(self, request: pb.GenerateRequest) -> Iterator[Any]:
+        c = self.coordinator
+        prompt = self._prepare(request.token_ids, request.prompt, request.cache_salt)
+        s = request.sampling
+        if not request.HasField("sampling") or s.max_tokens == 0:
+            raise InvalidRequest("sampling.max_tokens must be >= 1")
+        sampling = SamplingConfig(
+            max_tokens=s.max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p if 0 < s.top_p <= 1 else 1.0,
+            top_k=s.top_k,
+            seed=s.seed,
+            stop_token_ids=tuple(s.stop_token_ids),
+            ignore_eos=s.ignore_eos,
+        )
+        return c.generate(
+            prompt,
+            sampling,
+            session_id=request.session_id,
+            worker_id=request.worker_id,
+            request_id=request.request_id,
+        )
+
+    def _prepare(self, token_ids: Any, prompt: str, cache_salt: str) -> PreparedPrompt:
+        """`Coordinator.prepare` within `max_prompt_tokens` (checked before hashing, and again
+        after tokenizing a text prompt)."""
+        limit = self.coordinator.config.max_prompt_tokens
+        prepared = None
+        if not limit or len(token_ids) <= limit:
+            prepared = self.coordinator.prepare(list(token_ids), prompt, cache_salt)
+            if not limit or len(prepared.token_ids) <= limit:
+                return prepared
+        n = len(token_ids) if prepared is None else len(prepared.token_ids)
+        raise InvalidRequest(
+            f"prompt of {n} tokens is over this server's max_prompt_tokens {limit}"
+        )
+
+    def Route(self, request: pb.RouteRequest, context: grpc.ServicerContext) -> pb.RouteResponse:
+        def run() -> pb.RouteResponse:
+            c = self.coordinator
+            prompt = self._prepare(request.token_ids, request.prompt, request.cache_salt)
+            d = c.route(prompt, request.session_id)
+            return pb.RouteResponse(
+                worker_id=d.worker_id,
+                prompt_tokens=len(prompt.token_ids),
+                matched_tokens=d.matched_blocks * c.config.block_size,
+                cost_ms=d.cost_ms,
+                scores=[
+                    pb.WorkerScore(
+                        worker_id=s.worker_id, matched_blocks=s.matched_blocks, cost_ms=s.cost_ms
+                    )
+                    for s in d.scores
+                ],
+                policy=c.policy.name,
+            )
+
+        return self._guard(context, run)
+
+    def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
+        def run() -> pb.LookupResponse:
+            c = self.coordinator
+            prompt = self._prepare(request.token_ids, request.prompt, request.cache_salt)
+            matches = c.match(prompt)
+            bs = c.config.block_size
+            return pb.LookupResponse(
+                num_blocks=len(prompt.block_hashes),
+                block_hashes=list(prompt.block_hashes),
+                matches=[
+                    pb.WorkerMatch(
+                        worker_id=w, matched_blocks=m.num_blocks, matched_tokens=m.num_blocks * bs
+                    )
+                    for w, m in sorted(matches.items())
+                ],
+            )
+
+        return self._guard(context, run)
+
+    def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
+        def run() -> pb.StatsResponse:
+            c = self.coordinator
+            s = c.stats()
+            return pb.StatsResponse(
+                num_workers=len(self.cluster.worker_ids()),
+                num_live_workers=len(self.cluster.live_worker_ids()),
+                policy=c.policy.name,
+                redis_connected=self.follower is not None and self.follower.connected,
+                num_resyncs=self.follower.num_resyncs if self.follower is not None else 0,
+                block_size=c.config.block_size,
+                model=c.fingerprint,
+                routing="cache_aware" if c.index_connected() else "load_only",
+                num_decode_errors=self.follower.store.num_decode_errors if self.follower else 0,
+                num_drained_workers=len(self.admin.backend.drained()) if self.admin else 0,
+                num_rejected_requests=self.gate.num_rejected if self.gate else 0,
+                num_pulls=c.transfers.num_pulls if c.transfers is not None else 0,
+                num_failed_pulls=c.transfers.num_failed_pulls if c.transfers is not None else 0,
+                **s,
+            )
+
+        return self._guard(context, run)
+
+    def ListWorkers(
+        self, request: pb.ListWorkersRequest, context: grpc.ServicerContext
+    ) -> pb.ListWorkersResponse:
+        return self._guard(context, self._list_workers)
+
+    def _list_workers(self) -> pb.ListWorkersResponse:
+        infos = self.cluster.infos()
+        c = self.coordinator
+        out = []
+        for w in self.cluster.worker_ids():
+            i = infos.get(w) or self.cluster.latest_info(w)
+            counters = i.get("counters", {})
+            out.append(
+                pb.WorkerInfo(
+                    worker_id=w,
+                    pid=i.get("pid", 0),
+                    node=i.get("node", ""),
+                    device=i.get("device", ""),
+                    num_blocks=i.get("num_blocks", 0),
+                    num_free_blocks=i.get("num_free_blocks", 0),
+                    alive=self.cluster.is_alive(w),
+                    cached_tokens=int(counters.get("cached_tokens", 0)),
+                    computed_tokens=int(counters.get("computed_tokens", 0)),
+                    num_requests=int(counters.get("num_requests", 0)),
+                    num_running=i.get("num_running", 0),
+                    num_waiting=i.get("num_waiting", 0),
+                    generation=i.get("generation", 0),
+                    num_indexed_blocks=c.indexed_blocks_of(w),
+                    drained=self.admin is not None and self.admin.backend.is_drained(w),
+                )
+            )
+        return pb.ListWorkersResponse(workers=out)
+
+    # ---- admin RPCs (admin token required when auth is on: see auth.py) ------------------------
+
+    def _admin(self) -> Admin:
+        if self.admin is None:
+            raise InvalidRequest("this coordinator was started without admin operations")
+        return self.admin
+
+    def Drain(self, request: pb.DrainRequest, context: grpc.ServicerContext) -> pb.DrainResponse:
+        def run() -> pb.DrainResponse:
+            drained = self._admin().drain(request.worker_id, undrain=request.undrain)
+            return pb.DrainResponse(drained_worker_ids=drained)
+
+        return self._guard(context, run)
+
+    def ClearCache(
+        self, request: pb.ClearCacheRequest, context: grpc.ServicerContext
+    ) -> pb.ClearCacheResponse:
+        def run() -> pb.ClearCacheResponse:
+            freed = sorted(self._admin().clear_cache().items())
+            cleared = [pb.WorkerCleared(worker_id=w, num_freed_blocks=n) for w, n in freed]
+            return pb.ClearCacheResponse(workers=cleared)
+
+        return self._guard(context, run)
+
+    def VerifyIndex(
+        self, request: pb.VerifyIndexRequest, context: grpc.ServicerContext
+    ) -> pb.VerifyIndexResponse:
+        def run() -> pb.VerifyIndexResponse:
+            views = [pb.WorkerIndexView(**asdict(v)) for v in self._admin().index_views()]
+            connected = self.follower is not None and self.follower.connected
+            return pb.VerifyIndexResponse(workers=views, redis_connected=connected)
+
+        return self._guard(context, run)
+
+
+def build_server(
+    servicer: KVMeshServicer,
+    host: str,
+    port: int,
+    *,
+    max_message_bytes: int,
+    max_workers: int,
+    interceptors: Sequence[grpc.ServerInterceptor] = (),
+    tls: ServerTls | None = None,
+) -> tuple[grpc.Server, int, health.HealthServicer]:
+    """A configured, not yet started server with health checking and reflection, and its port.
+    With `tls` the port speaks TLS only (and requires client certificates if it has a CA)."""
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvmesh-rpc"),
+        interceptors=list(interceptors),
+        maximum_concurrent_rpcs=max_workers,
+        options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ],
+    )
+    pb_grpc.add_KVMeshServicer_to_server(servicer, server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (
+        pb.DESCRIPTOR.services_by_name["KVMesh"].full_name,
+        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        reflection.SERVICE_NAME,
+    )
+    reflection.enable_server_reflection(names, server)
+    if tls is None:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    else:
+        credentials = grpc.ssl_server_credentials(
+            [(tls.private_key, tls.certificate_chain)],
+            root_certificates=tls.client_ca,
+            require_client_auth=tls.client_ca is not None,
+        )
+        bound = server.add_secure_port(f"{host}:{port}", credentials)
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port}")
+    for name in (SERVICE_NAME, ""):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, bound, health_servicer

@@ -1,0 +1,139 @@
+"""What compute costs in the simulated cluster, and where the default numbers come from.
+
+    prefill_ms(new, cached)  = prefill_fixed_ms + new * prefill_per_token_ms
+                               + new * (cached + new / 2) * attention_per_token_pair_ms
+    decode_step_ms(batch, context_tokens)
+                             = decode_fixed_ms + batch * decode_per_seq_ms
+                               + context_tokens * decode_per_context_token_ms
+
+Defaults model Llama-3-8B in bf16 on one H100 SXM, from ceilings measured on an H100 (bf16
+matmul 790 TFLOP/s, pinned PCIe 55 GB/s, 2026-11-26) and the model's shape (32 layers, 4096 wide,
+8 KV heads of 128, 8.03 B parameters):
+
+  * prefill_per_token_ms 0.020: 2 x 8.03 GFLOP per token at the measured 790 TFLOP/s bf16 matmul
+    rate is 20.3 us ("recomputing a token's prefill costs >= 20 us at peak").
+  * attention_per_token_pair_ms 8.8e-7: causal SDPA over 8K tokens measured 0.92 ms per layer
+    for 8192^2 / 2 = 33.5 M (query, key) pairs; x 32 layers = 29.4 ms / 33.5 M pairs.
+  * prefill_fixed_ms 2.0: launch and scheduling overhead of one forward (engine-typical).
+  * decode_fixed_ms 5.3: every step streams the 16.1 GB of weights at the measured ~3,000 GB/s.
+  * decode_per_context_token_ms 9.2e-5: the KV of one context token is 128 KiB, gathered from
+    paged blocks at the measured 1,423 GB/s.
+  * decode_per_seq_ms 0.02: per-sequence sampling and bookkeeping (engine-typical).
+  * chunk_tokens 8192: the chunked-prefill budget vLLM and SGLang use on an H100; running decodes
+    ride along each prefill chunk, so a chunk costs one decode step more.
+  * transfer_per_token_ms 0.0024: "moving its KV over PCIe 2.4 us" per token, measured (55 GB/s
+    pinned host<->device); a 400 Gb/s NIC moves it at about the same rate. transfer_fixed_ms 1.0:
+    one round trip of control messages plus registration (engine-typical).
+
+Override any of them with `--cost-model FILE.json` (a JSON object of these field names) or with
+`--cost FIELD=VALUE`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from kvmesh.coordinator.routing.cost_model import CostModel
+
+
+@dataclass(frozen=True, slots=True)
+class SimCostModel:
+    """Compute times of one simulated worker (see the module docstring for the provenance)."""
+
+    prefill_fixed_ms: float = 2.0
+    """Per-forward overhead of a prefill."""
+    prefill_per_token_ms: float = 0.020
+    """Linear prefill cost per uncached prompt token."""
+    attention_per_token_pair_ms: float = 8.8e-7
+    """Quadratic term: cost per (new token, attended token) pair, all layers."""
+    decode_fixed_ms: float = 5.3
+    """Fixed cost of one decode step (reading the weights)."""
+    decode_per_seq_ms: float = 0.02
+    """Extra decode-step cost per running sequence."""
+    decode_per_context_token_ms: float = 9.2e-5
+    """Extra decode-step cost per token of KV the batch attends to."""
+    chunk_tokens: int = 8192
+    """Chunked-prefill budget: a prefill of n new tokens runs in ceil(n / chunk_tokens) steps."""
+    transfer_fixed_ms: float = 1.0
+    """Set-up of one peer-to-peer KV pull (request, registration, completion)."""
+    transfer_per_token_ms: float = 0.0024
+    """Moving one token's KV (128 KiB) between workers."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not value >= 0:
+                raise ValueError(f"{f.name} must be >= 0, got {value}")
+        if self.chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
+
+    @classmethod
+    def from_mapping(
+        cls, values: Mapping[str, str | int | float], base: SimCostModel | None = None
+    ) -> SimCostModel:
+        """`base` (default: the defaults) with the named fields replaced; unknown names raise."""
+        known = {f.name: f.type for f in fields(cls)}
+        converted: dict[str, Any] = {}
+        for key, raw in values.items():
+            if key not in known:
+                raise ValueError(f"unknown cost-model field {key!r}; fields: {', '.join(known)}")
+            kind = int if known[key] in (int, "int") else float
+            try:
+                converted[key] = kind(raw)
+            except (TypeError, ValueError):
+                raise ValueError(f"cost-model {key} must be a number, got {raw!r}") from None
+        return replace(base or cls(), **converted)
+
+    @classmethod
+    def from_json(cls, path: str | Path, base: SimCostModel | None = None) -> SimCostModel:
+        with open(path, encoding="utf-8") as f:
+            values = json.load(f)
+        if not isinstance(values, dict):
+            raise ValueError(f"{path}: expected a JSON object of cost-model fields")
+        return cls.from_mapping(values, base)
+
+    def as_dict(self) -> dict[str, float | int]:
+        return asdict(self)
+
+    def prefill_ms(self, num_new_tokens: int, num_cached_tokens: int) -> float:
+        if num_new_tokens <= 0:
+            return 0.0
+        pairs = num_new_tokens * (num_cached_tokens + num_new_tokens / 2)
+        return (
+            self.prefill_fixed_ms
+            + num_new_tokens * self.prefill_per_token_ms
+            + pairs * self.attention_per_token_pair_ms
+        )
+
+    def num_chunks(self, num_new_tokens: int) -> int:
+        return max(1, -(-num_new_tokens // self.chunk_tokens))
+
+    def decode_step_ms(self, batch_size: int, context_tokens: int) -> float:
+        if batch_size <= 0:
+            return 0.0
+        return (
+            self.decode_fixed_ms
+            + batch_size * self.decode_per_seq_ms
+            + context_tokens * self.decode_per_context_token_ms
+        )
+
+    def transfer_ms(self, num_tokens: int) -> float:
+        if num_tokens <= 0:
+            return 0.0
+        return self.transfer_fixed_ms + num_tokens * self.transfer_per_token_ms
+
+    def router_cost_model(self, typical_context_tokens: int = 4096) -> CostModel:
+        """The router's (coarser) model of the same hardware: what a calibrated coordinator
+        would hold. Its decode cost per sequence folds in a typical context length."""
+        per_seq = self.decode_per_seq_ms + typical_context_tokens * self.decode_per_context_token_ms
+        return CostModel(
+            prefill_fixed_ms=self.prefill_fixed_ms,
+            prefill_per_token_ms=self.prefill_per_token_ms,
+            attention_per_token_pair_ms=self.attention_per_token_pair_ms,
+            decode_fixed_ms=self.decode_fixed_ms,
+            decode_per_seq_ms=per_seq,
+        )

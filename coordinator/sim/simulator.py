@@ -1,0 +1,371 @@
+"""Discrete-event simulation of a kvmesh cluster: the real router, index mirror and block pools.
+
+    workload -> prepare_requests (hash once) -> ClusterSimulation(policy).run() -> PolicyResult
+                                                   |
+          arrival: mirror.match + WorkerViews -> policy.choose -> LoadTracker.on_routed -> worker
+          worker events (SimWorker): admission, prefill end, completions -> pool KV events ->
+          EventBatch -> IndexMirror.apply; LoadTracker.on_prefilled / on_finished; policy hooks
+
+Nothing here is a model of the router: `make_policy` builds the same policy objects the
+coordinator runs, and they read an `IndexMirror` fed by the `BlockPool`s' own KV events, so what
+a policy believes is exactly what the live system would believe (minus network delay). Only compute
+is replaced, by `SimCostModel`.
+
+The `oracle` is a bound, not a policy: one shared pool of N x C blocks served by N compute lanes
+(each request goes to the lane with the least queued work), in which a prefix is reusable from the
+moment any lane starts computing it: what the cluster could reuse if placement never cost a hit.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from kvmesh.coordinator.index.mirror import ApplyResult, IndexMirror, WorkerId
+from kvmesh.coordinator.routing.load_tracker import LoadTracker
+from kvmesh.coordinator.routing.router import (
+    POLICIES,
+    RouteQuery,
+    RoutingPolicy,
+    WorkerView,
+    make_policy,
+)
+from kvmesh.coordinator.sim.cost_model import SimCostModel
+from kvmesh.coordinator.sim.report import PolicyResult, summarize
+from kvmesh.coordinator.sim.worker import PullSource, SimRequest, SimSequence, SimWorker
+from kvmesh.proto.block_hash import block_hashes, namespace_hash
+from kvmesh.proto.events import EventBatch
+from kvmesh.workers.kv.block_pool import BlockPool
+
+ORACLE = "oracle"
+_SIM_MODEL = "kvmesh-simulator"
+
+
+class Arrival(Protocol):
+    """What the simulator needs of a workload request (kvmesh.client.workloads provides it)."""
+
+    @property
+    def arrival_ms(self) -> float: ...
+    @property
+    def token_ids(self) -> np.ndarray: ...
+    @property
+    def output_len(self) -> int: ...
+    @property
+    def session_id(self) -> str: ...
+    @property
+    def completion_ids(self) -> np.ndarray | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """The simulated cluster."""
+
+    num_workers: int
+    """Workers (engines), each with its own pool."""
+    capacity_tokens: int
+    """KV capacity of each worker, in tokens."""
+    block_size: int = 16
+    """Tokens per KV block."""
+    seed: int = 0
+    """Seeds every policy's tie-breaking."""
+    cost: SimCostModel = field(default_factory=SimCostModel)
+    """Compute times (the router's model is derived from it: a calibrated coordinator)."""
+    pulls: bool = True
+    """Workers can pull prefixes from each other (policies that plan pulls, kvmesh's, use it)."""
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.capacity_tokens < self.block_size:
+            raise ValueError(
+                f"capacity_tokens {self.capacity_tokens} is less than one block of "
+                f"{self.block_size} tokens"
+            )
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks per worker."""
+        return self.capacity_tokens // self.block_size
+
+
+def prepare_requests(arrivals: Iterable[Arrival], block_size: int) -> list[SimRequest]:
+    """Hash every request once (prompt, and prompt + completion when the workload knows it)."""
+    root = namespace_hash(_SIM_MODEL)
+    out = []
+    last_ms = 0.0
+    for i, a in enumerate(arrivals):
+        if a.arrival_ms < last_ms:
+            raise ValueError(f"request {i} arrives at {a.arrival_ms} ms, before {last_ms} ms")
+        last_ms = a.arrival_ms
+        prompt_len = len(a.token_ids)
+        tokens = a.token_ids
+        if a.completion_ids is not None and len(a.completion_ids):
+            tokens = np.concatenate([a.token_ids, a.completion_ids[: a.output_len]])
+        hashes = tuple(block_hashes(tokens, block_size, root))
+        reserved = -(-(prompt_len + a.output_len) // block_size)
+        out.append(
+            SimRequest(
+                i,
+                f"r{i}",
+                float(a.arrival_ms),
+                prompt_len,
+                int(a.output_len),
+                a.session_id,
+                hashes,
+                prompt_len // block_size,
+                reserved,
+            )
+        )
+    return out
+
+
+class ClusterSimulation:
+    """One policy (or the oracle) over one prepared workload; `run` once."""
+
+    def __init__(
+        self,
+        config: SimConfig,
+        policy_name: str,
+        requests: Sequence[SimRequest],
+        timer: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        if policy_name != ORACLE and policy_name not in POLICIES:
+            raise ValueError(f"unknown policy {policy_name!r}")
+        self.config = config
+        self.policy_name = policy_name
+        self.requests = requests
+        self._timer = timer
+        self.now_ms = 0.0
+        n = config.num_workers
+        self.oracle = policy_name == ORACLE
+        self.workers = self._build_workers()
+        self.worker_ids = [WorkerId(w.worker_id) for w in self.workers]
+        self._index_of = {wid: i for i, wid in enumerate(self.worker_ids)}
+        self.mirror = IndexMirror()
+        for wid in self.worker_ids:
+            self.mirror.load_worker(wid, 1, 0, [])
+        self._event_seq = [0] * n
+        self.load = LoadTracker()
+        self.policy = self._build_policy()
+        self._heap: list[tuple[float, int, int, int]] = []
+        self._scheduled_epoch = [-1] * n
+        self._order = 0
+        self._decision_s = 0.0
+        self._cached = [0] * len(requests)
+        self._pulled = [0] * len(requests)
+        self._ttft = [math.nan] * len(requests)
+        self._worker_of = [-1] * len(requests)
+        self._last_finish_ms = 0.0
+
+    def _build_workers(self) -> list[SimWorker]:
+        config, clock = self.config, self._clock_ms
+        n, c = config.num_workers, config.num_blocks
+        shared = BlockPool(n * c, clock) if self.oracle else None
+        root = namespace_hash(_SIM_MODEL)
+        return [
+            SimWorker(
+                f"w{i}",
+                shared or BlockPool(c, clock),
+                config.cost,
+                config.block_size,
+                root,
+                register_on_admit=shared is not None,
+            )
+            for i in range(n)
+        ]
+
+    def _build_policy(self) -> RoutingPolicy:
+        config = self.config
+        policy = make_policy(
+            "least_loaded" if self.oracle else self.policy_name,
+            config.cost.router_cost_model(),
+            random.Random(config.seed),
+            lambda: self.now_ms / 1000.0,
+        )
+        if config.pulls and not self.oracle:
+            cost = config.cost
+            policy.transfer_ms = lambda _src, _dst, num_tokens: cost.transfer_ms(num_tokens)
+        return policy
+
+    def _clock_ms(self) -> float:
+        return self.now_ms
+
+    def run(self) -> PolicyResult:
+        start_s = time.perf_counter()
+        requests, heap = self.requests, self._heap
+        i = 0
+        while i < len(requests) or heap:
+            if heap and (i == len(requests) or heap[0][0] <= requests[i].arrival_ms):
+                t, _, w, epoch = heapq.heappop(heap)
+                if epoch == self.workers[w].epoch:
+                    self.now_ms = t
+                    self._on_worker_event(w)
+            else:
+                self.now_ms = requests[i].arrival_ms
+                self._on_arrival(requests[i])
+                i += 1
+        if any(math.isnan(t) for t in self._ttft):
+            raise AssertionError("a request never got its first token")
+        counts = np.bincount(self._worker_of, minlength=len(self.workers))
+        return summarize(
+            self.policy_name,
+            [r.prompt_len for r in requests],
+            self._cached,
+            self._pulled,
+            self._ttft,
+            requests[0].arrival_ms if requests else 0.0,
+            self._last_finish_ms,
+            [w.busy_ms for w in self.workers],
+            [int(x) for x in counts],
+            self._decision_s,
+            time.perf_counter() - start_s,
+        )
+
+    def _on_arrival(self, request: SimRequest) -> None:
+        start = self._timer()
+        query = RouteQuery(
+            request.request_id,
+            request.prompt_hashes,
+            request.prompt_len,
+            self.config.block_size,
+            request.session_id,
+        )
+        decision = self.policy.choose(query, self._views(request))
+        self._decision_s += self._timer() - start
+        w = self._index_of[decision.worker_id]
+        predicted_cached = min(decision.matched_blocks * query.block_size, request.prompt_len - 1)
+        self.load.on_routed(
+            request.request_id,
+            decision.worker_id,
+            decision.predicted_prefill_ms,
+            request.prompt_len - predicted_cached,
+        )
+        pull = None
+        if decision.pull is not None:
+            source = self.workers[self._index_of[decision.pull.source]].pool
+            pull = PullSource(source, decision.pull.num_blocks)
+        self.workers[w].enqueue(request, pull)
+        self._admit(w)
+        self._schedule(w)
+
+    def _views(self, request: SimRequest) -> list[WorkerView]:
+        hashes = request.prompt_hashes
+        if self.oracle:
+            held = len(self.workers[0].pool.match_prefix(hashes))
+            matched = dict.fromkeys(self.worker_ids, (held, held))
+        else:
+            matches = self.mirror.match(hashes) if hashes else {}
+            matched = {w: (m.num_blocks, m.num_device_blocks) for w, m in matches.items()}
+        load = self.load
+        queued_ms, queued_tokens = load.queued_prefill_ms, load.queued_prefill_tokens
+        num_running = load.num_running
+        no_match = (0, 0)
+        return [
+            WorkerView(
+                wid,
+                worker.pool.num_blocks,
+                worker.pool.num_free,
+                queued_ms(wid),
+                queued_tokens(wid),
+                num_running(wid),
+                *matched.get(wid, no_match),
+            )
+            for worker, wid in zip(self.workers, self.worker_ids, strict=True)
+        ]
+
+    def _on_worker_event(self, w: int) -> None:
+        worker = self.workers[w]
+        outcome = worker.advance(self.now_ms)
+        if outcome.prefilled is not None:
+            request = outcome.prefilled.request
+            self._ttft[request.index] = self.now_ms - request.arrival_ms
+            self.load.on_prefilled(request.request_id)
+        for seq in outcome.finished:
+            self._finish(seq)
+        self._flush_events(w)
+        lanes = range(len(self.workers)) if self.oracle and outcome.finished else (w,)
+        for lane in lanes:
+            self._admit(lane)
+            self._schedule(lane)
+
+    def _finish(self, seq: SimSequence) -> None:
+        rid = seq.request.request_id
+        self.load.on_finished(rid)
+        self.policy.on_request_done(rid)
+        self._last_finish_ms = max(self._last_finish_ms, self.now_ms)
+
+    def _admit(self, w: int) -> None:
+        seq = self.workers[w].try_admit(self.now_ms)
+        if seq is not None:
+            self._cached[seq.request.index] = seq.cached_tokens
+            self._pulled[seq.request.index] = seq.pulled_tokens
+            self._worker_of[seq.request.index] = w
+            self._flush_events(w)
+
+    def _schedule(self, w: int) -> None:
+        worker = self.workers[w]
+        if self._scheduled_epoch[w] == worker.epoch:
+            return
+        t = worker.next_event_ms()
+        if t < math.inf:
+            self._order += 1
+            heapq.heappush(self._heap, (max(t, self.now_ms), self._order, w, worker.epoch))
+            self._scheduled_epoch[w] = worker.epoch
+
+    def _flush_events(self, w: int) -> None:
+        events = self.workers[w].pool.drain_events()
+        if not events or self.oracle:
+            return  # the oracle's shared pool needs no index
+        self._event_seq[w] += 1
+        batch = EventBatch(self.worker_ids[w], 1, self._event_seq[w], tuple(events))
+        result = self.mirror.apply(batch)
+        assert result is ApplyResult.APPLIED, result
+
+
+def simulate(
+    config: SimConfig,
+    requests: Sequence[SimRequest],
+    policies: Sequence[str],
+    on_done: Callable[[PolicyResult], None] | None = None,
+) -> dict[str, PolicyResult]:
+    """Run each named policy (and `oracle`, if named) over the same requests, in order."""
+    results = {}
+    for name in policies:
+        result = ClusterSimulation(config, name, requests).run()
+        results[name] = result
+        if on_done is not None:
+            on_done(result)
+    return results
+
+
+def policy_names(spec: str) -> list[str]:
+    """`"all"` or a comma list -> validated names; the oracle always comes last."""
+    names = list(POLICIES) if spec == "all" else [s.strip() for s in spec.split(",") if s.strip()]
+    unknown = [n for n in names if n != ORACLE and n not in POLICIES]
+    if unknown:
+        raise ValueError(
+            f"unknown policies {', '.join(unknown)}; choose from "
+            f"{', '.join([*POLICIES, ORACLE])} or all"
+        )
+    names = [n for n in dict.fromkeys(names) if n != ORACLE]
+    return [*names, ORACLE]
+
+
+__all__ = [
+    "ORACLE",
+    "Arrival",
+    "ClusterSimulation",
+    "SimConfig",
+    "policy_names",
+    "prepare_requests",
+    "simulate",
+]

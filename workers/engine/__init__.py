@@ -1,0 +1,1 @@
+"""The engine: pure worker, continuous-batching scheduler, sequences, sampling, messages, events."""

@@ -1,0 +1,199 @@
+"""Continuous batching: prefill first, then one batched decode step over every running sequence.
+
+Admission is bounded by free blocks: a waiting sequence is admitted only when the pool can hold
+its tokens (after reusing the longest cached prefix). When a running sequence needs a block for
+its next token and none is free, the most recently admitted other sequence is preempted: its
+blocks are freed and it goes back to the head of the queue, to be recomputed (its prefix is often
+still cached). A request that could not fit an empty pool is refused when it is added, so the
+queue never waits on something impossible.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+from kvmesh.workers.engine.sequence import SeqStatus, Sequence
+from kvmesh.workers.kv.block_pool import BlockPool
+
+
+class StepKind(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    block_size: int = 16
+    """Tokens per KV block."""
+    max_num_seqs: int = 64
+    """Most sequences running at once."""
+    max_num_batched_tokens: int = 8192
+    """Prefill token budget per step (a single longer prompt still runs alone)."""
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledStep:
+    kind: StepKind
+    seqs: tuple[Sequence, ...]
+    start_positions: tuple[int, ...]  # per sequence: tokens whose KV is already written
+
+
+class Scheduler:
+    """Invariants: every running sequence holds refs on exactly its block_table; waiting and
+    finished sequences hold none; len(running) <= max_num_seqs."""
+
+    def __init__(self, config: SchedulerConfig, pool: BlockPool) -> None:
+        self.config = config
+        self.pool = pool
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def max_tokens_fitting(self) -> int:
+        return self.pool.num_blocks * self.config.block_size
+
+    def add(self, seq: Sequence) -> None:
+        total = len(seq.prompt_ids) + seq.sampling.max_tokens
+        if total > self.max_tokens_fitting():
+            raise ValueError(
+                f"prompt ({len(seq.prompt_ids)}) + max_tokens ({seq.sampling.max_tokens}) = {total}"
+                f" tokens exceed this worker's KV pool of {self.max_tokens_fitting()} tokens"
+            )
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        for seq in list(self.waiting):
+            if seq.request_id == request_id:
+                self.waiting.remove(seq)
+                seq.status = SeqStatus.FINISHED
+                seq.finish_reason = "abort"
+                return seq
+        for seq in self.running:
+            if seq.request_id == request_id:
+                self.finish(seq, "abort")
+                return seq
+        return None
+
+    def schedule(self) -> ScheduledStep | None:
+        prefill = self._schedule_prefill()
+        if prefill is not None:
+            return prefill
+        return self._schedule_decode()
+
+    def _schedule_prefill(self) -> ScheduledStep | None:
+        bs = self.config.block_size
+        admitted: list[Sequence] = []
+        starts: list[int] = []
+        budget = self.config.max_num_batched_tokens
+        while self.waiting and len(self.running) + len(admitted) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            # Reuse at most all but the last token: its logits start decoding.
+            hashes = seq.full_block_hashes(bs)[: (seq.num_tokens - 1) // bs]
+            matched = self.pool.match_prefix(hashes)
+            num_new_tokens = seq.num_tokens - len(matched) * bs
+            if admitted and num_new_tokens > budget:
+                break
+            num_free_matched = sum(1 for b in matched if self.pool.ref_count(b) == 0)
+            num_new_blocks = -(-seq.num_tokens // bs) - len(matched)
+            if not self.pool.can_allocate(num_new_blocks + num_free_matched):
+                break  # wait for running sequences to free blocks
+            self.pool.acquire(matched)
+            fresh = self.pool.allocate(num_new_blocks)
+            assert fresh is not None
+            self.waiting.popleft()
+            seq.block_table = matched + fresh
+            seq.num_computed_tokens = len(matched) * bs
+            seq.num_registered_blocks = len(matched)
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = len(matched) * bs
+                seq.num_computed_prompt_tokens = len(seq.prompt_ids) - seq.num_cached_tokens
+            seq.status = SeqStatus.RUNNING
+            admitted.append(seq)
+            starts.append(seq.num_computed_tokens)
+            budget -= num_new_tokens
+        if not admitted:
+            return None
+        self.running.extend(admitted)
+        return ScheduledStep(StepKind.PREFILL, tuple(admitted), tuple(starts))
+
+    def _schedule_decode(self) -> ScheduledStep | None:
+        bs = self.config.block_size
+        scheduled: list[Sequence] = []
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            position = seq.num_tokens - 1  # the last sampled token gets its KV now
+            if position // bs >= len(seq.block_table):
+                block = self.pool.allocate(1)
+                if block is None:
+                    victim = self.running[-1]
+                    if victim is seq and len(self.running) == 1:
+                        raise AssertionError(
+                            "a lone sequence cannot outgrow a pool it was checked against"
+                        )
+                    self._preempt(victim)
+                    continue  # retry the same index (the victim may have been this one)
+                seq.block_table.extend(block)
+            scheduled.append(seq)
+            i += 1
+        scheduled = [s for s in scheduled if s.status is SeqStatus.RUNNING]
+        if not scheduled:
+            return None
+        return ScheduledStep(
+            StepKind.DECODE, tuple(scheduled), tuple(s.num_tokens - 1 for s in scheduled)
+        )
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.pool.free(seq.block_table)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def on_step_done(self, step: ScheduledStep, sampled: Seq[int], eos_ids: Seq[int]) -> None:
+        """Record the KV just written, register full blocks, append tokens, finish sequences."""
+        bs = self.config.block_size
+        for seq, token in zip(step.seqs, sampled, strict=True):
+            seq.num_computed_tokens = seq.num_tokens
+            hashes = seq.full_block_hashes(bs)
+            for i in range(seq.num_registered_blocks, seq.num_computed_tokens // bs):
+                self.pool.register(seq.block_table[i], hashes[i], seq.parent_hash(i))
+            seq.num_registered_blocks = seq.num_computed_tokens // bs
+            seq.output_ids.append(token)
+            cfg = seq.sampling
+            if len(seq.output_ids) >= cfg.max_tokens:
+                self.finish(seq, "length")
+            elif token in cfg.stop_token_ids or (not cfg.ignore_eos and token in eos_ids):
+                self.finish(seq, "stop")
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        self.running.remove(seq)
+        self.pool.free(seq.block_table)
+        seq.block_table = []
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+
+    def check_invariants(self) -> None:
+        assert len(self.running) <= self.config.max_num_seqs
+        refs: dict[int, int] = {}
+        for seq in self.running:
+            assert seq.status is SeqStatus.RUNNING
+            for b in seq.block_table:
+                refs[b] = refs.get(b, 0) + 1
+        for seq in self.waiting:
+            assert not seq.block_table, f"waiting {seq.request_id} holds blocks"
+        for b in range(self.pool.num_blocks):
+            assert self.pool.ref_count(b) == refs.get(b, 0), f"block {b}: refs do not match tables"  # type: ignore[arg-type]
+        self.pool.check_invariants()

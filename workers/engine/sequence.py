@@ -1,0 +1,71 @@
+"""One request's state inside a worker: its tokens, its blocks and how far its KV is written.
+
+all_ids:      | prompt ....................... | output ......... |
+KV written:   [0, num_computed_tokens)            the last sampled token has no KV yet
+block_table:  one block per block_size tokens of all_ids that have (or are about to get) KV
+block_hashes: chained hashes of every full block of all_ids, extended as tokens arrive
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from kvmesh.proto.block_hash import BlockHash, block_hashes
+from kvmesh.workers.engine.sampler import SamplingConfig
+from kvmesh.workers.kv.block_pool import BlockId
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingConfig
+    root_hash: BlockHash  # h_0 of the request's namespace (model + tenant)
+    arrival_s: float
+    output_ids: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    block_table: list[BlockId] = field(default_factory=list)
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_registered_blocks: int = 0
+    num_cached_tokens: int = -1  # prompt tokens reused at first admission; -1 until admitted
+    num_computed_prompt_tokens: int = 0
+    num_preemptions: int = 0
+    first_token_s: float | None = None
+    finish_reason: str = ""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def full_block_hashes(self, block_size: int) -> list[BlockHash]:
+        """Hashes of every full block of all_ids (computed once, extended incrementally)."""
+        num_full = self.num_tokens // block_size
+        done = len(self.block_hashes)
+        if num_full > done:
+            parent = self.block_hashes[-1] if done else self.root_hash
+            tokens = self.all_ids[done * block_size : num_full * block_size]
+            self.block_hashes.extend(block_hashes(tokens, block_size, parent))
+        return self.block_hashes[:num_full]
+
+    def parent_hash(self, block_index: int) -> BlockHash:
+        return self.block_hashes[block_index - 1] if block_index else self.root_hash
+
+    def reset_for_recompute(self) -> None:
+        """After preemption: blocks are gone, everything is recomputed from all_ids."""
+        self.block_table = []
+        self.num_computed_tokens = 0
+        self.num_registered_blocks = 0
+        self.status = SeqStatus.WAITING
+        self.num_preemptions += 1

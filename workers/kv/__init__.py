@@ -1,0 +1,1 @@
+"""KV memory: the paged device block pool and the pinned host-memory tier."""

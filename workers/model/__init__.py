@@ -1,0 +1,1 @@
+"""The model: Llama-family config, weights, paged runner, attention kernels, tokenizers, loading."""

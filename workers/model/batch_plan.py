@@ -1,0 +1,279 @@
+"""How one forward pass's chunks map onto the paged KV cache: validated and planned once per
+forward, then read by every layer.
+
+A batch holds one `SeqChunk` per sequence: the new tokens, where they start, and the block table
+that maps the sequence's positions to cache blocks.
+
+      sequence positions:  0 ........... start_pos ........ start_pos + len(token_ids)
+                           |-- in cache --|---- new tokens (KV written now) ----|
+      block_table[j] holds positions [j * block_size, (j + 1) * block_size)
+      slot(p) = block_table[p // block_size] * block_size + p % block_size
+
+All chunks' tokens are flattened into one token dimension ("rows", varlen layout). For attention the
+plan sorts chunks three ways:
+  * fresh prefill (start_pos == 0): the new K/V alone under a plain causal mask (flash SDPA);
+  * decode (one token behind a cached prefix): all such chunks in one call;
+  * chunked prefill (several tokens behind a cached prefix): causal mask shifted by start_pos.
+The last two read the cache. With `AttentionMode.paged_*` they go to the paged Triton kernel (one
+launch each, straight from the block tables); otherwise to SDPA over gathered blocks: decode
+right-padded to the longest with a padding mask, chunked prefill one call per chunk.
+
+Planning runs on the host for every step, so it sticks to Python integers and numpy and crosses to
+the device in a few packed transfers; nothing in a layer waits on the host.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvmesh.workers.model.paged_attention import (
+    DECODE_TILE,
+    PREFILL_TILE,
+    PagedChunk,
+    PagedLayout,
+    TileShape,
+    build_paged_layout,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class SeqChunk:
+    """New tokens of one sequence to run, and where its KV lives."""
+
+    token_ids: Sequence[int]
+    """The new tokens (at least one); their K/V is written to the cache."""
+    start_pos: int
+    """Tokens of this sequence already in the cache; the new tokens take positions from here."""
+    block_table: Sequence[int]
+    """Block ids holding positions [0, start_pos + len(token_ids)); extra trailing ids are fine."""
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) < 1:
+            raise ValueError("a chunk needs at least 1 new token, got 0")
+        if self.start_pos < 0:
+            raise ValueError(f"start_pos must be >= 0, got {self.start_pos}")
+
+    @property
+    def end_pos(self) -> int:
+        """Sequence length once this chunk has run."""
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMode:
+    """Which attention path serves the chunks that read cached K/V."""
+
+    paged_decode: bool
+    """Decode chunks through the paged Triton kernel (else gathered blocks + padded SDPA)."""
+    paged_prefill: bool
+    """Chunked prefills through the paged Triton kernel (else gathered blocks + SDPA per chunk)."""
+    explicit_masks: bool
+    """SDPA paths take boolean masks (CPU); else a lower-right causal bias (CUDA flash kernels)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CachedChunk:
+    """A multi-token chunk behind a cached prefix: attends to gathered keys, causally shifted."""
+
+    rows: slice
+    end_pos: int
+    block_ids: torch.Tensor  # [ceil(end_pos / block_size)] blocks holding positions 0..end_pos-1
+    mask: torch.Tensor | None  # [num_queries_per_kv * num_new, end_pos]; True = may attend
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeGroup:
+    """Single-token chunks behind a cached prefix, attended in one padded SDPA call."""
+
+    rows: torch.Tensor  # [num_seqs] flattened-token row of each chunk's token
+    block_ids: torch.Tensor  # [num_seqs * max_blocks] each row's blocks, padded with block 0
+    mask: torch.Tensor  # [num_seqs, 1, 1, max_blocks * block_size]; True = a real position
+
+
+@dataclass(frozen=True, slots=True)
+class BatchPlan:
+    """Everything about a batch that does not change from layer to layer; tensors on the device."""
+
+    token_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    write_slots: torch.Tensor  # [num_tokens] where each new token's K/V goes
+    last_rows: torch.Tensor  # [num_chunks] row of each chunk's last token
+    chunk_lens: list[int]
+    fresh: list[slice]
+    cached: list[CachedChunk]
+    decode: DecodeGroup | None
+    paged: list[PagedLayout]
+    """Launches of the paged kernel (decode and/or chunked prefill)."""
+
+
+def validate_batch(
+    batch: Sequence[SeqChunk],
+    *,
+    num_blocks: int,
+    block_size: int,
+    vocab_size: int,
+    context_len: int,
+) -> None:
+    """Raise ValueError, with the numbers, for any chunk the cache or the model cannot run."""
+    if not batch:
+        raise ValueError("batch is empty")
+    for i, chunk in enumerate(batch):
+        num_blocks_needed = -(-chunk.end_pos // block_size)
+        if len(chunk.block_table) < num_blocks_needed:
+            raise ValueError(
+                f"chunk {i}: block table has {len(chunk.block_table)} blocks, "
+                f"{chunk.end_pos} tokens need {num_blocks_needed} of {block_size}"
+            )
+        low, high = min(chunk.block_table), max(chunk.block_table)
+        if low < 0 or high >= num_blocks:
+            raise ValueError(
+                f"chunk {i}: block ids span [{low}, {high}], pool has [0, {num_blocks})"
+            )
+        low, high = min(chunk.token_ids), max(chunk.token_ids)
+        if low < 0 or high >= vocab_size:
+            raise ValueError(f"chunk {i}: token ids span [{low}, {high}], vocab is {vocab_size}")
+        if chunk.end_pos > context_len:
+            raise ValueError(
+                f"chunk {i}: reaches {chunk.end_pos} tokens, model context is {context_len}"
+            )
+
+
+def _write_slots(chunk: SeqChunk, block_size: int) -> np.ndarray:
+    """Cache slot of each new token (see the module doc for the formula)."""
+    bs, start = block_size, chunk.start_pos
+    if len(chunk.token_ids) == 1:  # decode: plain integers beat any array machinery
+        return np.array([chunk.block_table[start // bs] * bs + start % bs], dtype=np.int64)
+    table = np.asarray(chunk.block_table[: -(-chunk.end_pos // bs)], dtype=np.int64)
+    positions = np.arange(start, chunk.end_pos, dtype=np.int64)
+    return table[positions // bs] * bs + positions % bs
+
+
+def _sort_chunks(batch: Sequence[SeqChunk]) -> tuple[list[int], list[int], list[int]]:
+    """Indices of the fresh, chunked-prefill and decode chunks (see the module doc)."""
+    fresh, cached, decode = [], [], []
+    for i, chunk in enumerate(batch):
+        if chunk.start_pos == 0:
+            fresh.append(i)
+        elif len(chunk.token_ids) == 1:
+            decode.append(i)
+        else:
+            cached.append(i)
+    return fresh, cached, decode
+
+
+def _paged_layout(
+    batch: Sequence[SeqChunk],
+    indices: list[int],
+    ends: list[int],
+    block_size: int,
+    num_queries_per_kv: int,
+    *,
+    tile: TileShape,
+    device: torch.device,
+) -> PagedLayout:
+    chunks = []
+    for i in indices:
+        query_len = len(batch[i].token_ids)
+        row = ends[i] - query_len
+        chunks.append(PagedChunk(batch[i].end_pos, query_len, row, batch[i].block_table))
+    return build_paged_layout(
+        chunks,
+        block_size=block_size,
+        num_queries_per_kv=num_queries_per_kv,
+        tile=tile,
+        device=device,
+    )
+
+
+def plan_batch(
+    batch: Sequence[SeqChunk],
+    *,
+    block_size: int,
+    num_queries_per_kv: int,
+    device: torch.device,
+    mode: AttentionMode,
+) -> BatchPlan:
+    """Index tensors for a validated batch (see `validate_batch`), moved to `device` once."""
+    slots = np.concatenate([_write_slots(c, block_size) for c in batch])
+    if len(batch) > 1 and np.unique(slots).size != slots.size:
+        raise ValueError(f"chunks write {slots.size} tokens into fewer distinct cache slots")
+    chunk_lens = [len(c.token_ids) for c in batch]
+    ends = list(itertools.accumulate(chunk_lens))
+    positions = np.concatenate([np.arange(c.start_pos, c.end_pos) for c in batch])
+    token_ids = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in batch), np.int64)
+    packed = np.concatenate([token_ids, positions, slots, np.asarray(ends) - 1])
+    host = torch.from_numpy(packed).to(device, non_blocking=True)
+    n = len(token_ids)
+    fresh, cached_indices, decode_indices = _sort_chunks(batch)
+    paged = []
+    for indices, use_kernel, tile in (
+        (decode_indices, mode.paged_decode, DECODE_TILE),
+        (cached_indices, mode.paged_prefill, PREFILL_TILE),
+    ):
+        if indices and use_kernel:
+            layout = _paged_layout(
+                batch, indices, ends, block_size, num_queries_per_kv, tile=tile, device=device
+            )
+            paged.append(layout)
+    rows = [slice(end - length, end) for end, length in zip(ends, chunk_lens, strict=True)]
+    cached = [
+        _cached_chunk(batch[i], rows[i], block_size, num_queries_per_kv, device, mode)
+        for i in ([] if mode.paged_prefill else cached_indices)
+    ]
+    decode = None
+    if decode_indices and not mode.paged_decode:
+        decode_rows = [ends[i] - 1 for i in decode_indices]
+        decode = _decode_group([batch[i] for i in decode_indices], decode_rows, block_size, device)
+    return BatchPlan(
+        token_ids=host[:n],
+        positions=host[n : 2 * n],
+        write_slots=host[2 * n : 3 * n],
+        last_rows=host[3 * n :],
+        chunk_lens=chunk_lens,
+        fresh=[rows[i] for i in fresh],
+        cached=cached,
+        decode=decode,
+        paged=paged,
+    )
+
+
+def _cached_chunk(
+    chunk: SeqChunk,
+    rows: slice,
+    block_size: int,
+    num_queries_per_kv: int,
+    device: torch.device,
+    mode: AttentionMode,
+) -> CachedChunk:
+    num_blocks = -(-chunk.end_pos // block_size)
+    block_ids = torch.tensor(chunk.block_table[:num_blocks], dtype=torch.int64).to(device)
+    if not mode.explicit_masks:
+        return CachedChunk(rows, chunk.end_pos, block_ids, None)
+    query_pos = torch.arange(chunk.start_pos, chunk.end_pos, device=device)
+    key_pos = torch.arange(chunk.end_pos, device=device)
+    causal = key_pos[None, :] <= query_pos[:, None]  # [num_new, end_pos]
+    # Rows are (g, i): query head g of a KV group, token i. So the causal block repeats g times.
+    mask = causal.repeat(num_queries_per_kv, 1)
+    return CachedChunk(rows, chunk.end_pos, block_ids, mask)
+
+
+def _decode_group(
+    chunks: list[SeqChunk], rows: list[int], block_size: int, device: torch.device
+) -> DecodeGroup:
+    """Blocks of all decoding chunks, right-padded to the longest with block 0 (masked out)."""
+    lens = [c.end_pos for c in chunks]
+    max_blocks = -(-max(lens) // block_size)
+    padded = torch.zeros((len(chunks), max_blocks), dtype=torch.int64)
+    for row, (chunk, length) in enumerate(zip(chunks, lens, strict=True)):
+        needed = -(-length // block_size)
+        padded[row, :needed] = torch.tensor(chunk.block_table[:needed])
+    key_pos = torch.arange(max_blocks * block_size, device=device)
+    lens_dev = torch.tensor(lens, device=device)
+    mask = (key_pos[None, :] < lens_dev[:, None]).view(len(chunks), 1, 1, -1)
+    rows_dev = torch.tensor(rows, device=device)
+    return DecodeGroup(rows_dev, padded.flatten().to(device), mask)

@@ -1,0 +1,364 @@
+"""Runs a Llama-family decoder over a paged KV cache.
+
+All chunks' tokens go through the matmuls as one flattened token dimension; attention is the only
+per-sequence step, grouped as `batch_plan` describes. On CUDA, attention over cached K/V (decode
+and chunked prefill) reads the cache through block tables in the paged Triton kernel
+(`paged_attention`); fresh prompts use flash SDPA on their own new K/V. On CPU (the reference
+path, matched against transformers in the unit tests) cached K/V is gathered into contiguous
+buffers for SDPA, and GQA is folded into the query length (a KV head's query heads become extra
+query rows), so no K/V is copied per query head.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from kvmesh.workers.model.batch_plan import (
+    AttentionMode,
+    BatchPlan,
+    CachedChunk,
+    SeqChunk,
+    plan_batch,
+    validate_batch,
+)
+from kvmesh.workers.model.model_config import ModelConfig, checkpoint_source
+from kvmesh.workers.model.paged_attention import paged_attention
+from kvmesh.workers.model.weights import LayerWeights, ModelWeights, load_checkpoint, random_weights
+
+__all__ = ["ModelRunner", "SeqChunk", "apply_rope", "rms_norm", "rope_inv_freq", "rope_tables"]
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """[head_dim / 2] float32 RoPE inverse frequencies, with Llama-3 scaling when configured.
+
+    Llama 3 leaves short wavelengths (local detail) alone, stretches long ones by `factor`, and
+    blends linearly in between so no frequency jumps.
+    """
+    exponents = torch.arange(0, config.head_dim, 2, dtype=torch.int64).float() / config.head_dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    s = config.rope_scaling
+    if s is None:
+        return inv_freq
+    context = s.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (context / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    blended = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
+    scaled = torch.where(wavelen > context / s.low_freq_factor, inv_freq / s.factor, blended)
+    return torch.where(wavelen < context / s.high_freq_factor, inv_freq, scaled)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm; torch's fused kernel accumulates in float32 even for bf16 inputs."""
+    return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate [num_tokens, num_heads, head_dim] by per-token angles (half-split pairing, as
+    Hugging Face Llama): x = [a, b] becomes [a cos - b sin, b cos + a sin].
+
+    cos/signed_sin are [num_tokens, 1, head_dim] with each frequency twice and the sine's first
+    half negated (see `rope_tables`), so the rotation is one roll and one fused multiply-add:
+    three kernels a layer instead of four (negation is exact, so the result is bit-identical).
+    """
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
+
+
+def rope_tables(
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, signed_sin) for `apply_rope`, [num_tokens, 1, head_dim] in `dtype`.
+
+    Angles are computed in float32 (positions reach 128K) and applied in the model dtype, like the
+    reference implementation.
+    """
+    angles = positions[:, None].float() * inv_freq[None, :]
+    cos = torch.cat((angles, angles), dim=-1).cos()
+    sin = angles.sin()
+    signed_sin = torch.cat((-sin, sin), dim=-1)
+    return cos.to(dtype)[:, None, :], signed_sin.to(dtype)[:, None, :]
+
+
+class ModelRunner:
+    """Owns a model's weights and its paged KV cache, and runs forward passes over them.
+
+    Invariants:
+      * kv_cache is [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] on `device` in
+        `dtype`; kv_cache[l, 0] holds keys (post-RoPE) and kv_cache[l, 1] values of layer l
+      * a forward writes exactly the slots of its new tokens and reads only slots of positions
+        < end_pos of each chunk; which blocks a sequence owns is the block pool's business
+      * the weights never change after construction
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        *,
+        device: str = "cpu",
+        dtype: torch.dtype | None = None,
+        weights_path: str | None = None,
+        seed: int | None = None,
+        weights: ModelWeights | None = None,
+    ) -> None:
+        """Load weights (`weights_path`, else random from `seed`) and allocate the KV cache.
+
+        `seed` defaults to the config's random seed and must match it, so the config's fingerprint
+        always names the weights actually loaded. `weights` (tests, benchmarks) shares an already
+        built set of weights and skips both.
+        """
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(
+                f"num_blocks and block_size must be > 0, got {num_blocks}, {block_size}"
+            )
+        self.config = config
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.weights = weights if weights is not None else self._load_weights(weights_path, seed)
+        self.kv_cache = torch.zeros(
+            (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim),
+            device=self.device,
+            dtype=self.dtype,
+        )
+        self.inv_freq = rope_inv_freq(config).to(self.device)
+        on_gpu = self.device.type == "cuda" and importlib.util.find_spec("triton") is not None
+        # Benchmarks and tests may switch paths on a live runner; results must not change.
+        self.attention_mode = AttentionMode(
+            paged_decode=on_gpu, paged_prefill=on_gpu, explicit_masks=self.device.type != "cuda"
+        )
+        self._num_sms = (
+            torch.cuda.get_device_properties(self.device).multi_processor_count if on_gpu else 0
+        )
+        self.check_invariants()
+
+    def _load_weights(self, weights_path: str | None, seed: int | None) -> ModelWeights:
+        config = self.config
+        if weights_path is not None:
+            source = checkpoint_source(weights_path)
+            if source != config.weights_source:
+                raise ValueError(
+                    f"config says weights come from {config.weights_source!r} but {weights_path!r} "
+                    f"is {source!r}; build the config with ModelConfig.from_model_dir"
+                )
+            return load_checkpoint(weights_path, config, self.device, self.dtype)
+        if config.random_seed is None:
+            raise ValueError(
+                f"config's weights come from {config.weights_source!r}: pass weights_path"
+            )
+        if seed is not None and seed != config.random_seed:
+            raise ValueError(
+                f"seed {seed} differs from the config's seed {config.random_seed}; "
+                f"use config.with_random_seed({seed})"
+            )
+        return random_weights(config, config.random_seed, self.device, self.dtype)
+
+    @property
+    def fingerprint(self) -> str:
+        """The model's block-hash namespace id (see ModelConfig.fingerprint)."""
+        return self.config.fingerprint()
+
+    @staticmethod
+    def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes one block takes across all layers, K and V: the unit for sizing the pool."""
+        per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim
+        return per_token * block_size * dtype.itemsize
+
+    def check_invariants(self) -> None:
+        c, w = self.config, self.weights
+        expected = (c.num_layers, 2, self.num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+        assert tuple(self.kv_cache.shape) == expected, (tuple(self.kv_cache.shape), expected)
+        assert self.kv_cache.dtype == self.dtype and self.kv_cache.device.type == self.device.type
+        assert len(w.layers) == c.num_layers
+        assert tuple(w.embed_tokens.shape) == (c.vocab_size, c.hidden_size)
+        assert w.embed_tokens.dtype == self.dtype
+
+    # ------------------------------------------------------------------ forward passes
+
+    @torch.inference_mode()
+    def forward(self, batch: Sequence[SeqChunk]) -> torch.Tensor:
+        """Run the chunks and write their K/V; float32 logits of each chunk's last token,
+        [len(batch), vocab]."""
+        plan = self._plan(batch)
+        hidden = self._run_layers(plan)
+        return self._logits(hidden[plan.last_rows])
+
+    @torch.inference_mode()
+    def forward_all_logits(self, batch: Sequence[SeqChunk]) -> list[torch.Tensor]:
+        """Like `forward`, but logits of every new token: one [len(token_ids), vocab] per chunk."""
+        plan = self._plan(batch)
+        hidden = self._run_layers(plan)
+        return list(self._logits(hidden).split(plan.chunk_lens))
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        normed = rms_norm(hidden, self.weights.norm, self.config.rms_norm_eps)
+        return F.linear(normed, self.weights.lm_head).float()
+
+    def _run_layers(self, plan: BatchPlan) -> torch.Tensor:
+        eps = self.config.rms_norm_eps
+        cos, sin = rope_tables(plan.positions, self.inv_freq, self.dtype)
+        x = F.embedding(plan.token_ids, self.weights.embed_tokens)
+        for layer_index, layer in enumerate(self.weights.layers):
+            h = rms_norm(x, layer.input_norm, eps)
+            x = x + self._attention_block(layer_index, layer, h, cos, sin, plan)
+            h = rms_norm(x, layer.post_attention_norm, eps)
+            gate, up = F.linear(h, layer.gate_up_proj).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down_proj)
+        return x
+
+    def _attention_block(
+        self,
+        layer_index: int,
+        layer: LayerWeights,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        plan: BatchPlan,
+    ) -> torch.Tensor:
+        c = self.config
+        num_tokens, num_qk_heads = h.shape[0], c.num_heads + c.num_kv_heads
+        qkv = F.linear(h, layer.qkv_proj, layer.qkv_bias)
+        qk = apply_rope(
+            qkv[:, : num_qk_heads * c.head_dim].view(num_tokens, -1, c.head_dim), cos, sin
+        )
+        q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
+        v = qkv[:, num_qk_heads * c.head_dim :].view(num_tokens, c.num_kv_heads, c.head_dim)
+        kv_blocks = self.kv_cache[layer_index]  # [2, num_blocks, block_size, kv_heads, dim]
+        kv_blocks[0].view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, plan.write_slots, k)
+        kv_blocks[1].view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, plan.write_slots, v)
+        out = self._attend(q, k, v, kv_blocks, plan)
+        return F.linear(out.view(num_tokens, -1), layer.o_proj)
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_blocks: torch.Tensor,
+        plan: BatchPlan,
+    ) -> torch.Tensor:
+        """Attention output [num_tokens, heads, dim] of every new token (see the module doc)."""
+        c = self.config
+        out = torch.empty((q.shape[0], c.num_heads, c.head_dim), device=q.device, dtype=q.dtype)
+        for rows in plan.fresh:
+            # [1, heads, tokens, dim] and a plain causal mask: the flash kernel takes GQA natively
+            # (fused kernels need 4-D inputs; 3-D ones fall back to the float32 math path).
+            qt, kt, vt = (x[rows].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+            attn = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
+            out[rows] = attn.squeeze(0).transpose(0, 1)
+        for chunk in plan.cached:
+            out[chunk.rows] = self._attend_cached(q, kv_blocks, chunk)
+        if plan.decode is not None:
+            d = plan.decode
+            keys, values = self._gather(kv_blocks, d.block_ids, len(d.rows))
+            attn = self._grouped_attention(q[d.rows].unsqueeze(1), keys, values, d.mask)
+            out[d.rows] = attn.squeeze(1)
+        for layout in plan.paged:
+            paged_attention(q, kv_blocks[0], kv_blocks[1], out, layout, num_sms=self._num_sms)
+        return out
+
+    def _attend_cached(
+        self, q: torch.Tensor, kv_blocks: torch.Tensor, chunk: CachedChunk
+    ) -> torch.Tensor:
+        """One chunked prefill over its gathered blocks: [num_new, heads, dim]."""
+        keys, values = self._gather(kv_blocks, chunk.block_ids, 1)
+        keys, values = keys[:, : chunk.end_pos], values[:, : chunk.end_pos]
+        if chunk.mask is not None:
+            attn = self._grouped_attention(q[chunk.rows].unsqueeze(0), keys, values, chunk.mask)
+            return attn.squeeze(0)
+        # The new tokens are the last ones: bottom-right causal, native to the flash kernel.
+        qt = q[chunk.rows].transpose(0, 1).unsqueeze(0)
+        kt, vt = keys.transpose(1, 2), values.transpose(1, 2)
+        bias = causal_lower_right(qt.shape[2], kt.shape[2])
+        attn = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=bias, enable_gqa=True)
+        return attn.squeeze(0).transpose(0, 1)
+
+    def _gather(
+        self, kv_blocks: torch.Tensor, block_ids: torch.Tensor, num_seqs: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [num_seqs, len(block_ids) / num_seqs * block_size, kv_heads, dim].
+
+        Whole blocks are copied (one contiguous slab each), far faster than gathering slot by slot.
+        """
+        keys, values = kv_blocks.index_select(1, block_ids)
+        shape = (num_seqs, -1, self.config.num_kv_heads, self.config.head_dim)
+        return keys.view(shape), values.view(shape)
+
+    def _grouped_attention(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """q [b, n, heads, dim], keys/values [b, m, kv_heads, dim] -> [b, n, heads, dim].
+
+        Query heads sharing a KV head become rows (g, i) of one [g * n]-long query, so K/V is read
+        once per KV head; the mask must be laid out in the same (g, i) row order.
+        """
+        b, n, _, dim = q.shape
+        kv_heads, group = self.config.num_kv_heads, self.config.num_queries_per_kv
+        q_rows = (
+            q.view(b, n, kv_heads, group, dim).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, -1, dim)
+        )
+        out = F.scaled_dot_product_attention(
+            q_rows, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask
+        )
+        return out.view(b, kv_heads, group, n, dim).permute(0, 3, 1, 2, 4).reshape(b, n, -1, dim)
+
+    # ------------------------------------------------------------------ batch planning
+
+    def validate_batch(self, batch: Sequence[SeqChunk]) -> None:
+        """Raise ValueError, with the numbers, for any chunk the cache or the model cannot run."""
+        validate_batch(
+            batch,
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            vocab_size=self.config.vocab_size,
+            context_len=self.config.max_position_embeddings,
+        )
+
+    def _plan(self, batch: Sequence[SeqChunk]) -> BatchPlan:
+        self.validate_batch(batch)
+        return plan_batch(
+            batch,
+            block_size=self.block_size,
+            num_queries_per_kv=self.config.num_queries_per_kv,
+            device=self.device,
+            mode=self.attention_mode,
+        )
+
+    # ------------------------------------------------------------------ block transfer
+
+    def _check_block_ids(self, block_ids: Sequence[int], *, unique: bool) -> torch.Tensor:
+        ids = torch.tensor(list(block_ids), dtype=torch.int64)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
+            raise ValueError(
+                f"block ids span [{int(ids.min())}, {int(ids.max())}], "
+                f"pool has [0, {self.num_blocks})"
+            )
+        if unique and torch.unique(ids).numel() != ids.numel():
+            raise ValueError(f"{ids.numel()} block ids contain duplicates")
+        return ids.to(self.device)
+
+    @torch.inference_mode()
+    def export_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """Copy whole blocks, all layers, K and V, into one contiguous tensor (on the cache device):
+        [len(block_ids), num_layers, 2, block_size, num_kv_heads, head_dim], block-major so each
+        block is one contiguous slab."""
+        ids = self._check_block_ids(block_ids, unique=False)
+        return self.kv_cache[:, :, ids].permute(2, 0, 1, 3, 4, 5).contiguous()
+
+    @torch.inference_mode()
+    def import_blocks(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
+        """Overwrite blocks with the layout `export_blocks` produces (from any device)."""
+        ids = self._check_block_ids(block_ids, unique=True)
+        expected = (len(ids), *self.kv_cache.shape[:2], *self.kv_cache.shape[3:])
+        if tuple(blocks.shape) != expected:
+            raise ValueError(f"blocks have shape {tuple(blocks.shape)}, expected {expected}")
+        if blocks.dtype != self.dtype:
+            raise ValueError(f"blocks are {blocks.dtype}, the cache is {self.dtype}")
+        self.kv_cache[:, :, ids] = blocks.to(self.device).permute(1, 2, 0, 3, 4, 5)

@@ -1,0 +1,1 @@
+"""Moving KV between workers: what travels, link pricing, and the block-copy kernel."""

@@ -1,0 +1,79 @@
+"""Copies KV blocks between two paged caches in one kernel launch (CUDA), whatever their order.
+
+Both caches have the layout [layers, 2, num_blocks, block_size, kv_heads, head_dim], so one block
+of one layer's K or V is a contiguous slab. The kernel gives each (layer x K/V, block pair) to one
+program, which streams its slab from source to destination: a scattered set of blocks moves at
+the speed of one large copy, with no staging buffer. Without CUDA (or Triton) the copy falls back
+to `copy_block_runs`, one strided copy per run of consecutive blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvmesh.workers.transfer.links import copy_block_runs
+
+try:  # Triton ships with CUDA builds of torch; CPU builds do without it.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised on CPU-only machines
+    triton = None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _copy_blocks_kernel(
+        src_ptr,
+        dst_ptr,
+        src_ids_ptr,
+        dst_ids_ptr,
+        src_num_blocks,
+        dst_num_blocks,
+        slab_elems,
+        CHUNK: tl.constexpr,
+    ):
+        slab = tl.program_id(0).to(tl.int64)  # layer x {K, V}
+        pair = tl.program_id(1)
+        src_block = tl.load(src_ids_ptr + pair).to(tl.int64)
+        dst_block = tl.load(dst_ids_ptr + pair).to(tl.int64)
+        src_base = (slab * src_num_blocks + src_block) * slab_elems
+        dst_base = (slab * dst_num_blocks + dst_block) * slab_elems
+        for start in range(0, slab_elems, CHUNK):
+            offs = start + tl.arange(0, CHUNK)
+            mask = offs < slab_elems
+            values = tl.load(src_ptr + src_base + offs, mask=mask)
+            tl.store(dst_ptr + dst_base + offs, values, mask=mask)
+
+
+def copy_blocks(
+    dst_cache: torch.Tensor, dst_ids: list[int], src_cache: torch.Tensor, src_ids: list[int]
+) -> None:
+    """dst_cache[:, :, dst_ids[i]] = src_cache[:, :, src_ids[i]] for every i."""
+    if len(dst_ids) != len(src_ids):
+        raise ValueError(f"{len(dst_ids)} destination blocks for {len(src_ids)} sources")
+    if dst_cache.shape[:2] != src_cache.shape[:2] or dst_cache.shape[3:] != src_cache.shape[3:]:
+        raise ValueError(f"caches differ: {tuple(dst_cache.shape)} vs {tuple(src_cache.shape)}")
+    if not src_ids:
+        return
+    usable = (
+        triton is not None
+        and dst_cache.is_cuda
+        and src_cache.device == dst_cache.device
+        and dst_cache.is_contiguous()
+        and src_cache.is_contiguous()
+        and dst_cache.dtype == src_cache.dtype
+    )
+    if not usable:
+        copy_block_runs(dst_cache, dst_ids, src_cache, src_ids)
+        return
+    device = dst_cache.device
+    src_t = torch.tensor(src_ids, dtype=torch.int32, device=device)
+    dst_t = torch.tensor(dst_ids, dtype=torch.int32, device=device)
+    num_slabs = src_cache.shape[0] * src_cache.shape[1]
+    slab_elems = src_cache[0, 0, 0].numel()
+    grid = (num_slabs, len(src_ids))
+    _copy_blocks_kernel[grid](
+        src_cache, dst_cache, src_t, dst_t, src_cache.shape[2], dst_cache.shape[2], slab_elems,
+        CHUNK=2048,
+    )  # fmt: skip
