@@ -7,37 +7,10 @@ and recomputed, or replayed on another worker, draws the same tokens.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(frozen=True, slots=True)
-class SamplingConfig:
-    max_tokens: int = 16
-    """Tokens to generate (>= 1)."""
-    temperature: float = 0.0
-    """0 is greedy."""
-    top_p: float = 1.0
-    """Nucleus mass kept; 1 disables."""
-    top_k: int = 0
-    """Keep the k most likely tokens; 0 disables."""
-    seed: int = 0
-    """Seed for temperature > 0."""
-    stop_token_ids: tuple[int, ...] = ()
-    """Extra tokens that end the request (besides the model's EOS)."""
-    ignore_eos: bool = False
-    """Keep generating past EOS (benchmarks)."""
-
-    def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not 0.0 <= self.temperature <= 100.0:
-            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+from kvmesh.workers.contract.requests import SamplingConfig
 
 
 def sample(
