@@ -108,7 +108,8 @@ def main() -> None:
     print(f"GPU0 -> GPU1 copy ceiling {r['p2p_ceiling_GBps']:.0f} GB/s")
     print(
         f"pull of {r['pull_blocks']} blocks over {r['transport']}: {r['pull_ms']:.1f} ms"
-        f" = {r['pull_GBps']:.0f} GB/s ({r['pull_GBps'] / r['p2p_ceiling_GBps']:.0%} of the ceiling, goal >= 80%)"
+        f" = {r['pull_GBps']:.0f} GB/s ({r['pull_GBps'] / r['p2p_ceiling_GBps']:.0%}"
+        " of the ceiling, goal >= 80%)"
     )
     print(
         f"TTFT: cold {r['cold_ms']:.1f} ms, pulled {r['pulled_ms']:.1f} ms"
