@@ -23,13 +23,12 @@ from typing import Any, Protocol
 
 from kvmesh.coordinator.cluster.registry import WorkerRegistry
 from kvmesh.coordinator.config import CoordinatorConfig
-from kvmesh.coordinator.index.locked_mirror import LockedMirror
 from kvmesh.coordinator.index.mirror import PrefixMatch, WorkerId
 from kvmesh.coordinator.routing.cost_model import CostModel
 from kvmesh.coordinator.routing.load_tracker import LoadTracker
 from kvmesh.coordinator.routing.pull_planner import PullPlan, best_peer, cheapest_prefill
 from kvmesh.coordinator.routing.router import RouteDecision, RouteQuery, WorkerView, make_policy
-from kvmesh.coordinator.routing.transfer_planner import TransferPlanner
+from kvmesh.coordinator.routing.transfer_planner import PullPricing
 from kvmesh.proto.block_hash import (
     BlockHash,
     block_hashes,
@@ -58,6 +57,18 @@ class WorkerBackend(Protocol):
     `generate` raises `WorkerDied` when the worker is gone, `RequestRejected` for bad input."""
 
     def generate(self, worker_id: str, request: WorkerRequest) -> Iterator[RequestOutput]: ...
+
+
+class PrefixIndex(Protocol):
+    """What the coordinator reads of the index: the live system's `LockedMirror`; in the
+    simulator's oracle, one shared pool."""
+
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def num_events_applied(self) -> int: ...
+    def match(self, hashes: Sequence[BlockHash]) -> dict[WorkerId, PrefixMatch]: ...
+    def num_worker_blocks(self, worker: WorkerId) -> int: ...
 
 
 class TextCodec(Protocol):
@@ -104,14 +115,14 @@ class Coordinator:
         config: CoordinatorConfig,
         model: ModelConfig,
         backend: WorkerBackend,
-        mirror: LockedMirror,
+        mirror: PrefixIndex,
         registry: WorkerRegistry,
         *,
         tokenizer: TextCodec | None = None,
         index_connected: Callable[[], bool] = lambda: True,
         worker_free_blocks: Callable[[str], tuple[int, int]] | None = None,
         cost_model: CostModel | None = None,
-        transfers: TransferPlanner | None = None,
+        transfers: PullPricing | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
@@ -247,7 +258,9 @@ class Coordinator:
             self.counters.num_requests += 1
         spec = self._pull_spec(pull, chosen, prompt) if pull is not None else None
         request = WorkerRequest(request_id, prompt.token_ids, sampling, prompt.cache_salt, spec)
-        return self._stream(chosen, request)
+        # Handed to the backend now: a lazy backend (Ray) calls the worker on the first read, an
+        # eager one (the simulator) queues the request at once.
+        return self._stream(chosen, request, self.backend.generate(chosen, request))
 
     def _pull_spec(
         self, pull: PullPlan, target: WorkerId, prompt: PreparedPrompt
@@ -286,7 +299,9 @@ class Coordinator:
         bs = self.config.block_size
         return prompt_len - min(matched_blocks, num_reusable_blocks(prompt_len, bs)) * bs
 
-    def _stream(self, worker: WorkerId, request: WorkerRequest) -> Iterator[StreamEvent]:
+    def _stream(
+        self, worker: WorkerId, request: WorkerRequest, outputs: Iterator[RequestOutput]
+    ) -> Iterator[StreamEvent]:
         """The worker's outputs as stream events. If the worker dies mid-stream, the request
         moves to another live worker with its prompt plus the tokens already streamed (at most
         `max_migrations` times), so the client sees a slower stream, not an error."""
@@ -297,7 +312,7 @@ class Coordinator:
         try:
             while True:
                 try:
-                    for event in self._events(worker, current):
+                    for event in self._events(worker, current, outputs):
                         produced.extend(event.token_ids)
                         yield event
                         if event.finished:
@@ -309,6 +324,7 @@ class Coordinator:
                     if migrations > self.config.max_migrations:
                         raise
                     worker, current = self._migrate(worker, request, produced, migrations)
+                    outputs = self.backend.generate(worker, current)
         finally:
             with self._lock:
                 self.load.on_finished(current.request_id)
@@ -318,8 +334,10 @@ class Coordinator:
                 if not ok:
                     self.counters.num_failed_requests += 1
 
-    def _events(self, worker: WorkerId, request: WorkerRequest) -> Iterator[StreamEvent]:
-        for out in self.backend.generate(worker, request):
+    def _events(
+        self, worker: WorkerId, request: WorkerRequest, outputs: Iterator[RequestOutput]
+    ) -> Iterator[StreamEvent]:
+        for out in outputs:
             if out.prefill is not None:
                 self._on_prefilled(worker, request, out.prefill)
             with self._lock:

@@ -7,11 +7,24 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Protocol
 
 from kvmesh.coordinator.index.mirror import WorkerId
 from kvmesh.coordinator.routing.links import LinkTable, LinkType, link_type
 from kvmesh.workers.contract.replies import PrefillFacts, WorkerInfo
 from kvmesh.workers.contract.requests import Transport
+
+
+class PullPricing(Protocol):
+    """What the coordinator needs to plan pulls: a price, a transport, and feedback. The live
+    system's is `TransferPlanner`; the simulator prices with its cost model."""
+
+    num_pulls: int
+    num_failed_pulls: int
+
+    def price(self, source: WorkerId, target: WorkerId, num_tokens: int) -> float: ...
+    def transport(self, source: str, target: str) -> Transport: ...
+    def observe(self, source: str, target: str, facts: PrefillFacts) -> None: ...
 
 
 class TransferPlanner:

@@ -27,6 +27,8 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvmesh.coordinator.sim.cost_model import SimCostModel
 from kvmesh.proto.block_hash import BlockHash
 from kvmesh.workers.kv.block_pool import BlockId, BlockPool
@@ -51,6 +53,8 @@ class SimRequest:
     """Full prompt blocks: `hashes[:num_prompt_blocks]` are what the router matches."""
     num_reserved_blocks: int
     """Blocks the sequence occupies at its longest: ceil((prompt + output) / block_size)."""
+    prompt_ids: np.ndarray | None = None
+    """The prompt's token ids (the coordinator is handed them; hashes above are the truth)."""
 
     @property
     def prompt_hashes(self) -> tuple[BlockHash, ...]:
