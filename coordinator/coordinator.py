@@ -34,6 +34,7 @@ from kvmesh.proto.block_hash import (
     block_hashes,
     namespace_hash,
     num_reusable_blocks,
+    num_reusable_tokens,
 )
 from kvmesh.workers.contract.replies import PrefillFacts, RequestOutput, WorkerInfo
 from kvmesh.workers.contract.requests import PullSpec, SamplingConfig, WorkerRequest
@@ -296,8 +297,7 @@ class Coordinator:
 
     def _uncached_tokens(self, prompt_len: int, matched_blocks: int) -> int:
         """Prompt tokens the worker must prefill (the last one always is)."""
-        bs = self.config.block_size
-        return prompt_len - min(matched_blocks, num_reusable_blocks(prompt_len, bs)) * bs
+        return prompt_len - num_reusable_tokens(prompt_len, matched_blocks, self.config.block_size)
 
     def _stream(
         self, worker: WorkerId, request: WorkerRequest, outputs: Iterator[RequestOutput]

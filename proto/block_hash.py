@@ -54,6 +54,13 @@ def num_reusable_blocks(num_prompt_tokens: int, block_size: int) -> int:
     return (num_prompt_tokens - 1) // block_size
 
 
+def num_reusable_tokens(num_prompt_tokens: int, num_matched_blocks: int, block_size: int) -> int:
+    """Prompt tokens a worker holding `num_matched_blocks` leading blocks reuses (whole blocks,
+    never the one holding the last prompt token: see `num_reusable_blocks`)."""
+    reusable = num_reusable_blocks(num_prompt_tokens, block_size)
+    return min(num_matched_blocks, reusable) * block_size
+
+
 def block_hashes(
     token_ids: Sequence[int] | np.ndarray,
     block_size: int,
