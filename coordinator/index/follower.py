@@ -105,6 +105,10 @@ class IndexFollower:
                     log.warning("index: lost Redis (%s); routing by load only", exc)
                 self.connected = False
                 self._stop.wait(_RETRY_S)
+            except Exception:  # a bug must not freeze the mirror: rebuild it from Redis
+                log.exception("index: following the event stream failed; rebuilding the mirror")
+                self.connected = False
+                self._stop.wait(_RETRY_S)
 
     def _sweep_expired(self) -> None:
         """Purge workers whose heartbeat lapsed (their process died without anyone noticing).
