@@ -192,6 +192,12 @@ class WorkerActor:
         self._nccl = NcclTransport(self._peer, self.worker.runner, self._nccl_link)
         return rank
 
+    def nccl_warm_up(self) -> int:
+        """Build the NCCL communicator with every peer now, not on the first pull (all ranks
+        call this together, after `nccl_init`)."""
+        assert self._nccl_link is not None, "nccl_warm_up before nccl_init"
+        return self._nccl_link.warm_up_pairs()
+
     async def nccl_accept(self, hashes: list[int]) -> list[int] | None:
         """Agree to send the leading device run of `hashes`: pins it and keeps this worker
         claimed until `nccl_send`. None if this worker is in another NCCL transfer."""

@@ -128,6 +128,7 @@ class Cluster:
         init = f"tcp://{host}:{port}"
         ranks = {w: r for r, w in enumerate(live)}
         ray.get([self.actor(w).nccl_init.remote(init, ranks) for w in live], timeout=timeout_s)
+        ray.get([self.actor(w).nccl_warm_up.remote() for w in live], timeout=timeout_s)
         with self._lock:
             self._nccl_ranks = ranks
         return True

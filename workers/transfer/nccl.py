@@ -3,11 +3,17 @@ receives it into a staging tensor and copies it into the reserved blocks.
 
 NCCL send/recv block both ranks until they pair up, so two workers pulling from each other at
 once would wait on each other forever. A worker therefore takes part in one NCCL transfer at a
-time, and a pull that finds either side busy is refused before anything is sent: the target
-then uses the object store. No cycle of waits can form.
+time, and a pull that finds either side busy is refused before anything is sent; the target
+lets go of its own claim, waits a moment and asks again, until `claim_wait_s` runs out (then it
+uses the object store). Nobody waits while holding a claim, so no cycle of waits can form.
+
+The first send/recv between two ranks builds their NCCL communicator (about a second); the
+shell warms every pair up at start-up (`warm_up_pairs`) so no request pays for it.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 import torch
 
@@ -35,6 +41,28 @@ class NcclLink:
 
     def release(self) -> None:
         self.busy = False
+
+    def warm_up_pairs(self) -> int:
+        """One tiny exchange with every other rank, pairs taken in one global order (the lower
+        rank sends first), so every communicator exists before the first pull. Returns pairs."""
+        import torch.distributed as dist
+
+        probe = torch.zeros(1, device="cuda")
+        num_ranks = len(self.ranks)
+        pairs = 0
+        for low in range(num_ranks):
+            for high in range(low + 1, num_ranks):
+                if self.rank == low:
+                    dist.send(probe, dst=high)
+                    dist.recv(probe, src=high)
+                elif self.rank == high:
+                    dist.recv(probe, src=low)
+                    dist.send(probe, dst=low)
+                else:
+                    continue
+                pairs += 1
+        torch.cuda.synchronize()
+        return pairs
 
     @staticmethod
     def send(cache: torch.Tensor, ids: list[int], dst_rank: int) -> None:
@@ -64,22 +92,47 @@ class NcclLink:
 
 
 class NcclTransport:
-    def __init__(self, peers: PeerLookup, runner: ModelRunner, link: NcclLink) -> None:
+    def __init__(
+        self,
+        peers: PeerLookup,
+        runner: ModelRunner,
+        link: NcclLink,
+        claim_wait_s: float = 0.25,
+        retry_s: float = 0.002,
+    ) -> None:
         self._peers = peers
         self._runner = runner
         self._link = link
+        self.claim_wait_s = claim_wait_s
+        self.retry_s = retry_s
+
+    async def _claim_both(self, source: str, hashes: tuple[BlockHash, ...]) -> list[int] | None:
+        """Claim this worker and the source (which pins the run); None if no moment came when
+        both were free within `claim_wait_s`. On success this worker holds its claim."""
+        link, peer = self._link, self._peers(source)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.claim_wait_s
+        while True:
+            if link.try_claim():
+                ids: list[int] | None = await peer.nccl_accept.remote(list(hashes))
+                if ids is not None:
+                    return ids
+                link.release()  # the source is busy: let go before waiting
+            if loop.time() >= deadline:
+                return None
+            await asyncio.sleep(self.retry_s)
 
     async def fetch(
         self, source: str, hashes: tuple[BlockHash, ...], write: WriteOnEngine
     ) -> int | None:
         link = self._link
-        if source not in link.ranks or not link.try_claim():
+        if source not in link.ranks:
+            return None
+        ids = await self._claim_both(source, hashes)
+        if ids is None:
             return None
         try:
             peer = self._peers(source)
-            ids: list[int] | None = await peer.nccl_accept.remote(list(hashes))
-            if ids is None:
-                return None  # the source is in another transfer
             if not ids:
                 return 0
             send = peer.nccl_send.remote(ids, link.rank)
