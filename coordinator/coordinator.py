@@ -40,6 +40,10 @@ class WorkerDied(RuntimeError):
     """The worker's actor died during a call (maps to UNAVAILABLE when it cannot be migrated)."""
 
 
+class SequenceFailed(RuntimeError):
+    """The worker ended this request alone because of an internal error (maps to INTERNAL)."""
+
+
 class WorkerBackend(Protocol):
     """What the coordinator needs from the cluster (the Ray shell implements it)."""
 
@@ -146,6 +150,9 @@ class Coordinator:
         return PreparedPrompt(tuple(token_ids), tuple(hashes), cache_salt)
 
     def check_sampling(self, prompt: PreparedPrompt, sampling: SamplingConfig) -> None:
+        vocab = self.model.vocab_size
+        if sampling.top_k > vocab:
+            raise InvalidRequest(f"top_k {sampling.top_k} is over the vocabulary size {vocab}")
         if sampling.max_tokens > self.config.max_tokens_limit:
             raise InvalidRequest(
                 f"max_tokens {sampling.max_tokens} is over the limit {self.config.max_tokens_limit}"
@@ -299,6 +306,10 @@ class Coordinator:
         self, worker: WorkerId, request: WorkerRequest, pulled_tokens: int, original: WorkerRequest
     ) -> Iterator[StreamEvent]:
         for out in self.backend.generate(worker, request):
+            if out.failure is not None:  # this request alone failed; the worker serves on
+                if out.failure.internal:
+                    raise SequenceFailed(f"worker {worker}: {out.failure.message}")
+                raise InvalidRequest(out.failure.message)
             pulled = 0
             if out.cached_tokens >= 0:
                 pulled = min(pulled_tokens, out.cached_tokens)

@@ -5,7 +5,7 @@ Every RPC maps the coordinator's exceptions to a status code and never lets one 
 stop the server:
 
     InvalidRequest / ValueError -> INVALID_ARGUMENT      NoLiveWorker / WorkerDied -> UNAVAILABLE
-    RequestError (worker refused) -> INVALID_ARGUMENT     anything else -> INTERNAL
+    RequestError (worker refused) -> INVALID_ARGUMENT     SequenceFailed, anything else -> INTERNAL
 Oversized messages are refused by gRPC itself with RESOURCE_EXHAUSTED (max_receive_message_length).
 Authentication, rate and stream limits and unparsable bytes are answered before a call gets here,
 by the interceptor (`service/interceptor.py`). The admin RPCs (Drain, ClearCache, VerifyIndex)
@@ -125,14 +125,15 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
         s = request.sampling
         if not request.HasField("sampling") or s.max_tokens == 0:
             raise InvalidRequest("sampling.max_tokens must be >= 1")
-        sampling = SamplingConfig(
+        sampling = SamplingConfig(  # raises ValueError (INVALID_ARGUMENT) outside the safe ranges
             max_tokens=s.max_tokens,
             temperature=s.temperature,
-            top_p=s.top_p if 0 < s.top_p <= 1 else 1.0,
+            top_p=1.0 if s.top_p == 0 else s.top_p,  # proto3's default 0 means "not set"
             top_k=s.top_k,
             seed=s.seed,
             stop_token_ids=tuple(s.stop_token_ids),
             ignore_eos=s.ignore_eos,
+            min_p=s.min_p,
         )
         return c.generate(
             prompt,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvmesh.workers.engine.failure import SequenceFailure
 from kvmesh.workers.engine.sampler import SamplingConfig
 
 
@@ -24,12 +25,15 @@ class RequestOutput:
     # Set on the first output of a request (when its prefill is done).
     cached_tokens: int = -1
     computed_tokens: int = -1
+    # Set (with finished=True, finish_reason "error") when this request alone failed.
+    failure: SequenceFailure | None = None
 
 
 @dataclass(slots=True)
 class WorkerCounters:
     num_requests: int = 0
     num_finished: int = 0
+    num_failed: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
     computed_tokens: int = 0
