@@ -166,7 +166,7 @@ class FaultyRunner(ModelRunner):
 
 @pytest.mark.parametrize(
     "fields",
-    [{"top_p": -0.5}, {"top_k": -5}, {"temperature": float("nan")}],
+    [{"min_p": float("inf")}, {"top_k": -5}, {"temperature": float("nan")}],
 )
 def test_a_sequence_whose_sampling_fails_fails_alone(fields: dict[str, float]) -> None:
     prompts = [PREFIX[: 20 + 9 * k] for k in range(3)]
