@@ -82,6 +82,7 @@ class StreamEvent:
 class Counters:
     num_requests: int = 0
     num_failed_requests: int = 0
+    num_cancelled_requests: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
     pulled_tokens: int = 0
@@ -273,7 +274,7 @@ class Coordinator:
         """The worker's outputs as stream events. If the worker dies mid-stream, the request
         moves to another live worker with its prompt plus the tokens already streamed (at most
         `max_migrations` times), so the client sees a slower stream, not an error."""
-        ok = False
+        ok = cancelled = False
         produced: list[int] = []
         migrations = 0
         current = request
@@ -293,13 +294,18 @@ class Coordinator:
                         raise
                     worker, current = self._migrate(worker, request, produced, migrations)
                     pulled_tokens = 0
+        except GeneratorExit:  # the consumer went away: a cancel, not a failure
+            cancelled = True
+            raise
         finally:
             with self._lock:
                 self.load.on_finished(current.request_id)
                 self.policy.on_request_done(current.request_id)
                 if current is not request:
                     self.policy.on_request_done(request.request_id)
-                if not ok:
+                if cancelled:
+                    self.counters.num_cancelled_requests += 1
+                elif not ok:
                     self.counters.num_failed_requests += 1
 
     def _events(
@@ -377,6 +383,7 @@ class Coordinator:
             snapshot = {
                 "num_requests": c.num_requests,
                 "num_failed_requests": c.num_failed_requests,
+                "num_cancelled_requests": c.num_cancelled_requests,
                 "prompt_tokens": c.prompt_tokens,
                 "cached_tokens": c.cached_tokens,
                 "pulled_tokens": c.pulled_tokens,

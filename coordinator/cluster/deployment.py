@@ -24,7 +24,8 @@ from kvmesh.coordinator.index.follower import IndexFollower
 from kvmesh.coordinator.index.mirror import IndexMirror
 from kvmesh.coordinator.index.store import IndexStore
 from kvmesh.coordinator.service.admin import Admin, DrainableBackend
-from kvmesh.coordinator.service.interceptor import gate_from_config
+from kvmesh.coordinator.service.field_limits import FieldLimits
+from kvmesh.coordinator.service.interceptor import GateInterceptor, gate_from_config
 from kvmesh.coordinator.service.servicer import KVMeshServicer, build_server
 from kvmesh.coordinator.service.tls import load_server_tls
 from kvmesh.proto.block_hash import namespace_hash
@@ -63,6 +64,7 @@ class Deployment:
         self.follower: IndexFollower | None = None
         self.coordinator: Coordinator | None = None
         self.server: grpc.Server | None = None
+        self.gate: GateInterceptor | None = None
         self.port = 0
         self._started_ray = False
 
@@ -154,7 +156,10 @@ class Deployment:
         self.cluster.set_on_info(coordinator.observe_worker)
         self.follower.start()
         self.cluster.start_monitor(cc.health_interval_s)
-        gate = gate_from_config(cc)
+        prompt_limit = min(cc.max_prompt_tokens or model.max_position_embeddings,
+                           model.max_position_embeddings)  # fmt: skip
+        gate = gate_from_config(cc, FieldLimits(max_prompt_tokens=prompt_limit))
+        self.gate = gate
         admin = Admin(self.cluster, self.coordinator, backend)
         servicer = KVMeshServicer(
             self.coordinator, self.cluster, self.follower, admin=admin, gate=gate
@@ -198,6 +203,9 @@ class Deployment:
         if self.server is not None:
             self.server.stop(grace=1).wait()
             self.server = None
+        if self.gate is not None:
+            self.gate.close()
+            self.gate = None
         if self.follower is not None:
             self.follower.stop()
             self.follower = None

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import asdict
@@ -86,13 +87,16 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
         self, request: pb.GenerateRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.GenerateResponse]:
         started = time.perf_counter()
+        # The client's id is a label it gets back (generated when absent); the coordinator keys
+        # the request by its own id, so two clients sending the same label never collide.
+        request_id = request.request_id or uuid.uuid4().hex
         stream = self._guard(context, lambda: self._start_generate(request))
         first = True
         tokenizer = self.coordinator.tokenizer
         detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
         try:
             for event in stream:
-                resp = pb.GenerateResponse(token_ids=event.token_ids, request_id=request.request_id)
+                resp = pb.GenerateResponse(token_ids=event.token_ids, request_id=request_id)
                 if detok is not None:
                     resp.text = detok.push(event.token_ids) + (
                         detok.flush() if event.finished else ""
@@ -118,6 +122,10 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
             if code is grpc.StatusCode.INTERNAL:
                 log.exception("generate failed")
             context.abort(code, str(exc) or type(exc).__name__)
+        finally:
+            close = getattr(stream, "close", None)
+            if close is not None:
+                close()  # a cancelled client: stop the worker now, count it as cancelled
 
     def _start_generate(self, request: pb.GenerateRequest) -> Iterator[Any]:
         c = self.coordinator
@@ -136,11 +144,7 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
             min_p=s.min_p,
         )
         return c.generate(
-            prompt,
-            sampling,
-            session_id=request.session_id,
-            worker_id=request.worker_id,
-            request_id=request.request_id,
+            prompt, sampling, session_id=request.session_id, worker_id=request.worker_id
         )
 
     def _prepare(self, token_ids: Any, prompt: str, cache_salt: str) -> PreparedPrompt:
@@ -213,6 +217,9 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
                 num_decode_errors=self.follower.store.num_decode_errors if self.follower else 0,
                 num_drained_workers=len(self.admin.backend.drained()) if self.admin else 0,
                 num_rejected_requests=self.gate.num_rejected if self.gate else 0,
+                num_slow_streams_cancelled=(
+                    self.gate.num_slow_streams_cancelled if self.gate else 0
+                ),
                 num_pulls=c.transfers.num_pulls if c.transfers is not None else 0,
                 num_failed_pulls=c.transfers.num_failed_pulls if c.transfers is not None else 0,
                 **s,
