@@ -6,8 +6,10 @@ all start the system through this one class, so they run the same code.
 from __future__ import annotations
 
 import logging
+import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, MutableMapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -94,7 +96,10 @@ class Deployment:
             self.redis = start_redis_server()
             redis_url = self.redis.url
         if not ray.is_initialized():
-            ray.init(address=cfg.ray_address or None, include_dashboard=False, log_to_driver=False)
+            with without_secrets(os.environ):  # a local start spawns Ray's processes from ours
+                ray.init(
+                    address=cfg.ray_address or None, include_dashboard=False, log_to_driver=False
+                )
             self._started_ray = True
         num_gpus = int(ray.cluster_resources().get("GPU", 0))
         num_workers = cfg.num_workers or max(num_gpus, 2 if not num_gpus else num_gpus)
@@ -218,6 +223,22 @@ class Deployment:
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
+
+
+SECRET_ENV_VARS = ("KVMESH_ADMIN_TOKEN", "KVMESH_AUTH_TOKEN", "KVMESH_TOKEN", "KVMESH_REDIS_URL")
+"""Variables that may hold a secret: read once by the CLI into the config, never inherited by
+Ray's processes (raylet, GCS, every worker). Workers get the Redis URL in their config."""
+
+
+@contextmanager
+def without_secrets(environ: MutableMapping[str, str]) -> Iterator[None]:
+    """`environ` without SECRET_ENV_VARS for the duration (the processes started meanwhile
+    inherit none of them), then restored."""
+    saved = {name: environ.pop(name) for name in SECRET_ENV_VARS if name in environ}
+    try:
+        yield
+    finally:
+        environ.update(saved)
 
 
 def cluster_info(cluster: Cluster) -> Callable[[str], dict[str, Any]]:
