@@ -26,6 +26,7 @@ from torch.multiprocessing.reductions import reduce_tensor
 
 from kvmesh.workers.config import WorkerConfig
 from kvmesh.workers.engine.event_publisher import EventPublisher
+from kvmesh.workers.engine.failure import SequenceFailure
 from kvmesh.workers.engine.worker import RequestOutput, WorkerRequest
 from kvmesh.workers.model.loader import build_worker
 from kvmesh.workers.transfer.block_copy import copy_blocks
@@ -327,9 +328,11 @@ class WorkerActor:
     def _fail_all(self, exc: Exception) -> None:
         with self._lock:
             ids = list(self._streams)
+        # INTERNAL, not the requests' fault; the message never carries the exception's text.
+        failure = SequenceFailure("the worker's engine step failed", internal=True)
         for rid in ids:
             self.worker.abort(rid)
-            self._deliver(rid, RequestError(f"worker {self.config.worker_id} failed: {exc}"))
+            self._deliver(rid, RequestOutput(rid, (), True, "error", failure=failure))
 
 
 def remote_worker_class(num_gpus: float, num_cpus: float = 1) -> Any:

@@ -21,7 +21,7 @@ import torch
 
 from kvmesh.proto.block_hash import BlockHash, namespace_hash
 from kvmesh.proto.events import TIER_HOST, AllCleared, BlockStored, EventBatch, KVEvent
-from kvmesh.workers.engine.failure import SequenceFailure
+from kvmesh.workers.engine.failure import SequenceFailure, forward_isolated
 from kvmesh.workers.engine.messages import RequestOutput, WorkerCounters, WorkerInfo, WorkerRequest
 from kvmesh.workers.engine.sampler import sample_isolated
 from kvmesh.workers.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig, StepKind
@@ -151,19 +151,10 @@ class Worker:
     def _forward_and_sample(
         self, step: ScheduledStep, chunks: list[SeqChunk]
     ) -> list[int | SequenceFailure]:
-        """A token per sequence of `step`, or that sequence's failure. The batch runs as one; if
-        its forward pass raises, each sequence runs alone (rewriting a chunk's KV slots is
-        idempotent), so only the sequences that fail alone fail."""
-        try:
-            rows: list[torch.Tensor | SequenceFailure] = list(self.runner.forward(chunks))
-        except Exception:
-            if len(chunks) == 1:
-                log.exception("forward pass failed for request %s", step.seqs[0].request_id)
-                return [SequenceFailure("the forward pass failed", internal=True)]
-            rows = [
-                self._forward_alone(seq, chunk)
-                for seq, chunk in zip(step.seqs, chunks, strict=True)
-            ]
+        """A token per sequence of `step`, or that sequence's failure (forward pass or sampling);
+        the others get exactly what they would get alone."""
+        ids = [seq.request_id for seq in step.seqs]
+        rows = forward_isolated(self.runner.forward, chunks, ids)
         out: list[int | SequenceFailure] = [
             r if isinstance(r, SequenceFailure) else -1 for r in rows
         ]
@@ -181,13 +172,6 @@ class Worker:
             if isinstance(token, SequenceFailure) and token.internal:
                 log.error("sampling failed for request %s: %s", step.seqs[i].request_id, token)
         return out
-
-    def _forward_alone(self, seq: Sequence, chunk: SeqChunk) -> torch.Tensor | SequenceFailure:
-        try:
-            return self.runner.forward([chunk])[0]
-        except Exception:
-            log.exception("forward pass failed for request %s", seq.request_id)
-            return SequenceFailure("the forward pass failed", internal=True)
 
     def _without_failed(self, step: ScheduledStep, failed: list[Sequence]) -> ScheduledStep:
         """`step` minus the failed sequences, which are finished and release their blocks."""
