@@ -257,8 +257,11 @@ def plot(results: dict[str, list[dict[str, Any]]], config: E2EConfig, path: Path
         ax.axhline(0.2, color="grey", lw=0.6, ls=":")
         ax.grid(alpha=0.3)
         ax.legend()
+    share = (
+        "one GPU each" if config.gpus_per_worker >= 1 else f"{config.gpus_per_worker:g} GPU each"
+    )
     fig.suptitle(
-        f"{config.model}, {config.num_workers} workers sharing one GPU; shared prefix "
+        f"{config.model}, {config.num_workers} workers, {share}; shared prefix "
         f"G={config.groups} S={config.system_len} Q={config.question_len} O={config.output_len}",
         fontsize=9,
     )
@@ -287,7 +290,11 @@ def main() -> None:  # noqa: D103
     if config.device == "cpu":
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     else:
-        ray.init(num_gpus=1, include_dashboard=False, log_to_driver=False)
+        import torch
+
+        # Every GPU of the machine: a deployment asking for more GPUs than Ray knows waits forever.
+        num_gpus = max(1, torch.cuda.device_count())
+        ray.init(num_gpus=num_gpus, include_dashboard=False, log_to_driver=False)
     report: dict[str, Any] = {"config": asdict(config), "results": {}, "errors": {}}
     try:
         for i, policy in enumerate(policies):

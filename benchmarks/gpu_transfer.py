@@ -22,8 +22,7 @@ from typing import Any
 import torch
 from prefix_ttft import PREFIX, PROMPT, prefix_ttft_trials
 
-from kvmesh.workers.transfer.block_copy import copy_blocks
-from kvmesh.workers.transfer.links import copy_block_runs
+from kvmesh.workers.transfer.block_copy import copy_block_runs, copy_blocks
 
 BS = 16
 LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3-8B
@@ -100,8 +99,7 @@ def block_movement(num_pool_blocks: int = 2048) -> dict[str, float]:
 def host_tier_ttft() -> dict[str, float]:
     """In-process (no Ray): an 8K prompt whose 7.5K prefix sits on the host tier."""
     from kvmesh.workers.config import WorkerConfig
-    from kvmesh.workers.engine.sampler import SamplingConfig
-    from kvmesh.workers.engine.worker import WorkerRequest
+    from kvmesh.workers.contract.requests import SamplingConfig, WorkerRequest
     from kvmesh.workers.model.loader import build_worker
 
     worker = build_worker(
@@ -131,13 +129,13 @@ def host_tier_ttft() -> dict[str, float]:
     local = ttft("local", prefix + tail(2))
     for k in range(3):  # push the prefix out of the 1,024-block device pool onto the host tier
         ttft(f"fill{k}", torch.randint(0, 128000, (7000,), generator=g).tolist())
-    before = worker.counters.host_hit_tokens
+    before = worker.tally.host_hit_tokens
     host = ttft("host", prefix + tail(3))
     return {
         "cold_ms": cold,
         "local_hit_ms": local,
         "host_hit_ms": host,
-        "host_hit_tokens": float(worker.counters.host_hit_tokens - before),
+        "host_hit_tokens": float(worker.tally.host_hit_tokens - before),
     }
 
 

@@ -15,7 +15,6 @@ import multiprocessing
 import platform
 import random
 import statistics
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ import numpy as np
 
 from kvmesh.coordinator.cluster.redis_server import start_redis_server
 from kvmesh.coordinator.index.follower import IndexFollower
+from kvmesh.coordinator.index.locked_mirror import LockedMirror
 from kvmesh.coordinator.index.mirror import IndexMirror, WorkerId
 from kvmesh.coordinator.index.store import IndexStore
 from kvmesh.coordinator.routing.cost_model import CostModel
@@ -126,8 +126,7 @@ def bench_ingest(
     server = start_redis_server()
     try:
         ns = "bench"
-        mirror, lock = IndexMirror(), threading.Lock()
-        follower = IndexFollower(IndexStore(server.url), mirror, lock, ns=ns)
+        follower = IndexFollower(IndexStore(server.url), LockedMirror(), ns=ns)
         follower.rebuild()
         total_events = num_workers * num_batches * batch_blocks
         ctx = multiprocessing.get_context("spawn")
@@ -145,7 +144,7 @@ def bench_ingest(
             ready.acquire()  # processes started and batches built: time only the publishing
         t0 = time.perf_counter()
         go.set()
-        while mirror.num_blocks < total_events:
+        while follower.mirror.num_blocks < total_events:
             follower.poll_once(block_ms=50)
         t_total = time.perf_counter() - t0
         for p in procs:
@@ -154,7 +153,7 @@ def bench_ingest(
             "events": total_events,
             "publishers": num_workers,
             "end_to_end_events_per_s": total_events / t_total,
-            "mirror_blocks": mirror.num_blocks,
+            "mirror_blocks": follower.mirror.num_blocks,
         }
     finally:
         server.stop()

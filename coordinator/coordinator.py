@@ -1,30 +1,49 @@
 """The request path, without gRPC: validate, hash, look up, route, stream from the worker.
 
 prepare()  token ids (or text) -> validated prompt + chained block hashes        (proto/)
-match()    block hashes -> per-worker held prefix, from the in-memory mirror    (index_mirror)
-route()    prices every live worker and picks one                               (router)
-generate() streams the chosen worker's outputs, keeping the load tracker honest (cluster)
+match()    block hashes -> per-worker held prefix, from the in-memory mirror    (index/)
+route()    prices every routable worker and picks one, maybe with a pull plan   (routing/)
+generate() sends the chosen worker a `WorkerRequest` (with its pull plan: the worker runs the
+           pull itself) and streams its outputs, keeping the load tracker honest
+
+Pure of torch, Ray and gRPC: the worker is reached through `WorkerBackend` (the Ray shell in
+production, simulated workers in the simulator, a fake in tests); which workers may be routed to
+is the registry's call (`cluster/registry.py`).
 """
 
 from __future__ import annotations
 
 import random
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from kvmesh.coordinator.cluster.transfer_manager import TransferManager
+from kvmesh.coordinator.cluster.registry import WorkerRegistry
 from kvmesh.coordinator.config import CoordinatorConfig
-from kvmesh.coordinator.index.mirror import IndexMirror, PrefixMatch, WorkerId
+from kvmesh.coordinator.index.mirror import PrefixMatch, WorkerId
 from kvmesh.coordinator.routing.cost_model import CostModel
 from kvmesh.coordinator.routing.load_tracker import LoadTracker
 from kvmesh.coordinator.routing.pull_planner import PullPlan, best_peer, cheapest_prefill
 from kvmesh.coordinator.routing.router import RouteDecision, RouteQuery, WorkerView, make_policy
-from kvmesh.proto.block_hash import BlockHash, block_hashes, namespace_hash
-from kvmesh.workers.engine.sampler import SamplingConfig
-from kvmesh.workers.engine.worker import RequestOutput, WorkerRequest
+from kvmesh.coordinator.routing.transfer_planner import PullPricing
+from kvmesh.proto.block_hash import (
+    BlockHash,
+    block_hashes,
+    namespace_hash,
+    num_reusable_blocks,
+    num_reusable_tokens,
+)
+from kvmesh.workers.contract.replies import (
+    PrefillFacts,
+    RequestOutput,
+    RequestRejected,
+    WorkerFailed,
+    WorkerInfo,
+)
+from kvmesh.workers.contract.requests import PullSpec, SamplingConfig, WorkerRequest
 from kvmesh.workers.model.model_config import ModelConfig
 
 
@@ -40,16 +59,23 @@ class WorkerDied(RuntimeError):
     """The worker's actor died during a call (maps to UNAVAILABLE when it cannot be migrated)."""
 
 
-class SequenceFailed(RuntimeError):
-    """The worker ended this request alone because of an internal error (maps to INTERNAL)."""
-
-
 class WorkerBackend(Protocol):
-    """What the coordinator needs from the cluster (the Ray shell implements it)."""
+    """How the coordinator reaches a worker: the Ray shell, simulated workers, a test fake.
+    `generate` raises `WorkerDied` when the worker is gone, `RequestRejected` for bad input."""
 
-    def live_worker_ids(self) -> list[str]: ...
-    def worker_ids(self) -> list[str]: ...
     def generate(self, worker_id: str, request: WorkerRequest) -> Iterator[RequestOutput]: ...
+
+
+class PrefixIndex(Protocol):
+    """What the coordinator reads of the index: the live system's `LockedMirror`; in the
+    simulator's oracle, one shared pool."""
+
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def num_events_applied(self) -> int: ...
+    def match(self, hashes: Sequence[BlockHash]) -> dict[WorkerId, PrefixMatch]: ...
+    def num_worker_blocks(self, worker: WorkerId) -> int: ...
 
 
 class TextCodec(Protocol):
@@ -72,10 +98,9 @@ class StreamEvent:
     worker_id: str
     finished: bool
     finish_reason: str = ""
-    cached_tokens: int = -1  # >= 0 on the first event only: reused from the worker's own pool
-    computed_tokens: int = -1
-    prompt_tokens: int = 0
-    pulled_tokens: int = 0  # on the first event: fetched from a peer before the prefill
+    prefill: PrefillFacts | None = None
+    """On the first event only: where the prompt's KV came from (for a migrated request, the
+    worker that took it over; its prompt then includes the tokens streamed before)."""
 
 
 @dataclass(slots=True)
@@ -98,25 +123,28 @@ class Coordinator:
         config: CoordinatorConfig,
         model: ModelConfig,
         backend: WorkerBackend,
-        mirror: IndexMirror,
-        mirror_lock: threading.Lock,
+        mirror: PrefixIndex,
+        registry: WorkerRegistry,
         *,
         tokenizer: TextCodec | None = None,
         index_connected: Callable[[], bool] = lambda: True,
         worker_free_blocks: Callable[[str], tuple[int, int]] | None = None,
         cost_model: CostModel | None = None,
-        transfers: TransferManager | None = None,
+        transfers: PullPricing | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
         self.model = model
         self.backend = backend
         self.mirror = mirror
-        self.mirror_lock = mirror_lock
+        self.registry = registry
         self.tokenizer = tokenizer
         self.index_connected = index_connected
         self._worker_free_blocks = worker_free_blocks or (lambda _w: (1 << 30, 1 << 30))
         self.cost_model = cost_model or CostModel()
-        self.policy = make_policy(config.policy, self.cost_model, random.Random(config.route_seed))
+        self.policy = make_policy(
+            config.policy, self.cost_model, random.Random(config.route_seed), clock
+        )
         self.load = LoadTracker()
         self._lock = threading.Lock()  # guards policy, load tracker and counters
         self.counters = Counters()
@@ -171,8 +199,7 @@ class Coordinator:
     def match(self, prompt: PreparedPrompt) -> dict[WorkerId, PrefixMatch]:
         if not self.index_connected():
             return {}  # a stale index must not steer traffic: route by load only
-        with self.mirror_lock:
-            return self.mirror.match(prompt.block_hashes)
+        return self.mirror.match(prompt.block_hashes)
 
     def views(self, prompt: PreparedPrompt, workers: Sequence[str]) -> list[WorkerView]:
         matches = self.match(prompt)
@@ -197,7 +224,7 @@ class Coordinator:
     def route(
         self, prompt: PreparedPrompt, session_id: str = "", request_id: str = ""
     ) -> RouteDecision:
-        live = self.backend.live_worker_ids()
+        live = self.registry.routable()
         if not live:
             raise NoLiveWorker("no live worker can take the request")
         query = RouteQuery(
@@ -240,21 +267,35 @@ class Coordinator:
             uncached = self._uncached_tokens(len(prompt.token_ids), matched)
             self.load.on_routed(request_id, chosen, predicted, uncached)
             self.counters.num_requests += 1
-        pulled_tokens = 0
-        if pull is not None and self.transfers is not None:
-            root = namespace_hash(self.fingerprint, "", prompt.cache_salt)
-            pulled_tokens = self.transfers.execute(pull, chosen, prompt.block_hashes, root)
-        request = WorkerRequest(request_id, prompt.token_ids, sampling, prompt.cache_salt)
-        return self._stream(chosen, request, pulled_tokens)
+        spec = self._pull_spec(pull, chosen, prompt) if pull is not None else None
+        request = WorkerRequest(request_id, prompt.token_ids, sampling, prompt.cache_salt, spec)
+        # Handed to the backend now: a lazy backend (Ray) calls the worker on the first read, an
+        # eager one (the simulator) queues the request at once.
+        return self._stream(chosen, request, self.backend.generate(chosen, request))
+
+    def _pull_spec(
+        self, pull: PullPlan, target: WorkerId, prompt: PreparedPrompt
+    ) -> PullSpec | None:
+        end = min(
+            pull.num_blocks, num_reusable_blocks(len(prompt.token_ids), self.config.block_size)
+        )
+        if self.transfers is None or end <= pull.from_block:
+            return None
+        return PullSpec(
+            pull.source,
+            pull.from_block,
+            prompt.block_hashes[pull.from_block : end],
+            self.transfers.transport(pull.source, target),
+        )
 
     def _forced(
         self, prompt: PreparedPrompt, worker_id: str
     ) -> tuple[WorkerId, float, PullPlan | None, int]:
         """Placement chosen by the caller; a pull is still planned when a peer holds more.
         Returns the worker, its predicted prefill, the pull (if any) and its matched blocks."""
-        if worker_id not in self.backend.worker_ids():
+        if not self.registry.is_known(worker_id):
             raise InvalidRequest(f"unknown worker id {worker_id!r}")
-        live = self.backend.live_worker_ids()
+        live = self.registry.routable()
         if worker_id not in live:
             raise NoLiveWorker(f"worker {worker_id!r} is not alive")
         views = self.views(prompt, live)
@@ -266,10 +307,10 @@ class Coordinator:
 
     def _uncached_tokens(self, prompt_len: int, matched_blocks: int) -> int:
         """Prompt tokens the worker must prefill (the last one always is)."""
-        return prompt_len - min(matched_blocks * self.config.block_size, prompt_len - 1)
+        return prompt_len - num_reusable_tokens(prompt_len, matched_blocks, self.config.block_size)
 
     def _stream(
-        self, worker: WorkerId, request: WorkerRequest, pulled_tokens: int = 0
+        self, worker: WorkerId, request: WorkerRequest, outputs: Iterator[RequestOutput]
     ) -> Iterator[StreamEvent]:
         """The worker's outputs as stream events. If the worker dies mid-stream, the request
         moves to another live worker with its prompt plus the tokens already streamed (at most
@@ -281,7 +322,7 @@ class Coordinator:
         try:
             while True:
                 try:
-                    for event in self._events(worker, current, pulled_tokens, request):
+                    for event in self._events(worker, current, outputs):
                         produced.extend(event.token_ids)
                         yield event
                         if event.finished:
@@ -293,7 +334,7 @@ class Coordinator:
                     if migrations > self.config.max_migrations:
                         raise
                     worker, current = self._migrate(worker, request, produced, migrations)
-                    pulled_tokens = 0
+                    outputs = self.backend.generate(worker, current)
         except GeneratorExit:  # the consumer went away: a cancel, not a failure
             cancelled = True
             raise
@@ -309,28 +350,19 @@ class Coordinator:
                     self.counters.num_failed_requests += 1
 
     def _events(
-        self, worker: WorkerId, request: WorkerRequest, pulled_tokens: int, original: WorkerRequest
+        self, worker: WorkerId, request: WorkerRequest, outputs: Iterator[RequestOutput]
     ) -> Iterator[StreamEvent]:
-        for out in self.backend.generate(worker, request):
+        for out in outputs:
             if out.failure is not None:  # this request alone failed; the worker serves on
                 if out.failure.internal:
-                    raise SequenceFailed(f"worker {worker}: {out.failure.message}")
-                raise InvalidRequest(out.failure.message)
-            pulled = 0
-            if out.cached_tokens >= 0:
-                pulled = min(pulled_tokens, out.cached_tokens)
-                self._on_prefilled(worker, request, out, pulled)
+                    raise WorkerFailed(f"worker {worker}: {out.failure.message}")
+                raise RequestRejected(out.failure.message)
+            if out.prefill is not None:
+                self._on_prefilled(worker, request, out.prefill)
             with self._lock:
                 self.counters.generated_tokens += len(out.new_token_ids)
             yield StreamEvent(
-                out.new_token_ids,
-                worker,
-                out.finished,
-                out.finish_reason,
-                out.cached_tokens - pulled if out.cached_tokens >= 0 else -1,
-                out.computed_tokens,
-                len(original.prompt_ids),
-                pulled,
+                out.new_token_ids, worker, out.finished, out.finish_reason, out.prefill
             )
 
     def _migrate(
@@ -356,26 +388,25 @@ class Coordinator:
             request_id, prompt.token_ids, sampling, original.cache_salt
         )
 
-    def _on_prefilled(
-        self, worker: WorkerId, request: WorkerRequest, out: RequestOutput, pulled: int
-    ) -> None:
+    def _on_prefilled(self, worker: WorkerId, request: WorkerRequest, facts: PrefillFacts) -> None:
+        if request.pull is not None and self.transfers is not None:
+            self.transfers.observe(request.pull.source, worker, facts)
         with self._lock:
             self.load.on_prefilled(request.request_id)
             c = self.counters
-            c.prompt_tokens += len(request.prompt_ids)
-            c.pulled_tokens += pulled
-            c.cached_tokens += out.cached_tokens - pulled
-            c.computed_tokens += out.computed_tokens
+            c.prompt_tokens += facts.prompt_tokens
+            c.pulled_tokens += facts.pulled_tokens
+            c.cached_tokens += facts.local_tokens + facts.host_tokens
+            c.computed_tokens += facts.computed_tokens
             w = c.per_worker.setdefault(worker, {"cached_tokens": 0, "computed_tokens": 0})
-            w["cached_tokens"] += out.cached_tokens - pulled
-            w["computed_tokens"] += out.computed_tokens
+            w["cached_tokens"] += facts.local_tokens + facts.host_tokens
+            w["computed_tokens"] += facts.computed_tokens
 
-    def on_worker_dead(self, worker_id: str) -> None:
+    def forget_worker(self, worker_id: str) -> None:
+        """A worker is gone (the registry's on_dead): drop its load and the policy's state."""
         with self._lock:
             self.load.forget_worker(WorkerId(worker_id))
             self.policy.on_worker_removed(WorkerId(worker_id))
-        with self.mirror_lock:
-            self.mirror.remove_worker(WorkerId(worker_id))
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -392,15 +423,14 @@ class Coordinator:
                 "num_migrations": c.num_migrations,
                 "hit_rate": c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
             }
-        with self.mirror_lock:
-            snapshot["num_indexed_blocks"] = self.mirror.num_blocks
-            snapshot["num_events_applied"] = self.mirror.num_events_applied
+        snapshot["num_indexed_blocks"] = self.mirror.num_blocks
+        snapshot["num_events_applied"] = self.mirror.num_events_applied
         return snapshot
 
-    def observe_worker(self, worker_id: str, info: dict[str, Any]) -> None:
+    def observe_worker(self, worker_id: str, info: WorkerInfo) -> None:
         """Fold a worker's measured prefill cost into the router's cost model, so prices follow
         the hardware (a CPU worker and an H100 differ by orders of magnitude)."""
-        measured = float(info.get("counters", {}).get("prefill_ms_per_token", 0.0))
+        measured = info.counters.prefill_ms_per_token
         if measured <= 0:
             return
         with self._lock:
@@ -408,5 +438,4 @@ class Coordinator:
             self.policy.cost_model = self.cost_model
 
     def indexed_blocks_of(self, worker_id: str) -> int:
-        with self.mirror_lock:
-            return self.mirror.num_worker_blocks(WorkerId(worker_id))
+        return self.mirror.num_worker_blocks(WorkerId(worker_id))

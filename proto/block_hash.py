@@ -38,6 +38,29 @@ def namespace_hash(model_fingerprint: str, lora_name: str = "", cache_salt: str 
     return BlockHash(xxhash.xxh3_64_intdigest(key))
 
 
+def num_reusable_blocks(num_prompt_tokens: int, block_size: int) -> int:
+    """Most leading full blocks of a prompt whose cached KV can be reused: every block but the one
+    holding the last prompt token, whose logits start decoding, so that token is always computed.
+    The one place this rule is written; callers take `min(matched, this)`.
+
+        prompt:   |  block 0  |  block 1  | tail |      reusable: blocks 0, 1
+        prompt:   |  block 0  |  block 1  |             reusable: block 0 only
+    """
+    if num_prompt_tokens < 1 or block_size < 1:
+        raise ValueError(
+            f"need a prompt of >= 1 token and a block size >= 1, got {num_prompt_tokens}"
+            f" tokens in blocks of {block_size}"
+        )
+    return (num_prompt_tokens - 1) // block_size
+
+
+def num_reusable_tokens(num_prompt_tokens: int, num_matched_blocks: int, block_size: int) -> int:
+    """Prompt tokens a worker holding `num_matched_blocks` leading blocks reuses (whole blocks,
+    never the one holding the last prompt token: see `num_reusable_blocks`)."""
+    reusable = num_reusable_blocks(num_prompt_tokens, block_size)
+    return min(num_matched_blocks, reusable) * block_size
+
+
 def block_hashes(
     token_ids: Sequence[int] | np.ndarray,
     block_size: int,

@@ -1,11 +1,16 @@
 """The Ray shell around `Worker`: the one module that imports ray.
 
-One engine thread drives `Worker.step()`; Ray's event loop serves calls. A request's outputs cross
-from the engine thread to the caller's stream through an asyncio queue. After every step the
-thread publishes the step's KV events *before* handing out the tokens, so by the time a client sees
-a response the index already knows the blocks it left behind.
+One engine thread owns the worker (pool, scheduler, model) and drives `Worker.step()`; Ray's
+event loop serves calls. Anything that touches the worker runs on the engine thread as a closure
+(`_on_engine`); a request's outputs cross back to the caller's stream through an asyncio queue.
+After every step the thread publishes the step's KV events *before* handing out the tokens, so
+by the time a client sees a response the index already knows the blocks it left behind.
 
-    caller --generate()--> inbox --engine thread: step, publish events--> queue --> stream
+    caller --generate()--> [pull: reserve, transport.fetch, finish] --> engine thread:
+           step, publish events --> queue --> stream
+
+A request with a pull plan is pulled here, by the worker that serves it, while it is admitted:
+the reserved blocks belong to the request from the start (see `workers/engine/worker.py`).
 """
 
 from __future__ import annotations
@@ -15,30 +20,31 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent import futures
-from dataclasses import asdict
-from typing import Any
+from typing import Any, TypeVar
 
 import ray
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
+from kvmesh.proto.block_hash import BlockHash
 from kvmesh.workers.config import WorkerConfig
+from kvmesh.workers.contract.replies import RequestOutput, RequestRejected, WorkerFailed, WorkerInfo
+from kvmesh.workers.contract.requests import PullSpec, Transport, WorkerRequest
 from kvmesh.workers.engine.event_publisher import EventPublisher
-from kvmesh.workers.engine.failure import SequenceFailure
-from kvmesh.workers.engine.worker import RequestOutput, WorkerRequest
+from kvmesh.workers.engine.worker import BlockWriter
+from kvmesh.workers.kv.pull_reservation import PullReservation
 from kvmesh.workers.model.loader import build_worker
-from kvmesh.workers.transfer.block_copy import copy_blocks
-from kvmesh.workers.transfer.links import BlockExport
+from kvmesh.workers.transfer.block_export import BlockExport
+from kvmesh.workers.transfer.cuda_ipc import CudaIpcTransport
+from kvmesh.workers.transfer.nccl import NcclLink, NcclTransport
+from kvmesh.workers.transfer.object_store import ObjectStoreTransport
 
 log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.05
-
-
-class RequestError(Exception):
-    """A request the worker refused (bad input); the message is for the client."""
+T = TypeVar("T")
 
 
 class WorkerActor:
@@ -51,7 +57,7 @@ class WorkerActor:
             # Label the device by the GPU Ray gave us (every actor sees its own as cuda:0), so
             # the coordinator can tell workers sharing a GPU from workers on different GPUs.
             self.worker.device = f"cuda:{ray.get_gpu_ids()[0]}"
-        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
         self._lock = threading.Lock()
@@ -62,21 +68,32 @@ class WorkerActor:
             else None
         )
         self._last_heartbeat = 0.0
-        self._peer_caches: dict[str, torch.Tensor] = {}  # same-GPU peers' KV, mapped by CUDA IPC
+        self._peers: dict[str, Any] = {}
+        self._object_store = ObjectStoreTransport(self._peer, self.worker.runner)
+        self._cuda_ipc = CudaIpcTransport(self._peer, self.worker.runner)
+        self._nccl: NcclTransport | None = None
+        self._nccl_link: NcclLink | None = None
         self._heartbeat()
         self._thread = threading.Thread(target=self._engine_loop, name="kvmesh-engine", daemon=True)
         self._thread.start()
 
-    # ---- Ray-facing methods -------------------------------------------------------------------
+    # ---- requests -----------------------------------------------------------------------------
 
     async def generate(self, request: WorkerRequest) -> AsyncIterator[RequestOutput]:
         loop = asyncio.get_running_loop()
         out: asyncio.Queue[Any] = asyncio.Queue()
+        rid = request.request_id
         with self._lock:
-            self._streams[request.request_id] = (loop, out)
-        self._inbox.put(("add", request))
-        self._wakeup.set()
+            self._streams[rid] = (loop, out)
         try:
+            try:
+                reservation = await self._on_engine(lambda: self.worker.add_request(request))
+            except ValueError as exc:
+                raise RequestRejected(str(exc)) from None
+            if reservation is not None:
+                assert request.pull is not None
+                await self._pull(rid, request.pull, reservation)
+            self._wakeup.set()
             while True:
                 item = await out.get()
                 if isinstance(item, Exception):
@@ -86,34 +103,71 @@ class WorkerActor:
                     return
         finally:
             with self._lock:
-                live = self._streams.pop(request.request_id, None)
+                live = self._streams.pop(rid, None)
             if live is not None:
-                # The caller went away before the end: stop computing for it.
-                self._inbox.put(("abort", request.request_id))
-                self._wakeup.set()
+                # The caller went away before the end (or the request failed): stop computing.
+                self._submit(lambda: self.worker.abort(rid))
 
-    def info(self) -> dict[str, Any]:
-        return asdict(self.worker.info())
+    async def _pull(self, rid: str, spec: PullSpec, reservation: PullReservation) -> None:
+        """Fill the request's reserved blocks from `spec.source`; any failure means recompute."""
+        started = time.perf_counter()
+
+        async def write(fill: BlockWriter) -> int:
+            return await self._on_engine(lambda: self.worker.write_pull(rid, fill))
+
+        written = 0
+        try:
+            written = await self._fetch(spec, reservation.hashes, write)
+        except Exception as exc:  # a dead or confused peer: recompute what did not arrive
+            log.warning("pull %s <- %s failed: %s", rid, spec.source, str(exc).splitlines()[0])
+        elapsed_ms = (time.perf_counter() - started) * 1e3
+        await self._on_engine(lambda: self.worker.finish_pull(rid, written, elapsed_ms))
+
+    async def _fetch(self, spec: PullSpec, hashes: tuple[BlockHash, ...], write: Any) -> int:
+        transports = {Transport.CUDA_IPC: self._cuda_ipc, Transport.NCCL: self._nccl}
+        chosen = transports.get(spec.transport)
+        if chosen is not None:
+            written = await chosen.fetch(spec.source, hashes, write)
+            if written is not None:
+                return written
+        return await self._object_store.fetch(spec.source, hashes, write) or 0
+
+    def _peer(self, worker_id: str) -> Any:
+        return self._peers[worker_id]
+
+    def set_peers(self, peers: dict[str, Any]) -> None:
+        """The other workers' actor handles, by id (pull sources)."""
+        self._peers = {w: a for w, a in peers.items() if w != self.config.worker_id}
+
+    # ---- reports and admin ----------------------------------------------------------------------
+
+    def info(self) -> WorkerInfo:
+        return self.worker.info()
 
     def ping(self) -> str:
         return self.config.worker_id
 
     async def clear_cache(self) -> int:
-        return int(await self._engine_call("clear", None))
+        def clear() -> int:
+            dropped = self.worker.clear_cache()
+            self._publish(self.worker.full_state_batch())
+            return dropped
+
+        return await self._on_engine(clear)
 
     async def check_invariants(self) -> bool:
-        return bool(await self._engine_call("check", None))
+        await self._on_engine(self.worker.check_invariants)
+        return True
 
     async def cached_hashes(self) -> list[int]:
-        return list(await self._engine_call("hashes", None))
+        return await self._on_engine(lambda: [int(h) for h in self.worker.pool.cached_hashes()])
+
+    # ---- pull sources (a peer's transport calls these) ------------------------------------------
 
     async def export_blocks(self, hashes: list[int]) -> BlockExport:
         """The leading run of `hashes` this worker holds, as one CPU tensor (object store)."""
-        return await self._engine_call("export", hashes)  # type: ignore[no-any-return]
-
-    async def import_blocks(self, export: BlockExport, parent: int) -> int:
-        """Install a peer's exported run; returns how many of its blocks are now held here."""
-        return int(await self._engine_call("import", (export, parent)))
+        run = [BlockHash(h) for h in hashes]
+        return await self._on_engine(lambda: self.worker.export_blocks(run))
 
     def ipc_handle(self) -> tuple[Any, Any] | None:
         """What a worker on the same GPU needs to map this worker's KV cache (CUDA IPC)."""
@@ -121,35 +175,51 @@ class WorkerActor:
         return reduce_tensor(cache) if cache.is_cuda else None
 
     async def pin_blocks(self, hashes: list[int]) -> list[int]:
-        return [int(b) for b in await self._engine_call("pin", hashes)]
+        run = [BlockHash(h) for h in hashes]
+        return [int(b) for b in await self._on_engine(lambda: self.worker.pin_run(run))]
 
     async def unpin_blocks(self, ids: list[int]) -> None:
-        await self._engine_call("unpin", ids)
+        await self._on_engine(lambda: self.worker.unpin(ids))  # type: ignore[arg-type]
 
-    async def import_from_peer(
-        self, peer_id: str, handle: tuple[Any, Any], ids: list[int], hashes: list[int], parent: int
-    ) -> int:
-        """Same-GPU pull: copy `ids` of the peer's cache (mapped once per peer) into our pool."""
-        return int(await self._engine_call("import_ipc", (peer_id, handle, ids, hashes, parent)))
-
-    def nccl_init(self, init_method: str, world_size: int, rank: int) -> int:
+    def nccl_init(self, init_method: str, ranks: dict[str, int]) -> int:
         """Join the workers' NCCL group (one rank per GPU) for GPU-to-GPU pulls."""
         import torch.distributed as dist  # only multi-GPU deployments need it
 
+        rank = ranks[self.config.worker_id]
         torch.cuda.set_device(self.worker.runner.kv_cache.device)
-        dist.init_process_group("nccl", init_method=init_method, world_size=world_size, rank=rank)
+        dist.init_process_group("nccl", init_method=init_method, world_size=len(ranks), rank=rank)
+        self._nccl_link = NcclLink(rank, ranks)
+        self._nccl = NcclTransport(self._peer, self.worker.runner, self._nccl_link)
         return rank
 
-    async def nccl_send(self, ids: list[int], dst_rank: int) -> int:
-        """Send pinned blocks (from `pin_blocks`) to `dst_rank`, then unpin them."""
-        return int(await self._engine_call("nccl_send", (ids, dst_rank)))
+    async def nccl_accept(self, hashes: list[int]) -> list[int] | None:
+        """Agree to send the leading device run of `hashes`: pins it and keeps this worker
+        claimed until `nccl_send`. None if this worker is in another NCCL transfer."""
+        link = self._nccl_link
+        if link is None or not link.try_claim():
+            return None
+        ids = await self.pin_blocks(hashes)
+        if not ids:
+            link.release()
+        return ids
 
-    async def nccl_recv(
-        self, num_blocks: int, src_rank: int, hashes: list[int], parent: int, source: str
-    ) -> int:
-        """Receive `num_blocks` from `src_rank` and install them under `hashes`."""
-        args = (num_blocks, src_rank, hashes, parent, source)
-        return int(await self._engine_call("nccl_recv", args))
+    async def nccl_send(self, ids: list[int], dst_rank: int) -> int:
+        """Send the blocks `nccl_accept` pinned, then unpin them and release the claim."""
+        link = self._nccl_link
+        assert link is not None, "nccl_send before nccl_init"
+        cache = self.worker.runner.kv_cache
+
+        def send() -> None:
+            try:
+                NcclLink.send(cache, ids, dst_rank)
+            finally:
+                self.worker.unpin(ids)  # type: ignore[arg-type]
+
+        try:
+            await self._on_engine(send)
+        finally:
+            link.release()
+        return len(ids)
 
     def make_probe(self, num_bytes: int) -> torch.Tensor:
         """A tensor of `num_bytes` for measuring a link at start-up."""
@@ -157,13 +227,6 @@ class WorkerActor:
 
     def consume_probe(self, probe: torch.Tensor) -> int:
         return int(probe.numel())
-
-    async def _engine_call(self, kind: str, arg: Any) -> Any:
-        """Run an operation on the engine thread (which owns the pool) and await its result."""
-        reply: futures.Future[Any] = futures.Future()
-        self._inbox.put((kind, (arg, reply)))
-        self._wakeup.set()
-        return await asyncio.wrap_future(reply)
 
     def shutdown(self) -> None:
         self._stopped.set()
@@ -173,6 +236,23 @@ class WorkerActor:
             self._publisher.close()
 
     # ---- engine thread ------------------------------------------------------------------------
+
+    def _submit(self, fn: Callable[[], None]) -> None:
+        self._inbox.put(fn)
+        self._wakeup.set()
+
+    async def _on_engine(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the engine thread (which owns the worker) and await its result."""
+        reply: futures.Future[T] = futures.Future()
+
+        def call() -> None:
+            try:
+                reply.set_result(fn())
+            except Exception as exc:  # the caller gets the error; the engine keeps serving
+                reply.set_exception(exc)
+
+        self._submit(call)
+        return await asyncio.wrap_future(reply)
 
     def _engine_loop(self) -> None:
         while not self._stopped.is_set():
@@ -194,90 +274,11 @@ class WorkerActor:
     def _drain_inbox(self) -> None:
         while True:
             try:
-                kind, arg = self._inbox.get_nowait()
+                fn = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
-                try:
-                    self.worker.add_request(arg)
-                except ValueError as exc:
-                    self._deliver(arg.request_id, RequestError(str(exc)))
-            elif kind == "abort":
-                self.worker.abort(arg)
-            else:
-                self._run_engine_op(kind, *arg)
-
-    def _run_engine_op(self, kind: str, arg: Any, reply: futures.Future[Any]) -> None:
-        try:
-            if kind == "clear":
-                result: Any = self.worker.clear_cache()
-                self._publish(self.worker.full_state_batch())
-            elif kind == "check":
-                self.worker.check_invariants()
-                result = True
-            elif kind == "hashes":
-                result = [int(h) for h in self.worker.pool.cached_hashes()]
-            elif kind == "export":
-                result = self.worker.export_blocks(arg)
-            elif kind == "pin":
-                result = self.worker.pin_run(arg)
-            elif kind == "unpin":
-                self.worker.unpin(arg)
-                result = None
-            elif kind == "import_ipc":
-                peer_id, handle, ids, hashes, parent = arg
-                if peer_id not in self._peer_caches:
-                    rebuild, rebuild_args = handle
-                    self._peer_caches[peer_id] = rebuild(*rebuild_args)
-                cache = self._peer_caches[peer_id]
-                result = self.worker.import_from_peer_cache(cache, ids, hashes, parent)
-                self._publish_events()
-            elif kind == "nccl_send":
-                result = self._nccl_send(*arg)
-            elif kind == "nccl_recv":
-                result = self._nccl_recv(*arg)
-                self._publish_events()
-            elif kind == "import":
-                export, parent = arg
-                result = self.worker.import_blocks(export, parent)
-                self._publish_events()  # announce imported blocks like computed ones
-            else:
-                raise ValueError(f"unknown engine op {kind!r}")
-        except Exception as exc:  # the caller gets the error; the engine keeps serving
-            reply.set_exception(exc)
-        else:
-            reply.set_result(result)
-
-    def _nccl_send(self, ids: list[int], dst_rank: int) -> int:
-        import torch.distributed as dist
-
-        try:
-            cache = self.worker.runner.kv_cache
-            # Stage the blocks in cache layout with the copy kernel (a gather by advanced
-            # indexing runs at a fraction of memory bandwidth), then send one tensor.
-            staging = cache.new_empty((*cache.shape[:2], len(ids), *cache.shape[3:]))
-            copy_blocks(staging, list(range(len(ids))), cache, ids)
-            dist.send(staging, dst=dst_rank)
-            torch.cuda.synchronize()
-        finally:
-            self.worker.unpin(ids)  # type: ignore[arg-type]
-        return len(ids)
-
-    def _nccl_recv(
-        self, num_blocks: int, src_rank: int, hashes: list[int], parent: int, source: str
-    ) -> int:
-        import torch.distributed as dist
-
-        cache = self.worker.runner.kv_cache
-        staging = cache.new_empty((*cache.shape[:2], num_blocks, *cache.shape[3:]))
-        dist.recv(staging, src=src_rank)
-        torch.cuda.synchronize()
-        return self.worker.import_from_peer_cache(
-            staging,
-            list(range(num_blocks)),
-            hashes,
-            parent,  # type: ignore[arg-type]
-        )
+            fn()
+            self._publish_events()  # e.g. imported blocks: announced like computed ones
 
     def _publish_events(self) -> None:
         if self._publisher is None:
@@ -328,11 +329,9 @@ class WorkerActor:
     def _fail_all(self, exc: Exception) -> None:
         with self._lock:
             ids = list(self._streams)
-        # INTERNAL, not the requests' fault; the message never carries the exception's text.
-        failure = SequenceFailure("the worker's engine step failed", internal=True)
         for rid in ids:
             self.worker.abort(rid)
-            self._deliver(rid, RequestOutput(rid, (), True, "error", failure=failure))
+            self._deliver(rid, WorkerFailed(f"worker {self.config.worker_id} failed: {exc}"))
 
 
 def remote_worker_class(num_gpus: float, num_cpus: float = 1) -> Any:

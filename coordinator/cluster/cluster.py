@@ -1,7 +1,8 @@
 """Worker lifecycle through Ray: start one actor per GPU (or N on CPU), watch them, stream calls.
 
-The coordinator's Ray shell. A worker is declared dead when a call or a health ping says its actor
-died; `on_worker_dead` then purges it from the index and the router stops seeing it.
+The coordinator's Ray shell. When a call or a health ping says a worker's actor died, the shell
+tells the worker registry (`registry.py`), the one judge of liveness, which fans the death out to
+the index, the load tracker and the policy.
 """
 
 from __future__ import annotations
@@ -15,42 +16,38 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from kvmesh.coordinator.cluster.registry import WorkerRegistry
 from kvmesh.coordinator.coordinator import WorkerDied
-from kvmesh.workers.actor import RequestError, remote_worker_class
+from kvmesh.workers.actor import remote_worker_class
 from kvmesh.workers.config import WorkerConfig
-from kvmesh.workers.engine.worker import RequestOutput, WorkerRequest
+from kvmesh.workers.contract.replies import RequestOutput, RequestRejected, WorkerFailed, WorkerInfo
+from kvmesh.workers.contract.requests import WorkerRequest
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class _Handle:
     config: WorkerConfig
     actor: Any
-    alive: bool = True
 
 
 class Cluster:
-    """Invariant: a worker id maps to one actor; once marked dead it is never routed to again."""
+    """Invariant: a worker id maps to one actor, and every id is known to the registry."""
 
-    def __init__(self, on_worker_dead: Callable[[str], None] | None = None) -> None:
+    def __init__(self, registry: WorkerRegistry) -> None:
+        self.registry = registry
         self._handles: dict[str, _Handle] = {}
         self._lock = threading.Lock()
-        self._on_worker_dead = on_worker_dead
         self._stop = threading.Event()
         self._monitor: threading.Thread | None = None
-        self._latest_info: dict[str, dict[str, Any]] = {}
-        self._ipc_handles: dict[str, Any] = {}
-        self._on_info: Callable[[str, dict[str, Any]], None] | None = None
+        self._latest_info: dict[str, WorkerInfo] = {}
+        self._on_info: Callable[[str, WorkerInfo], None] | None = None
         self._nccl_ranks: dict[str, int] = {}
-        self._nccl_lock = threading.Lock()
 
-    def set_on_worker_dead(self, callback: Callable[[str], None]) -> None:
-        self._on_worker_dead = callback
-
-    def set_on_info(self, callback: Callable[[str, dict[str, Any]], None]) -> None:
+    def set_on_info(self, callback: Callable[[str, WorkerInfo], None]) -> None:
         """Called from the health loop with every worker's fresh info (pool, counters)."""
         self._on_info = callback
 
@@ -62,8 +59,12 @@ class Cluster:
             actor = cls.remote(cfg)
             with self._lock:
                 self._handles[cfg.worker_id] = _Handle(cfg, actor)
+            self.registry.add(cfg.worker_id)
         pings = [h.actor.ping.remote() for h in self._handles.values()]
         ray.get(pings, timeout=ready_timeout_s)
+        with self._lock:
+            peers = {w: h.actor for w, h in self._handles.items()}
+        ray.get([a.set_peers.remote(peers) for a in peers.values()], timeout=ready_timeout_s)
 
     def start_monitor(self, interval_s: float) -> None:
         self._monitor = threading.Thread(
@@ -76,27 +77,29 @@ class Cluster:
             return sorted(self._handles)
 
     def live_worker_ids(self) -> list[str]:
-        with self._lock:
-            return sorted(w for w, h in self._handles.items() if h.alive)
+        return self.registry.alive()
 
     def is_alive(self, worker_id: str) -> bool:
+        return self.registry.is_alive(worker_id)
+
+    def _live_actors(self) -> dict[str, Any]:
+        alive = set(self.registry.alive())
         with self._lock:
-            h = self._handles.get(worker_id)
-            return h is not None and h.alive
+            return {w: h.actor for w, h in self._handles.items() if w in alive}
 
     def actor(self, worker_id: str) -> Any:
         with self._lock:
             return self._handles[worker_id].actor
 
     def generate(self, worker_id: str, request: WorkerRequest) -> Iterator[RequestOutput]:
-        """Stream a request's outputs; raises RequestError (bad input) or WorkerDied."""
+        """Stream a request's outputs; raises RequestRejected, WorkerFailed or WorkerDied."""
         stream = self.actor(worker_id).generate.remote(request)
         try:
             for ref in stream:
                 yield ray.get(ref)
         except RayTaskError as exc:
             cause = exc.cause if hasattr(exc, "cause") else None
-            if isinstance(cause, RequestError):
+            if isinstance(cause, RequestRejected | WorkerFailed):
                 raise cause from None
             if isinstance(exc, RayActorError):
                 self.mark_dead(worker_id)
@@ -106,43 +109,16 @@ class Cluster:
             self.mark_dead(worker_id)
             raise WorkerDied(worker_id) from None
 
-    def pull(
-        self, target: str, source: str, hashes: list[int], parent: int, timeout_s: float = 60.0
-    ) -> int:
-        """Have `target` fetch `source`'s run of `hashes`; returns how many of them `target`
-        holds afterwards, 0 when the transfer failed (the request then recomputes).
-
-        Workers on one GPU copy straight from each other's cache (CUDA IPC); others go through
-        Ray's object store as one contiguous tensor.
-        """
-        try:
-            if self._same_gpu(source, target):
-                return self._pull_ipc(target, source, hashes, parent, timeout_s)
-            if source in self._nccl_ranks and target in self._nccl_ranks:
-                return self._pull_nccl(target, source, hashes, parent, timeout_s)
-            export = self.actor(source).export_blocks.remote(hashes)
-            importing = self.actor(target).import_blocks.remote(export, parent)
-            return int(ray.get(importing, timeout=timeout_s))
-        except RayActorError:
-            self._mark_dead_among(source, target)
-        except (RayError, GetTimeoutError) as exc:
-            log.warning("pull %s -> %s failed: %s", source, target, str(exc).splitlines()[0])
-        return 0
-
-    def _same_gpu(self, a: str, b: str) -> bool:
-        ia, ib = self.latest_info(a), self.latest_info(b)
-        device = str(ia.get("device", ""))
-        return (
-            device.startswith("cuda")
-            and device == ib.get("device")
-            and ia.get("node") == ib.get("node")
-        )
+    def nccl_members(self) -> frozenset[str]:
+        """Workers in the NCCL group (GPU-to-GPU pulls), empty without one."""
+        with self._lock:
+            return frozenset(self._nccl_ranks)
 
     def setup_nccl(self, timeout_s: float = 120.0) -> bool:
         """Put every live CUDA worker on its own GPU into one NCCL group (GPU-to-GPU pulls)."""
         live = self.live_worker_ids()
-        devices = {w: self.latest_info(w).get("device", "") for w in live}
-        on_gpus = all(str(d).startswith("cuda") for d in devices.values())
+        devices = {w: i.device if (i := self.latest_info(w)) else "" for w in live}
+        on_gpus = all(d.startswith("cuda") for d in devices.values())
         if len(live) < 2 or not on_gpus or len(set(devices.values())) < len(live):
             return False  # NCCL cannot put two ranks on one GPU: same-GPU pulls use CUDA IPC
         host = ray.util.get_node_ip_address()
@@ -150,58 +126,11 @@ class Cluster:
             probe.bind(("", 0))
             port = probe.getsockname()[1]
         init = f"tcp://{host}:{port}"
-        ray.get(
-            [self.actor(w).nccl_init.remote(init, len(live), r) for r, w in enumerate(live)],
-            timeout=timeout_s,
-        )
+        ranks = {w: r for r, w in enumerate(live)}
+        ray.get([self.actor(w).nccl_init.remote(init, ranks) for w in live], timeout=timeout_s)
         with self._lock:
-            self._nccl_ranks = {w: r for r, w in enumerate(live)}
+            self._nccl_ranks = ranks
         return True
-
-    def _pull_nccl(
-        self, target: str, source: str, hashes: list[int], parent: int, timeout_s: float
-    ) -> int:
-        # NCCL point-to-point calls must pair up in the same order on both ranks: one at a time.
-        with self._nccl_lock:
-            peer = self.actor(source)
-            ids = ray.get(peer.pin_blocks.remote(hashes), timeout=timeout_s)
-            if not ids:
-                return 0
-            send = peer.nccl_send.remote(ids, self._nccl_ranks[target])
-            recv = self.actor(target).nccl_recv.remote(
-                len(ids), self._nccl_ranks[source], hashes[: len(ids)], parent, source
-            )
-            held = int(ray.get(recv, timeout=timeout_s))
-            ray.get(send, timeout=timeout_s)
-            return held
-
-    def _pull_ipc(
-        self, target: str, source: str, hashes: list[int], parent: int, timeout_s: float
-    ) -> int:
-        peer = self.actor(source)
-        with self._lock:
-            handle = self._ipc_handles.get(source)
-        if handle is None:
-            handle = ray.get(peer.ipc_handle.remote(), timeout=timeout_s)
-            with self._lock:
-                self._ipc_handles[source] = handle
-        ids = ray.get(peer.pin_blocks.remote(hashes), timeout=timeout_s)
-        try:
-            if not ids:
-                return 0
-            call = self.actor(target).import_from_peer.remote(
-                source, handle, ids, hashes[: len(ids)], parent
-            )
-            return int(ray.get(call, timeout=timeout_s))
-        finally:
-            peer.unpin_blocks.remote(ids)
-
-    def _mark_dead_among(self, *worker_ids: str) -> None:
-        for w in worker_ids:
-            try:
-                ray.get(self.actor(w).ping.remote(), timeout=2)
-            except (RayError, GetTimeoutError):
-                self.mark_dead(w)
 
     def measure_link(
         self, source: str, target: str, num_bytes: int = 32 << 20
@@ -219,11 +148,10 @@ class Cluster:
         big_ms = move(num_bytes)
         return num_bytes / max(1e-6, big_ms - latency_ms), latency_ms
 
-    def infos(self, timeout_s: float = 2.0) -> dict[str, dict[str, Any]]:
-        with self._lock:
-            live = {w: h.actor for w, h in self._handles.items() if h.alive}
+    def infos(self, timeout_s: float = 2.0) -> dict[str, WorkerInfo]:
+        live = self._live_actors()
         refs = {w: a.info.remote() for w, a in live.items()}
-        out: dict[str, dict[str, Any]] = {}
+        out: dict[str, WorkerInfo] = {}
         for w, ref in refs.items():
             try:
                 out[w] = ray.get(ref, timeout=timeout_s)
@@ -236,30 +164,21 @@ class Cluster:
         return out
 
     def call_all(self, method: str, timeout_s: float = 30.0) -> dict[str, Any]:
-        with self._lock:
-            live = {w: h.actor for w, h in self._handles.items() if h.alive}
+        live = self._live_actors()
         refs = {w: getattr(a, method).remote() for w, a in live.items()}
         return {w: ray.get(r, timeout=timeout_s) for w, r in refs.items()}
 
     def mark_dead(self, worker_id: str) -> None:
-        with self._lock:
-            h = self._handles.get(worker_id)
-            if h is None or not h.alive:
-                return
-            h.alive = False
-        log.warning("worker %s died; removing it from the index and the router", worker_id)
-        if self._on_worker_dead is not None:
-            self._on_worker_dead(worker_id)
+        self.registry.mark_dead(worker_id, "its actor died")
 
-    def latest_info(self, worker_id: str) -> dict[str, Any]:
-        """The worker's last reported info (pool usage, counters); empty before the first."""
+    def latest_info(self, worker_id: str) -> WorkerInfo | None:
+        """The worker's last reported info (pool usage, counters); None before the first."""
         with self._lock:
-            return dict(self._latest_info.get(worker_id, {}))
+            return self._latest_info.get(worker_id)
 
     def _watch(self, interval_s: float) -> None:
         while not self._stop.wait(interval_s):
-            with self._lock:
-                live = {w: h.actor for w, h in self._handles.items() if h.alive}
+            live = self._live_actors()
             refs = {w: a.info.remote() for w, a in live.items()}
             for w, ref in refs.items():
                 try:

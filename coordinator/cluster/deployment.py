@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
-from collections.abc import Callable, Iterator, MutableMapping
+from collections.abc import Iterator, MutableMapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 import grpc
 import ray
@@ -19,13 +17,15 @@ import torch
 
 from kvmesh.coordinator.cluster.cluster import Cluster
 from kvmesh.coordinator.cluster.redis_server import RedisServer, start_redis_server
-from kvmesh.coordinator.cluster.transfer_manager import TransferManager
+from kvmesh.coordinator.cluster.registry import WorkerRegistry
 from kvmesh.coordinator.config import CoordinatorConfig
 from kvmesh.coordinator.coordinator import Coordinator
 from kvmesh.coordinator.index.follower import IndexFollower
-from kvmesh.coordinator.index.mirror import IndexMirror
+from kvmesh.coordinator.index.locked_mirror import LockedMirror
 from kvmesh.coordinator.index.store import IndexStore
-from kvmesh.coordinator.service.admin import Admin, DrainableBackend
+from kvmesh.coordinator.routing.links import LinkType
+from kvmesh.coordinator.routing.transfer_planner import TransferPlanner
+from kvmesh.coordinator.service.admin import Admin
 from kvmesh.coordinator.service.field_limits import FieldLimits
 from kvmesh.coordinator.service.interceptor import GateInterceptor, gate_from_config
 from kvmesh.coordinator.service.servicer import KVMeshServicer, build_server
@@ -35,7 +35,6 @@ from kvmesh.workers.config import WorkerConfig
 from kvmesh.workers.model.model_config import load_model_config
 from kvmesh.workers.model.runner import ModelRunner
 from kvmesh.workers.model.tokenizer import load_tokenizer
-from kvmesh.workers.transfer.links import LinkType
 
 log = logging.getLogger(__name__)
 
@@ -119,45 +118,43 @@ class Deployment:
             for i in range(num_workers)
         ]
         ns = f"{namespace_hash(model.fingerprint()):016x}"
-        self.cluster = Cluster()
+        registry = WorkerRegistry()
+        self.cluster = cluster = Cluster(registry)
         self.cluster.start_workers(workers, gpus_per_worker)
         infos = self.cluster.infos()
-        first: dict[str, Any] = next(iter(infos.values()), {})
-        device = str(first.get("device", "cpu"))
+        first = next(iter(infos.values()), None)
+        device = first.device if first is not None else "cpu"
         dtype = torch.float32 if device == "cpu" else torch.bfloat16
         kv_bytes_per_token = (
             ModelRunner.kv_bytes_per_block(model, cc.block_size, dtype) // cc.block_size
         )
-        transfers = TransferManager(
-            self.cluster, cluster_info(self.cluster), kv_bytes_per_token, cc.block_size
+        transfers = TransferPlanner(
+            cluster.latest_info,
+            kv_bytes_per_token,
+            cc.block_size,
+            nccl_members=cluster.nccl_members,
         )
-        mirror, lock = IndexMirror(), threading.Lock()
+        mirror = LockedMirror()
         store = IndexStore(redis_url)
-        self.follower = IndexFollower(store, mirror, lock, ns=ns)
-        cluster = self.cluster
-        backend = DrainableBackend(cluster)  # admin Drain removes workers from routing here
-        self.coordinator = Coordinator(
+        self.follower = follower = IndexFollower(
+            store, mirror, ns=ns, on_lapsed=registry.report_lapsed
+        )
+        self.coordinator = coordinator = Coordinator(
             cc,
             model,
-            backend,
+            cluster,
             mirror,
-            lock,
+            registry,
             tokenizer=load_tokenizer(cc.model),
-            index_connected=lambda: self.follower is not None and self.follower.connected,
+            index_connected=lambda: follower.connected,
             worker_free_blocks=lambda w: _free_blocks(cluster, w),
             transfers=transfers,
         )
-        coordinator = self.coordinator
+        # One judge of liveness, fanned out to everything that keeps per-worker state.
+        registry.on_dead(coordinator.forget_worker)
+        registry.on_dead(follower.purge_worker)
+        registry.on_lapsed(follower.purge_worker)
         self._calibrate_links(transfers)
-
-        def on_dead(worker_id: str) -> None:
-            coordinator.on_worker_dead(worker_id)
-            try:
-                store.purge_worker(ns, worker_id)
-            except Exception as exc:  # Redis away: the heartbeat sweep purges it later
-                log.warning("could not purge %s from Redis: %s", worker_id, exc)
-
-        self.cluster.set_on_worker_dead(on_dead)
         self.cluster.set_on_info(coordinator.observe_worker)
         self.follower.start()
         self.cluster.start_monitor(cc.health_interval_s)
@@ -165,7 +162,7 @@ class Deployment:
                            model.max_position_embeddings)  # fmt: skip
         gate = gate_from_config(cc, FieldLimits(max_prompt_tokens=prompt_limit))
         self.gate = gate
-        admin = Admin(self.cluster, self.coordinator, backend)
+        admin = Admin(self.cluster, self.coordinator)
         servicer = KVMeshServicer(
             self.coordinator, self.cluster, self.follower, admin=admin, gate=gate
         )
@@ -181,7 +178,7 @@ class Deployment:
         self.server.start()
         return self.address
 
-    def _calibrate_links(self, transfers: TransferManager) -> None:
+    def _calibrate_links(self, transfers: TransferPlanner) -> None:
         """Measure one worker-to-worker link so the first pulls are priced from reality."""
         assert self.cluster is not None
         live = self.cluster.live_worker_ids()
@@ -241,12 +238,8 @@ def without_secrets(environ: MutableMapping[str, str]) -> Iterator[None]:
         environ.update(saved)
 
 
-def cluster_info(cluster: Cluster) -> Callable[[str], dict[str, Any]]:
-    return cluster.latest_info
-
-
 def _free_blocks(cluster: Cluster, worker_id: str) -> tuple[int, int]:
     info = cluster.latest_info(worker_id)
-    if not info:
+    if info is None:
         return (1 << 30, 1 << 30)
-    return int(info["num_blocks"]), int(info["num_free_blocks"])
+    return info.num_blocks, info.num_free_blocks

@@ -10,8 +10,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
-from kvmesh.coordinator.index.mirror import ApplyResult, IndexMirror, WorkerId
+from kvmesh.coordinator.index.locked_mirror import LockedMirror
+from kvmesh.coordinator.index.mirror import ApplyResult, WorkerId
 from kvmesh.coordinator.index.store import IndexStore, StoreError
 
 log = logging.getLogger(__name__)
@@ -22,20 +24,21 @@ _SWEEP_S = 1.0
 
 
 class IndexFollower:
-    """Owns the mirror's writes; readers take `lock` around `mirror` calls."""
+    """Owns the mirror's writes. A worker whose heartbeat lapsed is reported to `on_lapsed`
+    (the worker registry, which fans it out; by default it is purged here directly)."""
 
     def __init__(
         self,
         store: IndexStore,
-        mirror: IndexMirror,
-        lock: threading.Lock,
+        mirror: LockedMirror,
         *,
         ns: str,
+        on_lapsed: Callable[[str], None] | None = None,
     ) -> None:
         self.store = store
         self.mirror = mirror
-        self.lock = lock
         self.ns = ns
+        self._on_lapsed = on_lapsed or self.purge_worker
         self.connected = False
         self.num_resyncs = 0
         self._last_id = "0-0"
@@ -68,11 +71,10 @@ class IndexFollower:
 
     def resync(self, worker: str) -> int:
         snap = self.store.snapshot(worker)
-        with self.lock:
-            if snap is None:
-                self.mirror.remove_worker(WorkerId(worker))
-                return 0
-            self.mirror.load_worker(WorkerId(worker), snap.generation, snap.seq, snap.blocks)
+        if snap is None:
+            self.mirror.remove_worker(WorkerId(worker))
+            return 0
+        self.mirror.load_worker(WorkerId(worker), snap.generation, snap.seq, snap.blocks)
         self.num_resyncs += 1
         return len(snap.blocks)
 
@@ -82,11 +84,9 @@ class IndexFollower:
         entries = self.store.read_stream(self._last_id, block_ms)
         for entry in entries:
             if entry.purged_worker is not None:
-                with self.lock:
-                    self.mirror.remove_worker(WorkerId(entry.purged_worker))
+                self.mirror.remove_worker(WorkerId(entry.purged_worker))
             elif entry.batch is not None:
-                with self.lock:
-                    result = self.mirror.apply(entry.batch)
+                result = self.mirror.apply(entry.batch)
                 if result is ApplyResult.NEEDS_RESYNC:
                     self.resync(entry.batch.worker_id)
             self._last_id = entry.entry_id
@@ -105,6 +105,10 @@ class IndexFollower:
                     log.warning("index: lost Redis (%s); routing by load only", exc)
                 self.connected = False
                 self._stop.wait(_RETRY_S)
+            except Exception:  # a bug must not freeze the mirror: rebuild it from Redis
+                log.exception("index: following the event stream failed; rebuilding the mirror")
+                self.connected = False
+                self._stop.wait(_RETRY_S)
 
     def _sweep_expired(self) -> None:
         """Purge workers whose heartbeat lapsed (their process died without anyone noticing).
@@ -119,6 +123,12 @@ class IndexFollower:
         for worker in self.store.worker_ids():
             if not self.store.is_alive(worker):
                 log.warning("index: heartbeat of %s lapsed; purging its blocks", worker)
-                self.store.purge_worker(self.ns, worker)
-                with self.lock:
-                    self.mirror.remove_worker(WorkerId(worker))
+                self._on_lapsed(worker)
+
+    def purge_worker(self, worker: str) -> None:
+        """Forget a worker's blocks here and in Redis (Redis away: the sweep purges it later)."""
+        self.mirror.remove_worker(WorkerId(worker))
+        try:
+            self.store.purge_worker(self.ns, worker)
+        except StoreError as exc:
+            log.warning("index: could not purge %s from Redis: %s", worker, exc)

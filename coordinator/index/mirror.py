@@ -187,8 +187,8 @@ class IndexMirror:
 
     def _remove(self, worker: WorkerId, hashes: Iterable[BlockHash], tier: int | None) -> None:
         owned = self._worker_blocks.get(worker)
-        if owned is None:
-            return
+        if not owned:
+            return  # nothing indexed (a worker gets its bit with its first block)
         bit = self._bit_of[worker]
         for h in hashes:
             held = owned.get(h)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 from kvmesh.coordinator.index.mirror import WorkerId
 from kvmesh.coordinator.routing.cost_model import CostModel
-from kvmesh.proto.block_hash import BlockHash
+from kvmesh.proto.block_hash import BlockHash, num_reusable_tokens
 
 if TYPE_CHECKING:
     from kvmesh.coordinator.routing.pull_planner import PullPlan, TransferPrice
@@ -150,8 +150,7 @@ class RoutingPolicy(ABC):
 
     @staticmethod
     def _cached_tokens(query: RouteQuery, w: WorkerView) -> int:
-        # The last prompt token is always computed (its logits start decoding).
-        return min(w.matched_blocks * query.block_size, query.prompt_len - 1)
+        return num_reusable_tokens(query.prompt_len, w.matched_blocks, query.block_size)
 
 
 class SessionMap:

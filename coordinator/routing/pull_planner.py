@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from kvmesh.coordinator.index.mirror import WorkerId
 from kvmesh.coordinator.routing.cost_model import CostModel
 from kvmesh.coordinator.routing.policy import RouteQuery, WorkerView
+from kvmesh.proto.block_hash import num_reusable_tokens
 
 TransferPrice = Callable[[WorkerId, WorkerId, int], float]
 """(source, destination, num_tokens) -> milliseconds."""
@@ -54,7 +55,7 @@ def cheapest_prefill(
     transfer_ms: TransferPrice | None,
 ) -> PrefillOption:
     bs, n = query.block_size, query.prompt_len
-    cached = min(target.matched_blocks * bs, n - 1)
+    cached = num_reusable_tokens(n, target.matched_blocks, bs)
     best = PrefillOption(cost_model.prefill_ms(n - cached, cached), None)
     if transfer_ms is None or peer is None:
         return best
@@ -62,7 +63,7 @@ def cheapest_prefill(
         return best
     num_blocks = peer.matched_device_blocks
     moved_tokens = (num_blocks - target.matched_blocks) * bs
-    pulled_cached = min(num_blocks * bs, n - 1)
+    pulled_cached = num_reusable_tokens(n, num_blocks, bs)
     link_ms = transfer_ms(peer.worker_id, target.worker_id, moved_tokens)
     with_pull = link_ms + cost_model.prefill_ms(n - pulled_cached, pulled_cached)
     if with_pull >= best.prefill_ms:

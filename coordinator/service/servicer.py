@@ -5,11 +5,12 @@ Every RPC maps the coordinator's exceptions to a status code and never lets one 
 stop the server:
 
     InvalidRequest / ValueError -> INVALID_ARGUMENT      NoLiveWorker / WorkerDied -> UNAVAILABLE
-    RequestError (worker refused) -> INVALID_ARGUMENT     SequenceFailed, anything else -> INTERNAL
+    RequestRejected (worker refused, or a request's own sampling failed) -> INVALID_ARGUMENT
+    WorkerFailed (the worker failed the request), anything else -> INTERNAL
 Oversized messages are refused by gRPC itself with RESOURCE_EXHAUSTED (max_receive_message_length).
-Authentication, rate and stream limits and unparsable bytes are answered before a call gets here,
-by the interceptor (`service/interceptor.py`). The admin RPCs (Drain, ClearCache, VerifyIndex)
-delegate to `coordinator/service/admin.py`.
+Authentication, rate and stream limits, field sizes and unparsable bytes are answered before a
+call gets here, by the interceptor (`service/interceptor.py`). The admin RPCs (Drain, ClearCache,
+VerifyIndex) delegate to `coordinator/service/admin.py`.
 """
 
 from __future__ import annotations
@@ -26,23 +27,23 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvmesh.coordinator.cluster.cluster import Cluster
 from kvmesh.coordinator.coordinator import (
     Coordinator,
     InvalidRequest,
     NoLiveWorker,
     PreparedPrompt,
+    StreamEvent,
     WorkerDied,
 )
 from kvmesh.coordinator.index.follower import IndexFollower
-from kvmesh.coordinator.service.admin import Admin
+from kvmesh.coordinator.service.admin import Admin, Fleet
 from kvmesh.coordinator.service.detokenizer import IncrementalDetokenizer
 from kvmesh.coordinator.service.interceptor import GateInterceptor
 from kvmesh.coordinator.service.tls import ServerTls
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
-from kvmesh.workers.actor import RequestError
-from kvmesh.workers.engine.sampler import SamplingConfig
+from kvmesh.workers.contract.replies import RequestRejected
+from kvmesh.workers.contract.requests import SamplingConfig
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -50,7 +51,7 @@ SERVICE_NAME = "kvmesh.v1.KVMesh"
 
 
 def _status_for(exc: BaseException) -> grpc.StatusCode:
-    if isinstance(exc, InvalidRequest | RequestError | ValueError):
+    if isinstance(exc, InvalidRequest | RequestRejected | ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(exc, NoLiveWorker | WorkerDied):
         return grpc.StatusCode.UNAVAILABLE
@@ -61,7 +62,7 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
     def __init__(
         self,
         coordinator: Coordinator,
-        cluster: Cluster,
+        cluster: Fleet,
         follower: IndexFollower | None,
         *,
         admin: Admin | None = None,
@@ -103,16 +104,7 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
                     )
                 if first:
                     resp.ttft_ms = (time.perf_counter() - started) * 1e3
-                    resp.cache.CopyFrom(
-                        pb.CacheFacts(
-                            worker_id=event.worker_id,
-                            prompt_tokens=event.prompt_tokens,
-                            cached_tokens=max(event.cached_tokens, 0),
-                            pulled_tokens=event.pulled_tokens,
-                            computed_tokens=max(event.computed_tokens, 0),
-                            policy=self.coordinator.policy.name,
-                        )
-                    )
+                    resp.cache.CopyFrom(self._cache_facts(event))
                     first = False
                 if event.finished:
                     resp.finish_reason = event.finish_reason
@@ -126,6 +118,19 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
             close = getattr(stream, "close", None)
             if close is not None:
                 close()  # a cancelled client: stop the worker now, count it as cancelled
+
+    def _cache_facts(self, event: StreamEvent) -> pb.CacheFacts:
+        facts = event.prefill
+        if facts is None:  # the worker's stream ended before its first token
+            return pb.CacheFacts(worker_id=event.worker_id, policy=self.coordinator.policy.name)
+        return pb.CacheFacts(
+            worker_id=event.worker_id,
+            prompt_tokens=facts.prompt_tokens,
+            cached_tokens=facts.local_tokens + facts.host_tokens,
+            pulled_tokens=facts.pulled_tokens,
+            computed_tokens=facts.computed_tokens,
+            policy=self.coordinator.policy.name,
+        )
 
     def _start_generate(self, request: pb.GenerateRequest) -> Iterator[Any]:
         c = self.coordinator
@@ -206,8 +211,8 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
             c = self.coordinator
             s = c.stats()
             return pb.StatsResponse(
-                num_workers=len(self.cluster.worker_ids()),
-                num_live_workers=len(self.cluster.live_worker_ids()),
+                num_workers=len(self.cluster.registry.known()),
+                num_live_workers=len(self.cluster.registry.alive()),
                 policy=c.policy.name,
                 redis_connected=self.follower is not None and self.follower.connected,
                 num_resyncs=self.follower.num_resyncs if self.follower is not None else 0,
@@ -215,7 +220,7 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
                 model=c.fingerprint,
                 routing="cache_aware" if c.index_connected() else "load_only",
                 num_decode_errors=self.follower.store.num_decode_errors if self.follower else 0,
-                num_drained_workers=len(self.admin.backend.drained()) if self.admin else 0,
+                num_drained_workers=len(self.cluster.registry.drained()),
                 num_rejected_requests=self.gate.num_rejected if self.gate else 0,
                 num_slow_streams_cancelled=(
                     self.gate.num_slow_streams_cancelled if self.gate else 0
@@ -234,28 +239,32 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
 
     def _list_workers(self) -> pb.ListWorkersResponse:
         infos = self.cluster.infos()
-        c = self.coordinator
+        registry = self.cluster.registry
         out = []
-        for w in self.cluster.worker_ids():
+        for w in registry.known():
             i = infos.get(w) or self.cluster.latest_info(w)
-            counters = i.get("counters", {})
+            report = {}
+            if i is not None:
+                report = {
+                    "pid": i.pid,
+                    "node": i.node,
+                    "device": i.device,
+                    "num_blocks": i.num_blocks,
+                    "num_free_blocks": i.num_free_blocks,
+                    "cached_tokens": i.counters.cached_tokens,
+                    "computed_tokens": i.counters.computed_tokens,
+                    "num_requests": i.counters.num_requests,
+                    "num_running": i.num_running,
+                    "num_waiting": i.num_waiting,
+                    "generation": i.generation,
+                }
             out.append(
                 pb.WorkerInfo(
                     worker_id=w,
-                    pid=i.get("pid", 0),
-                    node=i.get("node", ""),
-                    device=i.get("device", ""),
-                    num_blocks=i.get("num_blocks", 0),
-                    num_free_blocks=i.get("num_free_blocks", 0),
-                    alive=self.cluster.is_alive(w),
-                    cached_tokens=int(counters.get("cached_tokens", 0)),
-                    computed_tokens=int(counters.get("computed_tokens", 0)),
-                    num_requests=int(counters.get("num_requests", 0)),
-                    num_running=i.get("num_running", 0),
-                    num_waiting=i.get("num_waiting", 0),
-                    generation=i.get("generation", 0),
-                    num_indexed_blocks=c.indexed_blocks_of(w),
-                    drained=self.admin is not None and self.admin.backend.is_drained(w),
+                    alive=registry.is_alive(w),
+                    num_indexed_blocks=self.coordinator.indexed_blocks_of(w),
+                    drained=registry.is_drained(w),
+                    **report,
                 )
             )
         return pb.ListWorkersResponse(workers=out)

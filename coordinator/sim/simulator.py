@@ -2,14 +2,15 @@
 
     workload -> prepare_requests (hash once) -> ClusterSimulation(policy).run() -> PolicyResult
                                                    |
-          arrival: mirror.match + WorkerViews -> policy.choose -> LoadTracker.on_routed -> worker
+          arrival: Coordinator.generate (registry, mirror.match, views, policy.choose, load
+                   tracker, pull plan) -> WorkerRequest -> SimBackend -> SimWorker queue
           worker events (SimWorker): admission, prefill end, completions -> pool KV events ->
-          EventBatch -> IndexMirror.apply; LoadTracker.on_prefilled / on_finished; policy hooks
+          EventBatch -> mirror; first / last token fed back through the coordinator's stream
 
-Nothing here is a model of the router: `make_policy` builds the same policy objects the
-coordinator runs, and they read an `IndexMirror` fed by the `BlockPool`s' own KV events, so what
-a policy believes is exactly what the live system would believe (minus network delay). Only compute
-is replaced, by `SimCostModel`.
+Nothing here is a model of the router: the simulation drives the real `Coordinator`, with the
+same policy objects, load tracker and pull planning the live system runs, reading a mirror fed
+by the `BlockPool`s' own KV events, so what it believes is exactly what the live system would
+believe (minus network delay). Only the workers' compute is replaced, by `SimCostModel`.
 
 The `oracle` is a bound, not a policy: one shared pool of N x C blocks served by N compute lanes
 (each request goes to the lane with the least queued work), in which a prefix is reusable from the
@@ -18,34 +19,38 @@ moment any lane starts computing it: what the cluster could reuse if placement n
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
-import random
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
-from kvmesh.coordinator.index.mirror import ApplyResult, IndexMirror, WorkerId
+from kvmesh.coordinator.cluster.registry import WorkerRegistry
+from kvmesh.coordinator.config import CoordinatorConfig
+from kvmesh.coordinator.coordinator import Coordinator, PreparedPrompt, StreamEvent
+from kvmesh.coordinator.index.locked_mirror import LockedMirror
+from kvmesh.coordinator.index.mirror import ApplyResult, PrefixMatch, WorkerId
 from kvmesh.coordinator.routing.load_tracker import LoadTracker
-from kvmesh.coordinator.routing.router import (
-    POLICIES,
-    RouteQuery,
-    RoutingPolicy,
-    WorkerView,
-    make_policy,
-)
+from kvmesh.coordinator.routing.router import POLICIES, RoutingPolicy
+from kvmesh.coordinator.sim.backend import SimBackend
 from kvmesh.coordinator.sim.cost_model import SimCostModel
 from kvmesh.coordinator.sim.report import PolicyResult, summarize
-from kvmesh.coordinator.sim.worker import PullSource, SimRequest, SimSequence, SimWorker
-from kvmesh.proto.block_hash import block_hashes, namespace_hash
+from kvmesh.coordinator.sim.worker import SimRequest, SimSequence, SimWorker
+from kvmesh.proto.block_hash import BlockHash, block_hashes, namespace_hash
 from kvmesh.proto.events import EventBatch
+from kvmesh.workers.contract.replies import PrefillFacts
+from kvmesh.workers.contract.requests import SamplingConfig, Transport
 from kvmesh.workers.kv.block_pool import BlockPool
+from kvmesh.workers.model.model_config import preset
 
 ORACLE = "oracle"
 _SIM_MODEL = "kvmesh-simulator"
+# The coordinator checks prompts against a model's context; simulated prompts have no limit.
+_SIM_MODEL_CONFIG = dataclasses.replace(preset("tiny-random"), max_position_embeddings=1 << 30)
 
 
 class Arrival(Protocol):
@@ -123,13 +128,56 @@ def prepare_requests(arrivals: Iterable[Arrival], block_size: int) -> list[SimRe
                 hashes,
                 prompt_len // block_size,
                 reserved,
+                a.token_ids,
             )
         )
     return out
 
 
+class SimPulls:
+    """Pull pricing for the coordinator from the simulator's cost model (one link type)."""
+
+    def __init__(self, cost: SimCostModel) -> None:
+        self.cost = cost
+        self.num_pulls = 0
+        self.num_failed_pulls = 0
+
+    def price(self, source: WorkerId, target: WorkerId, num_tokens: int) -> float:
+        return self.cost.transfer_ms(num_tokens)
+
+    def transport(self, source: str, target: str) -> Transport:
+        return Transport.OBJECT_STORE
+
+    def observe(self, source: str, target: str, facts: PrefillFacts) -> None:
+        self.num_pulls += 1
+        self.num_failed_pulls += facts.pulled_tokens == 0
+
+
+class SharedPoolIndex:
+    """The oracle's index: every lane holds whatever the one shared pool holds."""
+
+    def __init__(self, pool: BlockPool, workers: Sequence[WorkerId]) -> None:
+        self.pool = pool
+        self.workers = list(workers)
+        self.num_events_applied = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_cached
+
+    def match(self, hashes: Sequence[BlockHash]) -> dict[WorkerId, PrefixMatch]:
+        held = len(self.pool.match_prefix(hashes))
+        return dict.fromkeys(self.workers, PrefixMatch(held, held)) if held else {}
+
+    def num_worker_blocks(self, worker: WorkerId) -> int:
+        return self.pool.num_cached
+
+
 class ClusterSimulation:
-    """One policy (or the oracle) over one prepared workload; `run` once."""
+    """One policy (or the oracle) over one prepared workload; `run` once.
+
+    The real `Coordinator` routes every request (registry, mirror, load tracker, policy, pull
+    planning) and streams its outputs; only the workers behind it are simulated."""
 
     def __init__(
         self,
@@ -149,13 +197,13 @@ class ClusterSimulation:
         self.oracle = policy_name == ORACLE
         self.workers = self._build_workers()
         self.worker_ids = [WorkerId(w.worker_id) for w in self.workers]
-        self._index_of = {wid: i for i, wid in enumerate(self.worker_ids)}
-        self.mirror = IndexMirror()
+        self.mirror = LockedMirror()
         for wid in self.worker_ids:
             self.mirror.load_worker(wid, 1, 0, [])
         self._event_seq = [0] * n
-        self.load = LoadTracker()
-        self.policy = self._build_policy()
+        self.backend = SimBackend(self.workers)
+        self.coordinator = self._build_coordinator()
+        self._streams: dict[str, Iterator[StreamEvent]] = {}
         self._heap: list[tuple[float, int, int, int]] = []
         self._scheduled_epoch = [-1] * n
         self._order = 0
@@ -165,6 +213,14 @@ class ClusterSimulation:
         self._ttft = [math.nan] * len(requests)
         self._worker_of = [-1] * len(requests)
         self._last_finish_ms = 0.0
+
+    @property
+    def policy(self) -> RoutingPolicy:
+        return self.coordinator.policy
+
+    @property
+    def load(self) -> LoadTracker:
+        return self.coordinator.load
 
     def _build_workers(self) -> list[SimWorker]:
         config, clock = self.config, self._clock_ms
@@ -183,18 +239,29 @@ class ClusterSimulation:
             for i in range(n)
         ]
 
-    def _build_policy(self) -> RoutingPolicy:
+    def _build_coordinator(self) -> Coordinator:
         config = self.config
-        policy = make_policy(
-            "least_loaded" if self.oracle else self.policy_name,
-            config.cost.router_cost_model(),
-            random.Random(config.seed),
-            lambda: self.now_ms / 1000.0,
+        registry = WorkerRegistry()
+        for wid in self.worker_ids:
+            registry.add(wid)
+        coordinator_config = CoordinatorConfig(
+            block_size=config.block_size,
+            policy="least_loaded" if self.oracle else self.policy_name,
+            route_seed=config.seed,
         )
-        if config.pulls and not self.oracle:
-            cost = config.cost
-            policy.transfer_ms = lambda _src, _dst, num_tokens: cost.transfer_ms(num_tokens)
-        return policy
+        index = SharedPoolIndex(self.workers[0].pool, self.worker_ids) if self.oracle else None
+        pools = {wid: w.pool for wid, w in zip(self.worker_ids, self.workers, strict=True)}
+        return Coordinator(
+            coordinator_config,
+            _SIM_MODEL_CONFIG,
+            self.backend,
+            index or self.mirror,
+            registry,
+            worker_free_blocks=lambda w: (pools[w].num_blocks, pools[w].num_free),
+            cost_model=config.cost.router_cost_model(),
+            transfers=SimPulls(config.cost) if config.pulls and not self.oracle else None,
+            clock=lambda: self.now_ms / 1000.0,
+        )
 
     def _clock_ms(self) -> float:
         return self.now_ms
@@ -231,56 +298,20 @@ class ClusterSimulation:
         )
 
     def _on_arrival(self, request: SimRequest) -> None:
+        ids = request.prompt_ids
+        tokens = tuple(ids.tolist()) if ids is not None else (0,) * request.prompt_len
+        prompt = PreparedPrompt(tokens, request.prompt_hashes, "")
+        sampling = SamplingConfig(max_tokens=max(1, request.output_len), ignore_eos=True)
+        self.backend.expect(request)
         start = self._timer()
-        query = RouteQuery(
-            request.request_id,
-            request.prompt_hashes,
-            request.prompt_len,
-            self.config.block_size,
-            request.session_id,
+        self._streams[request.request_id] = self.coordinator.generate(
+            prompt, sampling, session_id=request.session_id, request_id=request.request_id
         )
-        decision = self.policy.choose(query, self._views(request))
         self._decision_s += self._timer() - start
-        w = self._index_of[decision.worker_id]
-        predicted_cached = min(decision.matched_blocks * query.block_size, request.prompt_len - 1)
-        self.load.on_routed(
-            request.request_id,
-            decision.worker_id,
-            decision.predicted_prefill_ms,
-            request.prompt_len - predicted_cached,
-        )
-        pull = None
-        if decision.pull is not None:
-            source = self.workers[self._index_of[decision.pull.source]].pool
-            pull = PullSource(source, decision.pull.num_blocks)
-        self.workers[w].enqueue(request, pull)
-        self._admit(w)
-        self._schedule(w)
-
-    def _views(self, request: SimRequest) -> list[WorkerView]:
-        hashes = request.prompt_hashes
-        if self.oracle:
-            held = len(self.workers[0].pool.match_prefix(hashes))
-            matched = dict.fromkeys(self.worker_ids, (held, held))
-        else:
-            matches = self.mirror.match(hashes) if hashes else {}
-            matched = {w: (m.num_blocks, m.num_device_blocks) for w, m in matches.items()}
-        load = self.load
-        queued_ms, queued_tokens = load.queued_prefill_ms, load.queued_prefill_tokens
-        num_running = load.num_running
-        no_match = (0, 0)
-        return [
-            WorkerView(
-                wid,
-                worker.pool.num_blocks,
-                worker.pool.num_free,
-                queued_ms(wid),
-                queued_tokens(wid),
-                num_running(wid),
-                *matched.get(wid, no_match),
-            )
-            for worker, wid in zip(self.workers, self.worker_ids, strict=True)
-        ]
+        for w in self.backend.touched:
+            self._admit(w)
+            self._schedule(w)
+        self.backend.touched.clear()
 
     def _on_worker_event(self, w: int) -> None:
         worker = self.workers[w]
@@ -288,7 +319,8 @@ class ClusterSimulation:
         if outcome.prefilled is not None:
             request = outcome.prefilled.request
             self._ttft[request.index] = self.now_ms - request.arrival_ms
-            self.load.on_prefilled(request.request_id)
+            self.backend.first_token(outcome.prefilled)
+            next(self._streams[request.request_id])  # the coordinator sees the first token
         for seq in outcome.finished:
             self._finish(seq)
         self._flush_events(w)
@@ -298,9 +330,9 @@ class ClusterSimulation:
             self._schedule(lane)
 
     def _finish(self, seq: SimSequence) -> None:
-        rid = seq.request.request_id
-        self.load.on_finished(rid)
-        self.policy.on_request_done(rid)
+        self.backend.last_token(seq)
+        for _ in self._streams.pop(seq.request.request_id):
+            pass  # the last event, then the stream closes: load and policy let go of it
         self._last_finish_ms = max(self._last_finish_ms, self.now_ms)
 
     def _admit(self, w: int) -> None:

@@ -27,8 +27,10 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvmesh.coordinator.sim.cost_model import SimCostModel
-from kvmesh.proto.block_hash import BlockHash
+from kvmesh.proto.block_hash import BlockHash, num_reusable_tokens
 from kvmesh.workers.kv.block_pool import BlockId, BlockPool
 
 _STEP_EPSILON = 1e-6
@@ -51,6 +53,8 @@ class SimRequest:
     """Full prompt blocks: `hashes[:num_prompt_blocks]` are what the router matches."""
     num_reserved_blocks: int
     """Blocks the sequence occupies at its longest: ceil((prompt + output) / block_size)."""
+    prompt_ids: np.ndarray | None = None
+    """The prompt's token ids (the coordinator is handed them; hashes above are the truth)."""
 
     @property
     def prompt_hashes(self) -> tuple[BlockHash, ...]:
@@ -187,7 +191,7 @@ class SimWorker:
         fresh = pool.allocate(need)
         assert fresh is not None
         n, bs = request.prompt_len, self.block_size
-        cached = min(len(matched) * bs, n - 1)
+        cached = num_reusable_tokens(n, len(matched), bs)
         ready = max(cached, self._pullable_tokens(request, pull))
         context = n + request.output_len // 2
         seq = SimSequence(
@@ -209,7 +213,7 @@ class SimWorker:
         if pull is None:
             return 0
         held = len(pull.pool.match_prefix(request.prompt_hashes[: pull.num_blocks]))
-        return min(held * self.block_size, request.prompt_len - 1)
+        return num_reusable_tokens(request.prompt_len, held, self.block_size)
 
     def _progress(self, now_ms: float) -> None:
         elapsed = now_ms - self._last_ms

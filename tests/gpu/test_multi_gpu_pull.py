@@ -17,7 +17,7 @@ def test_prefix_pulled_across_gpus_over_nccl(ray_session: None) -> None:
 
     d = start_deployment(num_workers=2, num_blocks=512)
     try:
-        assert d.cluster is not None and d.cluster._nccl_ranks  # one rank per GPU
+        assert d.cluster is not None and d.cluster.nccl_members()  # one rank per GPU
         stub = stub_for(d.address)
         prefix = [(i * 7) % 250 + 3 for i in range(1024)]
         local = generate(stub, prefix + [1], max_tokens=5, worker_id="w0")

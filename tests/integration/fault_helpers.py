@@ -106,8 +106,7 @@ def index_matches_pools(deployment: Deployment, redis_url: str) -> bool:
             pool = set(ray.get(deployment.cluster.actor(w).cached_hashes.remote(), timeout=10))
             snap = store.snapshot(w)
             in_redis = {int(h) for h, _ in snap.blocks} if snap is not None else set()
-            with deployment.coordinator.mirror_lock:
-                mirrored = set(deployment.coordinator.mirror.worker_hashes(WorkerId(w)))
+            mirrored = set(deployment.coordinator.mirror.worker_hashes(WorkerId(w)))
             if not pool == in_redis == mirrored:
                 return False
         return True

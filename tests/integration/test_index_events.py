@@ -4,7 +4,6 @@ two followers (two coordinators) end with the same index as Redis."""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 
@@ -16,7 +15,8 @@ from hypothesis import strategies as st
 
 from kvmesh.coordinator.cluster.redis_server import RedisServer, start_redis_server
 from kvmesh.coordinator.index.follower import IndexFollower
-from kvmesh.coordinator.index.mirror import IndexMirror, WorkerId
+from kvmesh.coordinator.index.locked_mirror import LockedMirror
+from kvmesh.coordinator.index.mirror import WorkerId
 from kvmesh.coordinator.index.store import IndexStore
 from kvmesh.proto import redis_schema as schema
 from kvmesh.proto.block_hash import BlockHash
@@ -54,7 +54,7 @@ def stored(*hashes: int) -> BlockStored:
 
 
 def follower_for(url: str) -> IndexFollower:
-    follower = IndexFollower(IndexStore(url), IndexMirror(), threading.Lock(), ns=NS)
+    follower = IndexFollower(IndexStore(url), LockedMirror(), ns=NS)
     follower.rebuild()
     return follower
 
@@ -230,9 +230,7 @@ def test_a_restarted_coordinator_rebuilds_a_million_blocks_from_redis(url: str) 
             first = (w * per_worker + k * per_batch) * 7919 + 1
             hashes = tuple(BlockHash(first + i) for i in range(per_batch))
             pub.publish(EventBatch(f"w{w}", GEN, k + 1, (BlockStored(hashes),)))
-    follower = IndexFollower(
-        IndexStore(url, socket_timeout_s=30), IndexMirror(), threading.Lock(), ns=NS
-    )
+    follower = IndexFollower(IndexStore(url, socket_timeout_s=30), LockedMirror(), ns=NS)
     started = time.perf_counter()
     loaded = follower.rebuild()
     elapsed_s = time.perf_counter() - started

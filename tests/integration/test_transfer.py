@@ -66,7 +66,7 @@ def test_a_pull_from_a_dead_peer_falls_back_to_recompute(ray_session: None) -> N
         out = generate(stub, PREFIX + [6], max_tokens=3, worker_id="w1")
         assert out[0].cache.pulled_tokens == 0 and out[0].cache.computed_tokens == 1025
         assert ray.get(d.cluster.actor("w1").check_invariants.remote())
-        assert d.cluster.pull("w1", "w0", [1, 2, 3], 0) == 0
+        assert ray.get(d.cluster.actor("w1").info.remote()).counters.num_failed_pulls <= 1
         wait_for(lambda: not d.cluster.is_alive("w0"), what="w0 marked dead")  # type: ignore[union-attr]
         with pytest.raises(grpc.RpcError) as err:
             generate(stub, PREFIX, worker_id="w0")

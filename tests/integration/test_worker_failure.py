@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import threading
-
 import grpc
 import pytest
 import ray
 import redis
 
 from kvmesh.coordinator.index.follower import IndexFollower
-from kvmesh.coordinator.index.mirror import IndexMirror, WorkerId
+from kvmesh.coordinator.index.locked_mirror import LockedMirror
+from kvmesh.coordinator.index.mirror import WorkerId
 from kvmesh.coordinator.index.store import IndexStore
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import redis_schema as schema
@@ -32,8 +31,8 @@ def test_killed_worker_is_purged_and_later_requests_succeed(ray_session: None) -
         )
 
         # A second coordinator's mirror, rebuilt from Redis, agrees with the first one.
-        mirror, lock = IndexMirror(), threading.Lock()
-        follower = IndexFollower(IndexStore(d.redis.url), mirror, lock, ns="unused")
+        mirror = LockedMirror()
+        follower = IndexFollower(IndexStore(d.redis.url), mirror, ns="unused")
         follower.rebuild()
         assert d.coordinator is not None
         assert mirror.worker_hashes(WorkerId(victim)) == d.coordinator.mirror.worker_hashes(

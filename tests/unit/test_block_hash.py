@@ -51,3 +51,14 @@ def test_bad_input_raises_with_numbers() -> None:
         block_hashes([1, 2], 0, ROOT)
     with pytest.raises(ValueError, match="uint32"):
         block_hashes([-1] * 16, 16, BlockHash(0))
+
+
+def test_the_block_of_the_last_prompt_token_is_never_reused() -> None:
+    from kvmesh.proto.block_hash import num_reusable_blocks, num_reusable_tokens
+
+    assert num_reusable_blocks(33, 16) == 2  # | 16 | 16 | 1 |: both full blocks
+    assert num_reusable_blocks(32, 16) == 1  # | 16 | 16 |: the second holds the last token
+    assert num_reusable_blocks(1, 16) == 0
+    assert num_reusable_tokens(32, 5, 16) == 16 and num_reusable_tokens(100, 1, 16) == 16
+    with pytest.raises(ValueError):
+        num_reusable_blocks(0, 16)

@@ -74,3 +74,16 @@ def test_load_worker_replaces_previous_state() -> None:
     assert m.cursor(W0) == (2, 5)
     assert m.apply(batch("w0", 6, BlockStored((H[8],)), gen=2)) is ApplyResult.APPLIED
     m.check_invariants()
+
+
+def test_removals_for_a_worker_with_nothing_indexed_are_applied_not_fatal() -> None:
+    # Seen on a GPU cluster: a worker resynced from an empty snapshot, then its next batch
+    # evicted blocks the snapshot never had; the mirror raised and its follower thread died.
+    m = IndexMirror()
+    m.load_worker(WorkerId("w1"), 1, 0, [])
+    evicted = (BlockHash(5), BlockHash(6))
+    assert m.apply(batch("w1", 1, BlockRemoved(evicted))) is ApplyResult.APPLIED
+    assert m.apply(batch("w1", 2, AllCleared())) is ApplyResult.APPLIED
+    assert m.apply(batch("w1", 3, BlockStored((BlockHash(7),)))) is ApplyResult.APPLIED
+    assert m.match([BlockHash(7)]) == {WorkerId("w1"): PrefixMatch(1, 1)}
+    m.check_invariants()

@@ -9,14 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvmesh.workers.engine.failure import SequenceFailure
-from kvmesh.workers.engine.sampler import (
-    MAX_TEMPERATURE,
-    MIN_TEMPERATURE,
-    SamplingConfig,
-    sample,
-    sample_isolated,
-)
+from kvmesh.workers.contract.replies import SequenceFailure
+from kvmesh.workers.contract.requests import MAX_TEMPERATURE, MIN_TEMPERATURE, SamplingConfig
+from kvmesh.workers.engine.sampler import sample, sample_isolated
 
 
 @pytest.mark.parametrize(

@@ -92,6 +92,19 @@ def test_pools_and_index_stay_consistent_after_a_run(shared_prefix: list[SimRequ
         assert indexed == set(worker.pool.cached_hashes())  # the mirror follows the pool exactly
 
 
+def test_the_simulation_drives_the_real_coordinator(shared_prefix: list[SimRequest]) -> None:
+    cheap_links = SimCostModel(transfer_per_token_ms=0.0001)
+    sim = ClusterSimulation(small_config(cost=cheap_links), "kvmesh", shared_prefix)
+    result = sim.run()
+    stats = sim.coordinator.stats()
+    assert stats["num_requests"] == len(shared_prefix) and stats["num_failed_requests"] == 0
+    assert stats["prompt_tokens"] == result.prompt_tokens
+    assert stats["cached_tokens"] == result.cached_tokens  # the facts the workers reported
+    assert stats["pulled_tokens"] > 0 and sim.coordinator.transfers is not None
+    assert sim.coordinator.transfers.num_pulls > 0
+    assert not sim.load.num_running(sim.worker_ids[0])  # every stream closed: load released
+
+
 def test_pulls_are_counted_apart_from_local_hits(shared_prefix: list[SimRequest]) -> None:
     cheap_links = SimCostModel(transfer_per_token_ms=0.0001)
     with_pulls = ClusterSimulation(small_config(cost=cheap_links), "kvmesh", shared_prefix).run()

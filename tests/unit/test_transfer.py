@@ -8,14 +8,18 @@ import pytest
 import torch
 
 from kvmesh.coordinator.index.mirror import IndexMirror, WorkerId
+from kvmesh.coordinator.routing.links import LinkTable, LinkType, link_type
+from kvmesh.proto.block_hash import BlockHash, block_hashes
 from kvmesh.proto.events import TIER_DEVICE, TIER_HOST
-from kvmesh.workers.engine.sampler import SamplingConfig
+from kvmesh.workers.contract.replies import RequestOutput
+from kvmesh.workers.contract.requests import PullSpec, SamplingConfig, WorkerRequest
 from kvmesh.workers.engine.scheduler import SchedulerConfig
-from kvmesh.workers.engine.worker import RequestOutput, Worker, WorkerRequest
+from kvmesh.workers.engine.worker import BlockWriter, Worker
+from kvmesh.workers.kv.block_pool import BlockId
 from kvmesh.workers.kv.host_pool import HostPool
 from kvmesh.workers.model.model_config import preset
 from kvmesh.workers.model.runner import ModelRunner
-from kvmesh.workers.transfer.links import BlockExport, LinkTable, LinkType, link_type
+from kvmesh.workers.transfer.block_copy import copy_block_runs, copy_blocks
 
 BS = 16
 CONFIG = preset("tiny-random")
@@ -40,10 +44,19 @@ def make_worker(name: str, num_blocks: int = 64, host_slots: int = 0) -> tuple[W
     return worker, logits
 
 
+def request(
+    rid: str, prompt: list[int], max_tokens: int = 6, pull: PullSpec | None = None
+) -> WorkerRequest:
+    sampling = SamplingConfig(max_tokens=max_tokens, ignore_eos=True)
+    return WorkerRequest(rid, tuple(prompt), sampling, pull=pull)
+
+
 def run(worker: Worker, rid: str, prompt: list[int], max_tokens: int = 6) -> list[RequestOutput]:
-    worker.add_request(
-        WorkerRequest(rid, tuple(prompt), SamplingConfig(max_tokens=max_tokens, ignore_eos=True))
-    )
+    worker.add_request(request(rid, prompt, max_tokens))
+    return finish(worker, rid)
+
+
+def finish(worker: Worker, rid: str) -> list[RequestOutput]:
     outs = []
     while worker.has_work:
         outs += [o for o in worker.step() if o.request_id == rid]
@@ -63,51 +76,149 @@ def assert_same_as_cold(outs, logits, rid: str, prompt: list[int]) -> None:  # t
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
-def test_pulled_prefix_is_reused_and_matches_a_cold_recompute() -> None:
+def chain_of(worker: Worker, prompt: list[int]) -> list[BlockHash]:
+    return block_hashes(prompt, BS, worker.root_hash())
+
+
+def object_store_fill(peer: Worker, hashes: tuple[BlockHash, ...], target: Worker) -> BlockWriter:
+    """What the object-store transport does, in process: the peer exports, the target scatters."""
+    export = peer.export_blocks(hashes)
+
+    def fill(targets: list[BlockId]) -> int:
+        n = min(len(targets), len(export.hashes))
+        if n:
+            target.runner.import_blocks(targets[:n], export.blocks[:n])
+        return n
+
+    return fill
+
+
+def pull(target: Worker, peer: Worker, rid: str, prompt: list[int], spec: PullSpec) -> int:
+    """Accept a request with a pull plan and run the pull the way the actor does."""
+    reservation = target.add_request(request(rid, prompt, pull=spec))
+    assert reservation is not None
+    target.check_invariants()
+    written = target.write_pull(rid, object_store_fill(peer, reservation.hashes, target))
+    return target.finish_pull(rid, written, elapsed_ms=1.0)
+
+
+def warm_peer() -> Worker:
     peer, _ = make_worker("peer")
     run(peer, "warm", PREFIX + [1])
-    target, logits = make_worker("target")
-    root = target.root_hash()
-    from kvmesh.proto.block_hash import block_hashes
+    return peer
 
-    chain = block_hashes(PREFIX, BS, root)
-    export = peer.export_blocks(chain)
-    assert export.hashes == tuple(chain) and export.blocks.shape[0] == 6
-    assert target.import_blocks(export, root) == 6
-    target.check_invariants()
-    assert target.pool.num_free == target.pool.num_blocks  # imported blocks are free but cached
+
+def test_a_pulled_prefix_is_reused_and_matches_a_cold_recompute() -> None:
+    peer = warm_peer()
+    target, logits = make_worker("target")
     prompt = PREFIX + [7, 7]
-    outs = run(target, "req", prompt)
-    assert outs[0].cached_tokens == 96
+    chain = chain_of(target, prompt)
+    assert pull(target, peer, "req", prompt, PullSpec("peer", 0, tuple(chain[:6]))) == 6
+    outs = finish(target, "req")
+    facts = outs[0].prefill
+    assert facts is not None
+    assert (facts.pulled_tokens, facts.local_tokens, facts.computed_tokens) == (96, 0, 2)
+    assert facts.pull_bytes == 6 * target.block_num_bytes
     assert_same_as_cold(outs, logits, "req", prompt)
+    assert target.pool.num_free == target.pool.num_blocks  # nothing leaked
+    assert target.info().counters.pulled_tokens == 96
+
+
+def test_pulled_blocks_stay_pinned_until_their_request_is_admitted() -> None:
+    peer = warm_peer()
+    target, _ = make_worker("target", num_blocks=16)
+    prompt = PREFIX + [7, 7]
+    chain = chain_of(target, prompt)
+    pull(target, peer, "req", prompt, PullSpec("peer", 0, tuple(chain[:6])))
+    # Everything else that is free gets reallocated before the request's first step...
+    squatter = target.pool.allocate(target.pool.num_free)
+    assert squatter is not None
+    assert len(target.pool.match_prefix(chain)) == 6  # ...and the pulled run survives it
+    target.pool.free(squatter)
+    outs = finish(target, "req")
+    assert outs[0].prefill is not None and outs[0].prefill.pulled_tokens == 96
+
+
+def test_the_local_prefix_is_pinned_with_the_pulled_run() -> None:
+    peer = warm_peer()
+    target, logits = make_worker("target", num_blocks=16)
+    prompt = PREFIX + [7, 7]
+    run(target, "local", PREFIX[:32] + [1])  # target holds blocks 0, 1 itself
+    chain = chain_of(target, prompt)
+    assert pull(target, peer, "req", prompt, PullSpec("peer", 2, tuple(chain[2:6]))) == 4
+    squatter = target.pool.allocate(target.pool.num_free)
+    assert squatter is not None and len(target.pool.match_prefix(chain)) == 6
+    target.pool.free(squatter)
+    outs = finish(target, "req")
+    facts = outs[0].prefill
+    assert facts is not None and (facts.local_tokens, facts.pulled_tokens) == (32, 64)
+    assert_same_as_cold(outs, logits, "req", prompt)
+
+
+def test_a_failed_pull_releases_its_blocks_and_the_request_recomputes() -> None:
+    target, logits = make_worker("target")
+    prompt = PREFIX + [7, 7]
+    chain = chain_of(target, prompt)
+    reservation = target.add_request(
+        request("req", prompt, pull=PullSpec("peer", 0, tuple(chain[:6])))
+    )
+    assert reservation is not None and len(reservation.targets) == 6
+
+    def broken(targets: list[BlockId]) -> int:
+        raise ValueError("peer went away mid-copy")
+
+    with pytest.raises(ValueError):
+        target.write_pull("req", broken)
+    assert target.finish_pull("req", 0, elapsed_ms=1.0) == 0
+    target.check_invariants()
+    outs = finish(target, "req")
+    facts = outs[0].prefill
+    assert facts is not None and (facts.pulled_tokens, facts.computed_tokens) == (0, 98)
+    assert_same_as_cold(outs, logits, "req", prompt)
+    assert target.pool.num_free == target.pool.num_blocks
+    assert target.info().counters.num_failed_pulls == 1
+
+
+def test_aborting_a_request_while_it_pulls_releases_the_reservation() -> None:
+    peer = warm_peer()
+    target, _ = make_worker("target")
+    prompt = PREFIX + [7, 7]
+    chain = chain_of(target, prompt)
+    reservation = target.add_request(
+        request("req", prompt, pull=PullSpec("peer", 0, tuple(chain[:6])))
+    )
+    assert reservation is not None
+    assert target.abort("req")
+    target.check_invariants()
+    # The transport still runs its writer (it must consume what a peer sends) over no blocks.
+    assert target.write_pull("req", object_store_fill(peer, reservation.hashes, target)) == 0
+    assert target.finish_pull("req", 0, elapsed_ms=1.0) == 0
+    target.check_invariants()
+    assert target.pool.num_free == target.pool.num_blocks and target.pool.num_cached == 0
+
+
+def test_a_plan_for_another_chain_is_ignored_and_the_request_recomputes() -> None:
+    target, _ = make_worker("target")
+    prompt = PREFIX + [7, 7]
+    wrong = tuple(BlockHash(h + 1) for h in chain_of(target, prompt)[:6])
+    assert target.add_request(request("req", prompt, pull=PullSpec("peer", 0, wrong))) is None
+    outs = finish(target, "req")
+    assert outs[0].prefill is not None and outs[0].prefill.computed_tokens == 98
+
+
+def test_a_pull_never_covers_the_block_of_the_last_prompt_token() -> None:
+    target, _ = make_worker("target")
+    prompt = PREFIX  # 6 full blocks: the last one holds the last prompt token
+    chain = chain_of(target, prompt)
+    reservation = target.add_request(request("req", prompt, pull=PullSpec("peer", 0, tuple(chain))))
+    assert reservation is not None and len(reservation.targets) == 5
+    target.abort("req")
 
 
 def test_export_stops_at_the_first_missing_block() -> None:
     peer, _ = make_worker("peer")
     run(peer, "warm", PREFIX[:40])  # 2 full blocks
-    from kvmesh.proto.block_hash import block_hashes
-
-    chain = block_hashes(PREFIX, BS, peer.root_hash())
-    assert len(peer.export_blocks(chain).hashes) == 2
-
-
-def test_a_failed_import_releases_its_blocks() -> None:
-    peer, _ = make_worker("peer")
-    run(peer, "warm", PREFIX + [1])
-    target, _ = make_worker("target")
-    from kvmesh.proto.block_hash import block_hashes
-
-    chain = block_hashes(PREFIX, BS, target.root_hash())
-    good = peer.export_blocks(chain)
-    wrong_dtype = BlockExport("peer", good.hashes, good.blocks.to(torch.float64))
-    with pytest.raises(ValueError):
-        target.import_blocks(wrong_dtype, target.root_hash())
-    target.check_invariants()
-    assert target.pool.num_free == target.pool.num_blocks and target.pool.num_cached == 0
-    truncated = BlockExport("peer", good.hashes, good.blocks[:3])
-    with pytest.raises(ValueError, match="3 blocks for 6 hashes"):
-        target.import_blocks(truncated, target.root_hash())
-    target.check_invariants()
+    assert len(peer.export_blocks(chain_of(peer, PREFIX)).hashes) == 2
 
 
 def test_demoted_blocks_are_promoted_back_with_the_same_result() -> None:
@@ -115,15 +226,15 @@ def test_demoted_blocks_are_promoted_back_with_the_same_result() -> None:
     run(worker, "a", PREFIX + [1])
     for k in range(3):  # evict the prefix from the device
         run(worker, f"f{k}", [(i * (k + 11)) % 250 + 3 for i in range(120)], max_tokens=4)
-    from kvmesh.proto.block_hash import block_hashes
-
-    chain = block_hashes(PREFIX, BS, worker.root_hash())
+    chain = chain_of(worker, PREFIX)
     assert len(worker.pool.match_prefix(chain)) < 6
     assert worker.host_pool is not None and worker.host_pool.match(chain) >= 1
     prompt = PREFIX + [1]
     outs = run(worker, "again", prompt)
-    assert worker.counters.host_hit_tokens > 0
-    assert outs[0].cached_tokens == 96
+    facts = outs[0].prefill
+    assert facts is not None and facts.host_tokens > 0
+    assert facts.cached_tokens == 96 and facts.computed_tokens == 1
+    assert worker.info().counters.host_hit_tokens > 0
     assert_same_as_cold(outs, logits, "again", prompt)
 
 
@@ -160,27 +271,32 @@ def test_link_table_prices_by_type_and_learns_from_observations() -> None:
 
 def test_in_place_copy_from_a_pinned_peer_cache_matches_a_cold_recompute() -> None:
     # The same-GPU path (CUDA IPC maps the peer's cache); here both caches live in one process.
-    from kvmesh.proto.block_hash import block_hashes
-
-    peer, _ = make_worker("peer")
-    run(peer, "warm", PREFIX + [1])
+    peer = warm_peer()
     target, logits = make_worker("target")
-    chain = block_hashes(PREFIX, BS, target.root_hash())
-    ids = peer.pin_run(chain)
+    prompt = PREFIX + [3, 4]
+    chain = chain_of(target, prompt)
+    spec = PullSpec("peer", 0, tuple(chain[:6]))
+    reservation = target.add_request(request("req", prompt, pull=spec))
+    assert reservation is not None
+    ids = peer.pin_run(reservation.hashes)
     assert len(ids) == 6 and all(peer.pool.ref_count(b) == 1 for b in ids)
-    held = target.import_from_peer_cache(peer.runner.kv_cache, ids, chain, target.root_hash())
+    peer.check_invariants()  # the peer's pins are accounted for
+
+    def fill(targets: list[BlockId]) -> int:
+        copy_blocks(target.runner.kv_cache, [int(b) for b in targets], peer.runner.kv_cache, ids)
+        return len(targets)
+
+    written = target.write_pull("req", fill)
     peer.unpin(ids)
     peer.check_invariants()
-    assert held == 6 and peer.pool.num_free == peer.pool.num_blocks
-    prompt = PREFIX + [3, 4]
-    outs = run(target, "req", prompt)
-    assert outs[0].cached_tokens == 96
+    assert target.finish_pull("req", written, elapsed_ms=1.0) == 6
+    assert peer.pool.num_free == peer.pool.num_blocks
+    outs = finish(target, "req")
+    assert outs[0].prefill is not None and outs[0].prefill.pulled_tokens == 96
     assert_same_as_cold(outs, logits, "req", prompt)
 
 
 def test_block_runs_are_copied_in_as_few_slices_as_possible() -> None:
-    from kvmesh.workers.transfer.links import copy_block_runs
-
     src = torch.arange(2 * 2 * 30 * 3, dtype=torch.float32).reshape(2, 2, 30, 3)
     dst = torch.zeros(2, 2, 30, 3)
     src_ids, dst_ids = [7, 8, 9, 2, 3, 4], [10, 11, 12, 13, 20, 21]

@@ -7,9 +7,10 @@ from collections import defaultdict
 import pytest
 import torch
 
-from kvmesh.workers.engine.sampler import SamplingConfig
+from kvmesh.workers.contract.replies import RequestOutput
+from kvmesh.workers.contract.requests import SamplingConfig, WorkerRequest
 from kvmesh.workers.engine.scheduler import SchedulerConfig
-from kvmesh.workers.engine.worker import RequestOutput, Worker, WorkerRequest
+from kvmesh.workers.engine.worker import Worker
 from kvmesh.workers.model.model_config import preset
 from kvmesh.workers.model.runner import ModelRunner, SeqChunk
 
@@ -57,12 +58,12 @@ def test_cached_prefix_gives_the_same_tokens_and_logits_as_a_cold_run() -> None:
     warm.run([req("first", PREFIX + [1, 2, 3])])
     second = PREFIX + [9, 8, 7, 6, 5]
     out = warm.run([req("second", second)])
-    assert out["second"][0].cached_tokens == 64
-    assert out["second"][0].computed_tokens == len(second) - 64
+    assert out["second"][0].prefill.local_tokens == 64
+    assert out["second"][0].prefill.computed_tokens == len(second) - 64
 
     cold = Harness()
     cold_out = cold.run([req("second", second)])
-    assert cold_out["second"][0].cached_tokens == 0
+    assert cold_out["second"][0].prefill.local_tokens == 0
     assert tokens(out["second"]) == tokens(cold_out["second"])
     for a, b in zip(warm.logits["second"], cold.logits["second"], strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
@@ -74,7 +75,7 @@ def test_evicted_prefix_is_recomputed_with_the_same_result() -> None:
     filler = [[(i * 13 + k) % 250 + 3 for i in range(150)] for k in range(2)]
     h.run([req(f"f{k}", f, max_tokens=4) for k, f in enumerate(filler)])
     out = h.run([req("b", PREFIX + [1], max_tokens=6)])
-    assert out["b"][0].cached_tokens < 64  # at least part of it was evicted
+    assert out["b"][0].prefill.local_tokens < 64  # at least part of it was evicted
     cold = Harness()
     cold_out = cold.run([req("b", PREFIX + [1], max_tokens=6)])
     assert tokens(out["b"]) == tokens(cold_out["b"])
@@ -86,8 +87,8 @@ def test_full_prompt_hit_still_computes_the_last_token() -> None:
     h = Harness()
     h.run([req("a", PREFIX)])
     out = h.run([req("b", PREFIX)])
-    assert out["b"][0].cached_tokens == 48  # the last block is recomputed for its logits
-    assert out["b"][0].computed_tokens == 16
+    assert out["b"][0].prefill.local_tokens == 48  # the last block is recomputed for its logits
+    assert out["b"][0].prefill.computed_tokens == 16
 
 
 def test_batched_requests_match_running_alone_and_leave_no_block_referenced() -> None:
@@ -119,7 +120,7 @@ def test_generated_blocks_are_registered_for_the_next_turn() -> None:
     turn2 = PREFIX[:30] + tokens(out["t1"]) + [5, 6, 7]
     out2 = h.run([req("t2", turn2)])
     # 30 prompt + 19 generated tokens had KV written: 3 full blocks.
-    assert out2["t2"][0].cached_tokens == 48
+    assert out2["t2"][0].prefill.local_tokens == 48
 
 
 def test_events_describe_the_pool() -> None:
@@ -186,7 +187,7 @@ def test_a_sequence_whose_sampling_fails_fails_alone(fields: dict[str, float]) -
     for k, p in enumerate(prompts):
         assert tokens(outs[f"r{k}"]) == tokens(Harness().run([req("x", p, 10)])["x"])
     assert h.worker.pool.num_free == h.worker.pool.num_blocks
-    assert h.worker.info().counters["num_failed"] == 1
+    assert h.worker.info().counters.num_failed == 1
 
 
 def test_the_worker_refuses_sampling_parameters_that_skipped_validation() -> None:

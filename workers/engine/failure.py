@@ -1,27 +1,17 @@
-"""A failure that belongs to one sequence: its worker ends that request and serves the rest."""
+"""Containing a failure to its sequence: its worker ends that request and serves the rest."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
 
+from kvmesh.workers.contract.replies import SequenceFailure
+
 log = logging.getLogger(__name__)
 Chunk = TypeVar("Chunk")
-
-
-@dataclass(frozen=True, slots=True)
-class SequenceFailure:
-    """Why one request was ended by its worker; the message is for the client (bounded, never the
-    request's own input)."""
-
-    message: str
-    internal: bool
-    """True for a bug or a fault of the engine (INTERNAL); False when the request's own
-    parameters are at fault (INVALID_ARGUMENT)."""
 
 
 def forward_isolated(

@@ -6,6 +6,11 @@ its next token and none is free, the most recently admitted other sequence is pr
 blocks are freed and it goes back to the head of the queue, to be recomputed (its prefix is often
 still cached). A request that could not fit an empty pool is refused when it is added, so the
 queue never waits on something impossible.
+
+A waiting sequence may hold refs on a prefix fetched for it (a pull, a host-tier promotion):
+admission takes its own refs on the matched blocks, then drops those. When a running sequence
+cannot grow and there is nothing left to preempt, waiting sequences give their pins up first
+(the blocks stay cached and matchable, just evictable), so pins can never deadlock the pool.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
+from kvmesh.proto.block_hash import num_reusable_blocks
 from kvmesh.workers.engine.sequence import SeqStatus, Sequence
 from kvmesh.workers.kv.block_pool import BlockPool
 
@@ -47,8 +53,9 @@ class ScheduledStep:
 
 
 class Scheduler:
-    """Invariants: every running sequence holds refs on exactly its block_table; waiting and
-    finished sequences hold none; len(running) <= max_num_seqs."""
+    """Invariants: every running sequence holds refs on exactly its block_table; a waiting
+    sequence holds refs on exactly its pinned_blocks and has no block_table; finished sequences
+    hold none; len(running) <= max_num_seqs."""
 
     def __init__(self, config: SchedulerConfig, pool: BlockPool) -> None:
         self.config = config
@@ -64,19 +71,24 @@ class Scheduler:
     def max_tokens_fitting(self) -> int:
         return self.pool.num_blocks * self.config.block_size
 
-    def add(self, seq: Sequence) -> None:
+    def check_fits(self, seq: Sequence) -> None:
+        """Refuse what could not run even in an empty pool, so the queue never waits on it."""
         total = len(seq.prompt_ids) + seq.sampling.max_tokens
         if total > self.max_tokens_fitting():
             raise ValueError(
                 f"prompt ({len(seq.prompt_ids)}) + max_tokens ({seq.sampling.max_tokens}) = {total}"
                 f" tokens exceed this worker's KV pool of {self.max_tokens_fitting()} tokens"
             )
+
+    def add(self, seq: Sequence) -> None:
+        self.check_fits(seq)
         self.waiting.append(seq)
 
     def abort(self, request_id: str) -> Sequence | None:
         for seq in list(self.waiting):
             if seq.request_id == request_id:
                 self.waiting.remove(seq)
+                self.unpin(seq)
                 seq.status = SeqStatus.FINISHED
                 seq.finish_reason = "abort"
                 return seq
@@ -99,8 +111,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         while self.waiting and len(self.running) + len(admitted) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            # Reuse at most all but the last token: its logits start decoding.
-            hashes = seq.full_block_hashes(bs)[: (seq.num_tokens - 1) // bs]
+            hashes = seq.full_block_hashes(bs)[: num_reusable_blocks(seq.num_tokens, bs)]
             matched = self.pool.match_prefix(hashes)
             num_new_tokens = seq.num_tokens - len(matched) * bs
             if admitted and num_new_tokens > budget:
@@ -110,13 +121,14 @@ class Scheduler:
             if not self.pool.can_allocate(num_new_blocks + num_free_matched):
                 break  # wait for running sequences to free blocks
             self.pool.acquire(matched)
+            self.unpin(seq)
             fresh = self.pool.allocate(num_new_blocks)
             assert fresh is not None
             self.waiting.popleft()
             seq.block_table = matched + fresh
             seq.num_computed_tokens = len(matched) * bs
             seq.num_registered_blocks = len(matched)
-            if seq.num_cached_tokens < 0:
+            if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = len(matched) * bs
                 seq.num_computed_prompt_tokens = len(seq.prompt_ids) - seq.num_cached_tokens
             seq.status = SeqStatus.RUNNING
@@ -137,6 +149,8 @@ class Scheduler:
             position = seq.num_tokens - 1  # the last sampled token gets its KV now
             if position // bs >= len(seq.block_table):
                 block = self.pool.allocate(1)
+                if block is None and self._unpin_waiting():
+                    continue  # pins given up: the freed blocks are allocatable now
                 if block is None:
                     victim = self.running[-1]
                     if victim is seq and len(self.running) == 1:
@@ -154,6 +168,17 @@ class Scheduler:
         return ScheduledStep(
             StepKind.DECODE, tuple(scheduled), tuple(s.num_tokens - 1 for s in scheduled)
         )
+
+    def unpin(self, seq: Sequence) -> None:
+        self.pool.free(seq.pinned_blocks)
+        seq.pinned_blocks = []
+
+    def _unpin_waiting(self) -> bool:
+        """Give up every waiting sequence's pins; False if none held any."""
+        pinned = [s for s in self.waiting if s.pinned_blocks]
+        for seq in pinned:
+            self.unpin(seq)
+        return bool(pinned)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -185,15 +210,21 @@ class Scheduler:
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
 
-    def check_invariants(self) -> None:
+    def check_invariants(self, held_elsewhere: Seq[int] = ()) -> None:
+        """`held_elsewhere`: blocks referenced outside the scheduler (pull reservations, runs
+        pinned for a peer's copy), one entry per reference."""
         assert len(self.running) <= self.config.max_num_seqs
         refs: dict[int, int] = {}
+        for b in held_elsewhere:
+            refs[b] = refs.get(b, 0) + 1
         for seq in self.running:
             assert seq.status is SeqStatus.RUNNING
             for b in seq.block_table:
                 refs[b] = refs.get(b, 0) + 1
         for seq in self.waiting:
             assert not seq.block_table, f"waiting {seq.request_id} holds blocks"
+            for b in seq.pinned_blocks:
+                refs[b] = refs.get(b, 0) + 1
         for b in range(self.pool.num_blocks):
             assert self.pool.ref_count(b) == refs.get(b, 0), f"block {b}: refs do not match tables"  # type: ignore[arg-type]
         self.pool.check_invariants()

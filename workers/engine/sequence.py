@@ -3,6 +3,7 @@
 all_ids:      | prompt ....................... | output ......... |
 KV written:   [0, num_computed_tokens)            the last sampled token has no KV yet
 block_table:  one block per block_size tokens of all_ids that have (or are about to get) KV
+pinned:       while waiting, refs on a prefix pulled or promoted for it (dropped at admission)
 block_hashes: chained hashes of every full block of all_ids, extended as tokens arrive
 """
 
@@ -12,7 +13,7 @@ import enum
 from dataclasses import dataclass, field
 
 from kvmesh.proto.block_hash import BlockHash, block_hashes
-from kvmesh.workers.engine.sampler import SamplingConfig
+from kvmesh.workers.contract.requests import SamplingConfig
 from kvmesh.workers.kv.block_pool import BlockId
 
 
@@ -35,7 +36,14 @@ class Sequence:
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_registered_blocks: int = 0
-    num_cached_tokens: int = -1  # prompt tokens reused at first admission; -1 until admitted
+    pinned_blocks: list[BlockId] = field(default_factory=list)
+    """Refs held for this sequence while it waits: a prefix pulled or promoted for it, released
+    once admission takes its own refs (or under memory pressure, see Scheduler)."""
+    num_pulled_tokens: int = 0  # tokens of the pinned prefix that came from a peer
+    num_host_tokens: int = 0  # tokens of it promoted from the host tier
+    pull_ms: float = 0.0
+    pull_bytes: int = 0
+    num_cached_tokens: int | None = None  # prompt tokens reused at first admission
     num_computed_prompt_tokens: int = 0
     num_preemptions: int = 0
     first_token_s: float | None = None

@@ -1,10 +1,17 @@
 """The worker's logic, without Ray: requests in, tokens and KV events out.
 
-Its inputs and outputs (`WorkerRequest`, `RequestOutput`, `WorkerInfo`) live in `messages` and
-are re-exported here.
+The actor shell (actor.py) owns the threads, Ray and the transports; this class owns the pool,
+the scheduler and the model runner, and is driven by `step()` and by calls the shell makes on the
+engine thread. Time comes from the injected clock. What crosses to the coordinator is the
+contract (`kvmesh.workers.contract`).
 
-The actor shell (actor.py) owns the threads and Ray; this class owns the pool, the scheduler and
-the model runner, and is driven by `step()`. Time comes from the injected clock.
+A request with a pull plan is accepted in two calls, so the worker owns the pulled KV from the
+first moment:
+
+    add_request(req)  -> PullReservation   local prefix pinned, blocks for the rest allocated
+    write_pull(id, fill)                     the transport writes the reserved blocks
+    finish_pull(id, n)                       n blocks registered, the prefix pinned for the
+                                             request, which now waits for admission
 """
 
 from __future__ import annotations
@@ -15,24 +22,42 @@ import socket
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
-from kvmesh.proto.block_hash import BlockHash, namespace_hash
+from kvmesh.proto.block_hash import BlockHash, namespace_hash, num_reusable_blocks
 from kvmesh.proto.events import TIER_HOST, AllCleared, BlockStored, EventBatch, KVEvent
-from kvmesh.workers.engine.failure import SequenceFailure, forward_isolated
-from kvmesh.workers.engine.messages import RequestOutput, WorkerCounters, WorkerInfo, WorkerRequest
+from kvmesh.workers.contract.replies import (
+    PrefillFacts,
+    RequestOutput,
+    SequenceFailure,
+    WorkerInfo,
+)
+from kvmesh.workers.contract.requests import PullSpec, WorkerRequest
+from kvmesh.workers.engine.failure import forward_isolated
 from kvmesh.workers.engine.sampler import sample_isolated
 from kvmesh.workers.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig, StepKind
 from kvmesh.workers.engine.sequence import SeqStatus, Sequence
+from kvmesh.workers.engine.tally import WorkerTally
+from kvmesh.workers.kv import pull_reservation
 from kvmesh.workers.kv.block_pool import BlockId, BlockPool
 from kvmesh.workers.kv.host_pool import HostPool
+from kvmesh.workers.kv.pull_reservation import PullReservation
 from kvmesh.workers.model.runner import ModelRunner, SeqChunk
-from kvmesh.workers.transfer.block_copy import copy_blocks
-from kvmesh.workers.transfer.links import BlockExport
+from kvmesh.workers.transfer.block_export import BlockExport
 
-__all__ = ["RequestOutput", "Worker", "WorkerCounters", "WorkerInfo", "WorkerRequest"]
+BlockWriter = Callable[[list[BlockId]], int]
+"""Fills the given reserved blocks (possibly none: the request went away) and returns how many
+of the leading ones it wrote."""
+
+
+@dataclass(frozen=True, slots=True)
+class _PendingPull:
+    seq: Sequence
+    reservation: PullReservation
+    end_block: int
+
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +66,9 @@ class Worker:
     """One GPU's (or CPU's) engine: block pool + scheduler + model runner.
 
     Invariants: the pool's cached hashes are exactly what the published events say it holds
-    (stored minus removed since the last AllCleared of this generation); `check_invariants`
-    verifies the pool and the scheduler.
+    (stored minus removed since the last AllCleared of this generation); every pool reference is
+    held by a running sequence's block table, a waiting sequence's pins, a pending pull's
+    reservation or a run pinned for a peer (`check_invariants` verifies all of it).
     """
 
     def __init__(
@@ -73,7 +99,9 @@ class Worker:
         self.generation = time.time_ns()
         self._seq = 0
         self._seqs: dict[str, Sequence] = {}
-        self.counters = WorkerCounters()
+        self._pulls: dict[str, _PendingPull] = {}
+        self._peer_pins: list[BlockId] = []
+        self.tally = WorkerTally()
         # Debug / test hook: receives (request_id, logits row) for every sampled token.
         self._logits_sink = logits_sink
 
@@ -84,7 +112,35 @@ class Worker:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
-    def add_request(self, req: WorkerRequest) -> None:
+    @property
+    def block_num_bytes(self) -> int:
+        cache = self.runner.kv_cache
+        return cache[:, :, :1].numel() * cache.element_size()
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def add_request(self, req: WorkerRequest) -> PullReservation | None:
+        """Accept a request. With a pull plan that this worker can still use, returns the
+        reservation the transport fills; the request then waits for `finish_pull`."""
+        self._validate(req)
+        seq = Sequence(
+            req.request_id,
+            list(req.prompt_ids),
+            req.sampling,
+            self.root_hash(req.cache_salt),
+            self.clock(),
+        )
+        self.scheduler.check_fits(seq)
+        self._seqs[req.request_id] = seq
+        self.tally.num_requests += 1
+        pending = self._reserve_pull(seq, req.pull) if req.pull is not None else None
+        if pending is None:
+            self.scheduler.add(seq)
+            return None
+        self._pulls[req.request_id] = pending
+        return pending.reservation
+
+    def _validate(self, req: WorkerRequest) -> None:
         if req.request_id in self._seqs:
             raise ValueError("a request with this id is already running on this worker")
         problem = req.sampling.problem()  # checked at the door too; a worker trusts no caller
@@ -103,23 +159,63 @@ class Worker:
                 f"prompt ({len(req.prompt_ids)}) + max_tokens ({req.sampling.max_tokens}) = {total}"
                 f" exceeds the model's context of {context} tokens"
             )
-        seq = Sequence(
-            req.request_id,
-            list(req.prompt_ids),
-            req.sampling,
-            self.root_hash(req.cache_salt),
-            self.clock(),
-        )
-        self.scheduler.add(seq)
-        self._seqs[req.request_id] = seq
-        self.counters.num_requests += 1
 
     def abort(self, request_id: str) -> bool:
         seq = self._seqs.pop(request_id, None)
         if seq is None:
             return False
-        self.scheduler.abort(request_id)
+        pending = self._pulls.pop(request_id, None)
+        if pending is not None:
+            pull_reservation.release(self.pool, pending.reservation)
+        else:
+            self.scheduler.abort(request_id)
         return True
+
+    # ---- pulls (target side) --------------------------------------------------------------------
+
+    def _reserve_pull(self, seq: Sequence, spec: PullSpec) -> _PendingPull | None:
+        bs = self.block_size
+        chain = seq.full_block_hashes(bs)
+        end = min(spec.end_block, num_reusable_blocks(len(seq.prompt_ids), bs))
+        if (
+            end <= spec.from_block
+            or tuple(chain[spec.from_block : end]) != spec.hashes[: end - spec.from_block]
+        ):
+            return None  # a plan that does not fit this prompt's chain: recompute instead
+        headroom = -(-seq.num_tokens // bs) - end  # the prompt's own blocks after the pulled run
+        reservation = pull_reservation.reserve(self.pool, chain, end, seq.root_hash, headroom)
+        self._demote_evicted()  # before the transport overwrites reallocated blocks
+        if reservation is None:
+            return None
+        return _PendingPull(seq, reservation, end)
+
+    def write_pull(self, request_id: str, fill: BlockWriter) -> int:
+        """Run a transport's writer over the request's reserved blocks (none if it went away:
+        a writer that must consume what a peer sends still runs)."""
+        pending = self._pulls.get(request_id)
+        targets = list(pending.reservation.targets) if pending is not None else []
+        return fill(targets)
+
+    def finish_pull(self, request_id: str, num_written: int, elapsed_ms: float) -> int:
+        """Register what the transport wrote and queue the request; returns pulled blocks."""
+        pending = self._pulls.pop(request_id, None)
+        if pending is None:
+            return 0  # aborted while pulling: abort released the reservation
+        seq = pending.seq
+        chain = seq.full_block_hashes(self.block_size)[: pending.end_block]
+        pinned, num_pulled = pull_reservation.commit(
+            self.pool, pending.reservation, num_written, chain
+        )
+        seq.pinned_blocks = pinned
+        seq.num_pulled_tokens = num_pulled * self.block_size
+        seq.pull_ms = elapsed_ms
+        seq.pull_bytes = num_written * self.block_num_bytes
+        self.tally.num_pulls += 1
+        self.tally.num_failed_pulls += num_pulled == 0
+        self.scheduler.add(seq)
+        return num_pulled
+
+    # ---- steps --------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns what each touched request produced."""
@@ -135,8 +231,8 @@ class Worker:
         ]
         results = self._forward_and_sample(step, chunks)
         if step.kind is StepKind.PREFILL:
-            self.counters.prefill_ms_total += (time.perf_counter() - started) * 1e3
-            self.counters.prefill_tokens_total += sum(len(c.token_ids) for c in chunks)
+            self.tally.prefill_ms_total += (time.perf_counter() - started) * 1e3
+            self.tally.prefill_tokens_total += sum(len(c.token_ids) for c in chunks)
         failed = [
             (seq, r) for seq, r in zip(step.seqs, results, strict=True) if not isinstance(r, int)
         ]
@@ -187,7 +283,7 @@ class Worker:
         )
 
     def _fail(self, seq: Sequence, failure: SequenceFailure) -> RequestOutput:
-        self.counters.num_failed += 1
+        self.tally.num_failed += 1
         return RequestOutput(seq.request_id, (), True, "error", failure=failure)
 
     def _outputs(self, step: ScheduledStep, sampled: Seq[int]) -> list[RequestOutput]:
@@ -195,46 +291,66 @@ class Worker:
         now = self.clock()
         for seq, token in zip(step.seqs, sampled, strict=True):
             finished = seq.status is SeqStatus.FINISHED
-            first = seq.first_token_s is None
-            if first:
+            facts = None
+            if seq.first_token_s is None:
                 seq.first_token_s = now
-                self.counters.prompt_tokens += len(seq.prompt_ids)
-                self.counters.cached_tokens += seq.num_cached_tokens
-                self.counters.computed_tokens += seq.num_computed_prompt_tokens
-            self.counters.generated_tokens += 1
+                facts = self._prefill_facts(seq)
+                self.tally.on_prefilled(facts)
+            self.tally.generated_tokens += 1
             if finished:
                 self._seqs.pop(seq.request_id, None)
-                self.counters.num_finished += 1
+                self.tally.num_finished += 1
             outputs.append(
-                RequestOutput(
-                    seq.request_id,
-                    (token,),
-                    finished,
-                    seq.finish_reason,
-                    seq.num_cached_tokens if first else -1,
-                    seq.num_computed_prompt_tokens if first else -1,
-                )
+                RequestOutput(seq.request_id, (token,), finished, seq.finish_reason, facts)
             )
         return outputs
 
-    # ---- tiers and transfer ----------------------------------------------------------------------
+    @staticmethod
+    def _prefill_facts(seq: Sequence) -> PrefillFacts:
+        cached = seq.num_cached_tokens or 0
+        pulled = min(seq.num_pulled_tokens, cached)
+        host = min(seq.num_host_tokens, cached - pulled)
+        return PrefillFacts(
+            local_tokens=cached - pulled - host,
+            host_tokens=host,
+            pulled_tokens=pulled,
+            computed_tokens=seq.num_computed_prompt_tokens,
+            pull_ms=seq.pull_ms,
+            pull_bytes=seq.pull_bytes,
+        )
+
+    # ---- host tier ------------------------------------------------------------------------------
 
     def _promote_from_host(self) -> None:
-        """Copy host-tier continuations of waiting prompts back to the device, so admission finds
-        them cached. Installed blocks stay free (matchable) until a sequence takes them."""
+        """Copy host-tier continuations of waiting prompts back to the device and pin them for
+        their request, so admission finds them cached."""
         if self.host_pool is None or not self.host_pool.num_cached:
             return
         bs = self.block_size
         for seq in list(self.scheduler.waiting)[: self.scheduler.config.max_num_seqs]:
-            hashes = seq.full_block_hashes(bs)[: (seq.num_tokens - 1) // bs]
-            k = len(self.pool.match_prefix(hashes))
-            n = self.host_pool.match(hashes[k:])
-            if n:
-                parent = hashes[k - 1] if k else seq.root_hash
-                run = hashes[k : k + n]
-                device = self.runner.kv_cache.device
-                installed = self._install(run, self.host_pool.get(run, device), parent)
-                self.counters.host_hit_tokens += installed * bs
+            chain = seq.full_block_hashes(bs)[: num_reusable_blocks(seq.num_tokens, bs)]
+            k = len(self.pool.match_prefix(chain))
+            n = self.host_pool.match(chain[k:])
+            if not n:
+                continue
+            reservation = pull_reservation.reserve(self.pool, chain, k + n, seq.root_hash, 0)
+            self._demote_evicted()
+            if reservation is None:
+                continue
+            run = list(reservation.hashes)
+            try:
+                self.runner.import_blocks(
+                    list(reservation.targets), self.host_pool.get(run, self.runner.kv_cache.device)
+                )
+                written = len(run)
+            except (KeyError, ValueError):
+                written = 0  # a slot the host tier gave up meanwhile: recompute instead
+            pinned, promoted = pull_reservation.commit(self.pool, reservation, written, chain)
+            self.scheduler.unpin(seq)
+            seq.pinned_blocks = pinned
+            if seq.num_cached_tokens is None:
+                seq.num_host_tokens += promoted * bs
+            self.tally.host_hit_tokens += promoted * bs
 
     def _demote_evicted(self) -> None:
         evicted = self.pool.drain_evicted()
@@ -243,34 +359,7 @@ class Worker:
         ids = [b for b, _h in evicted]
         self.host_pool.put([h for _b, h in evicted], self.runner.export_blocks(ids))
 
-    def _install(
-        self,
-        hashes: Seq[BlockHash],
-        blocks: torch.Tensor | Callable[[list[BlockId]], None],
-        parent: BlockHash,
-    ) -> int:
-        """Write blocks under their hashes as free, registered (matchable) blocks; returns how
-        many of the leading run were installed (fewer when the pool is short). `blocks` is the
-        data (export layout) or a writer that fills the given fresh blocks in place."""
-        n = min(len(hashes), self.pool.num_free)
-        if n == 0:
-            return 0
-        ids = self.pool.allocate(n)
-        assert ids is not None
-        self._demote_evicted()
-        try:
-            if callable(blocks):
-                blocks(ids)
-            else:
-                self.runner.import_blocks(ids, blocks[:n])
-        except Exception:
-            self.pool.free(ids)  # half-imported blocks are released unregistered
-            raise
-        for block, h in zip(ids, hashes[:n], strict=True):
-            self.pool.register(block, h, parent)
-            parent = h
-        self.pool.free(ids)
-        return n
+    # ---- pulls (source side) --------------------------------------------------------------------
 
     def export_blocks(self, hashes: Seq[BlockHash], to_cpu: bool = True) -> BlockExport:
         """The leading run of `hashes` this worker holds (device tier, then host tier)."""
@@ -288,64 +377,20 @@ class Worker:
         blocks = torch.cat(parts) if len(parts) > 1 else parts[0]
         return BlockExport(self.worker_id, tuple(found), blocks.cpu() if to_cpu else blocks)
 
-    def import_blocks(self, export: BlockExport, parent: BlockHash) -> int:
-        """Install a peer's run (chain order, `parent` before its first block); returns how many
-        blocks are now held locally from it. Blocks already held are skipped, not copied."""
-        hashes = list(export.hashes)
-        if export.blocks.shape[0] != len(hashes):
-            raise ValueError(f"{export.blocks.shape[0]} blocks for {len(hashes)} hashes")
-        held = len(self.pool.match_prefix(hashes))
-        if held == len(hashes):
-            return held
-        start_parent = hashes[held - 1] if held else parent
-        installed = self._install(hashes[held:], export.blocks[held:], start_parent)
-        self.counters.pulled_blocks += installed
-        return held + installed
-
     def pin_run(self, hashes: Seq[BlockHash]) -> list[BlockId]:
         """Take refs on the leading device run of `hashes` so a peer can copy it in place
-        (same-GPU pulls); `unpin` releases them."""
+        (same-GPU and NCCL pulls); `unpin` releases them."""
         ids = self.pool.match_prefix(hashes)
         self.pool.acquire(ids)
+        self._peer_pins.extend(ids)
         return ids
 
     def unpin(self, ids: Seq[BlockId]) -> None:
+        for b in ids:
+            self._peer_pins.remove(b)
         self.pool.free(ids)
 
-    def import_from_peer_cache(
-        self,
-        peer_cache: torch.Tensor,
-        ids: Seq[int],
-        hashes: Seq[BlockHash],
-        parent: BlockHash,
-    ) -> int:
-        """Copy pinned blocks straight out of a peer's cache mapped into this process (CUDA IPC):
-        one strided copy per contiguous run, no staging buffer, no host round trip."""
-        if len(ids) != len(hashes):
-            raise ValueError(f"{len(ids)} peer blocks for {len(hashes)} hashes")
-        ours = self.runner.kv_cache
-        same_layout = (
-            peer_cache.shape[:2] == ours.shape[:2] and peer_cache.shape[3:] == ours.shape[3:]
-        )
-        if not same_layout or peer_cache.dtype != ours.dtype:
-            raise ValueError(
-                f"peer cache {tuple(peer_cache.shape)} {peer_cache.dtype} does not match ours "
-                f"{tuple(ours.shape)} {ours.dtype}"
-            )
-        held = len(self.pool.match_prefix(hashes))
-        if held == len(hashes):
-            return held
-        src = [int(b) for b in ids[held:]]
-
-        def write(dst: list[BlockId]) -> None:
-            copy_blocks(self.runner.kv_cache, [int(b) for b in dst], peer_cache, src[: len(dst)])
-
-        start_parent = hashes[held - 1] if held else parent
-        installed = self._install(hashes[held:], write, start_parent)
-        if peer_cache.is_cuda:
-            torch.cuda.synchronize(peer_cache.device)  # the peer unpins once we return
-        self.counters.pulled_blocks += installed
-        return held + installed
+    # ---- cache state and events -----------------------------------------------------------------
 
     def clear_cache(self) -> int:
         """Forget every cached block not in use; starts a new generation."""
@@ -387,7 +432,6 @@ class Worker:
         )
 
     def info(self) -> WorkerInfo:
-        c = self.counters
         return WorkerInfo(
             worker_id=self.worker_id,
             pid=os.getpid(),
@@ -399,25 +443,18 @@ class Worker:
             num_free_blocks=self.pool.num_free,
             num_cached_blocks=self.pool.num_cached,
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting) + len(self._pulls),
             generation=self.generation,
-            counters={
-                "num_requests": c.num_requests,
-                "num_finished": c.num_finished,
-                "num_failed": c.num_failed,
-                "prompt_tokens": c.prompt_tokens,
-                "cached_tokens": c.cached_tokens,
-                "computed_tokens": c.computed_tokens,
-                "generated_tokens": c.generated_tokens,
-                "prefill_ms_per_token": c.prefill_ms_total / max(1, c.prefill_tokens_total),
-                "num_preemptions": self.scheduler.num_preemptions,
-                "host_hit_tokens": c.host_hit_tokens,
-                "pulled_blocks": c.pulled_blocks,
-                "num_host_blocks": self.host_pool.num_cached if self.host_pool else 0,
-            },
+            counters=self.tally.snapshot(
+                self.scheduler.num_preemptions,
+                self.host_pool.num_cached if self.host_pool else 0,
+            ),
         )
 
     def check_invariants(self) -> None:
-        self.scheduler.check_invariants()
+        held: list[BlockId] = list(self._peer_pins)
+        for pending in self._pulls.values():
+            held += [*pending.reservation.local, *pending.reservation.targets]
+        self.scheduler.check_invariants(held)
         if self.host_pool is not None:
             self.host_pool.check_invariants()

@@ -1,0 +1,67 @@
+"""The simulated workers as the real `Coordinator` sees them: a `WorkerBackend`.
+
+`generate` queues the request on its `SimWorker` at once (the pull plan the coordinator attached
+becomes a `PullSource` on the peer's pool) and returns the request's stream of outputs, which the
+simulation feeds as simulated time produces them: the first token with its `PrefillFacts`, then
+the last. The simulation reads one event from the coordinator's stream per output it feeds, so a
+stream is never read ahead of simulated time.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator, Sequence
+
+from kvmesh.coordinator.sim.worker import PullSource, SimRequest, SimSequence, SimWorker
+from kvmesh.workers.contract.replies import PrefillFacts, RequestOutput
+from kvmesh.workers.contract.requests import WorkerRequest
+
+
+class SimBackend:
+    """Invariant: a request id has an outbox from `generate` until its final output is read."""
+
+    def __init__(self, workers: Sequence[SimWorker]) -> None:
+        self.workers = list(workers)
+        self._index_of = {w.worker_id: i for i, w in enumerate(self.workers)}
+        self._requests: dict[str, SimRequest] = {}
+        self._outboxes: dict[str, deque[RequestOutput]] = {}
+        self.touched: list[int] = []
+        """Workers that got a request since the simulation last looked (it admits on them)."""
+
+    def expect(self, request: SimRequest) -> None:
+        """The simulated request behind the `WorkerRequest` the coordinator is about to send."""
+        self._requests[request.request_id] = request
+
+    def generate(self, worker_id: str, request: WorkerRequest) -> Iterator[RequestOutput]:
+        sim_request = self._requests.pop(request.request_id)
+        pull = None
+        if request.pull is not None:
+            source = self.workers[self._index_of[request.pull.source]]
+            pull = PullSource(source.pool, request.pull.end_block)
+        w = self._index_of[worker_id]
+        self.workers[w].enqueue(sim_request, pull)
+        self.touched.append(w)
+        outbox: deque[RequestOutput] = deque()
+        self._outboxes[request.request_id] = outbox
+        return _read(outbox)
+
+    def first_token(self, seq: SimSequence) -> None:
+        request = seq.request
+        facts = PrefillFacts(
+            local_tokens=seq.cached_tokens,
+            host_tokens=0,
+            pulled_tokens=seq.pulled_tokens,
+            computed_tokens=request.prompt_len - seq.cached_tokens - seq.pulled_tokens,
+        )
+        self._outboxes[request.request_id].append(
+            RequestOutput(request.request_id, (0,), False, "", facts)
+        )
+
+    def last_token(self, seq: SimSequence) -> None:
+        rid = seq.request.request_id
+        self._outboxes.pop(rid).append(RequestOutput(rid, (0,), True, "length"))
+
+
+def _read(outbox: deque[RequestOutput]) -> Iterator[RequestOutput]:
+    while outbox:
+        yield outbox.popleft()

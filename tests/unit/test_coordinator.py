@@ -1,0 +1,190 @@
+"""The request path in process: the real Coordinator over a fake worker backend, a real mirror
+and registry, and an injected clock (no Ray, no gRPC, no torch in the coordinator)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from kvmesh.coordinator.cluster.registry import WorkerRegistry
+from kvmesh.coordinator.config import CoordinatorConfig
+from kvmesh.coordinator.coordinator import Coordinator, InvalidRequest, NoLiveWorker, WorkerDied
+from kvmesh.coordinator.index.locked_mirror import LockedMirror
+from kvmesh.coordinator.index.mirror import WorkerId
+from kvmesh.coordinator.routing.links import LinkTable, LinkType
+from kvmesh.coordinator.routing.transfer_planner import TransferPlanner
+from kvmesh.proto.events import BlockStored, EventBatch
+from kvmesh.workers.contract.replies import (
+    PrefillFacts,
+    RequestOutput,
+    WorkerCounters,
+    WorkerInfo,
+)
+from kvmesh.workers.contract.requests import SamplingConfig, Transport, WorkerRequest
+from kvmesh.workers.model.model_config import preset
+
+BS = 16
+MODEL = preset("tiny-random")
+
+
+class FakeBackend:
+    """Answers every request with `max_tokens` tokens; the first output carries facts that say
+    the pulled run arrived. `die` names workers that fail after their first token."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, WorkerRequest]] = []
+        self.die: set[str] = set()
+
+    def generate(self, worker_id: str, request: WorkerRequest) -> Iterator[RequestOutput]:
+        self.requests.append((worker_id, request))
+        n = len(request.prompt_ids)
+        pulled = BS * len(request.pull.hashes) if request.pull is not None else 0
+        facts = PrefillFacts(0, 0, pulled, n - pulled, pull_ms=1.0, pull_bytes=pulled * 64)
+        for k in range(request.sampling.max_tokens):
+            last = k == request.sampling.max_tokens - 1
+            yield RequestOutput(
+                request.request_id,
+                (100 + k,),
+                last,
+                "length" if last else "",
+                facts if k == 0 else None,
+            )
+            if worker_id in self.die:
+                raise WorkerDied(worker_id)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now_s = 0.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def info(worker_id: str, device: str = "cpu") -> WorkerInfo:
+    return WorkerInfo(
+        worker_id, 1, "node", device, "m", BS, 1000, 1000, 0, 0, 0, 1, WorkerCounters()
+    )
+
+
+def make(workers: tuple[str, ...] = ("w0", "w1"), *, transfers: bool = False):  # type: ignore[no-untyped-def]
+    backend, mirror, registry = FakeBackend(), LockedMirror(), WorkerRegistry()
+    for w in workers:
+        registry.add(w)
+        mirror.load_worker(WorkerId(w), 1, 0, [])
+    planner = None
+    if transfers:
+        links = LinkTable()
+        links.set(LinkType.SAME_NODE, 1e9, 0.01)  # a fast link: pulling beats recomputing
+        planner = TransferPlanner(info, 64, BS, links)
+    config = CoordinatorConfig(block_size=BS, policy="kvmesh")
+    coordinator = Coordinator(
+        config, MODEL, backend, mirror, registry, transfers=planner, clock=Clock()
+    )
+    registry.on_dead(coordinator.forget_worker)
+    registry.on_dead(lambda w: mirror.remove_worker(WorkerId(w)))
+    return coordinator, backend, mirror, registry
+
+
+def hold(mirror: LockedMirror, worker: str, hashes: tuple) -> None:  # type: ignore[type-arg]
+    """The worker's next event batch stores `hashes` (seq follows the worker's cursor)."""
+    cursor = mirror.cursor(WorkerId(worker))
+    seq = cursor[1] + 1 if cursor is not None else 1
+    assert mirror.apply(EventBatch(worker, 1, seq, (BlockStored(tuple(hashes)),))).name == "APPLIED"
+
+
+PROMPT = [(i * 7) % 250 + 3 for i in range(1024 + 5)]
+
+
+def test_a_request_goes_to_the_worker_whose_cache_holds_its_prefix() -> None:
+    c, backend, mirror, _ = make()
+    prompt = c.prepare(PROMPT, "", "")
+    hold(mirror, "w1", prompt.block_hashes[:32])
+    events = list(c.generate(prompt, SamplingConfig(max_tokens=3)))
+    assert {e.worker_id for e in events} == {"w1"}
+    assert [t for e in events for t in e.token_ids] == [100, 101, 102]
+    assert events[0].prefill is not None and events[-1].finished
+    stats = c.stats()
+    assert stats["num_requests"] == 1 and stats["generated_tokens"] == 3
+    assert stats["prompt_tokens"] == len(PROMPT)
+
+
+def test_a_pull_plan_travels_to_the_worker_with_the_exact_run_to_move() -> None:
+    c, backend, mirror, _ = make(transfers=True)
+    prompt = c.prepare(PROMPT, "", "")
+    hold(mirror, "w0", prompt.block_hashes[:64])  # w0 holds the whole prefix
+    hold(mirror, "w1", prompt.block_hashes[:8])  # w1 only its start
+    events = list(c.generate(prompt, SamplingConfig(max_tokens=1), worker_id="w1"))
+    worker, request = backend.requests[-1]
+    assert worker == "w1" and request.pull is not None
+    assert request.pull.source == "w0" and request.pull.from_block == 8
+    assert request.pull.hashes == prompt.block_hashes[8:64]
+    assert request.pull.transport is Transport.OBJECT_STORE
+    assert events[0].prefill is not None and events[0].prefill.pulled_tokens == 56 * BS
+    assert c.stats()["pulled_tokens"] == 56 * BS
+    assert c.transfers is not None and c.transfers.num_pulls == 1
+
+
+def test_a_pull_never_asks_for_the_block_of_the_last_prompt_token() -> None:
+    c, backend, mirror, _ = make(transfers=True)
+    exact = PROMPT[: 64 * BS]  # 64 full blocks: the last holds the last prompt token
+    prompt = c.prepare(exact, "", "")
+    hold(mirror, "w0", prompt.block_hashes)
+    list(c.generate(prompt, SamplingConfig(max_tokens=1), worker_id="w1"))
+    _, request = backend.requests[-1]
+    assert request.pull is not None and request.pull.hashes == prompt.block_hashes[:63]
+
+
+def test_a_stream_whose_worker_dies_continues_on_another() -> None:
+    c, backend, _, registry = make()
+    backend.die.add("w0")
+    prompt = c.prepare(PROMPT[:40], "", "")
+    events = list(c.generate(prompt, SamplingConfig(max_tokens=4), worker_id="w0"))
+    assert [e.worker_id for e in events][0] == "w0" and events[-1].worker_id == "w1"
+    assert len([t for e in events for t in e.token_ids]) == 4
+    assert c.stats()["num_migrations"] == 1
+    _, moved = backend.requests[-1]
+    assert moved.prompt_ids == prompt.token_ids + (100,)  # prompt + what was already streamed
+
+
+def test_routing_follows_the_registry_drained_and_dead_workers_get_nothing() -> None:
+    c, backend, mirror, registry = make(("w0", "w1", "w2"))
+    prompt = c.prepare(PROMPT[:40], "", "")
+    hold(mirror, "w2", prompt.block_hashes[:2])
+    registry.set_drained("w2", True)
+    registry.mark_dead("w1", "test")
+    assert mirror.num_worker_blocks(WorkerId("w1")) == 0
+    for _ in range(4):
+        list(c.generate(prompt, SamplingConfig(max_tokens=1)))
+    assert {w for w, _ in backend.requests} == {"w0"}
+    with pytest.raises(NoLiveWorker):
+        list(c.generate(prompt, SamplingConfig(max_tokens=1), worker_id="w1"))
+    registry.mark_dead("w0", "test")
+    with pytest.raises(NoLiveWorker):
+        c.route(prompt)
+    registry.check_invariants()
+
+
+def test_bad_requests_are_refused_before_anything_is_routed() -> None:
+    c, backend, _, _ = make()
+    with pytest.raises(InvalidRequest):
+        c.prepare([MODEL.vocab_size], "", "")
+    prompt = c.prepare([1, 2, 3], "", "")
+    with pytest.raises(InvalidRequest):
+        c.generate(prompt, SamplingConfig(max_tokens=1), worker_id="nope")
+    assert backend.requests == []
+
+
+def test_the_registry_fans_a_death_out_once_and_never_revives_it() -> None:
+    registry = WorkerRegistry()
+    seen: list[str] = []
+    registry.on_dead(seen.append)
+    registry.add("w0")
+    assert registry.mark_dead("w0", "test") and not registry.mark_dead("w0", "again")
+    assert seen == ["w0"] and registry.alive() == []
+    with pytest.raises(ValueError, match="dead"):
+        registry.set_drained("w0", True)
+    with pytest.raises(ValueError, match="unknown"):
+        registry.set_drained("w9", True)
+    registry.check_invariants()

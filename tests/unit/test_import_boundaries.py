@@ -1,0 +1,71 @@
+"""The coordinator's core runs without torch and Ray; its gRPC shell without Ray."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+# Every coordinator module but the Ray shells (cluster.py, deployment.py, launcher.py) and the
+# gRPC shells, which are checked separately below.
+CORE = [
+    "kvmesh.coordinator.coordinator",
+    "kvmesh.coordinator.config",
+    "kvmesh.coordinator.cluster.registry",
+    "kvmesh.coordinator.cluster.redis_server",
+    "kvmesh.coordinator.index.follower",
+    "kvmesh.coordinator.index.locked_mirror",
+    "kvmesh.coordinator.index.store",
+    "kvmesh.coordinator.routing.router",
+    "kvmesh.coordinator.routing.baselines",
+    "kvmesh.coordinator.routing.transfer_planner",
+    "kvmesh.coordinator.service.admin",
+    "kvmesh.coordinator.service.auth",
+    "kvmesh.coordinator.service.limits",
+    "kvmesh.coordinator.service.detokenizer",
+    "kvmesh.coordinator.sim.simulator",
+    "kvmesh.workers.contract.requests",
+    "kvmesh.workers.contract.replies",
+]
+SERVICE = ["kvmesh.coordinator.service.servicer", "kvmesh.coordinator.service.interceptor"]
+
+
+def import_with_blocked(modules: list[str], blocked: list[str]) -> subprocess.CompletedProcess[str]:
+    """Import `modules` in a fresh interpreter in which `blocked` packages cannot be imported."""
+    script = textwrap.dedent(
+        f"""
+        import importlib.abc, sys
+
+        class Block(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in {blocked!r}:
+                    raise ImportError(f"{{name}} is blocked in this test")
+                return None
+
+        sys.meta_path.insert(0, Block())
+        for module in {modules!r}:
+            importlib.import_module(module)
+        """
+    )
+    return subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_the_coordinator_core_imports_without_torch_and_ray() -> None:
+    result = import_with_blocked(CORE, ["torch", "ray", "triton"])
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_the_grpc_service_imports_without_ray() -> None:
+    result = import_with_blocked(SERVICE, ["ray"])
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("shell", ["kvmesh.coordinator.cluster.cluster"])
+def test_the_block_really_bites(shell: str) -> None:
+    """The Ray shell imports ray, so blocking ray must fail it (else the checks above prove
+    nothing)."""
+    assert import_with_blocked([shell], ["ray"]).returncode != 0

@@ -1,0 +1,56 @@
+"""The worker's running totals, snapshotted into the contract's `WorkerCounters` for reports."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvmesh.workers.contract.replies import PrefillFacts, WorkerCounters
+
+
+@dataclass(slots=True)
+class WorkerTally:
+    """Invariant: prompt_tokens == cached + host_hit (first admissions) + pulled + computed."""
+
+    num_requests: int = 0
+    num_finished: int = 0
+    num_failed: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    prompt_host_tokens: int = 0
+    host_hit_tokens: int = 0
+    pulled_tokens: int = 0
+    computed_tokens: int = 0
+    generated_tokens: int = 0
+    num_pulls: int = 0
+    num_failed_pulls: int = 0
+    prefill_ms_total: float = 0.0
+    prefill_tokens_total: int = 0
+
+    def on_prefilled(self, facts: PrefillFacts) -> None:
+        self.prompt_tokens += facts.prompt_tokens
+        self.cached_tokens += facts.local_tokens
+        self.prompt_host_tokens += facts.host_tokens
+        self.pulled_tokens += facts.pulled_tokens
+        self.computed_tokens += facts.computed_tokens
+
+    def snapshot(self, num_preemptions: int, num_host_blocks: int) -> WorkerCounters:
+        return WorkerCounters(
+            num_requests=self.num_requests,
+            num_finished=self.num_finished,
+            num_failed=self.num_failed,
+            prompt_tokens=self.prompt_tokens,
+            cached_tokens=self.cached_tokens,
+            host_hit_tokens=self.host_hit_tokens,
+            pulled_tokens=self.pulled_tokens,
+            computed_tokens=self.computed_tokens,
+            generated_tokens=self.generated_tokens,
+            num_pulls=self.num_pulls,
+            num_failed_pulls=self.num_failed_pulls,
+            num_preemptions=num_preemptions,
+            num_host_blocks=num_host_blocks,
+            prefill_ms_per_token=self.prefill_ms_total / max(1, self.prefill_tokens_total),
+        )
+
+    def check_invariants(self) -> None:
+        total = self.cached_tokens + self.prompt_host_tokens + self.pulled_tokens
+        assert self.prompt_tokens == total + self.computed_tokens

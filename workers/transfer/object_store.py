@@ -1,0 +1,35 @@
+"""Pulls through Ray's object store: the source exports the run as one CPU tensor (works between
+any two workers, on any devices and nodes)."""
+
+from __future__ import annotations
+
+from kvmesh.proto.block_hash import BlockHash
+from kvmesh.workers.kv.block_pool import BlockId
+from kvmesh.workers.model.runner import ModelRunner
+from kvmesh.workers.transfer.block_export import BlockExport
+from kvmesh.workers.transfer.transport import PeerLookup, WriteOnEngine
+
+
+class ObjectStoreTransport:
+    def __init__(self, peers: PeerLookup, runner: ModelRunner) -> None:
+        self._peers = peers
+        self._runner = runner
+
+    async def fetch(
+        self, source: str, hashes: tuple[BlockHash, ...], write: WriteOnEngine
+    ) -> int | None:
+        export: BlockExport = await self._peers(source).export_blocks.remote(list(hashes))
+        if export.hashes != hashes[: len(export.hashes)]:
+            raise ValueError(f"peer {source} exported another chain than the one asked for")
+        if export.blocks.shape[0] != len(export.hashes):
+            raise ValueError(
+                f"{export.blocks.shape[0]} blocks for {len(export.hashes)} hashes from {source}"
+            )
+
+        def fill(targets: list[BlockId]) -> int:
+            n = min(len(targets), len(export.hashes))
+            if n:
+                self._runner.import_blocks(targets[:n], export.blocks[:n])
+            return n
+
+        return await write(fill)

@@ -1,0 +1,33 @@
+"""The interface every way of pulling KV from a peer implements, for the actor that pulls.
+
+A transport runs on the pulling worker's event loop. It asks the source actor for the leading run
+of `hashes` it holds and hands a writer to `write`, which runs it on the engine thread over the
+blocks the request reserved (see `kv/pull_reservation.py`). The worker registers what was written;
+whatever a transport fails to move is recomputed.
+
+    actor.generate --> worker.add_request (reserve) --> transport.fetch --> worker.finish_pull
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+from kvmesh.proto.block_hash import BlockHash
+from kvmesh.workers.engine.worker import BlockWriter
+
+WriteOnEngine = Callable[[BlockWriter], Awaitable[int]]
+"""Runs a writer over the request's reserved blocks on the engine thread; returns its count."""
+
+PeerLookup = Callable[[str], Any]
+"""Worker id -> the peer's actor handle (raises KeyError for an unknown peer)."""
+
+
+class Transport(Protocol):
+    async def fetch(
+        self, source: str, hashes: tuple[BlockHash, ...], write: WriteOnEngine
+    ) -> int | None:
+        """Move the leading run of `hashes` that `source` holds into the reserved blocks.
+        Returns the blocks written, or None when this transport cannot run right now (the
+        caller then falls back to the object store)."""
+        ...
