@@ -119,6 +119,7 @@ class Client:
         temperature: float = 0.0,
         top_p: float = 1.0,
         top_k: int = 0,
+        min_p: float = 0.0,
         seed: int = 0,
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
@@ -129,8 +130,9 @@ class Client:
     ) -> GenerateResult:
         """Generate from a prompt (token ids or text, exactly one) and wait for the whole stream.
 
-        `temperature == 0` is greedy; `top_p` 1 and `top_k` 0 disable those filters; `seed` makes
-        sampling reproducible. `worker_id` forces placement (empty: let the router choose).
+        `temperature == 0` is greedy, else in [0.01, 100]; `top_p` 1, `top_k` 0 and `min_p` 0
+        disable those filters; `seed` makes sampling reproducible. `worker_id` forces placement
+        (empty: let the router choose).
         """
         request = wire.build_generate_request(**_generate_kwargs(locals()))
         start_s = time.perf_counter()
@@ -148,6 +150,7 @@ class Client:
         temperature: float = 0.0,
         top_p: float = 1.0,
         top_k: int = 0,
+        min_p: float = 0.0,
         seed: int = 0,
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
@@ -281,6 +284,7 @@ class AsyncClient:
         temperature: float = 0.0,
         top_p: float = 1.0,
         top_k: int = 0,
+        min_p: float = 0.0,
         seed: int = 0,
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
@@ -306,6 +310,7 @@ class AsyncClient:
         temperature: float = 0.0,
         top_p: float = 1.0,
         top_k: int = 0,
+        min_p: float = 0.0,
         seed: int = 0,
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,

@@ -253,7 +253,7 @@ def _add_security_options(parser: argparse.ArgumentParser, env: CliEnvironment) 
         type=_non_negative_float,
         default=0.0,
         metavar="RPS",
-        help="calls per second per client, counted by token or IP address (0: off)",
+        help="calls per second per client: its token with auth on, else its IP address (0: off)",
     )
     group.add_argument(
         "--rate-limit-burst",
@@ -261,6 +261,13 @@ def _add_security_options(parser: argparse.ArgumentParser, env: CliEnvironment) 
         default=0,
         metavar="N",
         help="calls a client may make at once (0: the rate, at least 1)",
+    )
+    group.add_argument(
+        "--stream-send-timeout",
+        type=_non_negative_float,
+        default=30.0,
+        metavar="S",
+        help="cancel a stream whose client has not read a response for S seconds (0: never)",
     )
 
 

@@ -137,7 +137,11 @@ class Stats:
     """Malformed KV-event batches the coordinator rejected (never applied to its index)."""
     num_drained_workers: int
     num_rejected_requests: int
-    """Calls refused by authentication or a limit (rate, concurrent streams, prompt size)."""
+    """Calls refused by authentication or a limit (rate, concurrent streams, field sizes)."""
+    num_cancelled_requests: int
+    """Streams the client cancelled (not counted as failed)."""
+    num_slow_streams_cancelled: int
+    """Streams the server ended because the client stopped reading (send budget)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -72,6 +72,7 @@ def build_generate_request(
     top_k: int,
     seed: int,
     stop_token_ids: Sequence[int],
+    min_p: float = 0.0,
     ignore_eos: bool,
     session_id: str,
     cache_salt: str,
@@ -84,6 +85,7 @@ def build_generate_request(
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
     _check_range("top_p", top_p, 0.0, 1.0)
     _check_range("top_k", top_k, 0, MAX_UINT32)
+    _check_range("min_p", min_p, 0.0, 1.0)
     _check_range("seed", seed, 0, MAX_UINT64)
     sampling = pb.SamplingParams(
         max_tokens=max_tokens,
@@ -93,6 +95,7 @@ def build_generate_request(
         seed=seed,
         stop_token_ids=checked_token_ids(stop_token_ids, "stop_token_ids"),
         ignore_eos=ignore_eos,
+        min_p=min_p,
     )
     request = pb.GenerateRequest(
         sampling=sampling,

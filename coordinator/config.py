@@ -43,10 +43,13 @@ class CoordinatorConfig:
     """Generate streams served at once (0: only max_concurrent_rpcs bounds them); more get
     RESOURCE_EXHAUSTED while unary calls (Stats, admin) still get a thread."""
     rate_limit_rps: float = 0.0
-    """Calls per second per client (its token, else its IP address); 0 disables. Over the rate:
-    RESOURCE_EXHAUSTED."""
+    """Calls per second per client (its token when auth is on, else its IP address or IPv6 /64);
+    0 disables. Over the rate: RESOURCE_EXHAUSTED."""
     rate_limit_burst: int = 0
     """Calls a client may make at once before the rate applies (0: max(1, rate_limit_rps))."""
+    stream_send_timeout_s: float = 30.0
+    """How long a Generate response may wait to be sent (the client's flow-control window full:
+    it stopped reading) before the server cancels the stream and frees its slot; 0 disables."""
     auth_tokens: tuple[str, ...] = field(default=(), repr=False)
     """Bearer tokens accepted on every RPC; with these and admin_tokens empty, no auth."""
     admin_tokens: tuple[str, ...] = field(default=(), repr=False)
@@ -78,6 +81,11 @@ class CoordinatorConfig:
         for name in ("max_prompt_tokens", "max_concurrent_streams", "rate_limit_burst"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not (math.isfinite(self.stream_send_timeout_s) and self.stream_send_timeout_s >= 0):
+            raise ValueError(
+                f"stream_send_timeout_s must be a finite number >= 0,"
+                f" got {self.stream_send_timeout_s}"
+            )
         if not (math.isfinite(self.rate_limit_rps) and self.rate_limit_rps >= 0):
             raise ValueError(
                 f"rate_limit_rps must be a finite number >= 0, got {self.rate_limit_rps}"

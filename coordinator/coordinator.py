@@ -36,7 +36,13 @@ from kvmesh.proto.block_hash import (
     num_reusable_blocks,
     num_reusable_tokens,
 )
-from kvmesh.workers.contract.replies import PrefillFacts, RequestOutput, WorkerInfo
+from kvmesh.workers.contract.replies import (
+    PrefillFacts,
+    RequestOutput,
+    RequestRejected,
+    WorkerFailed,
+    WorkerInfo,
+)
 from kvmesh.workers.contract.requests import PullSpec, SamplingConfig, WorkerRequest
 from kvmesh.workers.model.model_config import ModelConfig
 
@@ -101,6 +107,7 @@ class StreamEvent:
 class Counters:
     num_requests: int = 0
     num_failed_requests: int = 0
+    num_cancelled_requests: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
     pulled_tokens: int = 0
@@ -172,6 +179,9 @@ class Coordinator:
         return PreparedPrompt(tuple(token_ids), tuple(hashes), cache_salt)
 
     def check_sampling(self, prompt: PreparedPrompt, sampling: SamplingConfig) -> None:
+        vocab = self.model.vocab_size
+        if sampling.top_k > vocab:
+            raise InvalidRequest(f"top_k {sampling.top_k} is over the vocabulary size {vocab}")
         if sampling.max_tokens > self.config.max_tokens_limit:
             raise InvalidRequest(
                 f"max_tokens {sampling.max_tokens} is over the limit {self.config.max_tokens_limit}"
@@ -305,7 +315,7 @@ class Coordinator:
         """The worker's outputs as stream events. If the worker dies mid-stream, the request
         moves to another live worker with its prompt plus the tokens already streamed (at most
         `max_migrations` times), so the client sees a slower stream, not an error."""
-        ok = False
+        ok = cancelled = False
         produced: list[int] = []
         migrations = 0
         current = request
@@ -325,19 +335,28 @@ class Coordinator:
                         raise
                     worker, current = self._migrate(worker, request, produced, migrations)
                     outputs = self.backend.generate(worker, current)
+        except GeneratorExit:  # the consumer went away: a cancel, not a failure
+            cancelled = True
+            raise
         finally:
             with self._lock:
                 self.load.on_finished(current.request_id)
                 self.policy.on_request_done(current.request_id)
                 if current is not request:
                     self.policy.on_request_done(request.request_id)
-                if not ok:
+                if cancelled:
+                    self.counters.num_cancelled_requests += 1
+                elif not ok:
                     self.counters.num_failed_requests += 1
 
     def _events(
         self, worker: WorkerId, request: WorkerRequest, outputs: Iterator[RequestOutput]
     ) -> Iterator[StreamEvent]:
         for out in outputs:
+            if out.failure is not None:  # this request alone failed; the worker serves on
+                if out.failure.internal:
+                    raise WorkerFailed(f"worker {worker}: {out.failure.message}")
+                raise RequestRejected(out.failure.message)
             if out.prefill is not None:
                 self._on_prefilled(worker, request, out.prefill)
             with self._lock:
@@ -395,6 +414,7 @@ class Coordinator:
             snapshot = {
                 "num_requests": c.num_requests,
                 "num_failed_requests": c.num_failed_requests,
+                "num_cancelled_requests": c.num_cancelled_requests,
                 "prompt_tokens": c.prompt_tokens,
                 "cached_tokens": c.cached_tokens,
                 "pulled_tokens": c.pulled_tokens,

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos", "min_p")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -15,6 +15,7 @@ class SamplingParams(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -22,7 +23,8 @@ class SamplingParams(_message.Message):
     seed: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     ignore_eos: bool
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    min_p: float
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_p: _Optional[float] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("token_ids", "prompt", "sampling", "session_id", "cache_salt", "worker_id", "request_id")
@@ -147,7 +149,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("num_workers", "num_live_workers", "num_indexed_blocks", "num_requests", "num_failed_requests", "prompt_tokens", "cached_tokens", "computed_tokens", "generated_tokens", "hit_rate", "policy", "redis_connected", "num_events_applied", "num_resyncs", "block_size", "model", "pulled_tokens", "num_pulls", "num_failed_pulls", "num_migrations", "routing", "num_decode_errors", "num_drained_workers", "num_rejected_requests")
+    __slots__ = ("num_workers", "num_live_workers", "num_indexed_blocks", "num_requests", "num_failed_requests", "prompt_tokens", "cached_tokens", "computed_tokens", "generated_tokens", "hit_rate", "policy", "redis_connected", "num_events_applied", "num_resyncs", "block_size", "model", "pulled_tokens", "num_pulls", "num_failed_pulls", "num_migrations", "routing", "num_decode_errors", "num_drained_workers", "num_rejected_requests", "num_cancelled_requests", "num_slow_streams_cancelled")
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     NUM_LIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
     NUM_INDEXED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +174,8 @@ class StatsResponse(_message.Message):
     NUM_DECODE_ERRORS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAINED_WORKERS_FIELD_NUMBER: _ClassVar[int]
     NUM_REJECTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CANCELLED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLOW_STREAMS_CANCELLED_FIELD_NUMBER: _ClassVar[int]
     num_workers: int
     num_live_workers: int
     num_indexed_blocks: int
@@ -196,7 +200,9 @@ class StatsResponse(_message.Message):
     num_decode_errors: int
     num_drained_workers: int
     num_rejected_requests: int
-    def __init__(self, num_workers: _Optional[int] = ..., num_live_workers: _Optional[int] = ..., num_indexed_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_failed_requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., hit_rate: _Optional[float] = ..., policy: _Optional[str] = ..., redis_connected: _Optional[bool] = ..., num_events_applied: _Optional[int] = ..., num_resyncs: _Optional[int] = ..., block_size: _Optional[int] = ..., model: _Optional[str] = ..., pulled_tokens: _Optional[int] = ..., num_pulls: _Optional[int] = ..., num_failed_pulls: _Optional[int] = ..., num_migrations: _Optional[int] = ..., routing: _Optional[str] = ..., num_decode_errors: _Optional[int] = ..., num_drained_workers: _Optional[int] = ..., num_rejected_requests: _Optional[int] = ...) -> None: ...
+    num_cancelled_requests: int
+    num_slow_streams_cancelled: int
+    def __init__(self, num_workers: _Optional[int] = ..., num_live_workers: _Optional[int] = ..., num_indexed_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_failed_requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., hit_rate: _Optional[float] = ..., policy: _Optional[str] = ..., redis_connected: _Optional[bool] = ..., num_events_applied: _Optional[int] = ..., num_resyncs: _Optional[int] = ..., block_size: _Optional[int] = ..., model: _Optional[str] = ..., pulled_tokens: _Optional[int] = ..., num_pulls: _Optional[int] = ..., num_failed_pulls: _Optional[int] = ..., num_migrations: _Optional[int] = ..., routing: _Optional[str] = ..., num_decode_errors: _Optional[int] = ..., num_drained_workers: _Optional[int] = ..., num_rejected_requests: _Optional[int] = ..., num_cancelled_requests: _Optional[int] = ..., num_slow_streams_cancelled: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("worker_id", "pid", "node", "device", "num_blocks", "num_free_blocks", "alive", "cached_tokens", "computed_tokens", "num_requests", "num_running", "num_waiting", "generation", "num_indexed_blocks", "drained")

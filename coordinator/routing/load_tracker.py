@@ -41,7 +41,7 @@ class LoadTracker:
 
     def on_routed(self, request_id: str, worker: WorkerId, prefill_ms: float, tokens: int) -> None:
         if request_id in self._pending:
-            raise ValueError(f"request {request_id!r} routed twice")
+            raise ValueError("a request with this id is already in flight")  # never echo ids
         self._pending[request_id] = _Pending(worker, prefill_ms, tokens)
         self._queued_ms[worker] = self._queued_ms.get(worker, 0.0) + prefill_ms
         self._queued_tokens[worker] = self._queued_tokens.get(worker, 0) + tokens

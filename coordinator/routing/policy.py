@@ -154,11 +154,25 @@ class RoutingPolicy(ABC):
 
 
 class SessionMap:
-    """Which worker each session last went to; bounded, the least recently used session goes
-    first. Invariant: len <= max_sessions."""
+    """Which worker each session last went to; the least recently used session goes first.
 
-    def __init__(self, max_sessions: int = 100_000) -> None:
+    Bounded in entries and in bytes, since session ids come from clients: an entry costs its
+    session id's UTF-8 bytes plus `ENTRY_OVERHEAD_BYTES` (the dict slot, the str objects).
+    Invariants: len <= max_sessions; num_bytes <= max_bytes; num_bytes is the sum of the entries'
+    costs.
+    """
+
+    ENTRY_OVERHEAD_BYTES = 200
+
+    def __init__(self, max_sessions: int = 100_000, max_bytes: int = 32 << 20) -> None:
+        if max_sessions < 1 or max_bytes < self.ENTRY_OVERHEAD_BYTES:
+            raise ValueError(
+                f"need max_sessions >= 1 and max_bytes >= {self.ENTRY_OVERHEAD_BYTES},"
+                f" got {max_sessions} and {max_bytes}"
+            )
         self.max_sessions = max_sessions
+        self.max_bytes = max_bytes
+        self.num_bytes = 0
         self._session_to_worker: OrderedDict[str, WorkerId] = OrderedDict()
 
     def __len__(self) -> int:
@@ -168,13 +182,26 @@ class SessionMap:
         return self._session_to_worker.get(session_id) if session_id else None
 
     def remember(self, session_id: str, worker: WorkerId) -> None:
-        if not session_id:
-            return
+        cost = self._cost(session_id)
+        if not session_id or cost > self.max_bytes:
+            return  # nothing to remember, or it could never fit: affinity is only a hint
+        if session_id not in self._session_to_worker:
+            self.num_bytes += cost
         self._session_to_worker[session_id] = worker
         self._session_to_worker.move_to_end(session_id)
-        if len(self._session_to_worker) > self.max_sessions:
-            self._session_to_worker.popitem(last=False)
+        while len(self._session_to_worker) > self.max_sessions or self.num_bytes > self.max_bytes:
+            oldest, _ = self._session_to_worker.popitem(last=False)
+            self.num_bytes -= self._cost(oldest)
 
     def forget_worker(self, worker: WorkerId) -> None:
         for s in [s for s, w in self._session_to_worker.items() if w == worker]:
             del self._session_to_worker[s]
+            self.num_bytes -= self._cost(s)
+
+    def check_invariants(self) -> None:
+        assert len(self._session_to_worker) <= self.max_sessions
+        assert self.num_bytes <= self.max_bytes
+        assert self.num_bytes == sum(self._cost(s) for s in self._session_to_worker)
+
+    def _cost(self, session_id: str) -> int:
+        return len(session_id.encode("utf-8", "surrogatepass")) + self.ENTRY_OVERHEAD_BYTES

@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import hmac
+import ipaddress
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -78,14 +79,31 @@ def bearer_token(authorization: str | None) -> str | None:
     return token or None
 
 
-def client_key(authorization: str | None, peer: str) -> str:
-    """Whom a call counts against for rate limiting: its token (hashed) if it has one, else the
-    peer's address without its port ("ipv4:10.0.0.7:53211" -> "ipv4:10.0.0.7")."""
-    token = bearer_token(authorization)
+def client_key(authorization: str | None, peer: str, *, authenticated: bool) -> str:
+    """Whom a call counts against for rate limiting.
+
+    With auth on (`authenticated`: the token was checked before this is asked), the identity is
+    the token (hashed). With auth off a header proves nothing, so any `authorization` is ignored
+    and the key is the peer's address without its port ("ipv4:10.0.0.7:53211" ->
+    "ipv4:10.0.0.7"); an IPv6 peer counts by its /64, since one host usually owns a whole /64.
+    """
+    token = bearer_token(authorization) if authenticated else None
     if token is not None:
         return "token:" + _digest(token).hex()[:16]
+    return _peer_host(peer)
+
+
+def _peer_host(peer: str) -> str:
     host, sep, _port = peer.rpartition(":")
-    return host if sep and host else peer
+    if not sep or not host or not peer.startswith(("ipv4:", "ipv6:")):
+        return peer  # e.g. "unix:/run/kvmesh.sock": no port to strip
+    if host.startswith("ipv6:[") and host.endswith("]"):
+        try:
+            net = ipaddress.IPv6Network(f"{host[6:-1]}/64", strict=False)
+        except ValueError:
+            return host
+        return f"ipv6:{net}"
+    return host
 
 
 def read_token_file(path: str) -> tuple[str, ...]:

@@ -5,17 +5,19 @@ Every RPC maps the coordinator's exceptions to a status code and never lets one 
 stop the server:
 
     InvalidRequest / ValueError -> INVALID_ARGUMENT      NoLiveWorker / WorkerDied -> UNAVAILABLE
-    RequestRejected (worker refused) -> INVALID_ARGUMENT  anything else -> INTERNAL
+    RequestRejected (worker refused, or a request's own sampling failed) -> INVALID_ARGUMENT
+    WorkerFailed (the worker failed the request), anything else -> INTERNAL
 Oversized messages are refused by gRPC itself with RESOURCE_EXHAUSTED (max_receive_message_length).
-Authentication, rate and stream limits and unparsable bytes are answered before a call gets here,
-by the interceptor (`service/interceptor.py`). The admin RPCs (Drain, ClearCache, VerifyIndex)
-delegate to `coordinator/service/admin.py`.
+Authentication, rate and stream limits, field sizes and unparsable bytes are answered before a
+call gets here, by the interceptor (`service/interceptor.py`). The admin RPCs (Drain, ClearCache,
+VerifyIndex) delegate to `coordinator/service/admin.py`.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import asdict
@@ -86,13 +88,16 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
         self, request: pb.GenerateRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.GenerateResponse]:
         started = time.perf_counter()
+        # The client's id is a label it gets back (generated when absent); the coordinator keys
+        # the request by its own id, so two clients sending the same label never collide.
+        request_id = request.request_id or uuid.uuid4().hex
         stream = self._guard(context, lambda: self._start_generate(request))
         first = True
         tokenizer = self.coordinator.tokenizer
         detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
         try:
             for event in stream:
-                resp = pb.GenerateResponse(token_ids=event.token_ids, request_id=request.request_id)
+                resp = pb.GenerateResponse(token_ids=event.token_ids, request_id=request_id)
                 if detok is not None:
                     resp.text = detok.push(event.token_ids) + (
                         detok.flush() if event.finished else ""
@@ -109,6 +114,10 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
             if code is grpc.StatusCode.INTERNAL:
                 log.exception("generate failed")
             context.abort(code, str(exc) or type(exc).__name__)
+        finally:
+            close = getattr(stream, "close", None)
+            if close is not None:
+                close()  # a cancelled client: stop the worker now, count it as cancelled
 
     def _cache_facts(self, event: StreamEvent) -> pb.CacheFacts:
         facts = event.prefill
@@ -129,21 +138,18 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
         s = request.sampling
         if not request.HasField("sampling") or s.max_tokens == 0:
             raise InvalidRequest("sampling.max_tokens must be >= 1")
-        sampling = SamplingConfig(
+        sampling = SamplingConfig(  # raises ValueError (INVALID_ARGUMENT) outside the safe ranges
             max_tokens=s.max_tokens,
             temperature=s.temperature,
-            top_p=s.top_p if 0 < s.top_p <= 1 else 1.0,
+            top_p=1.0 if s.top_p == 0 else s.top_p,  # proto3's default 0 means "not set"
             top_k=s.top_k,
             seed=s.seed,
             stop_token_ids=tuple(s.stop_token_ids),
             ignore_eos=s.ignore_eos,
+            min_p=s.min_p,
         )
         return c.generate(
-            prompt,
-            sampling,
-            session_id=request.session_id,
-            worker_id=request.worker_id,
-            request_id=request.request_id,
+            prompt, sampling, session_id=request.session_id, worker_id=request.worker_id
         )
 
     def _prepare(self, token_ids: Any, prompt: str, cache_salt: str) -> PreparedPrompt:
@@ -216,6 +222,9 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
                 num_decode_errors=self.follower.store.num_decode_errors if self.follower else 0,
                 num_drained_workers=len(self.cluster.registry.drained()),
                 num_rejected_requests=self.gate.num_rejected if self.gate else 0,
+                num_slow_streams_cancelled=(
+                    self.gate.num_slow_streams_cancelled if self.gate else 0
+                ),
                 num_pulls=c.transfers.num_pulls if c.transfers is not None else 0,
                 num_failed_pulls=c.transfers.num_failed_pulls if c.transfers is not None else 0,
                 **s,

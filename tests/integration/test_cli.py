@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -17,8 +18,10 @@ pytestmark = [pytest.mark.redis, pytest.mark.ray, pytest.mark.slow]
 CLI = [sys.executable, "-m", "kvmesh.client.cli"]
 
 
-def kvmesh(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120)
+def kvmesh(
+    *args: str, check: bool = True, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120, env=env)
     if check and proc.returncode != 0:
         raise AssertionError(f"kvmesh {' '.join(args)} failed: {proc.stderr}")
     return proc
@@ -101,5 +104,57 @@ def test_up_serves_the_read_commands_and_cleans_up_on_sigterm() -> None:
         assert gone.returncode != 0 and "Traceback" not in gone.stderr
     finally:
         if up.poll() is None:
+            os.killpg(up.pid, signal.SIGKILL)
+            up.wait()
+
+
+def start_up(env: dict[str, str], *args: str) -> tuple[subprocess.Popen[str], str]:
+    up = subprocess.Popen(
+        [*CLI, "up", "--port", "0", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    assert up.stdout is not None
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = up.stdout.readline()
+        if not line:
+            break
+        m = re.search(r"kvmesh is up at (\S+)", line)
+        if m:
+            return up, m.group(1)
+    os.killpg(up.pid, signal.SIGKILL)
+    raise AssertionError("kvmesh up never printed its address")
+
+
+def test_up_keeps_the_tokens_out_of_every_ray_process() -> None:
+    admin, user = "admin-secret-4b1e7d", "user-secret-90aa3c"
+    env = dict(
+        os.environ, RAY_AUTH_MODE="disabled", KVMESH_ADMIN_TOKEN=admin, KVMESH_AUTH_TOKEN=user
+    )
+    up, address = start_up(env, "--workers", "1", "--num-blocks", "64")
+    try:
+        reader = dict(env, KVMESH_TOKEN=user)
+        workers = json.loads(kvmesh("workers", "--address", address, "--json", env=reader).stdout)
+        assert len(workers) == 1
+        # The worker, and every process in its ancestry up to `kvmesh up` (raylet, ...).
+        pid, seen = int(workers[0]["pid"]), []
+        while pid not in (up.pid, 0, 1):
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+            assert admin.encode() not in environ and user.encode() not in environ, pid
+            seen.append(pid)
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        assert seen and pid == up.pid  # the walk reached `kvmesh up` itself
+        assert admin.encode() in Path(f"/proc/{up.pid}/environ").read_bytes()  # it kept them
+        denied = kvmesh("stats", "--address", address, check=False)
+        assert denied.returncode == 1 and "UNAUTHENTICATED" in denied.stderr  # auth is on
+    finally:
+        os.killpg(up.pid, signal.SIGTERM)
+        try:
+            up.wait(timeout=60)
+        except subprocess.TimeoutExpired:
             os.killpg(up.pid, signal.SIGKILL)
             up.wait()

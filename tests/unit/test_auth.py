@@ -74,11 +74,30 @@ def test_token_file_holds_one_token_per_line(tmp_path: Path) -> None:
 def test_bearer_token_and_client_key() -> None:
     assert bearer_token(None) is None and bearer_token("Bearer ") is None
     assert bearer_token("Bearer abc") == "abc"
-    assert client_key(None, "ipv4:10.0.0.7:53211") == "ipv4:10.0.0.7"
-    assert client_key(None, "ipv6:[::1]:5000") == "ipv6:[::1]"
-    keyed = client_key("Bearer abc", "ipv4:10.0.0.7:1")
+    assert client_key(None, "ipv4:10.0.0.7:53211", authenticated=False) == "ipv4:10.0.0.7"
+    keyed = client_key("Bearer abc", "ipv4:10.0.0.7:1", authenticated=True)
     assert keyed.startswith("token:") and "abc" not in keyed
-    assert keyed == client_key("Bearer abc", "ipv4:10.9.9.9:2")
+    assert keyed == client_key("Bearer abc", "ipv4:10.9.9.9:2", authenticated=True)
+
+
+def test_without_auth_a_made_up_token_does_not_buy_a_fresh_bucket() -> None:
+    peer = "ipv4:10.0.0.7:53211"
+    keys = {client_key(f"Bearer r{k}", peer, authenticated=False) for k in range(40)}
+    assert keys == {"ipv4:10.0.0.7"}
+    limiter = RateLimiter(1.0, 5, clock=FakeClock())
+    allowed = [
+        limiter.allow(client_key(f"Bearer r{k}", peer, authenticated=False)) for k in range(40)
+    ]
+    assert sum(allowed) == 5
+
+
+def test_an_ipv6_host_counts_by_its_64() -> None:
+    a = client_key(None, "ipv6:[2001:db8:1:2::1]:5000", authenticated=False)
+    b = client_key(None, "ipv6:[2001:db8:1:2:ffff::9]:6000", authenticated=False)
+    c = client_key(None, "ipv6:[2001:db8:1:3::1]:5000", authenticated=False)
+    assert a == b == "ipv6:2001:db8:1:2::/64" and c != a
+    assert client_key(None, "ipv6:[::1]:5000", authenticated=False) == "ipv6:::/64"
+    assert client_key(None, "unix:/tmp/s", authenticated=False) == "unix:/tmp/s"
 
 
 class FakeClock:
@@ -101,13 +120,18 @@ def test_rate_limiter_allows_a_burst_then_the_rate() -> None:
     limiter.check_invariants()
 
 
-def test_rate_limiter_forgets_the_least_recent_clients_first() -> None:
-    limiter = RateLimiter(1.0, 1, clock=FakeClock(), max_clients=2)
-    assert limiter.allow("a") and limiter.allow("b")
-    assert not limiter.allow("a")  # a is now the most recent
-    assert limiter.allow("c")  # drops b
-    assert limiter.num_clients == 2
-    assert limiter.allow("b")  # b starts again with a full bucket
+def test_rate_limiter_eviction_never_resets_another_clients_limit() -> None:
+    clock = FakeClock()
+    limiter = RateLimiter(1.0, 1, clock=clock, max_clients=2)
+    assert limiter.allow("a") and limiter.allow("b")  # both buckets now empty: both limited
+    # New clients cannot push a or b out (that would hand them a full bucket): they share the
+    # overflow bucket, one burst between them.
+    assert limiter.allow("c") and not limiter.allow("d") and not limiter.allow("e")
+    assert not limiter.allow("a") and not limiter.allow("b")
+    limiter.check_invariants()
+    clock.now += 5  # a and b refill: dropping a full bucket changes nothing, so f gets one
+    assert limiter.allow("f") and limiter.allow("a")
+    assert not limiter.allow("f")
     limiter.check_invariants()
 
 

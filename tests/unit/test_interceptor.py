@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from kvmesh.client.errors import (
     Unavailable,
 )
 from kvmesh.coordinator.config import CoordinatorConfig
-from kvmesh.coordinator.service.interceptor import gate_from_config
+from kvmesh.coordinator.service.interceptor import GateInterceptor, gate_from_config
 from kvmesh.coordinator.service.servicer import build_server
 from kvmesh.coordinator.service.tls import ServerTls, load_server_tls
 from kvmesh.proto import kvmesh_pb2 as pb
@@ -41,6 +42,10 @@ class ScriptedKVMesh(pb_grpc.KVMeshServicer):
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator:
         self.started.release()
+        if request.request_id == "flood":  # far more than any flow-control window holds
+            for _ in range(4000):
+                yield pb.GenerateResponse(token_ids=[1], text="x" * 16384)
+            return
         yield pb.GenerateResponse(token_ids=[1])
         self.release.wait(timeout=30)
         yield pb.GenerateResponse(token_ids=[2], finish_reason="length")
@@ -54,16 +59,18 @@ class ScriptedKVMesh(pb_grpc.KVMeshServicer):
 
 def serve(config: CoordinatorConfig, tls: ServerTls | None = None) -> tuple[grpc.Server, str]:
     servicer = ScriptedKVMesh()
+    gate = gate_from_config(config)
     server, port, _ = build_server(
         servicer,  # type: ignore[arg-type]
         "127.0.0.1",
         0,
         max_message_bytes=1 << 20,
         max_workers=8,
-        interceptors=[gate_from_config(config)],
+        interceptors=[gate],
         tls=tls,
     )
     server.servicer = servicer  # type: ignore[attr-defined]
+    server.gate = gate  # type: ignore[attr-defined]
     server.start()
     return server, f"127.0.0.1:{port}"
 
@@ -112,9 +119,101 @@ def test_rate_limit_refuses_a_client_over_its_rate_but_not_others() -> None:
         client.stats()
         with pytest.raises(ResourceExhausted, match="rate limit of 0.5 calls/s"):
             client.stats()
-        # Counted by token when there is one: another token is another client.
-        assert Client(address, token="someone-else").stats().num_workers == 2
+        # Auth is off, so a token proves nothing: a made-up one is the same client (its address).
+        with pytest.raises(ResourceExhausted):
+            Client(address, token="someone-else").stats()
     finally:
+        server.stop(None)
+
+
+def test_with_auth_each_identity_has_its_own_bucket_and_strangers_get_none() -> None:
+    other = "second-user-token-c0ffee"
+    config = CoordinatorConfig(auth_tokens=(USER, other), rate_limit_rps=0.5, rate_limit_burst=1)
+    server, address = serve(config)
+    gate: GateInterceptor = server.gate  # type: ignore[attr-defined]
+    assert gate.rate is not None
+    try:
+        assert Client(address, token=USER).stats().num_workers == 2
+        with pytest.raises(ResourceExhausted):
+            Client(address, token=USER).stats()
+        assert Client(address, token=other).stats().num_workers == 2  # same address, own bucket
+        for k in range(20):
+            with pytest.raises(Unauthenticated):
+                Client(address, token=f"guess-{k}").stats()
+        assert gate.rate.num_clients == 2  # refused before any bucket was made for them
+    finally:
+        server.stop(None)
+
+
+def test_fields_over_their_byte_limits_are_refused_without_being_echoed() -> None:
+    server, address = serve(CoordinatorConfig(max_prompt_tokens=100))
+    channel = grpc.insecure_channel(address)
+    stub = pb_grpc.KVMeshStub(channel)
+    sampling = pb.SamplingParams(max_tokens=1)
+    oversized = [
+        ("request_id", pb.GenerateRequest(token_ids=[1], sampling=sampling, request_id="r" * 129)),
+        ("session_id", pb.GenerateRequest(token_ids=[1], sampling=sampling, session_id="s" * 300)),
+        ("cache_salt", pb.GenerateRequest(token_ids=[1], sampling=sampling, cache_salt="c" * 257)),
+        ("worker_id", pb.GenerateRequest(token_ids=[1], sampling=sampling, worker_id="w" * 200)),
+        ("token_ids", pb.GenerateRequest(token_ids=[1] * 101, sampling=sampling)),
+        ("prompt", pb.GenerateRequest(prompt="p" * 1601, sampling=sampling)),
+        ("stop_token_ids", pb.GenerateRequest(
+            token_ids=[1], sampling=pb.SamplingParams(max_tokens=1, stop_token_ids=[2] * 65))),
+    ]  # fmt: skip
+    try:
+        for field, request in oversized:
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Generate(request, timeout=10))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, field
+            details = err.value.details()
+            assert f".{field} " in details and "over the limit" in details and len(details) < 200
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Route(pb.RouteRequest(token_ids=[1], session_id="é" * 200_000), timeout=10)
+        assert "RouteRequest.session_id is 400000 bytes" in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Drain(pb.DrainRequest(worker_id="w" * 4096), timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        at_limit = pb.GenerateRequest(token_ids=[1] * 100, sampling=sampling, request_id="r" * 128)
+        server.servicer.release.set()  # type: ignore[attr-defined]
+        assert len(list(stub.Generate(at_limit, timeout=10))) == 2  # at the limits: served
+    finally:
+        channel.close()
+        server.stop(None)
+
+
+def test_a_stream_whose_client_stops_reading_is_cancelled_and_frees_its_slot() -> None:
+    config = CoordinatorConfig(max_concurrent_streams=1, stream_send_timeout_s=0.5)
+    server, address = serve(config)
+    gate: GateInterceptor = server.gate  # type: ignore[attr-defined]
+    server.servicer.release.set()  # type: ignore[attr-defined]
+    channel = grpc.insecure_channel(address)
+    stub = pb_grpc.KVMeshStub(channel)
+    client = Client(address, timeout_s=10)
+    try:
+        stalled = stub.Generate(pb.GenerateRequest(token_ids=[1], request_id="flood"), timeout=60)
+        assert next(stalled).token_ids == [1]  # ... and never reads again
+        with pytest.raises(ResourceExhausted):
+            client.generate([3], max_tokens=2)  # the slot is taken
+
+        def slot_came_back() -> bool:
+            try:
+                return client.generate([3], max_tokens=2).tokens == [1, 2]
+            except ResourceExhausted:
+                time.sleep(0.1)
+                return False
+
+        assert any(slot_came_back() for _ in range(300))
+        assert gate.num_slow_streams_cancelled == 1
+        with pytest.raises(grpc.RpcError) as err:
+            for _ in stalled:  # what was buffered, then the cancel
+                pass
+        assert err.value.code() == grpc.StatusCode.CANCELLED
+        # A client that reads keeps its stream however long it runs.
+        flood = stub.Generate(pb.GenerateRequest(token_ids=[1], request_id="flood"), timeout=60)
+        assert sum(1 for _ in flood) == 4000
+        assert gate.num_slow_streams_cancelled == 1
+    finally:
+        channel.close()
         server.stop(None)
 
 

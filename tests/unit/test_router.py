@@ -116,7 +116,7 @@ def test_load_tracker_queues_until_prefilled_and_runs_until_finished() -> None:
     t.on_finished("a")
     assert t.queued_prefill_ms(w) == 0.0 and t.num_running(w) == 0
     t.check_invariants()
-    with pytest.raises(ValueError, match="routed twice"):
+    with pytest.raises(ValueError, match="already in flight"):
         t.on_routed("c", w, 1.0, 1)
         t.on_routed("c", w, 1.0, 1)
 
@@ -134,3 +134,20 @@ def test_session_map_is_bounded_and_forgets_dead_workers() -> None:
     assert sessions.get("a") is None and sessions.get("c") is None
     sessions.remember("", WorkerId("w1"))  # no session: nothing remembered
     assert len(sessions) == 0
+
+
+def test_session_map_is_bounded_in_bytes_whatever_the_session_ids() -> None:
+    from kvmesh.coordinator.routing.policy import SessionMap
+
+    overhead = SessionMap.ENTRY_OVERHEAD_BYTES
+    sessions = SessionMap(max_sessions=1000, max_bytes=10 * (overhead + 1000))
+    for k in range(50):
+        sessions.remember(f"{k:04d}" + "x" * 996, WorkerId("w0"))  # 1000 bytes each
+        sessions.check_invariants()
+    assert len(sessions) == 10 and sessions.num_bytes == 10 * (overhead + 1000)
+    assert sessions.get("0049" + "x" * 996) == "w0" and sessions.get("0039" + "x" * 996) is None
+    sessions.remember("y" * 20_000, WorkerId("w1"))  # could never fit: ignored, nothing evicted
+    assert len(sessions) == 10
+    sessions.forget_worker(WorkerId("w0"))
+    sessions.check_invariants()
+    assert sessions.num_bytes == 0

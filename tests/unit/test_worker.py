@@ -12,7 +12,7 @@ from kvmesh.workers.contract.requests import SamplingConfig, WorkerRequest
 from kvmesh.workers.engine.scheduler import SchedulerConfig
 from kvmesh.workers.engine.worker import Worker
 from kvmesh.workers.model.model_config import preset
-from kvmesh.workers.model.runner import ModelRunner
+from kvmesh.workers.model.runner import ModelRunner, SeqChunk
 
 BS = 16
 
@@ -149,3 +149,69 @@ def test_request_larger_than_the_pool_is_refused() -> None:
     h = Harness(num_blocks=4)
     with pytest.raises(ValueError, match="KV pool"):
         h.worker.add_request(req("big", PREFIX + [1], max_tokens=10))
+
+
+# ---- isolation: one sequence's failure is its own ----------------------------------------------
+
+POISON = 299  # a prompt holding this token makes FaultyRunner's forward pass raise
+
+
+class FaultyRunner(ModelRunner):
+    """The real runner, except that a batch holding POISON fails (a bug one request triggers)."""
+
+    def forward(self, chunks: list[SeqChunk]) -> torch.Tensor:
+        if any(POISON in c.token_ids for c in chunks):
+            raise RuntimeError("kernel fault")
+        return super().forward(chunks)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"min_p": float("inf")}, {"top_k": -5}, {"temperature": float("nan")}],
+)
+def test_a_sequence_whose_sampling_fails_fails_alone(fields: dict[str, float]) -> None:
+    prompts = [PREFIX[: 20 + 9 * k] for k in range(3)]
+    h = Harness()
+    for k, p in enumerate(prompts):
+        h.worker.add_request(req(f"r{k}", p, 10))
+    sampling = SamplingConfig(max_tokens=10, temperature=1.0, seed=3, ignore_eos=True)
+    h.worker.add_request(WorkerRequest("bad", tuple(PREFIX[:25]), sampling))
+    with pytest.raises(ValueError):
+        SamplingConfig(**{**{"temperature": 1.0}, **fields})  # type: ignore[arg-type]
+    for name, value in fields.items():  # as if validation had been skipped (a bug upstream)
+        object.__setattr__(sampling, name, value)
+    outs = h.run([])
+    (last,) = outs["bad"]
+    assert last.finished and last.failure is not None and not last.failure.internal
+    assert last.finish_reason == "error" and not last.new_token_ids
+    for k, p in enumerate(prompts):
+        assert tokens(outs[f"r{k}"]) == tokens(Harness().run([req("x", p, 10)])["x"])
+    assert h.worker.pool.num_free == h.worker.pool.num_blocks
+    assert h.worker.info().counters.num_failed == 1
+
+
+def test_the_worker_refuses_sampling_parameters_that_skipped_validation() -> None:
+    sampling = SamplingConfig(max_tokens=4, temperature=1.0)
+    object.__setattr__(sampling, "top_p", float("nan"))
+    with pytest.raises(ValueError, match="top_p"):
+        Harness().worker.add_request(WorkerRequest("x", (1, 2, 3), sampling))
+
+
+def test_a_forward_pass_failure_fails_only_the_sequence_that_causes_it() -> None:
+    config = preset("tiny-random")
+    runner = FaultyRunner(config, 64, BS, device="cpu", dtype=torch.float32, seed=0)
+    worker = Worker("w0", runner, config.fingerprint(), SchedulerConfig(BS, 8, 4096))
+    prompts = [PREFIX[: 20 + 9 * k] for k in range(3)]
+    for k, p in enumerate(prompts):
+        worker.add_request(req(f"r{k}", p, 10))
+    worker.add_request(req("poison", PREFIX[:30] + [POISON]))
+    outs: dict[str, list[RequestOutput]] = defaultdict(list)
+    while worker.has_work:
+        for o in worker.step():
+            outs[o.request_id].append(o)
+        worker.check_invariants()
+    (last,) = outs["poison"]
+    assert last.failure is not None and last.failure.internal and "kernel" not in str(last)
+    for k, p in enumerate(prompts):
+        assert tokens(outs[f"r{k}"]) == tokens(Harness().run([req("x", p, 10)])["x"])
+    assert worker.pool.num_free == worker.pool.num_blocks

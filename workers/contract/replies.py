@@ -48,6 +48,17 @@ class PrefillFacts:
 
 
 @dataclass(frozen=True, slots=True)
+class SequenceFailure:
+    """Why one request was ended by its worker while the others went on; the message is for the
+    client (bounded, never the request's own input)."""
+
+    message: str
+    internal: bool
+    """True for a bug or a fault of the engine (INTERNAL); False when the request's own
+    parameters are at fault (INVALID_ARGUMENT)."""
+
+
+@dataclass(frozen=True, slots=True)
 class RequestOutput:
     request_id: str
     new_token_ids: tuple[int, ...]
@@ -55,6 +66,8 @@ class RequestOutput:
     finish_reason: str = ""
     prefill: PrefillFacts | None = None
     """On the first output of a request only (its prefill is done)."""
+    failure: SequenceFailure | None = None
+    """Set (with finished=True, finish_reason "error") when this request alone failed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +76,8 @@ class WorkerCounters:
 
     num_requests: int = 0
     num_finished: int = 0
+    num_failed: int = 0
+    """Requests this worker ended alone (a failure of their own, the others went on)."""
     prompt_tokens: int = 0
     cached_tokens: int = 0
     """Reused from the device pool (local hits)."""

@@ -20,33 +20,59 @@ from dataclasses import dataclass
 
 from kvmesh.proto.block_hash import BlockHash
 
+MIN_TEMPERATURE = 1e-2
+"""Smallest temperature other than 0 (greedy). Below it the scaled logits would only differ from
+greedy by rounding; refusing it keeps the documented range one that is numerically safe."""
+MAX_TEMPERATURE = 100.0
+"""Largest temperature: above it the distribution is uniform to float precision."""
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingConfig:
+    """One request's sampling parameters; every combination that constructs is safe to sample."""
+
     max_tokens: int = 16
     """Tokens to generate (>= 1)."""
     temperature: float = 0.0
-    """0 is greedy."""
+    """0 is greedy; otherwise in [MIN_TEMPERATURE, MAX_TEMPERATURE]."""
     top_p: float = 1.0
-    """Nucleus mass kept; 1 disables."""
+    """Nucleus mass kept, in (0, 1]; 1 disables."""
     top_k: int = 0
     """Keep the k most likely tokens; 0 disables."""
     seed: int = 0
-    """Seed for temperature > 0."""
+    """Seed for temperature > 0 (>= 0)."""
     stop_token_ids: tuple[int, ...] = ()
     """Extra tokens that end the request (besides the model's EOS)."""
     ignore_eos: bool = False
     """Keep generating past EOS (benchmarks)."""
+    min_p: float = 0.0
+    """Drop tokens less likely than min_p times the most likely one, in [0, 1]; 0 disables."""
 
     def __post_init__(self) -> None:
+        problem = self.problem()
+        if problem is not None:
+            raise ValueError(problem)
+
+    def problem(self) -> str | None:
+        """Why these parameters are invalid, or None. Also asked of a config whose sampling
+        failed, to tell the request's own fault (INVALID_ARGUMENT) from a bug (INTERNAL)."""
+        t = self.temperature
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not 0.0 <= self.temperature <= 100.0:
-            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0 or math.isnan(self.top_p):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            return f"max_tokens must be >= 1, got {self.max_tokens}"
+        if not math.isfinite(t) or not (t == 0.0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE):
+            return (
+                f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}],"
+                f" got {t:g}"
+            )
+        if not 0.0 < self.top_p <= 1.0:  # also refuses NaN
+            return f"top_p must be in (0, 1], got {self.top_p:g}"
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+            return f"top_k must be >= 0, got {self.top_k}"
+        if not 0.0 <= self.min_p <= 1.0:
+            return f"min_p must be in [0, 1], got {self.min_p:g}"
+        if self.seed < 0:
+            return f"seed must be >= 0, got {self.seed}"
+        return None
 
 
 class Transport(enum.Enum):

@@ -13,6 +13,7 @@ class WorkerTally:
 
     num_requests: int = 0
     num_finished: int = 0
+    num_failed: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
     prompt_host_tokens: int = 0
@@ -36,6 +37,7 @@ class WorkerTally:
         return WorkerCounters(
             num_requests=self.num_requests,
             num_finished=self.num_finished,
+            num_failed=self.num_failed,
             prompt_tokens=self.prompt_tokens,
             cached_tokens=self.cached_tokens,
             host_hit_tokens=self.host_hit_tokens,

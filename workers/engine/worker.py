@@ -16,20 +16,27 @@ first moment:
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from kvmesh.proto.block_hash import BlockHash, namespace_hash, num_reusable_blocks
 from kvmesh.proto.events import TIER_HOST, AllCleared, BlockStored, EventBatch, KVEvent
-from kvmesh.workers.contract.replies import PrefillFacts, RequestOutput, WorkerInfo
+from kvmesh.workers.contract.replies import (
+    PrefillFacts,
+    RequestOutput,
+    SequenceFailure,
+    WorkerInfo,
+)
 from kvmesh.workers.contract.requests import PullSpec, WorkerRequest
-from kvmesh.workers.engine.sampler import sample
+from kvmesh.workers.engine.failure import forward_isolated
+from kvmesh.workers.engine.sampler import sample_isolated
 from kvmesh.workers.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig, StepKind
 from kvmesh.workers.engine.sequence import SeqStatus, Sequence
 from kvmesh.workers.engine.tally import WorkerTally
@@ -50,6 +57,9 @@ class _PendingPull:
     seq: Sequence
     reservation: PullReservation
     end_block: int
+
+
+log = logging.getLogger(__name__)
 
 
 class Worker:
@@ -132,7 +142,10 @@ class Worker:
 
     def _validate(self, req: WorkerRequest) -> None:
         if req.request_id in self._seqs:
-            raise ValueError(f"request {req.request_id!r} is already running on {self.worker_id}")
+            raise ValueError("a request with this id is already running on this worker")
+        problem = req.sampling.problem()  # checked at the door too; a worker trusts no caller
+        if problem is not None:
+            raise ValueError(problem)
         vocab = self.runner.config.vocab_size
         if not req.prompt_ids:
             raise ValueError("the prompt is empty")
@@ -216,16 +229,62 @@ class Worker:
             SeqChunk(seq.all_ids[start:], start, seq.block_table)
             for seq, start in zip(step.seqs, step.start_positions, strict=True)
         ]
-        logits = self.runner.forward(chunks)
-        if self._logits_sink is not None:
-            for seq, row in zip(step.seqs, logits, strict=True):
-                self._logits_sink(seq.request_id, row.detach().cpu())
-        sampled = sample(logits, [s.sampling for s in step.seqs], [s.num_tokens for s in step.seqs])
+        results = self._forward_and_sample(step, chunks)
         if step.kind is StepKind.PREFILL:
             self.tally.prefill_ms_total += (time.perf_counter() - started) * 1e3
             self.tally.prefill_tokens_total += sum(len(c.token_ids) for c in chunks)
+        failed = [
+            (seq, r) for seq, r in zip(step.seqs, results, strict=True) if not isinstance(r, int)
+        ]
+        sampled = [r for r in results if isinstance(r, int)]
+        if failed:
+            step = self._without_failed(step, [seq for seq, _ in failed])
         self.scheduler.on_step_done(step, sampled, self.eos_token_ids)
-        return self._outputs(step, sampled)
+        return self._outputs(step, sampled) + [self._fail(seq, f) for seq, f in failed]
+
+    # ---- isolation: one sequence's failure is its own ------------------------------------------
+
+    def _forward_and_sample(
+        self, step: ScheduledStep, chunks: list[SeqChunk]
+    ) -> list[int | SequenceFailure]:
+        """A token per sequence of `step`, or that sequence's failure (forward pass or sampling);
+        the others get exactly what they would get alone."""
+        ids = [seq.request_id for seq in step.seqs]
+        rows = forward_isolated(self.runner.forward, chunks, ids)
+        out: list[int | SequenceFailure] = [
+            r if isinstance(r, SequenceFailure) else -1 for r in rows
+        ]
+        live = [i for i, r in enumerate(rows) if isinstance(r, torch.Tensor)]
+        if not live:
+            return out
+        logits = torch.stack([r for r in rows if isinstance(r, torch.Tensor)])
+        if self._logits_sink is not None:
+            for i, row in zip(live, logits, strict=True):
+                self._logits_sink(step.seqs[i].request_id, row.detach().cpu())
+        seqs = [step.seqs[i] for i in live]
+        tokens = sample_isolated(logits, [s.sampling for s in seqs], [s.num_tokens for s in seqs])
+        for i, token in zip(live, tokens, strict=True):
+            out[i] = token
+            if isinstance(token, SequenceFailure) and token.internal:
+                log.error("sampling failed for request %s: %s", step.seqs[i].request_id, token)
+        return out
+
+    def _without_failed(self, step: ScheduledStep, failed: list[Sequence]) -> ScheduledStep:
+        """`step` minus the failed sequences, which are finished and release their blocks."""
+        for seq in failed:
+            self.scheduler.abort(seq.request_id)
+            self._seqs.pop(seq.request_id, None)
+        failed_ids = {seq.request_id for seq in failed}
+        keep = [i for i, seq in enumerate(step.seqs) if seq.request_id not in failed_ids]
+        return replace(
+            step,
+            seqs=tuple(step.seqs[i] for i in keep),
+            start_positions=tuple(step.start_positions[i] for i in keep),
+        )
+
+    def _fail(self, seq: Sequence, failure: SequenceFailure) -> RequestOutput:
+        self.tally.num_failed += 1
+        return RequestOutput(seq.request_id, (), True, "error", failure=failure)
 
     def _outputs(self, step: ScheduledStep, sampled: Seq[int]) -> list[RequestOutput]:
         outputs = []
