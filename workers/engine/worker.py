@@ -35,7 +35,9 @@ from kvmesh.workers.contract.replies import (
     WorkerInfo,
 )
 from kvmesh.workers.contract.requests import PullSpec, WorkerRequest
+from kvmesh.workers.engine.event_log import EventLog
 from kvmesh.workers.engine.failure import forward_isolated
+from kvmesh.workers.engine.host_tier import HostTier
 from kvmesh.workers.engine.sampler import sample_isolated
 from kvmesh.workers.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig, StepKind
 from kvmesh.workers.engine.sequence import SeqStatus, Sequence
@@ -95,9 +97,9 @@ class Worker:
         self.host_pool = host_pool
         self.scheduler = Scheduler(scheduler_config, self.pool)
         self.block_size = scheduler_config.block_size
+        self.host_tier = HostTier(host_pool, self.pool, runner, self.block_size)
         self.eos_token_ids = tuple(eos_token_ids)
-        self.generation = time.time_ns()
-        self._seq = 0
+        self.events = EventLog(worker_id)
         self._seqs: dict[str, Sequence] = {}
         self._pulls: dict[str, _PendingPull] = {}
         self._peer_pins: list[BlockId] = []
@@ -184,7 +186,7 @@ class Worker:
             return None  # a plan that does not fit this prompt's chain: recompute instead
         headroom = -(-seq.num_tokens // bs) - end  # the prompt's own blocks after the pulled run
         reservation = pull_reservation.reserve(self.pool, chain, end, seq.root_hash, headroom)
-        self._demote_evicted()  # before the transport overwrites reallocated blocks
+        self.host_tier.demote_evicted()  # before the transport overwrites reallocated blocks
         if reservation is None:
             return None
         return _PendingPull(seq, reservation, end)
@@ -219,9 +221,10 @@ class Worker:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns what each touched request produced."""
-        self._promote_from_host()
+        waiting = list(self.scheduler.waiting)[: self.scheduler.config.max_num_seqs]
+        self.tally.host_hit_tokens += self.host_tier.promote(waiting, self.scheduler.unpin)
         step = self.scheduler.schedule()
-        self._demote_evicted()  # before the forward pass overwrites the reallocated blocks
+        self.host_tier.demote_evicted()  # before the forward pass overwrites the reallocated blocks
         if step is None:
             return []
         started = time.perf_counter()
@@ -319,46 +322,6 @@ class Worker:
             pull_bytes=seq.pull_bytes,
         )
 
-    # ---- host tier ------------------------------------------------------------------------------
-
-    def _promote_from_host(self) -> None:
-        """Copy host-tier continuations of waiting prompts back to the device and pin them for
-        their request, so admission finds them cached."""
-        if self.host_pool is None or not self.host_pool.num_cached:
-            return
-        bs = self.block_size
-        for seq in list(self.scheduler.waiting)[: self.scheduler.config.max_num_seqs]:
-            chain = seq.full_block_hashes(bs)[: num_reusable_blocks(seq.num_tokens, bs)]
-            k = len(self.pool.match_prefix(chain))
-            n = self.host_pool.match(chain[k:])
-            if not n:
-                continue
-            reservation = pull_reservation.reserve(self.pool, chain, k + n, seq.root_hash, 0)
-            self._demote_evicted()
-            if reservation is None:
-                continue
-            run = list(reservation.hashes)
-            try:
-                self.runner.import_blocks(
-                    list(reservation.targets), self.host_pool.get(run, self.runner.kv_cache.device)
-                )
-                written = len(run)
-            except (KeyError, ValueError):
-                written = 0  # a slot the host tier gave up meanwhile: recompute instead
-            pinned, promoted = pull_reservation.commit(self.pool, reservation, written, chain)
-            self.scheduler.unpin(seq)
-            seq.pinned_blocks = pinned
-            if seq.num_cached_tokens is None:
-                seq.num_host_tokens += promoted * bs
-            self.tally.host_hit_tokens += promoted * bs
-
-    def _demote_evicted(self) -> None:
-        evicted = self.pool.drain_evicted()
-        if self.host_pool is None or not evicted:
-            return
-        ids = [b for b, _h in evicted]
-        self.host_pool.put([h for _b, h in evicted], self.runner.export_blocks(ids))
-
     # ---- pulls (source side) --------------------------------------------------------------------
 
     def export_blocks(self, hashes: Seq[BlockHash], to_cpu: bool = True) -> BlockExport:
@@ -366,12 +329,10 @@ class Worker:
         ids = self.pool.match_prefix(hashes)
         parts = [self.runner.export_blocks(ids)] if ids else []
         found = list(hashes[: len(ids)])
-        if self.host_pool is not None:
-            n = self.host_pool.match(hashes[len(ids) :])
-            if n:
-                run = hashes[len(ids) : len(ids) + n]
-                parts.append(self.host_pool.get(run, self.runner.kv_cache.device))
-                found += run
+        from_host, run = self.host_tier.export_after(hashes[len(ids) :])
+        if from_host is not None:
+            parts.append(from_host)
+            found += run
         if not parts:
             parts = [self.runner.export_blocks([])]
         blocks = torch.cat(parts) if len(parts) > 1 else parts[0]
@@ -401,8 +362,7 @@ class Worker:
             dropped += self.host_pool.num_cached
             self.host_pool.clear()
             self.host_pool.drain_events()
-        self.generation = time.time_ns()
-        self._seq = 0
+        self.events.new_generation()
         return dropped
 
     def drain_event_batch(self) -> EventBatch | None:
@@ -411,7 +371,7 @@ class Worker:
             events += self.host_pool.drain_events()
         if not events:
             return None
-        return self._next_batch(events)
+        return self.events.next_batch(events)
 
     def full_state_batch(self) -> EventBatch:
         """Everything the pool holds, under a new generation (after Redis lost our events)."""
@@ -421,15 +381,12 @@ class Worker:
             self.host_pool.drain_events()
             events.append(BlockStored(tuple(self.host_pool.cached_hashes()), TIER_HOST))
         events.append(BlockStored(tuple(self.pool.cached_hashes())))
-        self.generation = time.time_ns()
-        self._seq = 0
-        return self._next_batch(events)
+        self.events.new_generation()
+        return self.events.next_batch(events)
 
-    def _next_batch(self, events: list[KVEvent]) -> EventBatch:
-        self._seq += 1
-        return EventBatch(
-            self.worker_id, self.generation, self._seq, tuple(events), time.time_ns() // 1_000_000
-        )
+    @property
+    def generation(self) -> int:
+        return self.events.generation
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(

@@ -1,0 +1,84 @@
+"""The pinned host-memory tier as the engine uses it: blocks the device pool evicts are copied
+out before they are overwritten (demotion), and host-tier continuations of waiting prompts are
+copied back and pinned for their request (promotion), the way a pull is.
+
+    device pool:  [ held ............ ][ evicted ]--demote-->  host pool
+    waiting seq:  [ held on device ][ on host ]  --promote--> reserved, written, pinned for it
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from collections.abc import Sequence as Seq
+
+import torch
+
+from kvmesh.proto.block_hash import BlockHash, num_reusable_blocks
+from kvmesh.workers.engine.sequence import Sequence
+from kvmesh.workers.kv import pull_reservation
+from kvmesh.workers.kv.block_pool import BlockPool
+from kvmesh.workers.kv.host_pool import HostPool
+from kvmesh.workers.model.runner import ModelRunner
+
+
+class HostTier:
+    """Invariant: every registered block the device pool reallocates is offered to the host pool
+    (`demote_evicted` runs before anything overwrites reallocated blocks)."""
+
+    def __init__(
+        self, host_pool: HostPool | None, pool: BlockPool, runner: ModelRunner, block_size: int
+    ) -> None:
+        self.host_pool = host_pool
+        self.pool = pool
+        self.runner = runner
+        self.block_size = block_size
+
+    def demote_evicted(self) -> None:
+        evicted = self.pool.drain_evicted()
+        if self.host_pool is None or not evicted:
+            return
+        ids = [b for b, _h in evicted]
+        self.host_pool.put([h for _b, h in evicted], self.runner.export_blocks(ids))
+
+    def promote(self, waiting: Iterable[Sequence], unpin: Callable[[Sequence], None]) -> int:
+        """Promote and pin what the host tier holds past each waiting prompt's device prefix;
+        returns the tokens promoted."""
+        if self.host_pool is None or not self.host_pool.num_cached:
+            return 0
+        return sum(self._promote_one(seq, unpin) for seq in waiting)
+
+    def _promote_one(self, seq: Sequence, unpin: Callable[[Sequence], None]) -> int:
+        assert self.host_pool is not None
+        bs = self.block_size
+        chain = seq.full_block_hashes(bs)[: num_reusable_blocks(seq.num_tokens, bs)]
+        k = len(self.pool.match_prefix(chain))
+        n = self.host_pool.match(chain[k:])
+        if not n:
+            return 0
+        reservation = pull_reservation.reserve(self.pool, chain, k + n, seq.root_hash, 0)
+        self.demote_evicted()
+        if reservation is None:
+            return 0
+        run = list(reservation.hashes)
+        try:
+            data = self.host_pool.get(run, self.runner.kv_cache.device)
+            self.runner.import_blocks(list(reservation.targets), data)
+            written = len(run)
+        except (KeyError, ValueError):
+            written = 0  # a slot the host tier gave up meanwhile: recompute instead
+        pinned, promoted = pull_reservation.commit(self.pool, reservation, written, chain)
+        unpin(seq)
+        seq.pinned_blocks = pinned
+        if seq.num_cached_tokens is None:
+            seq.num_host_tokens += promoted * bs
+        return promoted * bs
+
+    def export_after(self, hashes: Seq[BlockHash]) -> tuple[torch.Tensor | None, list[BlockHash]]:
+        """The host tier's leading run of `hashes` (a peer pulls it after the device run)."""
+        if self.host_pool is None:
+            return None, []
+        n = self.host_pool.match(hashes)
+        if not n:
+            return None, []
+        run = list(hashes[:n])
+        return self.host_pool.get(run, self.runner.kv_cache.device), run
