@@ -30,6 +30,7 @@ from kvmesh.client.results import (
     IndexReport,
     LookupResult,
     RouteResult,
+    ScaleResult,
     Stats,
     StreamChunk,
     WorkerInfo,
@@ -203,6 +204,12 @@ class Client:
         request = pb.DrainRequest(worker_id=worker_id, undrain=undrain)
         return list(self._unary(self._stub.Drain, request).drained_worker_ids)
 
+    def scale(self, num_workers: int, *, drain_timeout_s: float = 0.0) -> ScaleResult:
+        """Grow or shrink the fleet to `num_workers`; leaving workers finish their streams first
+        (at most `drain_timeout_s`, 0: the server's 600 s)."""
+        request = pb.ScaleRequest(num_workers=num_workers, drain_timeout_s=drain_timeout_s)
+        return wire.scale_from_proto(self._unary(self._stub.Scale, request))
+
     def clear_cache(self) -> dict[str, int]:
         """Every worker drops its cached (unreferenced) blocks; returns blocks freed per worker."""
         response = self._unary(self._stub.ClearCache, pb.ClearCacheRequest())
@@ -356,6 +363,10 @@ class AsyncClient:
     async def drain(self, worker_id: str, *, undrain: bool = False) -> list[str]:
         request = pb.DrainRequest(worker_id=worker_id, undrain=undrain)
         return list((await self._unary(self._stub.Drain, request)).drained_worker_ids)
+
+    async def scale(self, num_workers: int, *, drain_timeout_s: float = 0.0) -> ScaleResult:
+        request = pb.ScaleRequest(num_workers=num_workers, drain_timeout_s=drain_timeout_s)
+        return wire.scale_from_proto(await self._unary(self._stub.Scale, request))
 
     async def clear_cache(self) -> dict[str, int]:
         response = await self._unary(self._stub.ClearCache, pb.ClearCacheRequest())

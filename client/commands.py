@@ -165,6 +165,18 @@ def render_stats(stats: Stats) -> str:
     return format_fields(list(asdict(stats).items()))
 
 
+def run_scale(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        result = client.scale(args.workers, drain_timeout_s=args.drain_timeout)
+    if args.json:
+        _print_json(asdict(result))
+    else:
+        started = ", ".join(result.started_worker_ids) or "none"
+        stopped = ", ".join(result.stopped_worker_ids) or "none"
+        print(f"{result.num_workers} workers (started: {started}; stopped: {stopped})")
+    return 0
+
+
 def run_workers(args: argparse.Namespace) -> int:
     with _client(args) as client:
         workers = client.list_workers()

@@ -40,6 +40,7 @@ def build_parser(
     _add_read_command(sub, env, "stats", "cluster-wide counters", commands.run_stats)
     _add_read_command(sub, env, "workers", "list the worker actors", commands.run_workers)
     _add_index(sub, env)
+    _add_scale(sub, env)
     for ext in extensions:
         _add_extension(sub, ext, loaded if loaded is not None and loaded.extension == ext else None)
     return parser
@@ -188,6 +189,12 @@ def _add_up(sub: argparse._SubParsersAction, env: CliEnvironment) -> None:
         metavar="URL",
         help="use this Redis instead of starting an embedded one",
     )
+    parser.add_argument(
+        "--ray-address",
+        default="",
+        metavar="ADDR",
+        help="join this Ray cluster instead of starting a private local one",
+    )
     _add_security_options(parser, env)
     parser.set_defaults(handler=extension.run_up)
 
@@ -201,12 +208,39 @@ def _add_serve(sub: argparse._SubParsersAction, env: CliEnvironment) -> None:
         metavar="URL",
         help="the index's Redis, e.g. redis://host:6379/0 (env KVMESH_REDIS_URL)",
     )
-    parser.add_argument("--ray-address", default=env.ray_address, help="Ray cluster to join")
+    parser.add_argument(
+        "--ray-address",
+        default=env.ray_address or "auto",
+        help="Ray cluster to join (env KVMESH_RAY_ADDRESS)",
+    )
+    parser.add_argument(
+        "--attach",
+        action="store_true",
+        help="start no workers: route over the workers already registered in Redis",
+    )
     _add_listen_options(parser)
     _add_model_options(parser, env)
     _add_worker_options(parser, env, default_workers=None)
     _add_security_options(parser, env)
     parser.set_defaults(handler=extension.run_serve)
+
+
+def _add_scale(sub: argparse._SubParsersAction, env: CliEnvironment) -> None:
+    parser = _subparser(
+        sub, "scale", "grow or shrink the fleet of workers (admin; shrinking drains first)"
+    )
+    _add_client_options(parser, env)
+    parser.add_argument(
+        "--workers", type=_positive_int, required=True, metavar="N", help="workers alive after"
+    )
+    parser.add_argument(
+        "--drain-timeout",
+        type=_positive_float,
+        default=600.0,
+        metavar="SECONDS",
+        help="longest wait for a leaving worker's running streams",
+    )
+    parser.set_defaults(handler=commands.run_scale)
 
 
 def _add_security_options(parser: argparse.ArgumentParser, env: CliEnvironment) -> None:

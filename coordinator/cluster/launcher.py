@@ -103,15 +103,25 @@ def run_deployment(config: DeploymentConfig) -> int:
 
 
 def run_up(args: argparse.Namespace) -> int:
-    """Local cluster: embedded Redis (unless --redis-url), local Ray, N workers, the coordinator."""
+    """Local cluster: embedded Redis (unless --redis-url), a private local Ray (unless
+    --ray-address), N workers that stop with it, the coordinator."""
     config = deployment_config(args, embedded_redis=True)
-    return run_deployment(config)
+    return run_deployment(replace(config, own_workers=True, replace_dead_workers=True))
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Coordinator + workers on an existing Ray cluster, against an external Redis."""
+    """A coordinator on an existing Ray cluster and Redis, over long-lived service workers:
+    N ensured running (started if missing), or with --attach only those already registered."""
     config = deployment_config(args, embedded_redis=False)
     if not config.coordinator.redis_url:
         raise ValueError("serve needs --redis-url (or KVMESH_REDIS_URL)")
-    config = replace(config, ray_address=config.ray_address or "auto")
-    return run_deployment(config)
+    attach = bool(_opt(args, "attach", False))
+    return run_deployment(
+        replace(
+            config,
+            ray_address=config.ray_address or "auto",
+            own_workers=False,
+            attach=attach,
+            replace_dead_workers=True,
+        )
+    )

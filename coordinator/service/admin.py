@@ -18,6 +18,12 @@ if TYPE_CHECKING:
     from kvmesh.coordinator.coordinator import Coordinator
 
 
+class FleetControl(Protocol):
+    """Growing and shrinking the fleet (`cluster/fleet.py`)."""
+
+    def scale_to(self, num_workers: int, drain_timeout_s: float) -> tuple[list[str], list[str]]: ...
+
+
 class Fleet(Protocol):
     """What the service and admin need from the workers' shell (`cluster/cluster.py`)."""
 
@@ -44,10 +50,19 @@ class IndexView:
 
 
 class Admin:
-    def __init__(self, fleet: Fleet, coordinator: Coordinator) -> None:
+    def __init__(
+        self, fleet: Fleet, coordinator: Coordinator, control: FleetControl | None = None
+    ) -> None:
         self.cluster = fleet
         self.coordinator = coordinator
         self.registry = fleet.registry
+        self.control = control
+
+    def scale(self, num_workers: int, drain_timeout_s: float) -> tuple[list[str], list[str]]:
+        """Grow or shrink the fleet; returns (started, stopped) worker ids."""
+        if self.control is None:
+            raise ValueError("this coordinator cannot start or stop workers")
+        return self.control.scale_to(num_workers, drain_timeout_s)
 
     def drain(self, worker_id: str, *, undrain: bool = False) -> list[str]:
         """Take a worker out of routing (or back in); returns every drained worker."""

@@ -276,6 +276,18 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
             raise InvalidRequest("this coordinator was started without admin operations")
         return self.admin
 
+    def Scale(self, request: pb.ScaleRequest, context: grpc.ServicerContext) -> pb.ScaleResponse:
+        def run() -> pb.ScaleResponse:
+            timeout_s = request.drain_timeout_s or 600.0
+            started, stopped = self._admin().scale(request.num_workers, timeout_s)
+            return pb.ScaleResponse(
+                started_worker_ids=started,
+                stopped_worker_ids=stopped,
+                num_workers=len(self.cluster.registry.alive()),
+            )
+
+        return self._guard(context, run)
+
     def Drain(self, request: pb.DrainRequest, context: grpc.ServicerContext) -> pb.DrainResponse:
         def run() -> pb.DrainResponse:
             drained = self._admin().drain(request.worker_id, undrain=request.undrain)
@@ -323,6 +335,8 @@ def build_server(
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
+            # A port another server holds is an error, not a second listener sharing it.
+            ("grpc.so_reuseport", 0),
         ],
     )
     pb_grpc.add_KVMeshServicer_to_server(servicer, server)
@@ -345,6 +359,16 @@ def build_server(
         bound = server.add_secure_port(f"{host}:{port}", credentials)
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
-    for name in (SERVICE_NAME, ""):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    set_serving(health_servicer, True)
     return server, bound, health_servicer
+
+
+def set_serving(health_servicer: health.HealthServicer, serving: bool) -> None:
+    """The health answer for the service and the server as a whole."""
+    status = (
+        health_pb2.HealthCheckResponse.SERVING
+        if serving
+        else health_pb2.HealthCheckResponse.NOT_SERVING
+    )
+    for name in (SERVICE_NAME, ""):
+        health_servicer.set(name, status)
