@@ -313,7 +313,11 @@ def _add_client_options(
         default=[env.address] if many_addresses else env.address,
         nargs="+" if many_addresses else None,
         metavar="HOST:PORT",
-        help="coordinator address" + ("es" if many_addresses else "") + " (env KVMESH_ADDRESS)",
+        help=(
+            "coordinator addresses (env KVMESH_ADDRESS)"
+            if many_addresses
+            else "coordinator address, or A,B,... replicas to fail over to (env KVMESH_ADDRESS)"
+        ),
     )
     parser.add_argument(
         "--timeout",

@@ -25,7 +25,7 @@ from kvmesh.coordinator.cluster.registry import WorkerRegistry
 from kvmesh.coordinator.config import CoordinatorConfig
 from kvmesh.coordinator.index.mirror import PrefixMatch, WorkerId
 from kvmesh.coordinator.routing.cost_model import CostModel
-from kvmesh.coordinator.routing.load_tracker import LoadTracker
+from kvmesh.coordinator.routing.load_tracker import LoadTracker, ReportedLoad
 from kvmesh.coordinator.routing.pull_planner import PullPlan, best_peer, cheapest_prefill
 from kvmesh.coordinator.routing.router import RouteDecision, RouteQuery, WorkerView, make_policy
 from kvmesh.coordinator.routing.transfer_planner import PullPricing
@@ -203,18 +203,20 @@ class Coordinator:
 
     def views(self, prompt: PreparedPrompt, workers: Sequence[str]) -> list[WorkerView]:
         matches = self.match(prompt)
+        ms_per_token = self.cost_model.prefill_per_token_ms
         views = []
         for w in workers:
             m = matches.get(WorkerId(w), PrefixMatch(0, 0))
             num_blocks, num_free = self._worker_free_blocks(w)
+            queued_ms, queued_tokens, running = self.load.with_reported(WorkerId(w), ms_per_token)
             views.append(
                 WorkerView(
                     WorkerId(w),
                     num_blocks,
                     num_free,
-                    self.load.queued_prefill_ms(WorkerId(w)),
-                    self.load.queued_prefill_tokens(WorkerId(w)),
-                    self.load.num_running(WorkerId(w)),
+                    queued_ms,
+                    queued_tokens,
+                    running,
                     m.num_blocks,
                     m.num_device_blocks,
                 )
@@ -428,8 +430,12 @@ class Coordinator:
         return snapshot
 
     def observe_worker(self, worker_id: str, info: WorkerInfo) -> None:
-        """Fold a worker's measured prefill cost into the router's cost model, so prices follow
-        the hardware (a CPU worker and an H100 differ by orders of magnitude)."""
+        """Take a worker's own report: its load (every replica's requests) for routing, and its
+        measured prefill cost, so prices follow the hardware (CPU and H100 differ by orders of
+        magnitude)."""
+        report = ReportedLoad(info.num_queued_prefill_tokens, info.num_running + info.num_waiting)
+        with self._lock:
+            self.load.on_reported(WorkerId(worker_id), report)
         measured = info.counters.prefill_ms_per_token
         if measured <= 0:
             return

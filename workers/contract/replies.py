@@ -108,3 +108,6 @@ class WorkerInfo:
     num_waiting: int
     generation: int
     counters: WorkerCounters
+    num_queued_prefill_tokens: int = 0
+    """Prompt tokens accepted and not yet prefilled, whichever coordinator sent them: the load
+    every coordinator replica sees alike (a waiting prompt counts whole, before cache matching)."""

@@ -401,11 +401,23 @@ class Worker:
             num_cached_blocks=self.pool.num_cached,
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting) + len(self._pulls),
+            num_queued_prefill_tokens=self._queued_prefill_tokens(),
             generation=self.generation,
             counters=self.tally.snapshot(
                 self.scheduler.num_preemptions,
                 self.host_pool.num_cached if self.host_pool else 0,
             ),
+        )
+
+    def _queued_prefill_tokens(self) -> int:
+        """Prompt tokens still to prefill: a waiting prompt less the prefix its pool holds now."""
+        bs = self.block_size
+        queued = 0
+        for s in [*self.scheduler.waiting, *(p.seq for p in self._pulls.values())]:
+            chain = s.full_block_hashes(bs)[: num_reusable_blocks(s.num_tokens, bs)]
+            queued += s.num_tokens - len(self.pool.match_prefix(chain)) * bs
+        return queued + sum(
+            max(0, len(s.prompt_ids) - s.num_computed_tokens) for s in self.scheduler.running
         )
 
     def check_invariants(self) -> None:
