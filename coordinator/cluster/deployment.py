@@ -18,7 +18,11 @@ import torch
 
 from kvmesh.coordinator.cluster.cluster import Cluster
 from kvmesh.coordinator.cluster.fleet import Fleet
-from kvmesh.coordinator.cluster.redis_server import RedisServer, start_redis_server
+from kvmesh.coordinator.cluster.redis_server import (
+    RedisKeeper,
+    RedisServer,
+    start_redis_server,
+)
 from kvmesh.coordinator.cluster.registry import WorkerRegistry
 from kvmesh.coordinator.config import CoordinatorConfig
 from kvmesh.coordinator.coordinator import Coordinator
@@ -77,6 +81,7 @@ class Deployment:
     def __init__(self, config: DeploymentConfig) -> None:
         self.config = config
         self.redis: RedisServer | None = None
+        self.redis_keeper: RedisKeeper | None = None
         self.cluster: Cluster | None = None
         self.fleet: Fleet | None = None
         self.follower: IndexFollower | None = None
@@ -112,6 +117,7 @@ class Deployment:
         redis_url = cc.redis_url
         if not redis_url:
             self.redis = start_redis_server()
+            self.redis_keeper = RedisKeeper(self.redis)
             redis_url = self.redis.url
         if not ray.is_initialized():
             with without_secrets(os.environ):  # a local start spawns Ray's processes from ours
@@ -253,6 +259,9 @@ class Deployment:
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
             self._started_ray = False
+        if self.redis_keeper is not None:
+            self.redis_keeper.stop()
+            self.redis_keeper = None
         if self.redis is not None:
             self.redis.stop()
             self.redis = None

@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from kvmesh.coordinator.cluster.deployment import Deployment, DeploymentConfig
+from kvmesh.coordinator.cluster.reaper import start_reaper
 from kvmesh.coordinator.config import CoordinatorConfig
 from kvmesh.coordinator.service.auth import read_token_file
 from kvmesh.workers.config import WorkerConfig
@@ -104,9 +105,15 @@ def run_deployment(config: DeploymentConfig) -> int:
 
 def run_up(args: argparse.Namespace) -> int:
     """Local cluster: embedded Redis (unless --redis-url), a private local Ray (unless
-    --ray-address), N workers that stop with it, the coordinator."""
+    --ray-address), N workers that stop with it, the coordinator. A watch process stops all of
+    it if this process dies without cleaning up (SIGKILL, a crash)."""
     config = deployment_config(args, embedded_redis=True)
-    return run_deployment(replace(config, own_workers=True, replace_dead_workers=True))
+    reaper = start_reaper()
+    try:
+        return run_deployment(replace(config, own_workers=True, replace_dead_workers=True))
+    finally:
+        if reaper is not None and reaper.stdin is not None:
+            reaper.stdin.close()  # a clean exit: the watch finds nothing left and ends
 
 
 def run_serve(args: argparse.Namespace) -> int:

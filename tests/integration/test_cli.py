@@ -158,3 +158,53 @@ def test_up_keeps_the_tokens_out_of_every_ray_process() -> None:
         except subprocess.TimeoutExpired:
             os.killpg(up.pid, signal.SIGKILL)
             up.wait()
+
+
+def _children(pid: int) -> set[int]:
+    """Every live descendant of `pid` (from /proc)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                parents[int(entry.name)] = int(fields[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc (Linux)")
+def test_a_hard_killed_up_leaves_no_redis_or_ray_process_behind() -> None:
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    up = subprocess.Popen(
+        [*CLI, "up", "--workers", "1", "--port", "0", "--num-blocks", "64"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+    assert up.stdout is not None
+    line = up.stdout.readline()
+    assert "kvmesh is up" in line, line
+    started = _children(up.pid)
+    names = {Path(f"/proc/{p}/comm").read_text().strip() for p in started if _alive(p)}
+    assert any("redis" in n for n in names), names  # the embedded Redis is among them
+    up.send_signal(signal.SIGKILL)
+    up.wait(timeout=30)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and any(_alive(p) for p in started):
+        time.sleep(0.5)
+    left = {p: Path(f"/proc/{p}/comm").read_text().strip() for p in started if _alive(p)}
+    assert not left, f"still running after kvmesh up was killed: {left}"
