@@ -57,6 +57,8 @@ class WorkerActor:
             # Label the device by the GPU Ray gave us (every actor sees its own as cuda:0), so
             # the coordinator can tell workers sharing a GPU from workers on different GPUs.
             self.worker.device = f"cuda:{ray.get_gpu_ids()[0]}"
+        node_id = ray.get_runtime_context().get_node_id()
+        self.worker.node = f"{self.worker.node}/{node_id[:12]}"
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}

@@ -85,6 +85,7 @@ class Fleet:
                 name=self.actor_name(config.worker_id),
                 namespace=RAY_NAMESPACE,
                 lifetime="detached",
+                scheduling_strategy="SPREAD",  # across nodes first (GPUs spread by themselves)
             ).remote(config)
             started.append((config, actor))
         self._await_ready(started, num_gpus)

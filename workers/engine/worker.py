@@ -92,6 +92,9 @@ class Worker:
         # Redis key namespace: one per model, shared by all its tenants (salts live in the hashes).
         self.namespace = f"{namespace_hash(model_fingerprint):016x}"
         self.device = device
+        self.node = socket.gethostname()
+        """Where the worker runs; the Ray shell names its Ray node, so two raylets on one
+        host are two nodes (pulls between them are priced as between nodes)."""
         self.clock = clock
         self.pool = BlockPool(runner.num_blocks, clock)
         self.host_pool = host_pool
@@ -392,7 +395,7 @@ class Worker:
         return WorkerInfo(
             worker_id=self.worker_id,
             pid=os.getpid(),
-            node=socket.gethostname(),
+            node=self.node,
             device=self.device,
             model=self.model_fingerprint,
             block_size=self.block_size,
