@@ -18,16 +18,20 @@ import torch
 from kvmesh.coordinator.cluster.cluster import Cluster
 from kvmesh.coordinator.cluster.redis_server import RedisServer, start_redis_server
 from kvmesh.coordinator.cluster.transfer_manager import TransferManager
-from kvmesh.coordinator.config import CoordinatorConfig
+from kvmesh.coordinator.config import CoordinatorConfig, HttpConfig
 from kvmesh.coordinator.coordinator import Coordinator
 from kvmesh.coordinator.index.follower import IndexFollower
 from kvmesh.coordinator.index.mirror import IndexMirror
 from kvmesh.coordinator.index.store import IndexStore
 from kvmesh.coordinator.service.admin import Admin, DrainableBackend
-from kvmesh.coordinator.service.interceptor import gate_from_config
+from kvmesh.coordinator.service.chat_template import load_chat_template
+from kvmesh.coordinator.service.http_server import HttpGate, HttpServer, build_app
+from kvmesh.coordinator.service.interceptor import GateInterceptor, gate_from_config
+from kvmesh.coordinator.service.openai_frontend import OpenAIFrontend
 from kvmesh.coordinator.service.servicer import KVMeshServicer, build_server
 from kvmesh.coordinator.service.tls import load_server_tls
 from kvmesh.proto.block_hash import namespace_hash
+from kvmesh.workers.actor import RequestError
 from kvmesh.workers.config import WorkerConfig
 from kvmesh.workers.model.model_config import load_model_config
 from kvmesh.workers.model.runner import ModelRunner
@@ -49,6 +53,8 @@ class DeploymentConfig:
     """GPU share per worker; -1: 1 when there are enough GPUs, else an even split of GPU 0's."""
     ray_address: str = ""
     """Ray cluster to join (`auto`); empty starts a local Ray unless one is already running."""
+    http: HttpConfig | None = None
+    """The OpenAI-compatible HTTP API; None serves gRPC only."""
 
     def __post_init__(self) -> None:
         if self.num_workers < 0:
@@ -64,7 +70,13 @@ class Deployment:
         self.coordinator: Coordinator | None = None
         self.server: grpc.Server | None = None
         self.port = 0
+        self.http_server: HttpServer | None = None
         self._started_ray = False
+
+    @property
+    def http_url(self) -> str:
+        """Base URL of the HTTP API (e.g. http://127.0.0.1:8000), empty when it is off."""
+        return self.http_server.url if self.http_server is not None else ""
 
     @property
     def address(self) -> str:
@@ -169,7 +181,31 @@ class Deployment:
             tls=tls,
         )
         self.server.start()
+        if cfg.http is not None:
+            self._start_http(cfg.http, gate)
         return self.address
+
+    def _start_http(self, config: HttpConfig, gate: GateInterceptor) -> None:
+        """The OpenAI API, sharing the gRPC gate's tokens, rate buckets and stream slots."""
+        assert self.coordinator is not None
+        cc = self.config.coordinator
+        frontend = OpenAIFrontend(
+            self.coordinator,
+            load_tokenizer(cc.model, cc.seed),
+            load_chat_template(cc.model),
+            client_errors=(RequestError,),
+        )
+        app = build_app(
+            frontend, HttpGate(gate.auth, gate.rate, gate.streams), config.max_body_bytes
+        )
+        self.http_server = HttpServer(
+            app,
+            config,
+            tls_cert_file=cc.tls_cert_file,
+            tls_key_file=cc.tls_key_file,
+            tls_client_ca_file=cc.tls_client_ca_file,
+        )
+        self.http_server.start()
 
     def _calibrate_links(self, transfers: TransferManager) -> None:
         """Measure one worker-to-worker link so the first pulls are priced from reality."""
@@ -195,6 +231,9 @@ class Deployment:
             log.warning("link calibration failed: %s", exc)
 
     def stop(self) -> None:
+        if self.http_server is not None:
+            self.http_server.stop()
+            self.http_server = None
         if self.server is not None:
             self.server.stop(grace=1).wait()
             self.server = None
