@@ -98,7 +98,9 @@ def build_app(frontend: OpenAIFrontend, gate: HttpGate, max_body_bytes: int) -> 
     def error_response(err: OpenAIError) -> JSONResponse:
         return JSONResponse(err.body(), status_code=err.status)
 
-    async def guarded(request: Request, call: Callable[[], Any], *, open_: bool = False) -> Response:
+    async def guarded(
+        request: Request, call: Callable[[], Any], *, open_: bool = False
+    ) -> Response:
         try:
             if not open_:  # health checks need no token, as gRPC's do not
                 gate.admit(request)
@@ -187,9 +189,7 @@ async def _json_body(request: Request) -> Any:
         raise OpenAIError(400, f"the request body is not valid JSON: {exc}") from None
 
 
-async def _generate(
-    gate: HttpGate, frontend: OpenAIFrontend, start: Callable[[], Any]
-) -> Response:
+async def _generate(gate: HttpGate, frontend: OpenAIFrontend, start: Callable[[], Any]) -> Response:
     """Run the blocking request path in a worker thread; stream chunks as server-sent events."""
     try:
         gate.acquire_stream()
@@ -201,10 +201,10 @@ async def _generate(
         gate.release_stream()
         if not isinstance(exc, Exception):
             raise
-        err = frontend.error_for(exc)
-        if err.status >= 500:
-            log.error("request failed: %s", exc, exc_info=err.status == 500)
-        return JSONResponse(err.body(), status_code=err.status)
+        failure = frontend.error_for(exc)
+        if failure.status >= 500:
+            log.error("request failed: %s", exc, exc_info=failure.status == 500)
+        return JSONResponse(failure.body(), status_code=failure.status)
     if isinstance(result, dict):
         gate.release_stream()
         return JSONResponse(result)

@@ -150,7 +150,7 @@ class OpenAIFrontend:
         """The OpenAI error an exception from the request path answers with."""
         if isinstance(exc, OpenAIError):
             return exc
-        if isinstance(exc, InvalidRequest | ValueError | self.client_errors):
+        if isinstance(exc, (InvalidRequest, ValueError, *self.client_errors)):
             return OpenAIError(400, str(exc) or type(exc).__name__)
         if isinstance(exc, NoLiveWorker | WorkerDied):
             return OpenAIError(503, str(exc) or "no worker can serve the request")
@@ -166,6 +166,8 @@ class OpenAIFrontend:
     def _respond(
         self, chat: bool, ids: list[int], params: GenerationParams, worker_id: str
     ) -> Body | Iterator[Body]:
+        if worker_id:
+            self.check_worker(worker_id)
         try:
             prompt = self._prepare(ids, params.cache_salt)
             sampling = self._sampling(prompt, params)

@@ -250,9 +250,7 @@ def _object(body: Any) -> Mapping[str, Any]:
     for name, neutral in _UNSUPPORTED.items():
         value = body.get(name)
         if value is not None and value != neutral and not (value == [] and neutral is None):
-            raise OpenAIError(
-                400, f"{name}={value!r} is not supported by this server", param=name
-            )
+            raise OpenAIError(400, f"{name}={value!r} is not supported by this server", param=name)
     return body
 
 
@@ -359,7 +357,7 @@ def _is_int(value: Any) -> bool:
 
 
 def _int(fields: Mapping[str, Any], name: str, low: int, high: int | None) -> int:
-    value = fields.get(name)
+    value: Any = fields.get(name)
     if not _is_int(value) or value < low or (high is not None and value > high):
         bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
         raise OpenAIError(400, f"{name} must be an integer {bound}, got {value!r}", param=name)
@@ -372,7 +370,9 @@ def _number(fields: Mapping[str, Any], name: str, default: float, low: float, hi
         return default
     ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
     if not ok or not low <= value <= high:
-        raise OpenAIError(400, f"{name} must be a number in [{low:g}, {high:g}], got {value!r}", name)
+        raise OpenAIError(
+            400, f"{name} must be a number in [{low:g}, {high:g}], got {value!r}", name
+        )
     return float(value)
 
 
