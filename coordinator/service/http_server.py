@@ -6,9 +6,10 @@ shell reads bodies, applies the gate and writes JSON or server-sent events.
     GET  /v1/models                 the served model
     POST /v1/completions            text or token-id prompt; stream=true answers with SSE
     POST /v1/chat/completions       messages through the chat template; SSE as above
+    POST /tokenize                  vLLM's: prompt or messages -> the token ids the engine sees
     /workers/{id}/...               the same routes pinned to one worker (for third-party
-                                    routers), plus /health_generate, /get_model_info and
-                                    /get_server_info, which SGLang-style routers probe
+                                    routers), plus /health_generate and /[get_]server_info,
+                                    /[get_]model_info, which SGLang's router probes
 
 The gate is gRPC's, shared: the same bearer tokens (`auth.Authenticator`), and the same
 `RateLimiter` / `StreamSlots` objects, so a client's budget covers both protocols.
@@ -149,6 +150,21 @@ def build_app(frontend: OpenAIFrontend, gate: HttpGate, max_body_bytes: int) -> 
 
         return endpoint
 
+    async def tokenize(request: Request) -> Response:
+        try:
+            gate.admit(request)
+            body = await _json_body(request)
+        except OpenAIError as err:
+            return error_response(err)
+        worker_id = request.path_params.get("worker_id", "")
+
+        def call() -> Response:
+            if worker_id:
+                frontend.check_worker(worker_id)
+            return JSONResponse(frontend.tokenize(body))
+
+        return await guarded(request, call, open_=True)  # admitted above
+
     async def health_generate(request: Request) -> Response:
         return await health(request)
 
@@ -168,12 +184,13 @@ def build_app(frontend: OpenAIFrontend, gate: HttpGate, max_body_bytes: int) -> 
             Route(prefix + "/v1/models", models, methods=["GET"]),
             Route(prefix + "/v1/completions", generation(False), methods=["POST"]),
             Route(prefix + "/v1/chat/completions", generation(True), methods=["POST"]),
+            Route(prefix + "/tokenize", tokenize, methods=["POST"]),
         ]
     routes += [
         Route("/workers/{worker_id}/health_generate", health_generate, methods=["GET"]),
-        Route("/workers/{worker_id}/get_model_info", server_info, methods=["GET"]),
-        Route("/workers/{worker_id}/get_server_info", server_info, methods=["GET"]),
     ]
+    for name in ("get_model_info", "get_server_info", "model_info", "server_info"):
+        routes.append(Route("/workers/{worker_id}/" + name, server_info, methods=["GET"]))
     return Starlette(
         routes=routes,
         exception_handlers={HTTPException: not_found},

@@ -41,6 +41,7 @@ from kvmesh.coordinator.service.openai_schema import (
     models_body,
     parse_chat,
     parse_completion,
+    parse_tokenize,
 )
 from kvmesh.coordinator.service.stop_strings import StopStringMatcher
 from kvmesh.workers.engine.sampler import SamplingConfig
@@ -145,6 +146,24 @@ class OpenAIFrontend:
             raise OpenAIError(400, str(exc), "messages") from None
         ids = self.tokenizer.encode(prompt.text, add_special_tokens=prompt.add_special_tokens)
         return self._respond(True, ids, request.params, worker_id)
+
+    def tokenize(self, body: Any) -> Body:
+        """vLLM's /tokenize, which cache-aware routers call to hash what the engine will see."""
+        request = parse_tokenize(body)
+        if request.model:
+            self._check_model(request.model)
+        if isinstance(request.prompt, str):
+            ids = self.tokenizer.encode(
+                request.prompt, add_special_tokens=request.add_special_tokens
+            )
+        else:
+            try:
+                prompt = self.chat_template.render(request.prompt)
+            except ValueError as exc:
+                raise OpenAIError(400, str(exc), "messages") from None
+            ids = self.tokenizer.encode(prompt.text, add_special_tokens=prompt.add_special_tokens)
+        context = self.coordinator.model.max_position_embeddings
+        return {"count": len(ids), "max_model_len": context, "tokens": ids, "token_strs": None}
 
     def error_for(self, exc: BaseException) -> OpenAIError:
         """The OpenAI error an exception from the request path answers with."""

@@ -30,6 +30,8 @@ ERROR_TYPES = {
     500: "server_error",
     503: "service_unavailable",
 }
+# Ways clients and routers spell "not asked for" (chat's logprobs is a bool, tools a list).
+_ABSENT: tuple[Any, ...] = (False, [], {})
 # Options the engine cannot honour: refused unless absent or at their no-op value.
 _UNSUPPORTED = {
     "n": 1,
@@ -101,6 +103,31 @@ class ChatRequest:
     model: str
     messages: tuple[ChatMessage, ...]
     params: GenerationParams
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizeRequest:
+    """vLLM's /tokenize: a prompt, or messages to template (routers ask it for token ids)."""
+
+    model: str
+    prompt: str | tuple[ChatMessage, ...]
+    add_special_tokens: bool
+
+
+def parse_tokenize(body: Any) -> TokenizeRequest:
+    fields = _object(body)
+    model = fields.get("model") or ""
+    if not isinstance(model, str):
+        raise OpenAIError(400, "model must be a string", param="model")
+    add_special_tokens = fields.get("add_special_tokens", True)
+    if not isinstance(add_special_tokens, bool):
+        raise OpenAIError(400, "add_special_tokens must be true or false", "add_special_tokens")
+    if "messages" in fields:
+        return TokenizeRequest(model, parse_chat({**fields, "model": "-"}).messages, True)
+    prompt = fields.get("prompt")
+    if not isinstance(prompt, str):
+        raise OpenAIError(400, "give a prompt string or messages", param="prompt")
+    return TokenizeRequest(model, prompt, add_special_tokens)
 
 
 def parse_completion(body: Any) -> CompletionRequest:
@@ -249,7 +276,7 @@ def _object(body: Any) -> Mapping[str, Any]:
         raise OpenAIError(400, "the request body must be a JSON object")
     for name, neutral in _UNSUPPORTED.items():
         value = body.get(name)
-        if value is not None and value != neutral and not (value == [] and neutral is None):
+        if value is not None and value != neutral and value not in _ABSENT:
             raise OpenAIError(400, f"{name}={value!r} is not supported by this server", param=name)
     return body
 

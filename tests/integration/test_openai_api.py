@@ -1,5 +1,5 @@
-"""The OpenAI-compatible HTTP API against a real cluster (real Redis, real Ray, real workers), spoken
-to by the official `openai` client and by `curl`, with bearer auth and a per-client rate limit on."""
+"""The OpenAI-compatible HTTP API against a real cluster (real Redis, Ray and workers), spoken to
+by the official `openai` client and by `curl`, with bearer auth and a per-client rate limit on."""
 
 from __future__ import annotations
 
@@ -233,6 +233,8 @@ def test_per_worker_routes_pin_the_worker(cluster: Deployment) -> None:
     assert curl(url + "/health", token=None)[0] == 200
     status, text = curl(url + "/get_server_info")
     assert status == 200 and json.loads(text)["page_size"] == 16
+    status, text = curl("-d", '{"prompt": "ab", "add_special_tokens": false}', url + "/tokenize")
+    assert status == 200 and json.loads(text)["tokens"] == [97, 98]
     assert curl(cluster.http_url + "/workers/w7/health", token=None)[0] == 404
 
 

@@ -169,3 +169,15 @@ def test_per_worker_requests_are_pinned_and_unknown_workers_are_404() -> None:
     with pytest.raises(OpenAIError) as info:
         fe.completion({"model": "tiny-random", "prompt": "q"}, worker_id="w9")
     assert info.value.status == 404 and info.value.code == "worker_not_found"
+
+
+def test_tokenize_gives_the_ids_a_completion_or_chat_would_route_by() -> None:
+    fe, backend = frontend("a")
+    out = fe.tokenize({"model": "tiny-random", "prompt": "hi"})
+    assert out["tokens"][-2:] == [ord("h"), ord("i")] and out["count"] == len(out["tokens"])
+    bare = fe.tokenize({"prompt": "hi", "add_special_tokens": False})
+    assert bare["tokens"] == [ord("h"), ord("i")]
+    messages = [{"role": "user", "content": "U"}]
+    chat = fe.tokenize({"model": "tiny-random", "messages": messages})
+    fe.chat({"model": "tiny-random", "messages": messages, "max_tokens": 1})
+    assert tuple(chat["tokens"]) == backend.requests[0][1].prompt_ids
