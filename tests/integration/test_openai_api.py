@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from kvmesh.client import cli
 from kvmesh.coordinator.cluster.deployment import Deployment
 from kvmesh.coordinator.config import HttpConfig
 from kvmesh.coordinator.index.mirror import WorkerId
@@ -264,6 +265,22 @@ def test_a_client_that_leaves_mid_stream_stops_the_workers_generation(
     )
     assert generated() - before < max_tokens  # aborted, not run to the end
     assert all(c.load.num_running(WorkerId(w)) == 0 for w in ("w0", "w1"))
+
+
+def test_bench_over_http_reports_hits_ttft_and_workers(
+    cluster: Deployment, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["bench", "--http", cluster.http_url, "--api-key", TOKEN, "--label", "front-door"]
+    args += ["--workload", "shared_prefix", "--rate", "4", "--duration", "3"]
+    for arg in ("num_groups=2", "users_per_group=8", "system_prompt_len=64", "question_len=8"):
+        args += ["--workload-arg", arg]
+    assert cli.main([*args, "--max-output-tokens", "3", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    metrics = doc["policies"]["front-door"]
+    assert not doc["errors"] and metrics["num_succeeded"] == metrics["num_requests"] > 0
+    assert metrics["hit_rate"] > 0.3  # 64 of ~73 tokens are a group's shared prompt
+    assert metrics["ttft_p50_ms"] > 0
+    assert set(metrics["requests_per_worker"]) <= {"w0", "w1"}
 
 
 def test_no_live_worker_answers_503_and_health_says_so(
