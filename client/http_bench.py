@@ -3,11 +3,12 @@ same requests can go through kvmesh's own front door or through any router that 
 (SGLang's, vLLM's) in front of kvmesh's per-worker endpoints.
 
 Each request is a streamed `POST {URL}/v1/completions` with `stream_options.include_usage`:
-TTFT is the time to the first chunk that carries text or a finish reason, the hit rate comes
-from `usage.prompt_tokens_details.cached_tokens`, the worker from the `kvmesh` extension field
-(empty if a router drops it). Prompts go as text: token id t becomes the printable ASCII
-character 32 + t % 95, so on the byte-level presets a prompt keeps its length and its shared
-prefixes, and a router that matches prefixes by text (as SGLang's does) sees what kvmesh sees.
+TTFT is the time to the first chunk that carries text or a finish reason, the reused tokens come
+from `usage.prompt_tokens_details.cached_tokens`, split into local hits and pulls, and the worker
+taken from the `kvmesh` extension field (empty, and all counted local, if a router drops it).
+Prompts go as text: token id t becomes the printable ASCII character 32 + t % 95, so on the
+byte-level presets a prompt keeps its length and its shared prefixes, and a router that matches
+prefixes by text (as SGLang's does) sees what kvmesh sees.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ async def send(
     started = time.perf_counter()
     ttft_ms: float | None = None
     usage: dict[str, Any] = {}
-    worker_id = ""
+    worker_id, pulled = "", 0
     try:
         async with client.stream("POST", url + "/v1/completions", json=body) as response:
             if response.status_code != 200:
@@ -71,13 +72,15 @@ async def send(
                 )):  # fmt: skip
                     ttft_ms = (time.perf_counter() - started) * 1e3
                 usage = chunk.get("usage") or usage
-                worker_id = (chunk.get("kvmesh") or {}).get("worker_id", worker_id)
+                facts = chunk.get("kvmesh") or {}
+                worker_id = facts.get("worker_id", worker_id)
+                pulled = int(facts.get("pulled_tokens", pulled))
     except Exception as exc:  # connection refused, reset, timeout: the request failed
         return _failed(request, f"{type(exc).__name__}: {exc}")
     prompt_tokens = int(usage.get("prompt_tokens", request.prompt_len))
     details = usage.get("prompt_tokens_details") or {}
-    cached = int(details.get("cached_tokens") or 0)
-    return BenchSample(True, worker_id, prompt_tokens, cached, 0, ttft_ms)
+    reused = int(details.get("cached_tokens") or 0)  # OpenAI's count: local hits + pulls
+    return BenchSample(True, worker_id, prompt_tokens, reused - pulled, pulled, ttft_ms)
 
 
 def _failed(request: WorkloadRequest, error: str) -> BenchSample:

@@ -191,7 +191,11 @@ class OpenAIFrontend:
             prompt = self._prepare(ids, params.cache_salt)
             sampling = self._sampling(prompt, params)
             events = self.coordinator.generate(
-                prompt, sampling, session_id=params.session_id, worker_id=worker_id
+                prompt,
+                sampling,
+                session_id=params.session_id,
+                worker_id=worker_id,
+                allow_pull=not worker_id,  # a per-worker endpoint is that engine alone
             )
         except Exception as exc:
             raise self.error_for(exc) from None

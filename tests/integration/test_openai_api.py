@@ -239,6 +239,23 @@ def test_per_worker_routes_pin_the_worker(cluster: Deployment) -> None:
     assert curl(cluster.http_url + "/workers/w7/health", token=None)[0] == 404
 
 
+def test_a_per_worker_endpoint_serves_from_that_workers_cache_alone(cluster: Deployment) -> None:
+    """A router fronting one worker's endpoint sees that engine only: no pull from a peer that
+    holds the prefix (kvmesh's own /v1 would pull it)."""
+    prompt = "A prefix only worker zero has seen, long enough for many blocks. " * 12
+    body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 1})
+    status, _ = curl("-d", body, cluster.http_url + "/workers/w0/v1/completions")
+    assert status == 200
+    wait_for(
+        lambda: _indexed_blocks(cluster, prompt) >= len(prompt) // 16,
+        what="w0's blocks in the index",
+    )
+    status, text = curl("-d", body, cluster.http_url + "/workers/w1/v1/completions")
+    facts = json.loads(text)["kvmesh"]
+    assert status == 200 and facts["worker_id"] == "w1"
+    assert facts["pulled_tokens"] == 0 and facts["cached_tokens"] == 0
+
+
 def test_a_client_that_leaves_mid_stream_stops_the_workers_generation(
     cluster: Deployment,
 ) -> None:
