@@ -105,9 +105,13 @@ class HttpConfig:
     """HTTP port (0 picks a free one)."""
     max_body_bytes: int = 16 << 20
     """Largest request body accepted; bigger ones get 413."""
+    max_threads: int = 256
+    """Requests whose blocking work runs at once (a stream holds a thread between tokens)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"http port must be in [0, 65535], got {self.port}")
+        if self.max_threads < 1:
+            raise ValueError(f"max_threads must be >= 1, got {self.max_threads}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")

@@ -195,9 +195,8 @@ class Deployment:
             load_chat_template(cc.model),
             client_errors=(RequestError,),
         )
-        app = build_app(
-            frontend, HttpGate(gate.auth, gate.rate, gate.streams), config.max_body_bytes
-        )
+        http_gate = HttpGate(gate.auth, gate.rate, gate.streams)
+        app = build_app(frontend, http_gate, config.max_body_bytes, config.max_threads)
         self.http_server = HttpServer(
             app,
             config,

@@ -21,6 +21,7 @@ The gate is gRPC's, shared: the same bearer tokens (`auth.Authenticator`), and t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import socket
@@ -71,8 +72,7 @@ class HttpGate:
                 401, "missing or unknown bearer token (send `Authorization: Bearer <token>`)",
                 "invalid_api_key",
             )  # fmt: skip
-        peer = request.client.host if request.client is not None else ""
-        if self.rate is not None and not self.rate.allow(client_key(authorization, peer)):
+        if self.rate is not None and not self.rate.allow(client_key(authorization, _peer(request))):
             raise self._reject(
                 429, f"rate limit of {self.rate.rate_per_s:g} calls/s exceeded; retry later",
                 "rate_limit_exceeded",
@@ -95,7 +95,26 @@ class HttpGate:
         return OpenAIError(status, message, code=code)
 
 
-def build_app(frontend: OpenAIFrontend, gate: HttpGate, max_body_bytes: int) -> Starlette:
+def _peer(request: Request) -> str:
+    """The client's address as gRPC spells it ("ipv4:10.0.0.7:53211"), so a client without a
+    token has one rate bucket across both protocols."""
+    if request.client is None:
+        return ""
+    host, port = request.client.host, request.client.port
+    return f"ipv6:[{host}]:{port}" if ":" in host else f"ipv4:{host}:{port}"
+
+
+def build_app(
+    frontend: OpenAIFrontend, gate: HttpGate, max_body_bytes: int, max_threads: int = 256
+) -> Starlette:
+    """`max_threads`: requests whose blocking work runs at once (a stream holds a thread while
+    it waits for its next token); more wait for a thread."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        anyio.to_thread.current_default_thread_limiter().total_tokens = max_threads
+        yield
+
     def error_response(err: OpenAIError) -> JSONResponse:
         return JSONResponse(err.body(), status_code=err.status)
 
@@ -195,6 +214,7 @@ def build_app(frontend: OpenAIFrontend, gate: HttpGate, max_body_bytes: int) -> 
         routes=routes,
         exception_handlers={HTTPException: not_found},
         max_body_size=max_body_bytes,
+        lifespan=lifespan,
     )
 
 
@@ -275,7 +295,7 @@ class HttpServer:
                 app,
                 log_level="warning",
                 access_log=False,
-                lifespan="off",
+                lifespan="on",
                 timeout_graceful_shutdown=2,
                 ssl_certfile=tls_cert_file or None,
                 ssl_keyfile=tls_key_file or None,
