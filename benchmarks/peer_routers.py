@@ -47,6 +47,7 @@ from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
 from kvmesh.workers.config import WorkerConfig
 
 ROUTERS = ("kvmesh", "sglang-router", "vllm-router")
+STYLES = {"kvmesh": ("o", "-"), "sglang-router": ("s", "--"), "vllm-router": ("^", ":")}
 SMALL = {
     "shared_prefix": {
         "num_groups": 8,
@@ -196,8 +197,9 @@ def plot(results: dict, path: str) -> None:
                 100 * (by_rate[r][router]["hit_rate"] + by_rate[r][router]["pulled_rate"])
                 for r in by_rate
             ]
-            axes[0][col].plot(rates, p90, marker="o", label=router)
-            axes[1][col].plot(rates, hit, marker="o", label=router)
+            marker, line = STYLES[router]
+            axes[0][col].plot(rates, p90, marker=marker, linestyle=line, label=router)
+            axes[1][col].plot(rates, hit, marker=marker, linestyle=line, label=router)
         axes[0][col].set_title(name)
         axes[0][col].set_ylabel("TTFT p90 (ms)")
         axes[1][col].set_ylabel("reused prompt tokens, local + pulled (%)")

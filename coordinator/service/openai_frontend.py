@@ -1,6 +1,6 @@
 """OpenAI requests -> the coordinator's request path -> OpenAI responses, without HTTP.
 
-    body --parse--> CompletionRequest / ChatRequest      (openai_schema)
+    body --parse--> CompletionRequest / ChatRequest      (openai_schema; bodies: openai_response)
          --chat template, tokenize--> token ids           (chat_template, the model's tokenizer)
          --Coordinator.prepare / generate--> StreamEvents (route by the templated tokens)
          --detokenize, stop strings--> text pieces        (detokenizer, stop_strings)
@@ -30,15 +30,17 @@ from kvmesh.coordinator.coordinator import (
 )
 from kvmesh.coordinator.service.chat_template import ChatTemplate
 from kvmesh.coordinator.service.detokenizer import IncrementalDetokenizer
-from kvmesh.coordinator.service.openai_schema import (
+from kvmesh.coordinator.service.openai_response import (
     CacheFacts,
-    GenerationParams,
-    OpenAIError,
     Usage,
     chat_body,
     chunk_body,
     completion_body,
     models_body,
+)
+from kvmesh.coordinator.service.openai_schema import (
+    GenerationParams,
+    OpenAIError,
     parse_chat,
     parse_completion,
     parse_tokenize,

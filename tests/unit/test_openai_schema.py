@@ -6,16 +6,14 @@ from typing import Any
 
 import pytest
 
-from kvmesh.coordinator.service.openai_schema import (
+from kvmesh.coordinator.service.openai_response import (
     CacheFacts,
-    OpenAIError,
     Usage,
     chat_body,
     chunk_body,
     completion_body,
-    parse_chat,
-    parse_completion,
 )
+from kvmesh.coordinator.service.openai_schema import OpenAIError, parse_chat, parse_completion
 
 
 def refused(parse: Any, body: Any) -> OpenAIError:
