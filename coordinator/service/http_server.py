@@ -160,7 +160,7 @@ def build_app(
         async def endpoint(request: Request) -> Response:
             try:
                 gate.admit(request)
-                body = await _json_body(request)
+                body = await _json_body(request, max_body_bytes)
             except OpenAIError as err:
                 return error_response(err)
             worker_id = request.path_params.get("worker_id", "")
@@ -172,7 +172,7 @@ def build_app(
     async def tokenize(request: Request) -> Response:
         try:
             gate.admit(request)
-            body = await _json_body(request)
+            body = await _json_body(request, max_body_bytes)
         except OpenAIError as err:
             return error_response(err)
         worker_id = request.path_params.get("worker_id", "")
@@ -189,9 +189,6 @@ def build_app(
 
     async def not_found(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
-        if exc.status_code == 413:
-            message = f"request body over this server's limit of {max_body_bytes} bytes"
-            return error_response(OpenAIError(413, message))
         if exc.status_code == 405:
             return error_response(OpenAIError(405, f"{request.method} is not allowed here"))
         return error_response(OpenAIError(404, f"no route {request.url.path}", code="not_found"))
@@ -213,13 +210,24 @@ def build_app(
     return Starlette(
         routes=routes,
         exception_handlers={HTTPException: not_found},
-        max_body_size=max_body_bytes,
         lifespan=lifespan,
     )
 
 
-async def _json_body(request: Request) -> Any:
-    raw = await request.body()
+async def _json_body(request: Request, max_body_bytes: int) -> Any:
+    """The parsed JSON body; 413 past `max_body_bytes` (checked on the declared length, then
+    while reading, so a body is never held whole beyond the limit)."""
+    too_large = OpenAIError(413, f"request body over this server's limit of {max_body_bytes} bytes")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_body_bytes:
+        raise too_large
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > max_body_bytes:
+            raise too_large
+        parts.append(part)
+    raw = b"".join(parts)
     try:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
