@@ -121,6 +121,17 @@ def _add_listen_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--port", type=_port, default=50051, metavar="P", help="gRPC port (0: a free one)"
     )
+    parser.add_argument(
+        "--http-port",
+        type=_port,
+        default=None,
+        metavar="P",
+        help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,"
+        " /v1/models, /health) on this port (0: a free one; default: gRPC only)",
+    )
+    parser.add_argument(
+        "--http-host", default=None, metavar="HOST", help="HTTP listen address (default: --host)"
+    )
 
 
 def _add_model_options(parser: argparse.ArgumentParser, env: CliEnvironment) -> None:

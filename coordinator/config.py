@@ -101,3 +101,25 @@ class CoordinatorConfig:
             raise ValueError("tls_cert_file and tls_key_file go together: give both or neither")
         if self.tls_client_ca_file and not self.tls_cert_file:
             raise ValueError("tls_client_ca_file needs the server's tls_cert_file and tls_key_file")
+
+
+@dataclass(frozen=True, slots=True)
+class HttpConfig:
+    """The OpenAI-compatible HTTP API beside the gRPC server (same auth, rate and stream limits)."""
+
+    host: str = "127.0.0.1"
+    """HTTP listen address."""
+    port: int = 8000
+    """HTTP port (0 picks a free one)."""
+    max_body_bytes: int = 16 << 20
+    """Largest request body accepted; bigger ones get 413."""
+    max_threads: int = 256
+    """Requests whose blocking work runs at once (a stream holds a thread between tokens)."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"http port must be in [0, 65535], got {self.port}")
+        if self.max_threads < 1:
+            raise ValueError(f"max_threads must be >= 1, got {self.max_threads}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")

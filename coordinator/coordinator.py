@@ -249,12 +249,15 @@ class Coordinator:
         session_id: str = "",
         worker_id: str = "",
         request_id: str = "",
+        allow_pull: bool = True,
     ) -> Iterator[StreamEvent]:
-        """Route (unless `worker_id` forces placement) and stream the worker's outputs."""
+        """Route (unless `worker_id` forces placement) and stream the worker's outputs.
+        `allow_pull=False` with `worker_id` serves from that worker's own cache only, as a
+        standalone engine would (the per-worker HTTP endpoints that peer routers front)."""
         self.check_sampling(prompt, sampling)
         request_id = request_id or uuid.uuid4().hex
         if worker_id:
-            chosen, predicted, pull, matched = self._forced(prompt, worker_id)
+            chosen, predicted, pull, matched = self._forced(prompt, worker_id, allow_pull)
         else:
             decision = self.route(prompt, session_id, request_id)
             chosen, predicted, pull = (
@@ -291,7 +294,7 @@ class Coordinator:
         )
 
     def _forced(
-        self, prompt: PreparedPrompt, worker_id: str
+        self, prompt: PreparedPrompt, worker_id: str, allow_pull: bool = True
     ) -> tuple[WorkerId, float, PullPlan | None, int]:
         """Placement chosen by the caller; a pull is still planned when a peer holds more.
         Returns the worker, its predicted prefill, the pull (if any) and its matched blocks."""
@@ -304,7 +307,8 @@ class Coordinator:
         target = next(v for v in views if v.worker_id == worker_id)
         query = RouteQuery("", prompt.block_hashes, len(prompt.token_ids), self.config.block_size)
         price = self.transfers.price if self.transfers is not None else None
-        option = cheapest_prefill(query, target, best_peer(views), self.cost_model, price)
+        peer = best_peer(views) if allow_pull else None
+        option = cheapest_prefill(query, target, peer, self.cost_model, price)
         return target.worker_id, option.prefill_ms, option.pull, target.matched_blocks
 
     def _uncached_tokens(self, prompt_len: int, matched_blocks: int) -> int:

@@ -59,7 +59,7 @@ class WorkerActor:
             self.worker.device = f"cuda:{ray.get_gpu_ids()[0]}"
         node_id = ray.get_runtime_context().get_node_id()
         self.worker.node = f"{self.worker.node}/{node_id[:12]}"
-        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
         self._lock = threading.Lock()
@@ -245,7 +245,7 @@ class WorkerActor:
 
     # ---- engine thread ------------------------------------------------------------------------
 
-    def _submit(self, fn: Callable[[], None]) -> None:
+    def _submit(self, fn: Callable[[], object]) -> None:
         self._inbox.put(fn)
         self._wakeup.set()
 

@@ -100,11 +100,20 @@ class Cluster:
             return self._handles[worker_id].actor
 
     def generate(self, worker_id: str, request: WorkerRequest) -> Iterator[RequestOutput]:
-        """Stream a request's outputs; raises RequestRejected, WorkerFailed or WorkerDied."""
+        """Stream a request's outputs; raises RequestRejected, WorkerFailed or WorkerDied.
+        Closing the iterator early (a client that left, a stop string) cancels the worker's
+        stream, so it stops computing for the request instead of running on to max_tokens."""
         stream = self.actor(worker_id).generate.remote(request)
+        finished = False
         try:
             for ref in stream:
-                yield ray.get(ref)
+                output: RequestOutput = ray.get(ref)
+                finished = output.finished
+                yield output
+        except GeneratorExit:
+            if not finished:
+                ray.cancel(stream)
+            raise
         except RayTaskError as exc:
             cause = exc.cause if hasattr(exc, "cause") else None
             if isinstance(cause, RequestRejected | WorkerFailed):

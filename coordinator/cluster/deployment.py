@@ -24,7 +24,7 @@ from kvmesh.coordinator.cluster.redis_server import (
     start_redis_server,
 )
 from kvmesh.coordinator.cluster.registry import WorkerRegistry
-from kvmesh.coordinator.config import CoordinatorConfig
+from kvmesh.coordinator.config import CoordinatorConfig, HttpConfig
 from kvmesh.coordinator.coordinator import Coordinator
 from kvmesh.coordinator.index.follower import IndexFollower
 from kvmesh.coordinator.index.locked_mirror import LockedMirror
@@ -32,12 +32,16 @@ from kvmesh.coordinator.index.store import IndexStore
 from kvmesh.coordinator.routing.links import LinkType
 from kvmesh.coordinator.routing.transfer_planner import TransferPlanner
 from kvmesh.coordinator.service.admin import Admin
+from kvmesh.coordinator.service.chat_template import load_chat_template
 from kvmesh.coordinator.service.field_limits import FieldLimits
+from kvmesh.coordinator.service.http_server import HttpGate, HttpServer, build_app
 from kvmesh.coordinator.service.interceptor import GateInterceptor, gate_from_config
+from kvmesh.coordinator.service.openai_frontend import OpenAIFrontend
 from kvmesh.coordinator.service.servicer import KVMeshServicer, build_server, set_serving
 from kvmesh.coordinator.service.tls import load_server_tls
 from kvmesh.proto.block_hash import namespace_hash
 from kvmesh.workers.config import WorkerConfig
+from kvmesh.workers.contract.replies import RequestRejected
 from kvmesh.workers.model.model_config import load_model_config
 from kvmesh.workers.model.runner import ModelRunner
 from kvmesh.workers.model.tokenizer import load_tokenizer
@@ -67,6 +71,8 @@ class DeploymentConfig:
     """Start a replacement (a new id, same config) when a worker dies."""
     fleet_poll_s: float = 2.0
     """How often the directory is read for workers other coordinators started."""
+    http: HttpConfig | None = None
+    """The OpenAI-compatible HTTP API; None serves gRPC only."""
 
     def __post_init__(self) -> None:
         if self.num_workers < 0:
@@ -89,7 +95,13 @@ class Deployment:
         self.server: grpc.Server | None = None
         self.gate: GateInterceptor | None = None
         self.port = 0
+        self.http_server: HttpServer | None = None
         self._started_ray = False
+
+    @property
+    def http_url(self) -> str:
+        """Base URL of the HTTP API (e.g. http://127.0.0.1:8000), empty when it is off."""
+        return self.http_server.url if self.http_server is not None else ""
 
     @property
     def address(self) -> str:
@@ -177,7 +189,7 @@ class Deployment:
                            model.max_position_embeddings)  # fmt: skip
         gate = gate_from_config(cc, FieldLimits(max_prompt_tokens=prompt_limit))
         self.gate = gate
-        admin = Admin(self.cluster, self.coordinator, fleet)
+        admin = Admin(self.cluster, self.coordinator, mirror, fleet)
         servicer = KVMeshServicer(
             self.coordinator, self.cluster, self.follower, admin=admin, gate=gate
         )
@@ -194,6 +206,8 @@ class Deployment:
         registry.on_changed(lambda: set_serving(health, bool(registry.routable())))
         set_serving(health, bool(registry.routable()))
         self.server.start()
+        if cfg.http is not None:
+            self._start_http(cfg.http, gate)
         return self.address
 
     def _start_workers(self, fleet: Fleet, redis_url: str) -> None:
@@ -219,6 +233,27 @@ class Deployment:
         else:
             fleet.ensure(template, num_workers, gpus_per_worker)
 
+    def _start_http(self, config: HttpConfig, gate: GateInterceptor) -> None:
+        """The OpenAI API, sharing the gRPC gate's tokens, rate buckets and stream slots."""
+        assert self.coordinator is not None
+        cc = self.config.coordinator
+        frontend = OpenAIFrontend(
+            self.coordinator,
+            load_tokenizer(cc.model, cc.seed),
+            load_chat_template(cc.model),
+            client_errors=(RequestRejected,),
+        )
+        http_gate = HttpGate(gate.auth, gate.rate, gate.streams)
+        app = build_app(frontend, http_gate, config.max_body_bytes, config.max_threads)
+        self.http_server = HttpServer(
+            app,
+            config,
+            tls_cert_file=cc.tls_cert_file,
+            tls_key_file=cc.tls_key_file,
+            tls_client_ca_file=cc.tls_client_ca_file,
+        )
+        self.http_server.start()
+
     def _calibrate_links(self, transfers: TransferPlanner) -> None:
         """Measure one worker-to-worker link so the first pulls are priced from reality."""
         assert self.cluster is not None
@@ -243,6 +278,9 @@ class Deployment:
             log.warning("link calibration failed: %s", exc)
 
     def stop(self) -> None:
+        if self.http_server is not None:
+            self.http_server.stop()
+            self.http_server = None
         if self.server is not None:
             self.server.stop(grace=1).wait()
             self.server = None

@@ -16,7 +16,7 @@ from typing import Any
 
 from kvmesh.coordinator.cluster.deployment import Deployment, DeploymentConfig
 from kvmesh.coordinator.cluster.reaper import start_reaper
-from kvmesh.coordinator.config import CoordinatorConfig
+from kvmesh.coordinator.config import CoordinatorConfig, HttpConfig
 from kvmesh.coordinator.service.auth import read_token_file
 from kvmesh.workers.config import WorkerConfig
 
@@ -53,7 +53,12 @@ def deployment_config(args: argparse.Namespace, *, embedded_redis: bool) -> Depl
         host_cache_gb=float(_opt(args, "host_cache_gb", 0.0)),
         device=_opt(args, "device", "auto"),
     )
+    http_port = _opt(args, "http_port", None)
+    http = None
+    if http_port is not None:
+        http = HttpConfig(host=_opt(args, "http_host", coordinator.host), port=int(http_port))
     return DeploymentConfig(
+        http=http,
         coordinator=coordinator,
         num_workers=int(_opt(args, "workers", 0 if not embedded_redis else 2)),
         worker=worker,
@@ -96,6 +101,8 @@ def run_deployment(config: DeploymentConfig) -> int:
             f"kvmesh is up at {address} (workers: {workers}; policy {cc.policy}; {security})",
             flush=True,
         )
+        if deployment.http_url:
+            print(f"kvmesh OpenAI API at {deployment.http_url}/v1", flush=True)
         stop.wait()
         print("kvmesh: shutting down ...", file=sys.stderr, flush=True)
         return 0

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvmesh.coordinator.cluster.registry import WorkerRegistry
+from kvmesh.coordinator.index.locked_mirror import LockedMirror
 from kvmesh.coordinator.index.mirror import WorkerId
 from kvmesh.workers.contract.replies import WorkerInfo
 
@@ -51,10 +52,15 @@ class IndexView:
 
 class Admin:
     def __init__(
-        self, fleet: Fleet, coordinator: Coordinator, control: FleetControl | None = None
+        self,
+        fleet: Fleet,
+        coordinator: Coordinator,
+        mirror: LockedMirror,
+        control: FleetControl | None = None,
     ) -> None:
         self.cluster = fleet
         self.coordinator = coordinator
+        self.mirror = mirror
         self.registry = fleet.registry
         self.control = control
 
@@ -78,7 +84,7 @@ class Admin:
         """Mirror and pool of every worker, read one right after the other (under traffic the
         two can differ for a few milliseconds: compare twice before calling it a fault)."""
         pools = self.cluster.call_all("cached_hashes")
-        mirror = self.coordinator.mirror
+        mirror = self.mirror
         owned = set(self.registry.known())
         known = owned | set(mirror.workers())
         views = []

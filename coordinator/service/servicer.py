@@ -243,7 +243,7 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
         out = []
         for w in registry.known():
             i = infos.get(w) or self.cluster.latest_info(w)
-            report = {}
+            report: dict[str, Any] = {}
             if i is not None:
                 report = {
                     "pid": i.pid,

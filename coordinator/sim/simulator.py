@@ -269,7 +269,10 @@ class ClusterSimulation:
             self.backend,
             index or self.mirror,
             registry,
-            worker_free_blocks=lambda w: (pools[w].num_blocks, pools[w].num_free),
+            worker_free_blocks=lambda w: (
+                pools[WorkerId(w)].num_blocks,
+                pools[WorkerId(w)].num_free,
+            ),
             cost_model=config.cost.router_cost_model(),
             transfers=SimPulls(config.cost) if config.pulls and not self.oracle else None,
             clock=lambda: self.now_ms / 1000.0,

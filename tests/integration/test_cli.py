@@ -9,7 +9,9 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,10 +29,15 @@ def kvmesh(
     return proc
 
 
+def _http_get(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return json.loads(response.read())
+
+
 def test_up_serves_the_read_commands_and_cleans_up_on_sigterm() -> None:
     env = dict(os.environ, RAY_AUTH_MODE="disabled")
     up = subprocess.Popen(
-        [*CLI, "up", "--workers", "2", "--port", "0", "--num-blocks", "96"],
+        [*CLI, "up", "--workers", "2", "--port", "0", "--num-blocks", "96", "--http-port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -48,6 +55,10 @@ def test_up_serves_the_read_commands_and_cleans_up_on_sigterm() -> None:
             m = re.search(r"kvmesh is up at (\S+)", line)
             address = m.group(1) if m else ""
         assert address, "kvmesh up never printed its address"
+        m = re.search(r"kvmesh OpenAI API at (\S+)", up.stdout.readline())
+        assert m, "kvmesh up --http-port never printed the HTTP API's URL"
+        api = m.group(1)
+        assert _http_get(api + "/models")["data"][0]["id"] == "tiny-random"
 
         prefix = ",".join(str(3 + i % 200) for i in range(64))
         first = json.loads(
@@ -100,6 +111,8 @@ def test_up_serves_the_read_commands_and_cleans_up_on_sigterm() -> None:
 
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=60) == 0
+        with pytest.raises(OSError):
+            _http_get(api + "/models")
         gone = kvmesh("stats", "--address", address, check=False)
         assert gone.returncode != 0 and "Traceback" not in gone.stderr
     finally:
