@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import random
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
+from kvmesh.coordinator.cluster.registry import WorkerRegistry
 from kvmesh.coordinator.config import CoordinatorConfig
 from kvmesh.coordinator.coordinator import Coordinator
-from kvmesh.coordinator.index.mirror import IndexMirror
+from kvmesh.coordinator.index.locked_mirror import LockedMirror
 from kvmesh.coordinator.service.chat_template import SimpleChatTemplate
 from kvmesh.coordinator.service.openai_frontend import OpenAIFrontend
 from kvmesh.coordinator.service.openai_schema import OpenAIError
-from kvmesh.workers.engine.messages import RequestOutput, WorkerRequest
+from kvmesh.workers.contract.replies import PrefillFacts, RequestOutput
+from kvmesh.workers.contract.requests import WorkerRequest
 from kvmesh.workers.model.model_config import load_model_config
 from kvmesh.workers.model.tokenizer import ByteTokenizer
 
@@ -26,15 +27,8 @@ class ScriptedBackend:
     def __init__(self, reply: str, cached_tokens: int = 0) -> None:
         self.reply = reply.encode()
         self.cached_tokens = cached_tokens
-        self.live = ["w0", "w1"]
         self.requests: list[tuple[str, WorkerRequest]] = []
         self.num_closed = 0
-
-    def live_worker_ids(self) -> list[str]:
-        return list(self.live)
-
-    def worker_ids(self) -> list[str]:
-        return ["w0", "w1"]
 
     def generate(self, worker_id: str, request: WorkerRequest) -> Iterator[RequestOutput]:
         self.requests.append((worker_id, request))
@@ -44,14 +38,9 @@ class ScriptedBackend:
             for i in range(n):
                 last = i == n - 1
                 reason = ("stop" if n == len(self.reply) else "length") if last else ""
-                first = i == 0
+                facts = PrefillFacts(self.cached_tokens, 0, 0, prompt_len - self.cached_tokens)
                 yield RequestOutput(
-                    request.request_id,
-                    (self.reply[i],),
-                    last,
-                    reason,
-                    self.cached_tokens if first else -1,
-                    prompt_len - self.cached_tokens if first else -1,
+                    request.request_id, (self.reply[i],), last, reason, facts if i == 0 else None
                 )
         finally:
             self.num_closed += 1
@@ -60,7 +49,10 @@ class ScriptedBackend:
 def frontend(reply: str = "Hello\n\nQ: more", **kw: Any) -> tuple[OpenAIFrontend, ScriptedBackend]:
     model = load_model_config("tiny-random")
     backend = ScriptedBackend(reply, **kw)
-    coordinator = Coordinator(CoordinatorConfig(), model, backend, IndexMirror(), threading.Lock())
+    registry = WorkerRegistry()
+    for w in ("w0", "w1"):
+        registry.add(w)
+    coordinator = Coordinator(CoordinatorConfig(), model, backend, LockedMirror(), registry)
     tokenizer = ByteTokenizer.for_model(model)
     fe = OpenAIFrontend(
         coordinator, tokenizer, SimpleChatTemplate(), clock=lambda: 1000.0, seeds=random.Random(0)
@@ -150,7 +142,8 @@ def test_errors_map_to_openai_statuses() -> None:
     with pytest.raises(OpenAIError) as info:
         fe.completion({"model": "tiny-random", "prompt": "q", "max_tokens": 10**6})
     assert info.value.status == 400
-    backend.live = []
+    for w in ("w0", "w1"):
+        fe.coordinator.registry.set_drained(w, True)
     with pytest.raises(OpenAIError) as info:
         fe.completion({"model": "tiny-random", "prompt": "q"})
     assert info.value.status == 503
