@@ -203,12 +203,12 @@ class Coordinator:
 
     def views(self, prompt: PreparedPrompt, workers: Sequence[str]) -> list[WorkerView]:
         matches = self.match(prompt)
-        ms_per_token = self.cost_model.prefill_per_token_ms
+        tokens_to_ms = self.cost_model.prefill_ms
         views = []
         for w in workers:
             m = matches.get(WorkerId(w), PrefixMatch(0, 0))
             num_blocks, num_free = self._worker_free_blocks(w)
-            queued_ms, queued_tokens, running = self.load.with_reported(WorkerId(w), ms_per_token)
+            queued_ms, queued_tokens, running = self.load.with_reported(WorkerId(w), tokens_to_ms)
             views.append(
                 WorkerView(
                     WorkerId(w),

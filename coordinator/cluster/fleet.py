@@ -68,6 +68,9 @@ class Fleet:
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
         self._template: tuple[WorkerConfig, float] | None = None
+        self._starting: set[str] = set()  # claimed by `start`, not yet handed to the cluster
+        self._missing_since: dict[str, float] = {}
+        self.missing_grace_s = 120.0
 
     # ---- start and attach ---------------------------------------------------------------------
 
@@ -88,9 +91,13 @@ class Fleet:
                 scheduling_strategy="SPREAD",  # across nodes first (GPUs spread by themselves)
             ).remote(config)
             started.append((config, actor))
-        self._await_ready(started, num_gpus)
-        for config, actor in started:
-            self.cluster.add_worker(config, actor)
+        try:
+            self._await_ready(started, num_gpus)
+            for config, actor in started:
+                self.cluster.add_worker(config, actor)
+        finally:
+            with self._lock:
+                self._starting -= {c.worker_id for c, _ in started}
         self.cluster.share_peers()
         return [c.worker_id for c, _ in started]
 
@@ -99,14 +106,15 @@ class Fleet:
         returns their ids. A record whose actor no longer exists is dropped."""
         attached: list[str] = []
         for service in self.directory.services():
-            if self.cluster.registry.is_known(service.worker_id):
+            with self._lock:
+                mine = service.worker_id in self._starting  # `start` hands it over itself
+            if mine or self.cluster.registry.is_known(service.worker_id):
                 continue
             try:
                 actor = ray.get_actor(service.actor_name, namespace=service.ray_namespace)
                 ray.get(actor.ping.remote(), timeout=10)
-            except ValueError:  # no such actor: it died with nobody left to replace it
-                log.warning("worker %s is registered but gone; dropping it", service.worker_id)
-                self.directory.remove_service(service.worker_id)
+            except ValueError:  # no such actor (yet: another coordinator may be starting it)
+                self._note_missing(service.worker_id)
                 continue
             except Exception as exc:  # starting, or busy: try again at the next look
                 log.info("worker %s not reachable yet: %s", service.worker_id, exc)
@@ -117,6 +125,16 @@ class Fleet:
         if attached:
             self.cluster.share_peers()
         return attached
+
+    def _note_missing(self, worker_id: str) -> None:
+        """Drop a record whose actor stayed missing for `missing_grace_s`: it died with nobody
+        left to replace it (a record being started elsewhere gets its actor within seconds)."""
+        now = time.monotonic()
+        since = self._missing_since.setdefault(worker_id, now)
+        if now - since >= self.missing_grace_s:
+            log.warning("worker %s is registered but gone; dropping it", worker_id)
+            self.directory.remove_service(worker_id)
+            del self._missing_since[worker_id]
 
     def ensure(self, template: WorkerConfig, num_workers: int, num_gpus: float) -> list[str]:
         """Attach to what runs, then start what is missing for `num_workers` alive."""
@@ -236,6 +254,7 @@ class Fleet:
                     json.dumps({**fields, "worker_id": worker_id}),
                 )
                 if self.directory.claim_service(record):
+                    self._starting.add(worker_id)  # under the lock `attach` reads it with
                     return worker_id
         raise RuntimeError("no free worker id left in this fleet")
 

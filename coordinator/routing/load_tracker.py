@@ -7,6 +7,7 @@ what actually happened: the queue never goes negative and a request's share is r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvmesh.coordinator.index.mirror import WorkerId
@@ -48,7 +49,9 @@ class LoadTracker:
     def on_reported(self, worker: WorkerId, load: ReportedLoad) -> None:
         self._reported[worker] = load
 
-    def with_reported(self, worker: WorkerId, ms_per_token: float) -> tuple[float, int, int]:
+    def with_reported(
+        self, worker: WorkerId, tokens_to_ms: Callable[[int], float]
+    ) -> tuple[float, int, int]:
         """(queued prefill ms, queued prefill tokens, requests) for routing: the larger of what
         this coordinator routed and what the worker last reported."""
         own_ms, own_tokens = self.queued_prefill_ms(worker), self.queued_prefill_tokens(worker)
@@ -57,7 +60,7 @@ class LoadTracker:
         if report is None:
             return own_ms, own_tokens, own_running
         return (
-            max(own_ms, report.queued_prefill_tokens * ms_per_token),
+            max(own_ms, tokens_to_ms(report.queued_prefill_tokens)),
             max(own_tokens, report.queued_prefill_tokens),
             max(own_running, report.num_requests),
         )

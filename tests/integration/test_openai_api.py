@@ -263,7 +263,7 @@ def test_a_client_that_leaves_mid_stream_stops_the_workers_generation(
     workers, c = cluster.cluster, cluster.coordinator
 
     def generated() -> int:
-        return sum(int(i["counters"]["generated_tokens"]) for i in workers.infos().values())
+        return sum(i.counters.generated_tokens for i in workers.infos().values())
 
     before = generated()
     max_tokens = 1500
@@ -276,7 +276,7 @@ def test_a_client_that_leaves_mid_stream_stops_the_workers_generation(
         assert response.status_code == 200
         assert next(line for line in response.iter_lines() if line.startswith("data: "))
     wait_for(
-        lambda: all(i["num_running"] + i["num_waiting"] == 0 for i in workers.infos().values()),
+        lambda: all(i.num_running + i.num_waiting == 0 for i in workers.infos().values()),
         timeout_s=120,
         what="the workers to be idle",
     )
