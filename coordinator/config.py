@@ -35,6 +35,9 @@ class CoordinatorConfig:
     """Largest max_tokens a request may ask for."""
     health_interval_s: float = 0.5
     """How often worker actors are checked for liveness."""
+    stall_timeout_s: float = 15.0
+    """A worker whose engine makes no progress (or that does not answer at all) this long while
+    it has work is treated as dead: killed, its streams moved, its index entries purged."""
     route_seed: int = 0
     """Seed of the router's tie-breaking randomness."""
     max_prompt_tokens: int = 0
@@ -74,6 +77,11 @@ class CoordinatorConfig:
             raise ValueError(f"max_concurrent_rpcs must be >= 1, got {self.max_concurrent_rpcs}")
         if self.health_interval_s <= 0:
             raise ValueError(f"health_interval_s must be > 0, got {self.health_interval_s}")
+        if self.stall_timeout_s <= self.health_interval_s:
+            raise ValueError(
+                f"stall_timeout_s ({self.stall_timeout_s}) must exceed health_interval_s"
+                f" ({self.health_interval_s})"
+            )
         self._check_limits()
         self._check_security()
 

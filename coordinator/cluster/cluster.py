@@ -45,6 +45,7 @@ class Cluster:
         self._latest_info: dict[str, WorkerInfo] = {}
         self._on_info: Callable[[str, WorkerInfo], None] | None = None
         self._nccl_ranks: dict[str, int] = {}
+        self._stall_timeout_s = 15.0
 
     def set_on_info(self, callback: Callable[[str, WorkerInfo], None]) -> None:
         """Called from the health loop with every worker's fresh info (pool, counters)."""
@@ -74,7 +75,8 @@ class Cluster:
         peers = self._live_actors()
         ray.get([a.set_peers.remote(peers) for a in peers.values()], timeout=timeout_s)
 
-    def start_monitor(self, interval_s: float) -> None:
+    def start_monitor(self, interval_s: float, stall_timeout_s: float = 15.0) -> None:
+        self._stall_timeout_s = stall_timeout_s
         self._monitor = threading.Thread(
             target=self._watch, args=(interval_s,), name="kvmesh-health", daemon=True
         )
@@ -205,21 +207,39 @@ class Cluster:
             return self._latest_info.get(worker_id)
 
     def _watch(self, interval_s: float) -> None:
+        last_answer: dict[str, float] = {}
         while not self._stop.wait(interval_s):
             live = self._live_actors()
             refs = {w: a.info.remote() for w, a in live.items()}
             for w, ref in refs.items():
+                now = time.monotonic()
                 try:
-                    info = ray.get(ref, timeout=max(2.0, 4 * interval_s))
+                    info: WorkerInfo = ray.get(ref, timeout=max(2.0, 4 * interval_s))
                 except RayActorError:
                     self.mark_dead(w)
                 except GetTimeoutError:
-                    pass  # busy, not dead: the heartbeat in Redis is the other judge
+                    # Busy or stopped: the second only once it lasts past the stall timeout.
+                    silent_s = now - last_answer.setdefault(w, now)
+                    if silent_s > self._stall_timeout_s:
+                        self.end_stalled(w, f"no answer for {silent_s:.0f} s")
                 else:
+                    last_answer[w] = time.monotonic()
                     with self._lock:
                         self._latest_info[w] = info
-                    if self._on_info is not None:
+                    if info.engine_stalled_s > self._stall_timeout_s:
+                        self.end_stalled(w, f"engine stuck for {info.engine_stalled_s:.0f} s")
+                    elif self._on_info is not None:
                         self._on_info(w, info)
+
+    def end_stalled(self, worker_id: str, why: str) -> None:
+        """A worker that makes no progress is dead for routing: killed, so its streams fail over
+        (migrate) at once, and handed to the registry like any dead worker."""
+        log.warning("worker %s stalled (%s); ending it", worker_id, why)
+        self.registry.mark_dead(worker_id, f"stalled: {why}")
+        try:
+            ray.kill(self.actor(worker_id), no_restart=True)
+        except (KeyError, ValueError):
+            pass
 
     def stop(self, *, kill_workers: bool = True) -> None:
         """Stop watching; with `kill_workers` also end every worker actor (a local cluster).

@@ -183,7 +183,7 @@ class Deployment:
             self._calibrate_links(transfers)
         self.cluster.set_on_info(coordinator.observe_worker)
         self.follower.start()
-        self.cluster.start_monitor(cc.health_interval_s)
+        self.cluster.start_monitor(cc.health_interval_s, cc.stall_timeout_s)
         fleet.start_watching(cfg.fleet_poll_s)
         prompt_limit = min(cc.max_prompt_tokens or model.max_position_embeddings,
                            model.max_position_embeddings)  # fmt: skip

@@ -108,6 +108,9 @@ class WorkerInfo:
     num_waiting: int
     generation: int
     counters: WorkerCounters
+    engine_stalled_s: float = 0.0
+    """Seconds since the engine loop last went round while it had work (0 when idle): a hung
+    engine shows here even though the actor still answers."""
     num_queued_prefill_tokens: int = 0
     """Prompt tokens accepted and not yet prefilled, whichever coordinator sent them: the load
     every coordinator replica sees alike (a waiting prompt counts whole, before cache matching)."""
