@@ -189,6 +189,7 @@ def _add_up(sub: argparse._SubParsersAction, env: CliEnvironment) -> None:
         help="use this Redis instead of starting an embedded one",
     )
     _add_security_options(parser, env)
+    _add_observability_options(parser)
     parser.set_defaults(handler=extension.run_up)
 
 
@@ -206,7 +207,31 @@ def _add_serve(sub: argparse._SubParsersAction, env: CliEnvironment) -> None:
     _add_model_options(parser, env)
     _add_worker_options(parser, env, default_workers=None)
     _add_security_options(parser, env)
+    _add_observability_options(parser)
     parser.set_defaults(handler=extension.run_serve)
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _add_observability_options(parser: argparse.ArgumentParser) -> None:
+    """Metrics endpoint and logs of `up` / `serve` (docs/operations.md)."""
+    group = parser.add_argument_group("metrics and logs")
+    group.add_argument(
+        "--metrics-port",
+        type=_port,
+        default=0,
+        metavar="P",
+        help="serve Prometheus metrics at http://HOST:P/metrics, HOST being --host (0: off)",
+    )
+    group.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        default="info",
+        help="log level; info writes one line per request (id, worker, cached / pulled /"
+        " computed tokens, TTFT)",
+    )
+    group.add_argument("--log-json", action="store_true", help="write logs as JSON lines")
 
 
 def _add_security_options(parser: argparse.ArgumentParser, env: CliEnvironment) -> None:

@@ -30,6 +30,10 @@ from kvmesh.coordinator.service.field_limits import FieldLimits
 from kvmesh.coordinator.service.interceptor import GateInterceptor, gate_from_config
 from kvmesh.coordinator.service.servicer import KVMeshServicer, build_server
 from kvmesh.coordinator.service.tls import load_server_tls
+from kvmesh.coordinator.telemetry.collector import MetricsCollector
+from kvmesh.coordinator.telemetry.exporter import MetricsExporter
+from kvmesh.coordinator.telemetry.request_log import RequestLog
+from kvmesh.coordinator.telemetry.request_metrics import RequestMetrics
 from kvmesh.proto.block_hash import namespace_hash
 from kvmesh.workers.config import WorkerConfig
 from kvmesh.workers.model.model_config import load_model_config
@@ -51,10 +55,14 @@ class DeploymentConfig:
     """GPU share per worker; -1: 1 when there are enough GPUs, else an even split of GPU 0's."""
     ray_address: str = ""
     """Ray cluster to join (`auto`); empty starts a local Ray unless one is already running."""
+    metrics_port: int | None = None
+    """Prometheus endpoint (`GET /metrics`) on the gRPC host: None serves none, 0 a free port."""
 
     def __post_init__(self) -> None:
         if self.num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {self.num_workers}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
 
 
 class Deployment:
@@ -66,6 +74,8 @@ class Deployment:
         self.coordinator: Coordinator | None = None
         self.server: grpc.Server | None = None
         self.gate: GateInterceptor | None = None
+        self.metrics: MetricsExporter | None = None
+        self.request_metrics = RequestMetrics()
         self.port = 0
         self._started_ray = False
 
@@ -149,6 +159,7 @@ class Deployment:
             index_connected=lambda: follower.connected,
             worker_free_blocks=lambda w: _free_blocks(cluster, w),
             transfers=transfers,
+            observers=(self.request_metrics, RequestLog()),
         )
         # One judge of liveness, fanned out to everything that keeps per-worker state.
         registry.on_dead(coordinator.forget_worker)
@@ -176,6 +187,16 @@ class Deployment:
             tls=tls,
         )
         self.server.start()
+        if cfg.metrics_port is not None:
+            collector = MetricsCollector(
+                coordinator,
+                registry,
+                cluster.latest_info,
+                self.request_metrics,
+                index=follower,
+                num_gate_rejections=lambda: gate.num_rejected,
+            )
+            self.metrics = MetricsExporter(collector, cc.host, cfg.metrics_port)
         return self.address
 
     def _calibrate_links(self, transfers: TransferPlanner) -> None:
@@ -202,6 +223,9 @@ class Deployment:
             log.warning("link calibration failed: %s", exc)
 
     def stop(self) -> None:
+        if self.metrics is not None:
+            self.metrics.stop()
+            self.metrics = None
         if self.server is not None:
             self.server.stop(grace=1).wait()
             self.server = None

@@ -7,7 +7,6 @@ Flags win over KVMESH_* environment variables, which win over defaults; the CLI 
 from __future__ import annotations
 
 import argparse
-import logging
 import signal
 import sys
 import threading
@@ -17,6 +16,7 @@ from typing import Any
 from kvmesh.coordinator.cluster.deployment import Deployment, DeploymentConfig
 from kvmesh.coordinator.config import CoordinatorConfig
 from kvmesh.coordinator.service.auth import read_token_file
+from kvmesh.coordinator.telemetry.log_format import configure_logging
 from kvmesh.workers.config import WorkerConfig
 
 
@@ -58,6 +58,7 @@ def deployment_config(args: argparse.Namespace, *, embedded_redis: bool) -> Depl
         worker=worker,
         gpus_per_worker=float(_opt(args, "gpus_per_worker", -1.0)),
         ray_address=_opt(args, "ray_address", ""),
+        metrics_port=int(_opt(args, "metrics_port", 0)) or None,  # the flag's 0 means off
     )
 
 
@@ -68,10 +69,10 @@ def _tokens(args: argparse.Namespace, name: str) -> tuple[str, ...]:
     return tuple(t for t in tokens if t) + (read_token_file(path) if path else ())
 
 
-def run_deployment(config: DeploymentConfig) -> int:
-    logging.basicConfig(
-        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+def run_deployment(
+    config: DeploymentConfig, *, log_level: str = "info", log_json: bool = False
+) -> int:
+    configure_logging(log_level, json_lines=log_json)
     stop = threading.Event()
     deployment = Deployment(config)
     try:
@@ -91,8 +92,14 @@ def run_deployment(config: DeploymentConfig) -> int:
         security = ("TLS" if cc.tls_cert_file else "plaintext") + (
             ", token auth" if cc.auth_tokens or cc.admin_tokens else ""
         )
+        metrics = (
+            f"; metrics at http://{deployment.metrics.address}/metrics"
+            if deployment.metrics is not None
+            else ""
+        )
         print(
-            f"kvmesh is up at {address} (workers: {workers}; policy {cc.policy}; {security})",
+            f"kvmesh is up at {address} (workers: {workers}; policy {cc.policy}; {security}"
+            f"{metrics})",
             flush=True,
         )
         stop.wait()
@@ -105,7 +112,7 @@ def run_deployment(config: DeploymentConfig) -> int:
 def run_up(args: argparse.Namespace) -> int:
     """Local cluster: embedded Redis (unless --redis-url), local Ray, N workers, the coordinator."""
     config = deployment_config(args, embedded_redis=True)
-    return run_deployment(config)
+    return run_deployment(config, **_log_options(args))
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -114,4 +121,11 @@ def run_serve(args: argparse.Namespace) -> int:
     if not config.coordinator.redis_url:
         raise ValueError("serve needs --redis-url (or KVMESH_REDIS_URL)")
     config = replace(config, ray_address=config.ray_address or "auto")
-    return run_deployment(config)
+    return run_deployment(config, **_log_options(args))
+
+
+def _log_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "log_level": _opt(args, "log_level", "info"),
+        "log_json": bool(_opt(args, "log_json", False)),
+    }
