@@ -167,7 +167,7 @@ class MetricsCollector:
             _single(
                 "kvmesh_index_events_total",
                 MetricKind.COUNTER,
-                "KV event batches applied to the mirror.",
+                "Block events (stored / removed hashes) the mirror applied from the stream.",
                 stats.get("num_events_applied", 0),
             ),
         ]

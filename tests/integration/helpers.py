@@ -21,12 +21,17 @@ TEST_DEVICE = os.environ.get("KVMESH_TEST_DEVICE", "cpu")
 
 
 def start_deployment(
-    num_workers: int = 2, num_blocks: int = 128, **coordinator: object
+    num_workers: int = 2,
+    num_blocks: int = 128,
+    *,
+    metrics_port: int | None = None,
+    **coordinator: object,
 ) -> Deployment:
     config = DeploymentConfig(
         coordinator=CoordinatorConfig(port=0, **coordinator),  # type: ignore[arg-type]
         num_workers=num_workers,
         worker=WorkerConfig(worker_id="template", num_blocks=num_blocks, device=TEST_DEVICE),
+        metrics_port=metrics_port,
     )
     deployment = Deployment(config)
     deployment.start()
