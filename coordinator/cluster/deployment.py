@@ -100,14 +100,21 @@ class Deployment:
             if cc.tls_cert_file
             else None
         )
+        if cfg.metrics_port is not None:  # bound first: a port in use fails before Ray starts
+            self.metrics = MetricsExporter(cc.host, cfg.metrics_port)
         redis_url = cc.redis_url
         if not redis_url:
             self.redis = start_redis_server()
             redis_url = self.redis.url
         if not ray.is_initialized():
             with without_secrets(os.environ):  # a local start spawns Ray's processes from ours
+                # Ray's driver loggers go through our handlers (level, format, JSON) instead of
+                # a handler of Ray's own; the workers' output stays in Ray's session logs.
                 ray.init(
-                    address=cfg.ray_address or None, include_dashboard=False, log_to_driver=False
+                    address=cfg.ray_address or None,
+                    include_dashboard=False,
+                    log_to_driver=False,
+                    configure_logging=False,
                 )
             self._started_ray = True
         num_gpus = int(ray.cluster_resources().get("GPU", 0))
@@ -187,7 +194,7 @@ class Deployment:
             tls=tls,
         )
         self.server.start()
-        if cfg.metrics_port is not None:
+        if self.metrics is not None:
             collector = MetricsCollector(
                 coordinator,
                 registry,
@@ -196,7 +203,7 @@ class Deployment:
                 index=follower,
                 num_gate_rejections=lambda: gate.num_rejected,
             )
-            self.metrics = MetricsExporter(collector, cc.host, cfg.metrics_port)
+            self.metrics.serve(collector)
         return self.address
 
     def _calibrate_links(self, transfers: TransferPlanner) -> None:

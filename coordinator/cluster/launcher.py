@@ -7,6 +7,7 @@ Flags win over KVMESH_* environment variables, which win over defaults; the CLI 
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 import sys
 import threading
@@ -76,7 +77,7 @@ def run_deployment(
     stop = threading.Event()
     deployment = Deployment(config)
     try:
-        print("kvmesh: starting Redis, Ray and workers ...", file=sys.stderr, flush=True)
+        _note("starting Redis, Ray and workers ...", log_json)
         try:
             address = deployment.start()
         except Exception as exc:  # one line for the user; the details are in the Ray logs
@@ -103,10 +104,19 @@ def run_deployment(
             flush=True,
         )
         stop.wait()
-        print("kvmesh: shutting down ...", file=sys.stderr, flush=True)
+        _note("shutting down ...", log_json)
         return 0
     finally:
         deployment.stop()
+
+
+def _note(message: str, log_json: bool) -> None:
+    """A progress note on stderr: a log record with JSON logs (every line stays parseable),
+    else plain text."""
+    if log_json:
+        logging.getLogger("kvmesh").info(message)
+    else:
+        print(f"kvmesh: {message}", file=sys.stderr, flush=True)
 
 
 def run_up(args: argparse.Namespace) -> int:

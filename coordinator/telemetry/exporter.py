@@ -60,14 +60,23 @@ class _Bridge(Collector):
 
 
 class MetricsExporter:
-    """Serves `GET /metrics` on host:port until `stop`; port 0 picks a free port."""
+    """Serves `GET /metrics` on host:port until `stop`; port 0 picks a free port.
 
-    def __init__(self, collector: MetricsCollector, host: str, port: int) -> None:
+    The port is bound at construction, before anything slow starts, so a port in use fails a
+    start-up at once; the collector is attached once the coordinator exists (`serve`). Until
+    then a scrape answers with no kvmesh series."""
+
+    def __init__(self, host: str, port: int) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_Bridge(collector))
-        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        try:
+            self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:  # the one line `kvmesh up` prints must name the metrics port
+            raise OSError(f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}") from exc
         self.host = host
         self.port: int = self._server.server_port
+
+    def serve(self, collector: MetricsCollector) -> None:
+        self.registry.register(_Bridge(collector))
 
     @property
     def address(self) -> str:

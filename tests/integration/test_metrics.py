@@ -4,6 +4,7 @@ workers, gRPC coordinator): scrape /metrics over HTTP before and after traffic."
 from __future__ import annotations
 
 import logging
+import socket
 import urllib.request
 from collections.abc import Iterator
 
@@ -11,7 +12,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvmesh.coordinator.cluster.deployment import Deployment
+from kvmesh.coordinator.cluster.deployment import Deployment, DeploymentConfig
 from kvmesh.coordinator.telemetry.request_log import REQUEST_LOGGER
 from kvmesh.proto import kvmesh_pb2 as pb
 from tests.integration.helpers import generate, start_deployment, stub_for, wait_for
@@ -109,3 +110,14 @@ def test_every_request_gets_one_info_line_with_its_cache_facts(
     assert fields["computed_tokens"] == cache.computed_tokens
     assert fields["ttft_ms"] is not None and fields["ttft_ms"] > 0
     assert "request_id=trace-me" in lines[0].getMessage()
+
+
+def test_a_metrics_port_in_use_fails_the_start_at_once_naming_it() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        deployment = Deployment(DeploymentConfig(num_workers=1, metrics_port=port))
+        with pytest.raises(OSError, match=f"cannot serve metrics on 127.0.0.1:{port}"):
+            deployment.start()
+    assert deployment.redis is None and deployment.cluster is None  # nothing else was started
