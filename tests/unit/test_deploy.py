@@ -221,7 +221,9 @@ def test_the_cpu_image_builds_and_runs_the_cli() -> None:
 # ---- Grafana -----------------------------------------------------------------------------------
 
 
-def test_the_dashboard_queries_only_metrics_the_collector_exports() -> None:
+def exported_metric_names(*, with_histogram_families: bool = False) -> set[str]:
+    """Series names a scrape returns (a histogram's `_bucket`, `_count`, `_sum`), and with
+    `with_histogram_families` the histograms' own names, which prose may name."""
     from tests.unit.test_telemetry import families, make
 
     *_, collector, _ = make()
@@ -229,10 +231,24 @@ def test_the_dashboard_queries_only_metrics_the_collector_exports() -> None:
     for name, family in families(collector).items():
         suffixes = ("_bucket", "_count", "_sum") if family.histogram is not None else ("",)
         exported |= {name + s for s in suffixes}
+        if with_histogram_families:
+            exported.add(name)
+    return exported
+
+
+def test_the_dashboard_queries_only_metrics_the_collector_exports() -> None:
     dashboard = json.loads((DEPLOY / "grafana" / "kvmesh.json").read_text())
     assert dashboard["uid"] and dashboard["panels"]
     queried = set()
     for panel in dashboard["panels"]:
         for target in panel.get("targets", []):
             queried |= set(re.findall(r"kvmesh_[a-z0-9_]+", target["expr"]))
+    exported = exported_metric_names()
     assert queried and queried <= exported, f"not exported: {queried - exported}"
+
+
+def test_the_operations_guide_names_only_exported_metrics() -> None:
+    text = (ROOT / "docs" / "operations.md").read_text()
+    named = set(re.findall(r"`(kvmesh_[a-z0-9_]*[a-z0-9])[`{]", text))
+    exported = exported_metric_names(with_histogram_families=True)
+    assert len(named) > 10 and named <= exported, f"not exported: {named - exported}"
