@@ -1,5 +1,6 @@
 """`kvmesh up --metrics-port P --log-json` as an operator runs it: the endpoint answers with moved
-counters, and every line the process writes on stderr is a JSON document."""
+counters, and every line the process writes on stderr is a JSON document, even when a worker
+process is killed (Ray's own reports of the death stay out of our output)."""
 
 from __future__ import annotations
 
@@ -37,12 +38,24 @@ def scrape(port: int) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
     }
 
 
+def cli_json(env: dict[str, str], command: str, address: str) -> list[dict[str, object]]:
+    proc = subprocess.run(
+        [*CLI, command, "--address", address, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return list(json.loads(proc.stdout))
+
+
 def test_up_serves_metrics_and_writes_only_json_lines() -> None:
     # RAY_ADDRESS=local: a private Ray, never a cluster someone else started on this machine.
     env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_ADDRESS="local")
     metrics_port = free_port()
     up = subprocess.Popen(
-        [*CLI, "up", "--workers", "1", "--num-blocks", "64", "--port", "0"]
+        [*CLI, "up", "--workers", "2", "--num-blocks", "64", "--port", "0"]
         + ["--metrics-port", str(metrics_port), "--log-json", "--log-level", "info"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -73,6 +86,16 @@ def test_up_serves_metrics_and_writes_only_json_lines() -> None:
         assert series[("kvmesh_requests_total", frozenset({("outcome", "ok")}))] == 1
         assert series[("kvmesh_prompt_tokens_total", frozenset())] == 4
         assert series[("kvmesh_redis_connected", frozenset())] == 1
+        worker = json.loads(generated.stdout)["worker_id"]
+        pids = {w["worker_id"]: int(w["pid"]) for w in cli_json(env, "workers", address)}
+        other = next(w for w in pids if w != worker)
+        os.kill(pids[other], signal.SIGKILL)
+        dead = ("kvmesh_workers", frozenset({("state", "dead")}))
+        deadline = time.monotonic() + 30
+        while scrape(metrics_port).get(dead) != 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert scrape(metrics_port)[dead] == 1
+        assert scrape(metrics_port)[("kvmesh_worker_up", frozenset({("worker", other)}))] == 0
         up.send_signal(signal.SIGTERM)
         _, err = up.communicate(timeout=60)
         assert up.returncode == 0
@@ -83,4 +106,5 @@ def test_up_serves_metrics_and_writes_only_json_lines() -> None:
     documents = [json.loads(line) for line in err.splitlines() if line.strip()]
     requests = [d for d in documents if d["logger"] == "kvmesh.requests"]
     assert [d["request_id"] for d in requests] == [request_id]
-    assert requests[0]["computed_tokens"] == 4 and requests[0]["worker"] == "w0"
+    assert requests[0]["computed_tokens"] == 4 and requests[0]["worker"] == worker
+    assert any(d["level"] == "warning" and other in d["message"] for d in documents)

@@ -259,3 +259,22 @@ def test_the_cli_offers_exactly_the_log_levels_the_server_knows() -> None:
     from kvmesh.client.parser import LOG_LEVELS as CLI_LEVELS
 
     assert CLI_LEVELS == LOG_LEVELS
+
+
+@pytest.mark.parametrize("command", ["up", "serve"])
+def test_up_and_serve_take_the_metrics_and_log_flags(command: str) -> None:
+    from kvmesh.client.environment import read_environment
+    from kvmesh.client.parser import build_parser
+    from kvmesh.coordinator.cluster.launcher import deployment_config
+
+    parser = build_parser(read_environment({"KVMESH_REDIS_URL": "redis://r:6379/0"}))
+    args = parser.parse_args([command])
+    assert (args.metrics_port, args.log_level, args.log_json) == (0, "info", False)
+    assert deployment_config(args, embedded_redis=command == "up").metrics_port is None  # 0: off
+    args = parser.parse_args(
+        [command, "--metrics-port", "9400", "--log-level", "debug", "--log-json"]
+    )
+    assert (args.log_level, args.log_json) == ("debug", True)
+    assert deployment_config(args, embedded_redis=command == "up").metrics_port == 9400
+    with pytest.raises(SystemExit):
+        parser.parse_args([command, "--log-level", "loud"])
