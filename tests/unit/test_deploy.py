@@ -124,6 +124,8 @@ def test_the_head_runs_kvmesh_serve_with_real_flags_and_is_ready_by_grpc_health(
     args = build_parser(read_environment({})).parse_args(serve)
     assert args.host == "0.0.0.0" and args.metrics_port > 0 and args.workers >= 1
     assert head["readinessProbe"]["grpc"]["port"] == args.port
+    # NOT_SERVING (no worker to route to yet) must make the head unready, never restart it.
+    assert "grpc" not in head["livenessProbe"]
     ports = {p["containerPort"] for p in head["ports"]}
     assert {args.port, args.metrics_port} <= ports
     assert not LOOPBACK.search(json.dumps(head))
