@@ -20,7 +20,7 @@ from typing import Any
 from kvmesh.coordinator.cluster.registry import WorkerRegistry
 from kvmesh.coordinator.telemetry.collector import MetricsCollector
 from kvmesh.coordinator.telemetry.exporter import MetricsExporter
-from kvmesh.coordinator.telemetry.log_format import configure_logging
+from kvmesh.coordinator.telemetry.log_format import LogConfig, configure_logging
 from kvmesh.coordinator.telemetry.request_log import RequestLog
 from kvmesh.coordinator.telemetry.request_metrics import RequestMetrics
 from kvmesh.coordinator.telemetry.request_record import RequestRecord
@@ -79,10 +79,10 @@ def main() -> None:
         metrics.on_request_done(record)
         log.on_request_done(record)
 
-    configure_logging("warning", json_lines=True, stream=io.StringIO())
+    configure_logging(LogConfig("warning", json_lines=True), io.StringIO())
     p50, p99 = percentiles_ms(observe, 20_000)
     print(f"observers per request, log line off: p50 {p50 * 1e3:.1f} us, p99 {p99 * 1e3:.1f} us")
-    configure_logging("info", json_lines=True, stream=io.StringIO())
+    configure_logging(LogConfig("info", json_lines=True), io.StringIO())
     p50, p99 = percentiles_ms(observe, 20_000)
     print(f"observers per request, JSON line on: p50 {p50 * 1e3:.1f} us, p99 {p99 * 1e3:.1f} us")
 

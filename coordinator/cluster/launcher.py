@@ -17,7 +17,7 @@ from typing import Any
 from kvmesh.coordinator.cluster.deployment import Deployment, DeploymentConfig
 from kvmesh.coordinator.config import CoordinatorConfig
 from kvmesh.coordinator.service.auth import read_token_file
-from kvmesh.coordinator.telemetry.log_format import configure_logging
+from kvmesh.coordinator.telemetry.log_format import LogConfig, configure_logging
 from kvmesh.workers.config import WorkerConfig
 
 
@@ -70,14 +70,13 @@ def _tokens(args: argparse.Namespace, name: str) -> tuple[str, ...]:
     return tuple(t for t in tokens if t) + (read_token_file(path) if path else ())
 
 
-def run_deployment(
-    config: DeploymentConfig, *, log_level: str = "info", log_json: bool = False
-) -> int:
-    configure_logging(log_level, json_lines=log_json)
+def run_deployment(config: DeploymentConfig, logs: LogConfig | None = None) -> int:
+    logs = logs or LogConfig()
+    configure_logging(logs)
     stop = threading.Event()
     deployment = Deployment(config)
     try:
-        _note("starting Redis, Ray and workers ...", log_json)
+        _note("starting Redis, Ray and workers ...", logs.json_lines)
         try:
             address = deployment.start()
         except Exception as exc:  # one line for the user; the details are in the Ray logs
@@ -104,7 +103,7 @@ def run_deployment(
             flush=True,
         )
         stop.wait()
-        _note("shutting down ...", log_json)
+        _note("shutting down ...", logs.json_lines)
         return 0
     finally:
         deployment.stop()
@@ -122,7 +121,7 @@ def _note(message: str, log_json: bool) -> None:
 def run_up(args: argparse.Namespace) -> int:
     """Local cluster: embedded Redis (unless --redis-url), local Ray, N workers, the coordinator."""
     config = deployment_config(args, embedded_redis=True)
-    return run_deployment(config, **_log_options(args))
+    return run_deployment(config, log_config(args))
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -131,11 +130,9 @@ def run_serve(args: argparse.Namespace) -> int:
     if not config.coordinator.redis_url:
         raise ValueError("serve needs --redis-url (or KVMESH_REDIS_URL)")
     config = replace(config, ray_address=config.ray_address or "auto")
-    return run_deployment(config, **_log_options(args))
+    return run_deployment(config, log_config(args))
 
 
-def _log_options(args: argparse.Namespace) -> dict[str, Any]:
-    return {
-        "log_level": _opt(args, "log_level", "info"),
-        "log_json": bool(_opt(args, "log_json", False)),
-    }
+def log_config(args: argparse.Namespace) -> LogConfig:
+    """The log flags of `up` / `serve` (--log-level, --log-json)."""
+    return LogConfig(_opt(args, "log_level", "info"), bool(_opt(args, "log_json", False)))

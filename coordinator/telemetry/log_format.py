@@ -11,6 +11,7 @@ import json
 import logging
 import sys
 import time
+from dataclasses import dataclass
 from typing import IO, Any
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -39,18 +40,28 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(document, default=str)
 
 
-def configure_logging(level: str, *, json_lines: bool, stream: IO[str] | None = None) -> None:
-    """Replace the root handlers with one on `stream` (stderr) at `level`."""
-    if level not in LOG_LEVELS:
-        raise ValueError(f"unknown log level {level!r}; choose from {LOG_LEVELS}")
+@dataclass(frozen=True, slots=True)
+class LogConfig:
+    level: str = "info"
+    """debug, info (one line per request, from the logger `kvmesh.requests`), warning or error."""
+    json_lines: bool = False
+    """One JSON object a line (for log collectors) instead of text."""
+
+    def __post_init__(self) -> None:
+        if self.level not in LOG_LEVELS:
+            raise ValueError(f"unknown log level {self.level!r}; choose from {LOG_LEVELS}")
+
+
+def configure_logging(config: LogConfig, stream: IO[str] | None = None) -> None:
+    """Replace the root handlers with one on `stream` (stderr) at the configured level."""
     handler = logging.StreamHandler(stream or sys.stderr)
-    formatter = JsonFormatter() if json_lines else logging.Formatter(TEXT_FORMAT)
+    formatter = JsonFormatter() if config.json_lines else logging.Formatter(TEXT_FORMAT)
     handler.setFormatter(formatter)
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
     root.addHandler(handler)
-    root.setLevel(level.upper())
-    ray_level = logging.DEBUG if level == "debug" else logging.WARNING
+    root.setLevel(config.level.upper())
+    ray_level = logging.DEBUG if config.level == "debug" else logging.WARNING
     for name in _RAY_LOGGERS:
         logging.getLogger(name).setLevel(ray_level)

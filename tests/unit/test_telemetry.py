@@ -16,7 +16,12 @@ from kvmesh.coordinator.index.locked_mirror import LockedMirror
 from kvmesh.coordinator.index.mirror import WorkerId
 from kvmesh.coordinator.telemetry.collector import MetricsCollector
 from kvmesh.coordinator.telemetry.histogram import Histogram
-from kvmesh.coordinator.telemetry.log_format import LOG_LEVELS, JsonFormatter, configure_logging
+from kvmesh.coordinator.telemetry.log_format import (
+    LOG_LEVELS,
+    JsonFormatter,
+    LogConfig,
+    configure_logging,
+)
 from kvmesh.coordinator.telemetry.metric_family import MetricFamily, MetricKind, Sample
 from kvmesh.coordinator.telemetry.request_log import RequestLog
 from kvmesh.coordinator.telemetry.request_metrics import RequestMetrics
@@ -241,14 +246,14 @@ def test_configure_logging_sets_the_level_and_keeps_ray_quiet() -> None:
     saved = (list(root.handlers), root.level, logging.getLogger("ray").level)
     stream = io.StringIO()
     try:
-        configure_logging("info", json_lines=True, stream=stream)
+        configure_logging(LogConfig("info", json_lines=True), stream)
         logging.getLogger("kvmesh.x").info("hello")
         logging.getLogger("kvmesh.x").debug("hidden")
         assert logging.getLogger("ray").level == logging.WARNING
         lines = stream.getvalue().splitlines()
         assert [json.loads(line)["message"] for line in lines] == ["hello"]
         with pytest.raises(ValueError, match="unknown log level"):
-            configure_logging("loud", json_lines=False)
+            LogConfig("loud")
     finally:
         root.handlers[:] = saved[0]
         root.setLevel(saved[1])
@@ -265,7 +270,7 @@ def test_the_cli_offers_exactly_the_log_levels_the_server_knows() -> None:
 def test_up_and_serve_take_the_metrics_and_log_flags(command: str) -> None:
     from kvmesh.client.environment import read_environment
     from kvmesh.client.parser import build_parser
-    from kvmesh.coordinator.cluster.launcher import deployment_config
+    from kvmesh.coordinator.cluster.launcher import deployment_config, log_config
 
     parser = build_parser(read_environment({"KVMESH_REDIS_URL": "redis://r:6379/0"}))
     args = parser.parse_args([command])
@@ -274,7 +279,7 @@ def test_up_and_serve_take_the_metrics_and_log_flags(command: str) -> None:
     args = parser.parse_args(
         [command, "--metrics-port", "9400", "--log-level", "debug", "--log-json"]
     )
-    assert (args.log_level, args.log_json) == ("debug", True)
+    assert log_config(args) == LogConfig("debug", json_lines=True)
     assert deployment_config(args, embedded_redis=command == "up").metrics_port == 9400
     with pytest.raises(SystemExit):
         parser.parse_args([command, "--log-level", "loud"])
