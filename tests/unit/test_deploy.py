@@ -249,6 +249,23 @@ def test_the_dashboard_queries_only_metrics_the_collector_exports() -> None:
     assert queried and queried <= exported, f"not exported: {queried - exported}"
 
 
+def test_the_dashboard_is_a_well_formed_grafana_dashboard() -> None:
+    dashboard = json.loads((DEPLOY / "grafana" / "kvmesh.json").read_text())
+    variables = {v["name"] for v in dashboard["templating"]["list"]}
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    for panel in dashboard["panels"]:
+        grid = panel["gridPos"]
+        assert grid["x"] + grid["w"] <= 24 and grid["h"] >= 1, panel["title"]
+        if panel["type"] == "row":
+            continue
+        assert panel["type"] in {"timeseries", "stat"}
+        uid = panel["datasource"]["uid"]
+        assert uid.startswith("${") and uid[2:-1] in variables
+        refs = [t["refId"] for t in panel["targets"]]
+        assert refs and len(refs) == len(set(refs)) and all(t["expr"] for t in panel["targets"])
+
+
 def test_the_operations_guide_names_only_exported_metrics() -> None:
     text = (ROOT / "docs" / "operations.md").read_text()
     named = set(re.findall(r"`(kvmesh_[a-z0-9_]*[a-z0-9])[`{]", text))
