@@ -8,6 +8,8 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -188,6 +190,38 @@ def test_the_dockerfile_has_both_variants_and_copies_every_package_root() -> Non
     assert roots <= copied, f"not copied into the image: {roots - copied}"
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert not roots & set(ignored)
+
+
+@pytest.mark.slow
+def test_what_the_image_copies_builds_a_wheel_with_every_package(tmp_path: Path) -> None:
+    """The image's `pip install .` without a container tool: the files its COPY lines name, and
+    only those, must build a wheel holding every package pyproject.toml lists."""
+    text = (DEPLOY / "docker" / "Dockerfile").read_text()
+    context = tmp_path / "context"
+    context.mkdir()
+    for line in re.findall(r"^COPY (.+) \S+$", text, re.M):
+        for name in line.split():
+            source = ROOT / name
+            if source.is_dir():
+                shutil.copytree(
+                    source, context / name, ignore=shutil.ignore_patterns("__pycache__")
+                )
+            else:
+                shutil.copy(source, context / name)
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
+        + ["-w", str(tmp_path / "dist"), str(context)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert built.returncode == 0, built.stderr[-3000:]
+    (wheel,) = (tmp_path / "dist").glob("kvmesh-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        folders = {str(Path(n).parent) for n in archive.namelist() if n.endswith(".py")}
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    packages = set(re.findall(r'^\s+"(kvmesh\.[\w.]+)",$', pyproject, re.M))
+    assert packages and {p.replace(".", "/") for p in packages} <= folders
 
 
 def docker_daemon_answers() -> bool:
