@@ -300,6 +300,18 @@ def test_the_dashboard_is_a_well_formed_grafana_dashboard() -> None:
         assert refs and len(refs) == len(set(refs)) and all(t["expr"] for t in panel["targets"])
 
 
+def test_alert_rules_are_complete_and_query_only_exported_metrics() -> None:
+    rules_file = documents(DEPLOY / "prometheus" / "kvmesh-alerts.yaml")[0]
+    rules = [r for group in rules_file["groups"] for r in group["rules"]]
+    assert rules and len({r["alert"] for r in rules}) == len(rules)
+    exported = exported_metric_names()
+    for rule in rules:
+        assert rule["expr"] and rule["for"] and rule["annotations"]["summary"], rule["alert"]
+        assert rule["labels"]["severity"] in {"critical", "warning", "info"}
+        named = set(re.findall(r"kvmesh_[a-z0-9_]+", rule["expr"]))
+        assert named and named <= exported, f"{rule['alert']}: not exported: {named - exported}"
+
+
 def test_the_operations_guide_names_only_exported_metrics() -> None:
     text = (ROOT / "docs" / "operations.md").read_text()
     named = set(re.findall(r"`(kvmesh_[a-z0-9_]*[a-z0-9])[`{]", text))
