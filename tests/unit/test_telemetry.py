@@ -261,7 +261,7 @@ def test_configure_logging_sets_the_level_and_keeps_ray_quiet() -> None:
 
 
 def test_the_cli_offers_exactly_the_log_levels_the_server_knows() -> None:
-    from kvmesh.client.parser import LOG_LEVELS as CLI_LEVELS
+    from kvmesh.client.environment import LOG_LEVELS as CLI_LEVELS
 
     assert CLI_LEVELS == LOG_LEVELS
 
@@ -283,3 +283,31 @@ def test_up_and_serve_take_the_metrics_and_log_flags(command: str) -> None:
     assert deployment_config(args, embedded_redis=command == "up").metrics_port == 9400
     with pytest.raises(SystemExit):
         parser.parse_args([command, "--log-level", "loud"])
+
+
+def test_metrics_and_log_defaults_come_from_the_environment_and_flags_win() -> None:
+    from kvmesh.client.environment import read_environment
+    from kvmesh.client.parser import build_parser
+
+    env = {"KVMESH_METRICS_PORT": "9400", "KVMESH_LOG_LEVEL": "WARNING", "KVMESH_LOG_JSON": "true"}
+    parser = build_parser(read_environment(env))
+    args = parser.parse_args(["up"])
+    assert (args.metrics_port, args.log_level, args.log_json) == (9400, "warning", True)
+    args = parser.parse_args(["up", "--metrics-port", "0", "--log-level", "debug", "--no-log-json"])
+    assert (args.metrics_port, args.log_level, args.log_json) == (0, "debug", False)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("KVMESH_METRICS_PORT", "http"),
+        ("KVMESH_METRICS_PORT", "70000"),
+        ("KVMESH_LOG_LEVEL", "loud"),
+        ("KVMESH_LOG_JSON", "maybe"),
+    ],
+)
+def test_bad_metrics_and_log_variables_are_named_in_the_error(name: str, value: str) -> None:
+    from kvmesh.client.environment import read_environment
+
+    with pytest.raises(ValueError, match=name):
+        read_environment({name: value})
