@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from importlib import metadata
 
 from kvmesh.client import commands, extension, index_verify
-from kvmesh.client.environment import CliEnvironment
+from kvmesh.client.environment import LOG_LEVELS, CliEnvironment
 from kvmesh.client.extension import Extension, LoadedExtension
 
 Handler = Callable[[argparse.Namespace], int]
@@ -207,6 +207,7 @@ def _add_up(sub: argparse._SubParsersAction, env: CliEnvironment) -> None:
         help="join this Ray cluster instead of starting a private local one",
     )
     _add_security_options(parser, env)
+    _add_observability_options(parser, env)
     parser.set_defaults(handler=extension.run_up)
 
 
@@ -233,6 +234,7 @@ def _add_serve(sub: argparse._SubParsersAction, env: CliEnvironment) -> None:
     _add_model_options(parser, env)
     _add_worker_options(parser, env, default_workers=None)
     _add_security_options(parser, env)
+    _add_observability_options(parser, env)
     parser.set_defaults(handler=extension.run_serve)
 
 
@@ -252,6 +254,32 @@ def _add_scale(sub: argparse._SubParsersAction, env: CliEnvironment) -> None:
         help="longest wait for a leaving worker's running streams",
     )
     parser.set_defaults(handler=commands.run_scale)
+
+
+def _add_observability_options(parser: argparse.ArgumentParser, env: CliEnvironment) -> None:
+    """Metrics endpoint and logs of `up` / `serve` (docs/operations.md)."""
+    group = parser.add_argument_group("metrics and logs")
+    group.add_argument(
+        "--metrics-port",
+        type=_port,
+        default=env.metrics_port,
+        metavar="P",
+        help="serve Prometheus metrics at http://HOST:P/metrics, HOST being --host"
+        " (env KVMESH_METRICS_PORT; 0: off)",
+    )
+    group.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        default=env.log_level,
+        help="log level; info writes one line per request (id, worker, cached / pulled /"
+        " computed tokens, TTFT) (env KVMESH_LOG_LEVEL)",
+    )
+    group.add_argument(
+        "--log-json",
+        action=argparse.BooleanOptionalAction,
+        default=env.log_json,
+        help="write logs as JSON lines (env KVMESH_LOG_JSON)",
+    )
 
 
 def _add_security_options(parser: argparse.ArgumentParser, env: CliEnvironment) -> None:

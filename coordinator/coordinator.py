@@ -29,6 +29,7 @@ from kvmesh.coordinator.routing.load_tracker import LoadTracker, ReportedLoad
 from kvmesh.coordinator.routing.pull_planner import PullPlan, best_peer, cheapest_prefill
 from kvmesh.coordinator.routing.router import RouteDecision, RouteQuery, WorkerView, make_policy
 from kvmesh.coordinator.routing.transfer_planner import PullPricing
+from kvmesh.coordinator.telemetry.request_record import RequestObserver, RequestRecord
 from kvmesh.proto.block_hash import (
     BlockHash,
     block_hashes,
@@ -132,6 +133,7 @@ class Coordinator:
         cost_model: CostModel | None = None,
         transfers: PullPricing | None = None,
         clock: Callable[[], float] = time.monotonic,
+        observers: Sequence[RequestObserver] = (),
     ) -> None:
         self.config = config
         self.model = model
@@ -152,6 +154,9 @@ class Coordinator:
         self.transfers = transfers
         if transfers is not None:
             self.policy.transfer_ms = transfers.price
+        self._clock = clock
+        self.observers = tuple(observers)
+        """Told of every routing decision and every request's end (metrics, the request log)."""
 
     # ---- request preparation ------------------------------------------------------------------
 
@@ -237,7 +242,12 @@ class Coordinator:
             session_id,
         )
         with self._lock:
-            return self.policy.choose(query, self.views(prompt, live))
+            started = self._clock()
+            decision = self.policy.choose(query, self.views(prompt, live))
+            elapsed = self._clock() - started
+        for observer in self.observers:
+            observer.on_routed(elapsed)
+        return decision
 
     # ---- generation ---------------------------------------------------------------------------
 
@@ -250,10 +260,13 @@ class Coordinator:
         worker_id: str = "",
         request_id: str = "",
         allow_pull: bool = True,
+        label: str = "",
     ) -> Iterator[StreamEvent]:
         """Route (unless `worker_id` forces placement) and stream the worker's outputs.
         `allow_pull=False` with `worker_id` serves from that worker's own cache only, as a
-        standalone engine would (the per-worker HTTP endpoints that peer routers front)."""
+        standalone engine would (the per-worker HTTP endpoints that peer routers front).
+        `label` is the id the client sees (for the request log); default: the request id."""
+        started = self._clock()
         self.check_sampling(prompt, sampling)
         request_id = request_id or uuid.uuid4().hex
         if worker_id:
@@ -276,7 +289,8 @@ class Coordinator:
         request = WorkerRequest(request_id, prompt.token_ids, sampling, prompt.cache_salt, spec)
         # Handed to the backend now: a lazy backend (Ray) calls the worker on the first read, an
         # eager one (the simulator) queues the request at once.
-        return self._stream(chosen, request, self.backend.generate(chosen, request))
+        outputs = self.backend.generate(chosen, request)
+        return self._stream(chosen, request, outputs, started=started, label=label)
 
     def _pull_spec(
         self, pull: PullPlan, target: WorkerId, prompt: PreparedPrompt
@@ -316,7 +330,13 @@ class Coordinator:
         return prompt_len - num_reusable_tokens(prompt_len, matched_blocks, self.config.block_size)
 
     def _stream(
-        self, worker: WorkerId, request: WorkerRequest, outputs: Iterator[RequestOutput]
+        self,
+        worker: WorkerId,
+        request: WorkerRequest,
+        outputs: Iterator[RequestOutput],
+        *,
+        started: float | None = None,
+        label: str = "",
     ) -> Iterator[StreamEvent]:
         """The worker's outputs as stream events. If the worker dies mid-stream, the request
         moves to another live worker with its prompt plus the tokens already streamed (at most
@@ -325,11 +345,18 @@ class Coordinator:
         produced: list[int] = []
         migrations = 0
         current = request
+        first_at: float | None = None
+        prefills: list[PrefillFacts] = []
+        reason = ""
         try:
             while True:
                 try:
                     for event in self._events(worker, current, outputs):
                         produced.extend(event.token_ids)
+                        if first_at is None:
+                            first_at = self._clock()
+                        if event.prefill is not None:
+                            prefills.append(event.prefill)
                         yield event
                         if event.finished:
                             ok = True
@@ -344,6 +371,9 @@ class Coordinator:
         except GeneratorExit:  # the consumer went away: a cancel, not a failure
             cancelled = True
             raise
+        except Exception as exc:
+            reason = str(exc) or type(exc).__name__
+            raise
         finally:
             with self._lock:
                 self.load.on_finished(current.request_id)
@@ -354,6 +384,20 @@ class Coordinator:
                     self.counters.num_cancelled_requests += 1
                 elif not ok:
                     self.counters.num_failed_requests += 1
+            if self.observers:
+                outcome = "ok" if ok else "cancelled" if cancelled else "failed"
+                ttft = None if first_at is None or started is None else first_at - started
+                record = _record(request, label, outcome, worker, ttft, prefills, produced)
+                self._notify(replace(record, num_migrations=migrations, reason=reason))
+
+    def note_refused(self, label: str, outcome: str, reason: str, *, request_id: str = "") -> None:
+        """A request refused before it reached a worker (invalid input, no live worker)."""
+        if self.observers:
+            self._notify(RequestRecord(request_id or label, label, outcome, reason=reason))
+
+    def _notify(self, record: RequestRecord) -> None:
+        for observer in self.observers:
+            observer.on_request_done(record)
 
     def _events(
         self, worker: WorkerId, request: WorkerRequest, outputs: Iterator[RequestOutput]
@@ -449,3 +493,27 @@ class Coordinator:
 
     def indexed_blocks_of(self, worker_id: str) -> int:
         return self.mirror.num_worker_blocks(WorkerId(worker_id))
+
+
+def _record(
+    request: WorkerRequest,
+    label: str,
+    outcome: str,
+    worker: str,
+    ttft_s: float | None,
+    prefills: Sequence[PrefillFacts],
+    produced: Sequence[int],
+) -> RequestRecord:
+    """A finished request's record; a migrated request sums the prefills of its workers."""
+    return RequestRecord(
+        request.request_id,
+        label or request.request_id,
+        outcome,
+        worker_id=worker,
+        ttft_s=ttft_s,
+        prompt_tokens=sum(f.prompt_tokens for f in prefills),
+        cached_tokens=sum(f.local_tokens + f.host_tokens for f in prefills),
+        pulled_tokens=sum(f.pulled_tokens for f in prefills),
+        computed_tokens=sum(f.computed_tokens for f in prefills),
+        generated_tokens=len(produced),
+    )

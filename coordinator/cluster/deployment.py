@@ -39,6 +39,10 @@ from kvmesh.coordinator.service.interceptor import GateInterceptor, gate_from_co
 from kvmesh.coordinator.service.openai_frontend import OpenAIFrontend
 from kvmesh.coordinator.service.servicer import KVMeshServicer, build_server, set_serving
 from kvmesh.coordinator.service.tls import load_server_tls
+from kvmesh.coordinator.telemetry.collector import MetricsCollector
+from kvmesh.coordinator.telemetry.exporter import MetricsExporter
+from kvmesh.coordinator.telemetry.request_log import RequestLog
+from kvmesh.coordinator.telemetry.request_metrics import RequestMetrics
 from kvmesh.proto.block_hash import namespace_hash
 from kvmesh.workers.config import WorkerConfig
 from kvmesh.workers.contract.replies import RequestRejected
@@ -73,6 +77,8 @@ class DeploymentConfig:
     """How often the directory is read for workers other coordinators started."""
     http: HttpConfig | None = None
     """The OpenAI-compatible HTTP API; None serves gRPC only."""
+    metrics_port: int | None = None
+    """Prometheus endpoint (`GET /metrics`) on the gRPC host: None serves none, 0 a free port."""
 
     def __post_init__(self) -> None:
         if self.num_workers < 0:
@@ -81,6 +87,8 @@ class DeploymentConfig:
             raise ValueError("attach starts no workers, so it owns none: set own_workers=False")
         if self.fleet_poll_s <= 0:
             raise ValueError(f"fleet_poll_s must be > 0, got {self.fleet_poll_s}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
 
 
 class Deployment:
@@ -94,6 +102,8 @@ class Deployment:
         self.coordinator: Coordinator | None = None
         self.server: grpc.Server | None = None
         self.gate: GateInterceptor | None = None
+        self.metrics: MetricsExporter | None = None
+        self.request_metrics = RequestMetrics()
         self.port = 0
         self.http_server: HttpServer | None = None
         self._started_ray = False
@@ -126,6 +136,8 @@ class Deployment:
         )
         if cc.port:  # before anything starts: a taken port is the user's first error to see
             ensure_port_free(cc.host, cc.port)
+        if cfg.metrics_port is not None:  # bound first: a port in use fails before Ray starts
+            self.metrics = MetricsExporter(cc.host, cfg.metrics_port)
         redis_url = cc.redis_url
         if not redis_url:
             self.redis = start_redis_server()
@@ -133,10 +145,13 @@ class Deployment:
             redis_url = self.redis.url
         if not ray.is_initialized():
             with without_secrets(os.environ):  # a local start spawns Ray's processes from ours
+                # Ray's driver loggers go through our handlers (level, format, JSON) instead of
+                # a handler of Ray's own; the workers' output stays in Ray's session logs.
                 ray.init(
                     address=cfg.ray_address or "local",
                     include_dashboard=False,
                     log_to_driver=False,
+                    configure_logging=False,
                 )
             self._started_ray = True
         ns = f"{namespace_hash(model.fingerprint()):016x}"
@@ -172,6 +187,7 @@ class Deployment:
             index_connected=lambda: follower.connected,
             worker_free_blocks=lambda w: _free_blocks(cluster, w),
             transfers=transfers,
+            observers=(self.request_metrics, RequestLog()),
         )
         # One judge of liveness, fanned out to everything that keeps per-worker state.
         registry.on_dead(coordinator.forget_worker)
@@ -208,6 +224,16 @@ class Deployment:
         self.server.start()
         if cfg.http is not None:
             self._start_http(cfg.http, gate)
+        if self.metrics is not None:
+            collector = MetricsCollector(
+                coordinator,
+                registry,
+                cluster.latest_info,
+                self.request_metrics,
+                index=follower,
+                num_gate_rejections=lambda: gate.num_rejected,
+            )
+            self.metrics.serve(collector)
         return self.address
 
     def _start_workers(self, fleet: Fleet, redis_url: str) -> None:
@@ -281,6 +307,9 @@ class Deployment:
         if self.http_server is not None:
             self.http_server.stop()
             self.http_server = None
+        if self.metrics is not None:
+            self.metrics.stop()
+            self.metrics = None
         if self.server is not None:
             self.server.stop(grace=1).wait()
             self.server = None

@@ -18,6 +18,7 @@ from kvmesh.coordinator.cluster.deployment import Deployment, DeploymentConfig
 from kvmesh.coordinator.cluster.reaper import start_reaper
 from kvmesh.coordinator.config import CoordinatorConfig, HttpConfig
 from kvmesh.coordinator.service.auth import read_token_file
+from kvmesh.coordinator.telemetry.log_format import LogConfig, configure_logging
 from kvmesh.workers.config import WorkerConfig
 
 
@@ -64,6 +65,7 @@ def deployment_config(args: argparse.Namespace, *, embedded_redis: bool) -> Depl
         worker=worker,
         gpus_per_worker=float(_opt(args, "gpus_per_worker", -1.0)),
         ray_address=_opt(args, "ray_address", ""),
+        metrics_port=int(_opt(args, "metrics_port", 0)) or None,  # the flag's 0 means off
     )
 
 
@@ -74,14 +76,13 @@ def _tokens(args: argparse.Namespace, name: str) -> tuple[str, ...]:
     return tuple(t for t in tokens if t) + (read_token_file(path) if path else ())
 
 
-def run_deployment(config: DeploymentConfig) -> int:
-    logging.basicConfig(
-        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+def run_deployment(config: DeploymentConfig, logs: LogConfig | None = None) -> int:
+    logs = logs or LogConfig()
+    configure_logging(logs)
     stop = threading.Event()
     deployment = Deployment(config)
     try:
-        print("kvmesh: starting Redis, Ray and workers ...", file=sys.stderr, flush=True)
+        _note("starting Redis, Ray and workers ...", logs.json_lines)
         try:
             address = deployment.start()
         except Exception as exc:  # one line for the user; the details are in the Ray logs
@@ -97,17 +98,32 @@ def run_deployment(config: DeploymentConfig) -> int:
         security = ("TLS" if cc.tls_cert_file else "plaintext") + (
             ", token auth" if cc.auth_tokens or cc.admin_tokens else ""
         )
+        metrics = (
+            f"; metrics at http://{deployment.metrics.address}/metrics"
+            if deployment.metrics is not None
+            else ""
+        )
         print(
-            f"kvmesh is up at {address} (workers: {workers}; policy {cc.policy}; {security})",
+            f"kvmesh is up at {address} (workers: {workers}; policy {cc.policy}; {security}"
+            f"{metrics})",
             flush=True,
         )
         if deployment.http_url:
             print(f"kvmesh OpenAI API at {deployment.http_url}/v1", flush=True)
         stop.wait()
-        print("kvmesh: shutting down ...", file=sys.stderr, flush=True)
+        _note("shutting down ...", logs.json_lines)
         return 0
     finally:
         deployment.stop()
+
+
+def _note(message: str, log_json: bool) -> None:
+    """A progress note on stderr: a log record with JSON logs (every line stays parseable),
+    else plain text."""
+    if log_json:
+        logging.getLogger("kvmesh").info(message)
+    else:
+        print(f"kvmesh: {message}", file=sys.stderr, flush=True)
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -117,7 +133,9 @@ def run_up(args: argparse.Namespace) -> int:
     config = deployment_config(args, embedded_redis=True)
     reaper = start_reaper()
     try:
-        return run_deployment(replace(config, own_workers=True, replace_dead_workers=True))
+        return run_deployment(
+            replace(config, own_workers=True, replace_dead_workers=True), log_config(args)
+        )
     finally:
         if reaper is not None and reaper.stdin is not None:
             reaper.stdin.close()  # a clean exit: the watch finds nothing left and ends
@@ -137,5 +155,11 @@ def run_serve(args: argparse.Namespace) -> int:
             own_workers=False,
             attach=attach,
             replace_dead_workers=True,
-        )
+        ),
+        log_config(args),
     )
+
+
+def log_config(args: argparse.Namespace) -> LogConfig:
+    """The log flags of `up` / `serve` (--log-level, --log-json)."""
+    return LogConfig(_opt(args, "log_level", "info"), bool(_opt(args, "log_json", False)))

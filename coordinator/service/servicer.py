@@ -91,7 +91,7 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
         # The client's id is a label it gets back (generated when absent); the coordinator keys
         # the request by its own id, so two clients sending the same label never collide.
         request_id = request.request_id or uuid.uuid4().hex
-        stream = self._guard(context, lambda: self._start_generate(request))
+        stream = self._guard(context, lambda: self._start_generate(request, request_id))
         first = True
         tokenizer = self.coordinator.tokenizer
         detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
@@ -132,7 +132,17 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
             policy=self.coordinator.policy.name,
         )
 
-    def _start_generate(self, request: pb.GenerateRequest) -> Iterator[Any]:
+    def _start_generate(self, request: pb.GenerateRequest, label: str) -> Iterator[Any]:
+        try:
+            return self._try_generate(request, label)
+        except (InvalidRequest, RequestRejected, ValueError, NoLiveWorker) as exc:
+            # Refused before any worker took it: its record (for metrics and the request log)
+            # is made here; a request that reached a worker is recorded when its stream ends.
+            outcome = "unavailable" if isinstance(exc, NoLiveWorker) else "invalid"
+            self.coordinator.note_refused(label, outcome, str(exc) or type(exc).__name__)
+            raise
+
+    def _try_generate(self, request: pb.GenerateRequest, label: str) -> Iterator[Any]:
         c = self.coordinator
         prompt = self._prepare(request.token_ids, request.prompt, request.cache_salt)
         s = request.sampling
@@ -149,7 +159,11 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
             min_p=s.min_p,
         )
         return c.generate(
-            prompt, sampling, session_id=request.session_id, worker_id=request.worker_id
+            prompt,
+            sampling,
+            session_id=request.session_id,
+            worker_id=request.worker_id,
+            label=label,
         )
 
     def _prepare(self, token_ids: Any, prompt: str, cache_salt: str) -> PreparedPrompt:

@@ -25,6 +25,7 @@ def start_deployment(
     num_blocks: int = 128,
     *,
     http: HttpConfig | None = None,
+    metrics_port: int | None = None,
     **coordinator: object,
 ) -> Deployment:
     config = DeploymentConfig(
@@ -32,6 +33,7 @@ def start_deployment(
         num_workers=num_workers,
         worker=WorkerConfig(worker_id="template", num_blocks=num_blocks, device=TEST_DEVICE),
         http=http,
+        metrics_port=metrics_port,
     )
     deployment = Deployment(config)
     deployment.start()

@@ -89,6 +89,8 @@ class WorkerCounters:
     num_failed_pulls: int = 0
     num_preemptions: int = 0
     num_host_blocks: int = 0
+    num_evicted_blocks: int = 0
+    """Registered blocks the device pool reused for new KV (their prefix left the pool)."""
     prefill_ms_per_token: float = 0.0
     """Measured prefill cost (the router's cost model follows it)."""
 

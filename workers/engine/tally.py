@@ -33,7 +33,9 @@ class WorkerTally:
         self.pulled_tokens += facts.pulled_tokens
         self.computed_tokens += facts.computed_tokens
 
-    def snapshot(self, num_preemptions: int, num_host_blocks: int) -> WorkerCounters:
+    def snapshot(
+        self, num_preemptions: int, num_host_blocks: int, num_evicted_blocks: int = 0
+    ) -> WorkerCounters:
         return WorkerCounters(
             num_requests=self.num_requests,
             num_finished=self.num_finished,
@@ -48,6 +50,7 @@ class WorkerTally:
             num_failed_pulls=self.num_failed_pulls,
             num_preemptions=num_preemptions,
             num_host_blocks=num_host_blocks,
+            num_evicted_blocks=num_evicted_blocks,
             prefill_ms_per_token=self.prefill_ms_total / max(1, self.prefill_tokens_total),
         )
 

@@ -409,6 +409,7 @@ class Worker:
             counters=self.tally.snapshot(
                 self.scheduler.num_preemptions,
                 self.host_pool.num_cached if self.host_pool else 0,
+                self.pool.num_evicted,
             ),
         )
 
