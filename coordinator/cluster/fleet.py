@@ -3,8 +3,9 @@ other coordinators started, replaces the dead, grows and shrinks the fleet.
 
 Workers are detached, named Ray actors (`kvmesh-<fleet id>-<worker id>` in the `kvmesh` Ray
 namespace), so they outlive the coordinator that started them. Each is registered in Redis'
-service directory under a fleet-unique id, claimed atomically (`w0`, `w1`, ... the first free),
-so coordinators sharing a Redis never share an id. Any coordinator finds every worker there.
+service directory under a fleet-unique id (`w0`, `w1`, ... from one counter in Redis, never
+given twice, and claimed atomically), so coordinators sharing a Redis never share an id, and a
+replacement is a new worker to every coordinator. Any coordinator finds every worker there.
 
     start:   claim id in Redis -> create detached actor -> ping -> registry.add -> share peers
     attach:  read the directory -> ray.get_actor(name) -> ping -> registry.add -> share peers
@@ -181,15 +182,14 @@ class Fleet:
             return  # taken out on purpose (scaled down): nothing to replace
         if not self.directory.claim_replacement(worker_id, ttl_s=self.ready_timeout_s):
             return  # another coordinator does it; its new worker is attached at the next look
+        num_gpus = _gpus_of(self.directory, worker_id)
+        self.directory.remove_service(worker_id)  # first: the dead id is gone before its heir
         try:
-            num_gpus = _gpus_of(self.directory, worker_id)
             new = self.start(config, 1, num_gpus)
             self.num_replaced += 1
             log.warning("worker %s died; replaced by %s", worker_id, ", ".join(new))
         except Exception as exc:
             log.error("could not replace worker %s: %s", worker_id, exc)
-        finally:
-            self.directory.remove_service(worker_id)
 
     def shrink_to(self, num_workers: int, drain_timeout_s: float = 600.0) -> list[str]:
         """Drain and stop the newest workers beyond `num_workers`; returns their ids. Running
@@ -244,8 +244,8 @@ class Fleet:
         fields = asdict(template)
         fields.pop("redis_url")  # a secret: every coordinator has its own
         with self._lock:
-            for i in range(1 << 16):
-                worker_id = f"w{i}"
+            for _ in range(1 << 16):
+                worker_id = f"w{self.directory.next_worker_number()}"
                 record = WorkerService(
                     worker_id,
                     self.actor_name(worker_id),

@@ -159,6 +159,11 @@ class IndexStore:
         self._client.hsetnx(schema.FLEET_KEY, "id", os.urandom(4).hex())
         return cast(bytes, self._client.hget(schema.FLEET_KEY, "id")).decode()
 
+    def next_worker_number(self) -> int:
+        """0, 1, 2, ... across the fleet's whole life: a worker id is never given twice (a
+        replacement is a new worker, and every coordinator must see it as one)."""
+        return int(self._client.hincrby(schema.FLEET_KEY, "next_worker", 1)) - 1
+
     def claim_service(self, service: WorkerService) -> bool:
         """Register a service worker under its id; False if the id is taken (atomic)."""
         key = schema.service_key(service.worker_id)

@@ -62,3 +62,17 @@ def generate(
         token_ids=tokens, sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True), **kw
     )
     return list(stub.Generate(req, timeout=60))
+
+
+def end_service_fleet(redis_url: str) -> None:
+    """Kill every worker registered as a service in this Redis (service workers outlive their
+    coordinators by design, so a test ends its fleet itself)."""
+    import ray
+
+    from kvmesh.coordinator.index.store import IndexStore
+
+    for service in IndexStore(redis_url).services():
+        try:
+            ray.kill(ray.get_actor(service.actor_name, namespace=service.ray_namespace))
+        except ValueError:
+            pass

@@ -20,7 +20,7 @@ from kvmesh.coordinator.config import CoordinatorConfig
 from kvmesh.coordinator.index.store import IndexStore
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.workers.config import WorkerConfig
-from tests.integration.helpers import TEST_DEVICE, generate, stub_for, wait_for
+from tests.integration.helpers import TEST_DEVICE, end_service_fleet, generate, stub_for, wait_for
 
 pytestmark = [pytest.mark.redis, pytest.mark.ray]
 
@@ -31,13 +31,7 @@ PROMPT = [(i * 11) % 250 + 3 for i in range(70)]  # 4 full blocks
 def redis_server() -> Iterator[RedisServer]:
     server = start_redis_server()
     yield server
-    # Service workers outlive coordinators by design: end the test's fleet here.
-    store = IndexStore(server.url)
-    for service in store.services():
-        try:
-            ray.kill(ray.get_actor(service.actor_name, namespace=service.ray_namespace))
-        except ValueError:
-            pass
+    end_service_fleet(server.url)
     server.stop()
 
 

@@ -21,8 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvmesh.client import Client
 from kvmesh.client.errors import KVMeshError
 from kvmesh.coordinator.cluster.redis_server import RedisServer, start_redis_server
-from kvmesh.coordinator.index.store import IndexStore
-from tests.integration.helpers import wait_for
+from tests.integration.helpers import end_service_fleet, wait_for
 
 pytestmark = [pytest.mark.redis, pytest.mark.ray, pytest.mark.slow]
 
@@ -57,11 +56,7 @@ def serving(port: int) -> bool:
 def redis_server() -> Iterator[RedisServer]:
     server = start_redis_server()
     yield server
-    for service in IndexStore(server.url).services():
-        try:
-            ray.kill(ray.get_actor(service.actor_name, namespace=service.ray_namespace))
-        except ValueError:
-            pass
+    end_service_fleet(server.url)
     server.stop()
 
 
