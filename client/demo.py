@@ -45,6 +45,8 @@ def start_cluster(workers: int, timeout_s: float) -> tuple[subprocess.Popen[str]
         str(workers),
         "--port",
         "0",
+        "--log-level",
+        "warning",  # the demo prints its own table; one log line per request would bury it
     ]
     env = dict(os.environ, RAY_AUTH_MODE=os.environ.get("RAY_AUTH_MODE", "disabled"))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
