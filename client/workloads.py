@@ -195,7 +195,7 @@ class HotPrefixConfig:
     """Tokens of a long answer."""
     long_share: float = 0.3
     """Share of requests that get a long answer."""
-    rate_rps: float = 24.0
+    rate_rps: float = 40.0
     """Poisson arrival rate, in requests per second."""
     vocab_size: int = 32000
     """Token ids are drawn from [0, vocab_size)."""
@@ -326,7 +326,10 @@ def hot_prefix(config: HotPrefixConfig, seed: int) -> list[WorkloadRequest]:
     requests = []
     for t in arrivals:
         cold = rng.random() < config.cold_share
-        head = _tokens(rng, config.prefix_len, v) if cold else prefixes[rng.choice(len(heat), p=heat)]
+        if cold:
+            head = _tokens(rng, config.prefix_len, v)
+        else:
+            head = prefixes[rng.choice(len(heat), p=heat)]
         question_len = max(16, int(config.question_len * rng.lognormal(0.0, 0.6)))
         long = rng.random() < config.long_share
         output_len = config.long_output_len if long else config.short_output_len

@@ -45,7 +45,9 @@ class Slo:
 
     def __post_init__(self) -> None:
         if not (self.ttft_ms > 0 and self.tpot_ms > 0):
-            raise ValueError(f"SLO bounds must be > 0, got TTFT {self.ttft_ms}, TPOT {self.tpot_ms}")
+            raise ValueError(
+                f"SLO bounds must be > 0, got TTFT {self.ttft_ms} ms, TPOT {self.tpot_ms} ms"
+            )
 
     def met(self, ttft_ms: np.ndarray, tpot_ms: np.ndarray) -> np.ndarray:
         """Per request: both bounds held (a NaN TPOT, one output token, holds)."""

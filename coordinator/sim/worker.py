@@ -1,10 +1,11 @@
-"""One simulated engine: the real block pool, a FIFO of routed requests, chunked prefill, decode steps.
+"""One simulated engine: the real block pool, a FIFO of routed requests, chunked prefill, steps.
 
 Compute is replaced by `SimCostModel`; the KV bookkeeping is the real `BlockPool`, so what a
 worker can match, and what it evicts, is exactly what the live system would do.
 
-    routed -> queue (FIFO) -> admitted: prefix matched, blocks reserved -> [pull] -> prefill -> decode
-                              (waits while the pool cannot reserve)             first token ^   done ^
+    routed -> queue (FIFO) -> admitted: prefix matched, blocks reserved -> [pull] -> prefill
+                              (waits while the pool cannot reserve)    first token ^
+                                                                              -> decode -> done
 
 * The worker runs steps, like a continuous-batching engine. A decode step produces one token for
   every running sequence and costs `decode_step_ms(batch, context)`, the context being the KV the
@@ -36,6 +37,7 @@ from kvmesh.coordinator.sim.cost_model import SimCostModel
 from kvmesh.coordinator.sim.decode_run import BOUNDARY_EPSILON_MS, DecodeRun
 from kvmesh.proto.block_hash import BlockHash, num_reusable_tokens
 from kvmesh.workers.kv.block_pool import BlockId, BlockPool
+
 
 @dataclass(frozen=True, slots=True, eq=False)
 class SimRequest:
