@@ -26,6 +26,7 @@ import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -214,7 +215,7 @@ def make_shape(name: str, overrides: Mapping[str, str]) -> TraceShape:
     """The named shape with `overrides` applied (values converted to the fields' types)."""
     base = SHAPES[name]
     types = {f.name: f.type for f in fields(base)}
-    values: dict[str, int | float] = {}
+    values: dict[str, Any] = {}
     for key, raw in overrides.items():
         if key not in types:
             raise ValueError(f"trace shape has no field {key!r}; fields: {', '.join(types)}")
