@@ -125,9 +125,14 @@ class KvmeshWeights:
     """How far back "recently" reaches (exponential decay time)."""
     routed_prefix_ttl_s: float = 30.0
     """How long a routed prompt counts as held by its worker before the index confirms it."""
+    decode_tokens: float = 0.0
+    """Output tokens a request is expected to decode: every sequence already running on a worker
+    makes each of them slower by `decode_per_seq_ms`, and the request makes each of theirs slower
+    as much, so a worker running d more sequences than the least busy one costs
+    2 * decode_tokens * decode_per_seq_ms * d more. 0 ignores the decode batch beyond one step."""
 
     def __post_init__(self) -> None:
-        for name in ("recompute_weight", "placement_balance", "request_balance"):
+        for name in ("recompute_weight", "placement_balance", "request_balance", "decode_tokens"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("balance_horizon_s", "routed_prefix_ttl_s"):
@@ -142,6 +147,7 @@ class KvmeshPolicy(RoutingPolicy):
                 + ready(w)                 prefill of what w lacks (after a pull, when cheaper)
                 + r * recompute(w)         that recompute again, as work taken from later requests
                 + decode_step(w)           the running batch rides along the prefill
+                + decode_batch(w)          2 * tokens * per_seq * (running(w) - least running)
                 + memory(w)                ramps up as the prompt's new blocks outgrow w's free ones
                 + p * recent_work(w) * uncached_share(w)
                 + q * recent_requests(w) * min over workers of ready
@@ -150,9 +156,12 @@ class KvmeshPolicy(RoutingPolicy):
     (recent_* are measured above the least-loaded worker's, so only differences count.) A worker
     that holds more of the prompt saves prefill and recompute; a busy one pays its queue. Nothing
     switches at a threshold: a cached prefix wins until the queue it builds costs more than
-    recomputing twice. The index only learns of a prefix once its prefill is done, so prompts
-    routed in the last `routed_prefix_ttl_s` count as held by their worker (`RoutedPrefixes`):
-    a burst sharing a new prefix lands together instead of being recomputed everywhere.
+    recomputing twice, and a hot prefix's holder keeps its followers only until the decode batch
+    they build there costs more than pulling (or recomputing) the prefix on a quieter worker:
+    the prefix is replicated as soon as, and only as far as, balance asks. The index only learns
+    of a prefix once its prefill is done, so prompts routed in the last `routed_prefix_ttl_s`
+    count as held by their worker (`RoutedPrefixes`): a burst sharing a new prefix lands together
+    instead of being recomputed everywhere.
     """
 
     name = "kvmesh"
@@ -214,12 +223,17 @@ class KvmeshPolicy(RoutingPolicy):
         work, requests = recent.snapshot([w.worker_id for w in views], now)
         least_work, least_requests = min(work), min(requests)
         cheapest_ready = min(o.prefill_ms for o in options)
+        least_running = min(w.num_running for w in views)
+        # Decode is paid per token, by this request and by every sequence it joins (see
+        # `KvmeshWeights.decode_tokens`): what a hot holder's growing batch costs.
+        per_running_ms = 2.0 * weights.decode_tokens * cm.decode_per_seq_ms
         costs = []
         for w, option, w_work, w_requests in zip(views, options, work, requests, strict=True):
             recompute_ms = option.prefill_ms - (option.pull.transfer_ms if option.pull else 0.0)
             cost = w.queued_prefill_ms + option.prefill_ms + weights.recompute_weight * recompute_ms
             if w.num_running:
                 cost += cm.decode_step_ms(w.num_running)
+                cost += per_running_ms * (w.num_running - least_running)
             if query.num_prompt_blocks - w.matched_device_blocks > w.num_free_blocks:
                 cost += self._memory_pressure_ms(query, w)
             uncached_share = 1.0 - self._cached_tokens(query, w) / query.prompt_len
