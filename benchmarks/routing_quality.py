@@ -53,9 +53,24 @@ def runs(trace: str, traces: Path) -> dict[str, Run]:
     small = ("--workers", "8", "--capacity-tokens", "65536", "--seed", SEED)
     for name in WORKLOADS:
         out[name.replace("_", "-")] = Run(("--workload", name, *small))
+    # hot_prefix's prompts are long (~5K tokens): 256K tokens (32 GiB of KV, what an 80 GB H100
+    # holds beside an 8B model's weights) is its main run; 64K starves it of memory.
+    out["hot-prefix-small-kv"] = out.pop("hot-prefix")
+    out["hot-prefix"] = Run(
+        (
+            "--workload",
+            "hot_prefix",
+            "--workers",
+            "8",
+            "--capacity-tokens",
+            "262144",
+            "--seed",
+            SEED,
+        )
+    )
     out["hot-prefix-64w"] = Run(
         (
-            *("--workload", "hot_prefix", "--workers", "64", "--capacity-tokens", "65536"),
+            *("--workload", "hot_prefix", "--workers", "64", "--capacity-tokens", "262144"),
             *("--workload-arg", "num_requests=9600", "--workload-arg", "rate_rps=320"),
             *("--policies", "kvmesh,least_loaded,sglang,dynamo", "--seed", SEED),
         )
@@ -103,9 +118,7 @@ def fold(docs: list[dict]) -> dict[str, dict[str, Stat]]:
             m["reuse_vs_oracle"] = (m["hit_rate"] + m["pulled_rate"]) / oracle if oracle else 1.0
             for k, v in m.items():
                 samples.setdefault(k, []).append(float(v))
-        out[policy] = {
-            k: Stat(statistics.median(v), max(v) - min(v)) for k, v in samples.items()
-        }
+        out[policy] = {k: Stat(statistics.median(v), max(v) - min(v)) for k, v in samples.items()}
     return out
 
 

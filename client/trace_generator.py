@@ -88,7 +88,7 @@ SHAPES: Mapping[str, TraceShape] = {
     # Mostly one-off long documents behind four small roots: little to reuse, prefill-bound.
     "low_reuse_docs": TraceShape(
         num_requests=3000,
-        rate_rps=2.5,
+        rate_rps=5.0,
         num_roots=4,
         root_blocks=2,
         continue_share=0.1,
@@ -99,7 +99,7 @@ SHAPES: Mapping[str, TraceShape] = {
     # Agent loops: three hot tool prompts, long shared context, short actions, in bursts.
     "bursty_agents": TraceShape(
         num_requests=4000,
-        rate_rps=6.0,
+        rate_rps=12.0,
         burstiness=8.0,
         num_roots=3,
         root_alpha=1.2,
@@ -113,7 +113,7 @@ SHAPES: Mapping[str, TraceShape] = {
     # Long contexts that keep growing, long answers: decode- and memory-heavy.
     "long_context": TraceShape(
         num_requests=2000,
-        rate_rps=1.2,
+        rate_rps=2.4,
         num_roots=2,
         root_blocks=4,
         continue_share=0.6,
