@@ -207,7 +207,8 @@ def main() -> int:
     for name, run in chosen.items():
         stats = fold([docs[(name, s)] for s in args.seeds])
         seeds = " ".join(str(s) for s in args.seeds)
-        print(f"\n### {name}\n\nseeds {seeds}: `kvmesh simulate {shlex.join(run.args)}`\n")
+        command = " ".join(a.replace(SEED, "SEED") for a in run.args)  # no spaces to quote
+        print(f"\n### {name}\n\nseeds {seeds}: `kvmesh simulate {command}`\n")
         print(table(stats))
         print("\n" + "\n".join(f"- {g}" for g in goals(stats)))
     return 0
