@@ -23,9 +23,9 @@ from kvmesh.client.extension import NotInThisBuild
 from kvmesh.client.table import format_table
 from kvmesh.client.workload_options import (
     DEFAULT_TRACE_BLOCK_SIZE,
+    add_slo_arguments,
     add_workload_arguments,
     load_requests,
-    positive_float,
     positive_int,
 )
 
@@ -68,20 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="workers cannot pull prefixes from each other (kvmesh then only recomputes)",
     )
-    parser.add_argument(
-        "--slo-ttft-ms",
-        type=positive_float,
-        default=2000.0,
-        metavar="MS",
-        help="goodput counts requests with TTFT at most this (default: 2000)",
-    )
-    parser.add_argument(
-        "--slo-tpot-ms",
-        type=positive_float,
-        default=100.0,
-        metavar="MS",
-        help="... and time per output token at most this (default: 100)",
-    )
+    add_slo_arguments(parser)
     parser.add_argument("--plot", metavar="DIR", help="write PNG charts into DIR")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
 
