@@ -6,8 +6,10 @@
 Requests are sent open-loop over gRPC (`AsyncClient`): at Poisson arrivals of `--rate` per second,
 or at the workload's / trace's own arrival times when no rate is given, for `--duration` seconds;
 then the requests in flight are awaited. The metrics are the simulator's, measured on real
-responses: hit rate = cached / prompt tokens the server reported, TTFT seen by the client,
-throughput of completed requests, and imbalance = max / mean requests per worker. Routing speed
+responses: hit rate = cached / prompt tokens the server reported, TTFT, TPOT ((end - first token)
+/ (tokens - 1)) and end-to-end latency seen by the client, throughput of completed requests,
+goodput (completed requests per second within the SLO), and imbalance = max / mean requests per
+worker. Routing speed
 (`decisions_per_s`) is not observable from a client and is reported as null.
 """
 
@@ -29,6 +31,9 @@ from kvmesh.client.environment import read_environment
 from kvmesh.client.errors import KVMeshError
 from kvmesh.client.table import format_fields
 from kvmesh.client.workload_options import (
+    DEFAULT_SLO_TPOT_MS,
+    DEFAULT_SLO_TTFT_MS,
+    add_slo_arguments,
     add_workload_arguments,
     load_requests,
     positive_float,
@@ -51,6 +56,16 @@ class BenchSample:
     ttft_ms: float | None
     """Client-side time to first token; None if the request failed or produced no token."""
     error: str = ""
+    e2e_ms: float | None = None
+    """Client-side time from sending to the end of the stream."""
+    num_output_tokens: int = 0
+
+    @property
+    def tpot_ms(self) -> float | None:
+        """Time per output token after the first; None with fewer than two tokens."""
+        if self.ttft_ms is None or self.e2e_ms is None or self.num_output_tokens < 2:
+            return None
+        return (self.e2e_ms - self.ttft_ms) / (self.num_output_tokens - 1)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,6 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--address", default=env.address, metavar="HOST:PORT", help="coordinator address"
     )
     add_workload_arguments(parser)
+    add_slo_arguments(parser)
     parser.add_argument(
         "--rate", type=positive_float, default=None, help="Poisson arrivals per second"
     )
@@ -115,12 +131,31 @@ def send_times(
     return out
 
 
-def summarize(samples: Sequence[BenchSample], worker_ids: Sequence[str], elapsed_s: float) -> dict:
+def _percentiles(values: Sequence[float], qs: Sequence[int]) -> list[float]:
+    return [float(x) for x in np.percentile(values, qs)] if values else [0.0] * len(qs)
+
+
+def summarize(
+    samples: Sequence[BenchSample],
+    worker_ids: Sequence[str],
+    elapsed_s: float,
+    slo_ttft_ms: float = DEFAULT_SLO_TTFT_MS,
+    slo_tpot_ms: float = DEFAULT_SLO_TPOT_MS,
+) -> dict:
     """The simulator's metrics from real responses (plus request counts)."""
     ok = [s for s in samples if s.ok]
     prompt = sum(s.prompt_tokens for s in ok)
     ttft = [s.ttft_ms for s in ok if s.ttft_ms is not None]
-    p50, p90, p99 = (float(x) for x in np.percentile(ttft, [50, 90, 99])) if ttft else (0.0,) * 3
+    p50, p90, p99 = _percentiles(ttft, [50, 90, 99])
+    tpot = [t for t in (s.tpot_ms for s in ok) if t is not None]
+    e2e = [s.e2e_ms for s in ok if s.e2e_ms is not None]
+    good = [
+        s
+        for s in ok
+        if s.ttft_ms is not None
+        and s.ttft_ms <= slo_ttft_ms
+        and (s.tpot_ms is None or s.tpot_ms <= slo_tpot_ms)
+    ]
     counts = {w: 0 for w in worker_ids}
     for s in ok:
         counts[s.worker_id] = counts.get(s.worker_id, 0) + 1
@@ -131,7 +166,17 @@ def summarize(samples: Sequence[BenchSample], worker_ids: Sequence[str], elapsed
         "ttft_p50_ms": p50,
         "ttft_p90_ms": p90,
         "ttft_p99_ms": p99,
+        **dict(zip(("tpot_p50_ms", "tpot_p90_ms"), _percentiles(tpot, [50, 90]), strict=True)),
+        **dict(
+            zip(
+                ("e2e_p50_ms", "e2e_p90_ms", "e2e_p99_ms"),
+                _percentiles(e2e, [50, 90, 99]),
+                strict=True,
+            )
+        ),
         "throughput_rps": len(ok) / elapsed_s if elapsed_s > 0 else 0.0,
+        "goodput_rps": len(good) / elapsed_s if elapsed_s > 0 else 0.0,
+        "slo_attainment": len(good) / len(samples) if samples else 0.0,
         "imbalance": max(counts.values()) / mean if mean > 0 else 1.0,
         "decisions_per_s": None,
         "num_requests": len(samples),
@@ -155,7 +200,14 @@ async def _one(
     except KVMeshError as err:
         return BenchSample(False, "", request.prompt_len, 0, 0, None, f"{err.code}: {err.details}")
     return BenchSample(
-        True, r.worker_id, r.prompt_tokens, r.cached_tokens, r.pulled_tokens, r.ttft_ms
+        True,
+        r.worker_id,
+        r.prompt_tokens,
+        r.cached_tokens,
+        r.pulled_tokens,
+        r.ttft_ms,
+        e2e_ms=r.total_ms,
+        num_output_tokens=len(r.tokens),
     )
 
 
@@ -207,7 +259,7 @@ def run_bench(args: argparse.Namespace) -> int:
         policy = args.label or args.http
     else:
         samples, worker_ids, policy, elapsed = asyncio.run(_drive(args, schedule))
-    metrics = summarize(samples, worker_ids, elapsed)
+    metrics = summarize(samples, worker_ids, elapsed, args.slo_ttft_ms, args.slo_tpot_ms)
     errors = sorted({s.error for s in samples if s.error})
     if args.json:
         address = getattr(args, "http", "") or args.address

@@ -5,6 +5,7 @@
     kvmesh generate --tokens 1,2,3     one generation, with its cache facts
     kvmesh route | lookup | stats | workers      read-only views (add --json for scripts)
     kvmesh simulate | bench            router simulator and load generator (when installed)
+    kvmesh make-trace --shape NAME     a generated Mooncake-format trace for simulate / bench
 
 Exit codes: 0 success, 1 the server refused or failed the call, 2 bad usage, 130 interrupted.
 Errors are one line on stderr (`kvmesh: error: ...`), never a traceback.

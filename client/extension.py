@@ -41,6 +41,12 @@ EXTENSIONS = (
         "replay a workload through the routing policies in a simulated cluster",
     ),
     Extension("bench", "kvmesh.client.bench", "run_bench", "load-test a running coordinator"),
+    Extension(
+        "make-trace",
+        "kvmesh.client.trace_generator",
+        "run_make_trace",
+        "write a Mooncake-format trace of a preset shape (reuse, lengths, burstiness)",
+    ),
 )
 
 

@@ -23,6 +23,7 @@ from kvmesh.client.extension import NotInThisBuild
 from kvmesh.client.table import format_table
 from kvmesh.client.workload_options import (
     DEFAULT_TRACE_BLOCK_SIZE,
+    add_slo_arguments,
     add_workload_arguments,
     load_requests,
     positive_int,
@@ -80,6 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="MS",
         help="how often workers' load reports reach the coordinators",
     )
+    add_slo_arguments(parser)
     parser.add_argument("--plot", metavar="DIR", help="write PNG charts into DIR")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
 
@@ -88,6 +90,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     try:
         from kvmesh.coordinator.sim import simulator
         from kvmesh.coordinator.sim.cost_model import SimCostModel
+        from kvmesh.coordinator.sim.report import Slo
     except ImportError as err:
         raise NotInThisBuild(f"simulate is not available in this build ({err})") from err
     cost = SimCostModel.from_json(args.cost_model) if args.cost_model else SimCostModel()
@@ -102,6 +105,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         args.seed,
         cost,
         not args.no_pulls,
+        Slo(args.slo_ttft_ms, args.slo_tpot_ms),
         num_coordinators=args.coordinators,
         report_interval_ms=args.report_interval_ms,
     )
@@ -145,6 +149,7 @@ def _document(results: dict[str, Any], config: Any, source: str, num_requests: i
             "block_size": config.block_size,
             "seed": config.seed,
             "pulls": config.pulls,
+            "slo": {"ttft_ms": config.slo.ttft_ms, "tpot_ms": config.slo.tpot_ms},
             "cost_model": config.cost.as_dict(),
         },
     }
@@ -153,7 +158,8 @@ def _document(results: dict[str, Any], config: Any, source: str, num_requests: i
 def _table(results: dict[str, Any]) -> str:
     oracle = results.get("oracle")
     headers = ["policy", "hit %", "vs oracle", "pulled %", "ttft p50", "p90", "p99"]
-    headers += ["req/s", "imbalance", "decisions/s"]
+    headers += ["tpot p50", "p90", "e2e p50", "p90", "p99", "req/s", "goodput", "imbalance"]
+    headers += ["decisions/s"]
     rows = []
     for name, r in results.items():
         ratio = r.hit_rate / oracle.hit_rate if oracle is not None and oracle.hit_rate else None
@@ -166,9 +172,17 @@ def _table(results: dict[str, Any]) -> str:
                 r.ttft_p50_ms,
                 r.ttft_p90_ms,
                 r.ttft_p99_ms,
+                r.tpot_p50_ms,
+                r.tpot_p90_ms,
+                r.e2e_p50_ms,
+                r.e2e_p90_ms,
+                r.e2e_p99_ms,
                 r.throughput_rps,
+                r.goodput_rps,
                 r.imbalance,
                 round(r.decisions_per_s),
             ]
         )
-    return format_table(headers, rows) + "\n(hit: share of prompt tokens reused; times in ms)"
+    return format_table(headers, rows) + (
+        "\n(hit: share of prompt tokens reused; times in ms; goodput: requests/s that met the SLO)"
+    )

@@ -11,6 +11,10 @@ from kvmesh.client import trace_replay, workloads
 from kvmesh.client.workloads import WorkloadRequest
 
 DEFAULT_TRACE_BLOCK_SIZE = 512
+# The SLO goodput counts against, in `simulate` and `bench` alike (the simulator's `Slo` has the
+# same defaults; the client cannot import it).
+DEFAULT_SLO_TTFT_MS = 2000.0
+DEFAULT_SLO_TPOT_MS = 100.0
 
 
 def positive_int(text: str) -> int:
@@ -63,6 +67,24 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
         help="K disjoint copies of the trace's prefix roots (K x the load, for large clusters)",
     )
     parser.add_argument("--seed", type=int, default=0, help="workload and tie-breaking seed")
+
+
+def add_slo_arguments(parser: argparse.ArgumentParser) -> None:
+    """--slo-ttft-ms / --slo-tpot-ms: what a request must meet to count towards goodput."""
+    parser.add_argument(
+        "--slo-ttft-ms",
+        type=positive_float,
+        default=DEFAULT_SLO_TTFT_MS,
+        metavar="MS",
+        help=f"goodput counts requests with TTFT at most this (default: {DEFAULT_SLO_TTFT_MS:g})",
+    )
+    parser.add_argument(
+        "--slo-tpot-ms",
+        type=positive_float,
+        default=DEFAULT_SLO_TPOT_MS,
+        metavar="MS",
+        help=f"... and time per output token at most this (default: {DEFAULT_SLO_TPOT_MS:g})",
+    )
 
 
 def load_requests(

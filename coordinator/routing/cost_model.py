@@ -5,6 +5,7 @@
                                   + n_new * (n_cached + n_new / 2) * attn_ms  (attention)
     transfer_ms(bytes)          = bytes / link_bytes_per_ms
     decode_step_ms(batch)       = decode_fixed_ms + batch * decode_per_seq_ms
+    decode_kv_ms(kv_tokens)     = kv_tokens * decode_per_kv_token_ms   (what a batch's KV adds)
 
 The defaults are for the CPU `tiny-random` model; workers report their measured per-token cost and
 the coordinator refreshes the model with it (an exponential moving average), so the router prices
@@ -27,7 +28,10 @@ class CostModel:
     decode_fixed_ms: float = 2.0
     """Fixed cost of one decode step."""
     decode_per_seq_ms: float = 0.1
-    """Extra decode-step cost per running sequence."""
+    """Extra decode-step cost per running sequence (a typical context's KV reads folded in)."""
+    decode_per_kv_token_ms: float = 0.0
+    """Extra decode-step cost per token of KV the running batch reads; 0 when not calibrated
+    (then only `decode_per_seq_ms` prices a batch)."""
     transfer_bytes_per_ms: float = 1e6
     """Peer-to-peer link bandwidth (bytes per millisecond) for planned pulls."""
     kv_bytes_per_token: int = 4096
@@ -55,6 +59,9 @@ class CostModel:
 
     def decode_step_ms(self, batch_size: int) -> float:
         return self.decode_fixed_ms + batch_size * self.decode_per_seq_ms
+
+    def decode_kv_ms(self, num_kv_tokens: int) -> float:
+        return num_kv_tokens * self.decode_per_kv_token_ms
 
     def with_measured_prefill(self, per_token_ms: float, weight: float = 0.2) -> CostModel:
         """Blend a measured per-token prefill cost into the model (EMA)."""

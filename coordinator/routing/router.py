@@ -27,6 +27,7 @@ from kvmesh.coordinator.routing.policy import (
 from kvmesh.coordinator.routing.pull_planner import PrefillOption, best_peer, cheapest_prefill
 from kvmesh.coordinator.routing.recent_load import RecentLoad
 from kvmesh.coordinator.routing.routed_prefixes import RoutedPrefixes
+from kvmesh.coordinator.routing.running_context import RunningContext
 
 __all__ = [
     "POLICIES",
@@ -125,9 +126,14 @@ class KvmeshWeights:
     """How far back "recently" reaches (exponential decay time)."""
     routed_prefix_ttl_s: float = 30.0
     """How long a routed prompt counts as held by its worker before the index confirms it."""
+    decode_tokens: float = 16.0
+    """Output tokens over which a worker's decode load is priced: each of this request's steps on
+    w is slower by what w's batch reads more than the lightest worker's, and the request makes
+    each of theirs slower as much, so the difference is paid twice per token. Fewer than a
+    typical answer's tokens, since batches even out as sequences finish. 0 prices one step."""
 
     def __post_init__(self) -> None:
-        for name in ("recompute_weight", "placement_balance", "request_balance"):
+        for name in ("recompute_weight", "placement_balance", "request_balance", "decode_tokens"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("balance_horizon_s", "routed_prefix_ttl_s"):
@@ -142,6 +148,7 @@ class KvmeshPolicy(RoutingPolicy):
                 + ready(w)                 prefill of what w lacks (after a pull, when cheaper)
                 + r * recompute(w)         that recompute again, as work taken from later requests
                 + decode_step(w)           the running batch rides along the prefill
+                + decode_batch(w)          2 * tokens * (step_load(w) - least step_load)
                 + memory(w)                ramps up as the prompt's new blocks outgrow w's free ones
                 + p * recent_work(w) * uncached_share(w)
                 + q * recent_requests(w) * min over workers of ready
@@ -150,9 +157,12 @@ class KvmeshPolicy(RoutingPolicy):
     (recent_* are measured above the least-loaded worker's, so only differences count.) A worker
     that holds more of the prompt saves prefill and recompute; a busy one pays its queue. Nothing
     switches at a threshold: a cached prefix wins until the queue it builds costs more than
-    recomputing twice. The index only learns of a prefix once its prefill is done, so prompts
-    routed in the last `routed_prefix_ttl_s` count as held by their worker (`RoutedPrefixes`):
-    a burst sharing a new prefix lands together instead of being recomputed everywhere.
+    recomputing twice, and a hot prefix's holder keeps its followers only until the decode batch
+    they build there costs more than pulling (or recomputing) the prefix on a quieter worker:
+    the prefix is replicated as soon as, and only as far as, balance asks. The index only learns
+    of a prefix once its prefill is done, so prompts routed in the last `routed_prefix_ttl_s`
+    count as held by their worker (`RoutedPrefixes`): a burst sharing a new prefix lands together
+    instead of being recomputed everywhere.
     """
 
     name = "kvmesh"
@@ -170,12 +180,14 @@ class KvmeshPolicy(RoutingPolicy):
         self._sessions = SessionMap(self.max_sessions)
         self._routed = RoutedPrefixes(self.weights.routed_prefix_ttl_s)
         self._recent = RecentLoad(self.weights.balance_horizon_s)
+        self._running = RunningContext()
 
     def choose(self, query: RouteQuery, workers: Sequence[WorkerView]) -> RouteDecision:
         if not workers:
             raise ValueError("no workers to route to")
         now = self.clock()
         self._routed.expire(now)
+        self._running.expire(now)
         views = self._with_routed_prefixes(query, workers)
         peer = best_peer(views) if self.transfer_ms is not None else None
         options = [
@@ -214,12 +226,19 @@ class KvmeshPolicy(RoutingPolicy):
         work, requests = recent.snapshot([w.worker_id for w in views], now)
         least_work, least_requests = min(work), min(requests)
         cheapest_ready = min(o.prefill_ms for o in options)
+        # Decode is paid per token, by this request and by every sequence it joins (see
+        # `KvmeshWeights.decode_tokens`): what a hot prefix's holder's growing batch costs.
+        step_loads = [self._decode_load_ms(w) for w in views]
+        least_step_load = min(step_loads)
         costs = []
-        for w, option, w_work, w_requests in zip(views, options, work, requests, strict=True):
+        for w, option, w_work, w_requests, step_load in zip(
+            views, options, work, requests, step_loads, strict=True
+        ):
             recompute_ms = option.prefill_ms - (option.pull.transfer_ms if option.pull else 0.0)
             cost = w.queued_prefill_ms + option.prefill_ms + weights.recompute_weight * recompute_ms
             if w.num_running:
                 cost += cm.decode_step_ms(w.num_running)
+            cost += 2.0 * weights.decode_tokens * (step_load - least_step_load)
             if query.num_prompt_blocks - w.matched_device_blocks > w.num_free_blocks:
                 cost += self._memory_pressure_ms(query, w)
             uncached_share = 1.0 - self._cached_tokens(query, w) / query.prompt_len
@@ -229,6 +248,14 @@ class KvmeshPolicy(RoutingPolicy):
                 cost -= cm.prefill_per_token_ms * query.block_size
             costs.append(cost)
         return costs
+
+    def _decode_load_ms(self, w: WorkerView) -> float:
+        """What w's running batch adds to each decode step: the KV its requests read
+        (`RunningContext`) when the cost model knows a KV token's read cost; else its size."""
+        cm = self.cost_model
+        if cm.decode_per_kv_token_ms > 0:
+            return cm.decode_kv_ms(self._running.tokens(w.worker_id))
+        return w.num_running * cm.decode_per_seq_ms
 
     def _memory_pressure_ms(self, query: RouteQuery, w: WorkerView) -> float:
         """0 while the prompt's new blocks fit in w's free blocks; then up to one block's worth of
@@ -246,15 +273,18 @@ class KvmeshPolicy(RoutingPolicy):
         hashes = query.block_hashes
         self._routed.add(query.request_id, decision.worker_id, hashes, now, indexed)
         self._recent.add(decision.worker_id, decision.predicted_prefill_ms, now)
+        self._running.add(query.request_id, decision.worker_id, query.prompt_len, now)
         self._sessions.remember(query.session_id, decision.worker_id)
 
     def on_request_done(self, request_id: str) -> None:
         self._routed.discard(request_id)
+        self._running.discard(request_id)
 
     def on_worker_removed(self, worker_id: WorkerId) -> None:
         self._sessions.forget_worker(worker_id)
         self._routed.forget_worker(worker_id)
         self._recent.forget(worker_id)
+        self._running.forget_worker(worker_id)
 
 
 POLICIES: dict[str, type[RoutingPolicy]] = {

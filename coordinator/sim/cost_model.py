@@ -136,4 +136,5 @@ class SimCostModel:
             attention_per_token_pair_ms=self.attention_per_token_pair_ms,
             decode_fixed_ms=self.decode_fixed_ms,
             decode_per_seq_ms=per_seq,
+            decode_per_kv_token_ms=self.decode_per_context_token_ms,
         )

@@ -1,4 +1,5 @@
-"""PNG charts of a simulation: hit rate per policy, and the TTFT distribution (CDF) per policy.
+"""PNG charts of a simulation: hit rate and goodput per policy, and the TTFT and TPOT
+distributions (CDFs) per policy.
 
 matplotlib is an optional dependency (`pip install kvmesh[plots]`); it is imported only here,
 only when `--plot` is given, with the non-interactive Agg backend. Charts are kept small
@@ -46,7 +47,8 @@ def _color(name: str) -> str:
 def write_plots(
     results: Mapping[str, Any], out_dir: str | Path, stem: str, title: str
 ) -> list[Path]:
-    """Write `<stem>-hit-rate.png` and `<stem>-ttft-cdf.png` into `out_dir`; return their paths."""
+    """Write `<stem>-hit-rate.png`, `-ttft-cdf.png`, `-tpot-cdf.png` and `-goodput.png` into
+    `out_dir`; return their paths."""
     plt = _pyplot()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -80,21 +82,47 @@ def write_plots(
     fig.savefig(hit_path, dpi=_DPI)
     plt.close(fig)
 
+    paths = [hit_path]
+    for key, label in (("ttft_ms", "time to first token"), ("tpot_ms", "time per output token")):
+        paths.append(_cdf(plt, results, key, label, out / f"{stem}-{key[:4]}-cdf.png", title))
+    paths.append(_goodput(plt, results, out / f"{stem}-goodput.png", title))
+    return paths
+
+
+def _cdf(
+    plt: Any, results: Mapping[str, Any], key: str, label: str, path: Path, title: str
+) -> Path:
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
-    for n in names:
-        ttft = np.sort(np.asarray(results[n].ttft_ms))
-        cdf = np.arange(1, len(ttft) + 1) / len(ttft)
+    for n in results:
+        samples = np.asarray(getattr(results[n], key), dtype=float)
+        samples = np.sort(samples[~np.isnan(samples)])  # one-token requests have no TPOT
+        cdf = np.arange(1, len(samples) + 1) / max(len(samples), 1)
         style = "--" if n == "oracle" else "-"
         width = 2.0 if n == "kvmesh" else 1.2
-        ax.plot(ttft, cdf, style, label=n, color=_color(n), linewidth=width)
+        ax.plot(samples, cdf, style, label=n, color=_color(n), linewidth=width)
     ax.set_xscale("log")
-    ax.set_xlabel("time to first token (ms, log scale)")
+    ax.set_xlabel(f"{label} (ms, log scale)")
     ax.set_ylabel("fraction of requests")
-    ax.set_title(f"TTFT CDF - {title}", fontsize=10)
+    ax.set_title(f"{label.capitalize()} CDF - {title}", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
-    cdf_path = out / f"{stem}-ttft-cdf.png"
-    fig.savefig(cdf_path, dpi=_DPI)
+    fig.savefig(path, dpi=_DPI)
     plt.close(fig)
-    return [hit_path, cdf_path]
+    return path
+
+
+def _goodput(plt: Any, results: Mapping[str, Any], path: Path, title: str) -> Path:
+    names = list(results)
+    fig, ax = plt.subplots(figsize=(6.4, 3.2))
+    good = [results[n].goodput_rps for n in names]
+    bars = ax.bar(names, good, color=[_color(n) for n in names])
+    ax.bar_label(bars, labels=[f"{g:.1f}" for g in good], fontsize=8)
+    ax.set_ylim(0, 1.25 * max(good) + 1e-9)
+    ax.set_ylabel("requests/s within the SLO")
+    ax.set_title(f"Goodput - {title}", fontsize=10)
+    ax.tick_params(axis="x", labelrotation=20, labelsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=_DPI)
+    plt.close(fig)
+    return path

@@ -1,4 +1,11 @@
-"""What one policy achieved in a simulation: the contract's metrics, and the samples behind them."""
+"""What one policy achieved in a simulation: the contract's metrics, and the samples behind them.
+
+Latency is reported three ways, as serving users feel it: TTFT (arrival to first token, queueing
+included), TPOT (time per output token after the first: (last - first) / (output_len - 1), so
+every decode step a request waited through counts, chunk steps included) and end-to-end latency
+(arrival to last token). Goodput counts only the requests that met the SLO on both TTFT and TPOT
+(a one-token request has no TPOT and meets it), per second of the run.
+"""
 
 from __future__ import annotations
 
@@ -14,10 +21,38 @@ METRIC_KEYS = (
     "ttft_p50_ms",
     "ttft_p90_ms",
     "ttft_p99_ms",
+    "tpot_p50_ms",
+    "tpot_p90_ms",
+    "e2e_p50_ms",
+    "e2e_p90_ms",
+    "e2e_p99_ms",
     "throughput_rps",
+    "goodput_rps",
+    "slo_attainment",
     "imbalance",
     "decisions_per_s",
 )
+
+
+@dataclass(frozen=True, slots=True)
+class Slo:
+    """The service-level objective a request must meet to count towards goodput."""
+
+    ttft_ms: float = 2000.0
+    """Longest acceptable time to first token."""
+    tpot_ms: float = 100.0
+    """Longest acceptable mean time per output token after the first."""
+
+    def __post_init__(self) -> None:
+        if not (self.ttft_ms > 0 and self.tpot_ms > 0):
+            raise ValueError(
+                f"SLO bounds must be > 0, got TTFT {self.ttft_ms} ms, TPOT {self.tpot_ms} ms"
+            )
+
+    def met(self, ttft_ms: np.ndarray, tpot_ms: np.ndarray) -> np.ndarray:
+        """Per request: both bounds held (a NaN TPOT, one output token, holds)."""
+        tpot_ok = np.isnan(tpot_ms) | (tpot_ms <= self.tpot_ms)
+        return (ttft_ms <= self.ttft_ms) & tpot_ok
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,8 +74,17 @@ class PolicyResult:
     ttft_p50_ms: float
     ttft_p90_ms: float
     ttft_p99_ms: float
+    tpot_p50_ms: float
+    tpot_p90_ms: float
+    e2e_p50_ms: float
+    e2e_p90_ms: float
+    e2e_p99_ms: float
     throughput_rps: float
     """Completed requests per second, from the first arrival to the last completion."""
+    goodput_rps: float
+    """Requests that met the SLO, per second of the same span."""
+    slo_attainment: float
+    """Share of requests that met the SLO."""
     imbalance: float
     """max / mean of the workers' busy time (1.0 is perfectly even)."""
     decisions_per_s: float
@@ -50,6 +94,10 @@ class PolicyResult:
     requests_per_worker: tuple[int, ...]
     ttft_ms: tuple[float, ...]
     """Every request's time to first token, in workload order (for CDFs)."""
+    tpot_ms: tuple[float, ...]
+    """Every request's time per output token (NaN for one-token requests)."""
+    e2e_ms: tuple[float, ...]
+    """Every request's arrival-to-last-token latency."""
     wall_s: float
     """Real time the simulation of this policy took."""
 
@@ -70,6 +118,9 @@ def summarize(
     cached_tokens: Sequence[int],
     pulled_tokens: Sequence[int],
     ttft_ms: Sequence[float],
+    tpot_ms: Sequence[float],
+    e2e_ms: Sequence[float],
+    slo: Slo,
     first_arrival_ms: float,
     last_finish_ms: float,
     busy_ms: Sequence[float],
@@ -82,7 +133,14 @@ def summarize(
     if n == 0:
         raise ValueError("cannot summarize a run without requests")
     prompt, cached, pulled = int(sum(prompt_lens)), int(sum(cached_tokens)), int(sum(pulled_tokens))
-    p50, p90, p99 = (float(x) for x in np.percentile(np.asarray(ttft_ms), [50, 90, 99]))
+    ttft, tpot, e2e = (np.asarray(x, dtype=float) for x in (ttft_ms, tpot_ms, e2e_ms))
+    p50, p90, p99 = (float(x) for x in np.percentile(ttft, [50, 90, 99]))
+    decoded = tpot[~np.isnan(tpot)]
+    tpot_p50, tpot_p90 = (
+        (float(x) for x in np.percentile(decoded, [50, 90])) if len(decoded) else (0.0, 0.0)
+    )
+    e2e_p50, e2e_p90, e2e_p99 = (float(x) for x in np.percentile(e2e, [50, 90, 99]))
+    num_good = int(slo.met(ttft, tpot).sum())
     span_s = max(last_finish_ms - first_arrival_ms, 1e-9) / 1000.0
     mean_busy = sum(busy_ms) / len(busy_ms)
     return PolicyResult(
@@ -96,11 +154,20 @@ def summarize(
         ttft_p50_ms=p50,
         ttft_p90_ms=p90,
         ttft_p99_ms=p99,
+        tpot_p50_ms=tpot_p50,
+        tpot_p90_ms=tpot_p90,
+        e2e_p50_ms=e2e_p50,
+        e2e_p90_ms=e2e_p90,
+        e2e_p99_ms=e2e_p99,
         throughput_rps=n / span_s,
+        goodput_rps=num_good / span_s,
+        slo_attainment=num_good / n,
         imbalance=max(busy_ms) / mean_busy if mean_busy > 0 else 1.0,
         decisions_per_s=n / max(decision_s, 1e-9),
         busy_ms=tuple(float(b) for b in busy_ms),
         requests_per_worker=tuple(requests_per_worker),
-        ttft_ms=tuple(float(t) for t in ttft_ms),
+        ttft_ms=tuple(float(t) for t in ttft),
+        tpot_ms=tuple(float(t) for t in tpot),
+        e2e_ms=tuple(float(t) for t in e2e),
         wall_s=wall_s,
     )

@@ -38,7 +38,7 @@ from kvmesh.coordinator.routing.load_tracker import LoadTracker, ReportedLoad
 from kvmesh.coordinator.routing.router import POLICIES, RoutingPolicy
 from kvmesh.coordinator.sim.backend import SimBackend
 from kvmesh.coordinator.sim.cost_model import SimCostModel
-from kvmesh.coordinator.sim.report import PolicyResult, summarize
+from kvmesh.coordinator.sim.report import PolicyResult, Slo, summarize
 from kvmesh.coordinator.sim.worker import SimRequest, SimSequence, SimWorker
 from kvmesh.proto.block_hash import BlockHash, block_hashes, namespace_hash
 from kvmesh.proto.events import EventBatch
@@ -84,6 +84,8 @@ class SimConfig:
     """Compute times (the router's model is derived from it: a calibrated coordinator)."""
     pulls: bool = True
     """Workers can pull prefixes from each other (policies that plan pulls, kvmesh's, use it)."""
+    slo: Slo = field(default_factory=Slo)
+    """What a request must meet to count towards goodput."""
     num_coordinators: int = 1
     """Coordinator replicas over the one fleet; arrivals go to them in turn, each routes with its
     own load tracker and policy state, all read one mirror and the workers' load reports."""
@@ -223,6 +225,8 @@ class ClusterSimulation:
         self._cached = [0] * len(requests)
         self._pulled = [0] * len(requests)
         self._ttft = [math.nan] * len(requests)
+        self._e2e = [math.nan] * len(requests)
+        self._tpot = [math.nan] * len(requests)
         self._worker_of = [-1] * len(requests)
         self._last_finish_ms = 0.0
 
@@ -295,8 +299,8 @@ class ClusterSimulation:
                 self.now_ms = requests[i].arrival_ms
                 self._on_arrival(requests[i])
                 i += 1
-        if any(math.isnan(t) for t in self._ttft):
-            raise AssertionError("a request never got its first token")
+        if any(math.isnan(t) for t in self._e2e):
+            raise AssertionError("a request never got its last token")
         counts = np.bincount(self._worker_of, minlength=len(self.workers))
         return summarize(
             self.policy_name,
@@ -304,6 +308,9 @@ class ClusterSimulation:
             self._cached,
             self._pulled,
             self._ttft,
+            self._tpot,
+            self._e2e,
+            self.config.slo,
             requests[0].arrival_ms if requests else 0.0,
             self._last_finish_ms,
             [w.busy_ms for w in self.workers],
@@ -358,6 +365,11 @@ class ClusterSimulation:
             self._schedule(lane)
 
     def _finish(self, seq: SimSequence) -> None:
+        request = seq.request
+        self._e2e[request.index] = self.now_ms - request.arrival_ms
+        if request.output_len > 1:  # one token has no time *per output token*
+            decode_ms = self.now_ms - seq.first_token_ms
+            self._tpot[request.index] = decode_ms / (request.output_len - 1)
         self.backend.last_token(seq)
         for _ in self._streams.pop(seq.request.request_id):
             pass  # the last event, then the stream closes: load and policy let go of it

@@ -1,23 +1,27 @@
-"""One simulated engine: the real block pool, a FIFO of routed requests, prefill, a decode batch.
+"""One simulated engine: the real block pool, a FIFO of routed requests, chunked prefill, steps.
 
 Compute is replaced by `SimCostModel`; the KV bookkeeping is the real `BlockPool`, so what a
 worker can match, and what it evicts, is exactly what the live system would do.
 
-    routed -> queue (FIFO) -> admitted: prefix matched, blocks reserved -> prefill -> decode -> done
-                              (waits while the pool cannot reserve)     first token ^
+    routed -> queue (FIFO) -> admitted: prefix matched, blocks reserved -> [pull] -> prefill
+                              (waits while the pool cannot reserve)    first token ^
+                                                                              -> decode -> done
 
-* One prefill at a time, in arrival order (prefill-first continuous batching). A prefill of n new
-  tokens runs in ceil(n / chunk_tokens) steps and the running decodes ride along each step, so
-  decoding keeps going (one token per chunk) and each chunk costs one decode step more.
-* Between prefills the batch decodes at one token per `decode_step_ms(batch, context)`.
-  Decode progress is tracked as a fluid step counter: a sequence finishes when the counter passes
-  the step it joined at plus its output length. The rate is piecewise constant between events,
-  so the next event time is exact and the simulation never iterates over single tokens.
+* The worker runs steps, like a continuous-batching engine. A decode step produces one token for
+  every running sequence and costs `decode_step_ms(batch, context)`, the context being the KV the
+  batch reads *at that step* (each sequence's grows by one token per step: `DecodeRun`).
+* One prefill at a time, in arrival order (prefill-first). It runs in chunks of at most
+  `chunk_tokens`; a chunk step carries the running decodes too (each gets its token), so it costs
+  the chunk's prefill plus one decode step. A long prefill therefore slows every running
+  sequence's time per output token, as on a real engine.
+* The batch changes only at step boundaries: a request that arrives mid-step starts its prefill
+  at the next boundary; a sequence leaves at the end of the step that made its last token.
+* A planned pull copies the blocks the peer still holds at admission. The copy runs beside the
+  decode steps (the engine waits for the KV asynchronously); the prefill of the rest starts at
+  the first boundary after it lands. Pulled blocks are registered like computed ones.
 * Admission reserves blocks for prompt and output at once (no preemption); prompt blocks are
   registered when the prefill ends, generated blocks when the sequence finishes (when the
   workload knows the tokens a later prompt quotes), then the sequence frees tail-first.
-* A planned pull copies the blocks the peer still holds at admission, priced by the cost model's
-  transfer time before the prefill; pulled blocks are registered like computed ones.
 """
 
 from __future__ import annotations
@@ -30,10 +34,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvmesh.coordinator.sim.cost_model import SimCostModel
+from kvmesh.coordinator.sim.decode_run import BOUNDARY_EPSILON_MS, DecodeRun
 from kvmesh.proto.block_hash import BlockHash, num_reusable_tokens
 from kvmesh.workers.kv.block_pool import BlockId, BlockPool
-
-_STEP_EPSILON = 1e-6
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -81,8 +84,14 @@ class SimSequence:
     cached_tokens: int
     pulled_tokens: int
     admitted_ms: float
-    context_tokens: int  # KV the sequence attends to while decoding (prompt + half its output)
-    finish_step: float = 0.0
+    first_token_ms: float = math.nan
+    join_step: int = 0  # the worker's step count when its first token came out
+    finish_step: int = 0  # ... when its last one does
+
+    @property
+    def context_base(self) -> int:
+        """Its KV at worker step s is context_base + s (prompt, first token, one per step)."""
+        return self.request.prompt_len + 1 - self.join_step
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,9 +108,11 @@ class SimWorker:
     """A simulated engine over a real `BlockPool` (which several lanes may share: the oracle).
 
     Invariants (checked by `check_invariants`):
-      * at most one sequence prefills; every running sequence holds its reserved blocks
-      * batch_context == sum of context_tokens of the decoding sequences
-      * busy_ms only grows while something prefills or decodes
+      * at most one sequence prefills; a chunk step is in flight only while one does
+      * every running sequence holds its reserved blocks
+      * context_base == sum of the decoding sequences' context_base
+      * a decode run exists iff sequences decode and no chunk step is in flight
+      * busy_ms only grows while a step runs
     """
 
     def __init__(
@@ -123,12 +134,19 @@ class SimWorker:
         self.root = root
         self.queue: deque[tuple[SimRequest, PullSource | None]] = deque()
         self.prefilling: SimSequence | None = None
-        self.prefill_end_ms = math.inf
-        self._batch: list[tuple[float, int, SimSequence]] = []  # heap by finish step
+        self._prefill_done = 0  # prompt tokens of `prefilling` whose KV is ready
+        self._load_end_ms = 0.0  # its pulled KV has landed by then
+        self._chunk_len = 0
+        self._chunk_end_ms = math.inf  # the step carrying a prefill chunk ends then
+        self._batch: list[tuple[int, int, SimSequence]] = []  # heap by finish step
         self._order = 0
-        self.batch_context = 0
-        self.steps = 0.0
-        self._rate = 0.0  # decode steps per ms
+        self.context_base = 0
+        self.steps = 0  # steps finished (chunk steps included)
+        self._run: DecodeRun | None = None
+        self._run_start_step = 0
+        self._last_boundary_ms = 0.0
+        self._want_ms = 0.0  # the queue's head may start at the first boundary from then
+        self._blocked = False  # ... unless it waits for blocks (then a finish wakes it)
         self._last_ms = 0.0
         self.busy_ms = 0.0
         self.epoch = 0  # bumped whenever next_event_ms may have changed
@@ -164,37 +182,41 @@ class SimWorker:
         self.queue.append((request, pull))
 
     def next_event_ms(self) -> float:
-        t = self.prefill_end_ms if self.prefilling is not None else math.inf
-        if self._batch and self._rate > 0:
-            t = min(t, self._last_ms + max(0.0, self._batch[0][0] - self.steps) / self._rate)
+        if self._chunk_end_ms < math.inf:
+            return self._chunk_end_ms  # nothing leaves or joins inside a step
+        t = math.inf
+        if self._run is not None:
+            t = self._run.end_of_step_ms(self._batch[0][0] - self._run_start_step)
+        if self.prefilling is not None:
+            t = min(t, self._boundary_at_or_after(self._load_end_ms))
+        elif self.queue and not self._blocked:
+            t = min(t, self._boundary_at_or_after(self._want_ms))
         return t
 
     def advance(self, now_ms: float) -> StepOutcome:
-        """Bring the worker to `now_ms`, completing the prefill and the sequences due by then."""
-        self._progress(now_ms)
+        """Bring the worker to `now_ms` (a step boundary): end the chunk step and the sequences
+        due by then, and start the next chunk when the prefill's KV is ready."""
+        self._sync(now_ms)
         prefilled = None
-        finished: list[SimSequence] = []
-        if self.prefilling is not None and self.prefill_end_ms <= now_ms:
-            prefilled, self.prefilling, self.prefill_end_ms = self.prefilling, None, math.inf
-            request = prefilled.request
-            if not self.register_on_admit:
-                self._register(prefilled, prefilled.num_matched_blocks, request.num_prompt_blocks)
-            prefilled.finish_step = self.steps + request.output_len - 1
-            heapq.heappush(self._batch, (prefilled.finish_step, self._order, prefilled))
-            self._order += 1
-            self.batch_context += prefilled.context_tokens
-        while self._batch and self._batch[0][0] <= self.steps + _STEP_EPSILON:
-            _, _, seq = heapq.heappop(self._batch)
-            self.batch_context -= seq.context_tokens
-            self._register(seq, seq.request.num_prompt_blocks, len(seq.request.hashes))
-            self.pool.free(seq.blocks)
-            finished.append(seq)
-        self._update_rate()
-        return StepOutcome(prefilled, tuple(finished))
+        if self._chunk_end_ms <= now_ms + BOUNDARY_EPSILON_MS:
+            self._chunk_end_ms = math.inf
+            self.steps += 1
+            self._prefill_done += self._chunk_len
+            seq = self.prefilling
+            assert seq is not None
+            if self._prefill_done >= seq.request.prompt_len:
+                self.prefilling, prefilled = None, seq
+                self._join(seq, now_ms)
+        finished = self._retire()
+        self._rebase(now_ms)
+        self._maybe_start_chunk(now_ms)
+        self.epoch += 1
+        return StepOutcome(prefilled, finished)
 
     def try_admit(self, now_ms: float) -> SimSequence | None:
-        """Start the next queued prefill if the worker is free and the pool can reserve it."""
-        self._progress(now_ms)
+        """Start the next queued prefill if the worker is at a step boundary, has no prefill
+        running and the pool can reserve the request's blocks."""
+        self._sync(now_ms)
         if self.prefilling is not None or not self.queue:
             return None
         request, pull = self.queue[0]
@@ -203,28 +225,33 @@ class SimWorker:
         need = request.num_reserved_blocks - len(matched)
         reclaimed = sum(1 for b in matched if pool.ref_count(b) == 0)
         if need > pool.num_free - reclaimed:
+            self._set_waiting(now_ms, blocked=True)
             return None  # expected: wait for a running sequence to free its blocks
+        if self._run is not None and now_ms - self._last_boundary_ms > BOUNDARY_EPSILON_MS:
+            self._set_waiting(now_ms, blocked=False)
+            return None  # mid-step: the prefill joins at the next boundary
         self.queue.popleft()
+        self._blocked = False
         pool.acquire(matched)
         fresh = pool.allocate(need)
         assert fresh is not None
-        n, bs = request.prompt_len, self.block_size
-        cached = num_reusable_tokens(n, len(matched), bs)
+        n = request.prompt_len
+        cached = num_reusable_tokens(n, len(matched), self.block_size)
         ready = max(cached, self._pullable_tokens(request, pull))
-        context = n + request.output_len // 2
-        seq = SimSequence(
-            request, matched + fresh, len(matched), cached, ready - cached, now_ms, context
-        )
-        duration = self.cost.transfer_ms(ready - cached) + self.cost.prefill_ms(n - ready, ready)
-        if self._batch:
-            chunks = self.cost.num_chunks(n - ready)
-            duration += chunks * self.cost.decode_step_ms(len(self._batch), self.batch_context)
-            self._rate = chunks / duration
-        self.prefilling, self.prefill_end_ms = seq, now_ms + duration
+        seq = SimSequence(request, matched + fresh, len(matched), cached, ready - cached, now_ms)
+        self.prefilling, self._prefill_done = seq, ready
+        self._load_end_ms = now_ms + self.cost.transfer_ms(ready - cached)
         if self.register_on_admit:
             self._register(seq, seq.num_matched_blocks, request.num_prompt_blocks)
-        self._update_rate()
+        self._rebase(now_ms)
+        self._maybe_start_chunk(now_ms)
+        self.epoch += 1
         return seq
+
+    def _set_waiting(self, now_ms: float, blocked: bool) -> None:
+        if (self._blocked, self._want_ms) != (blocked, now_ms):
+            self._blocked, self._want_ms = blocked, now_ms
+            self.epoch += 1
 
     def _pullable_tokens(self, request: SimRequest, pull: PullSource | None) -> int:
         """Prompt tokens available after the pull: what the peer still holds of the plan."""
@@ -233,22 +260,77 @@ class SimWorker:
         held = len(pull.pool.match_prefix(request.prompt_hashes[: pull.num_blocks]))
         return num_reusable_tokens(request.prompt_len, held, self.block_size)
 
-    def _progress(self, now_ms: float) -> None:
+    def _sync(self, now_ms: float) -> None:
+        """Count the busy time and the decode steps finished since the last look."""
         elapsed = now_ms - self._last_ms
-        if elapsed > 0:
-            if self.prefilling is not None or self._batch:
-                self.busy_ms += elapsed
-            self.steps += self._rate * elapsed
-            self._last_ms = now_ms
+        if elapsed <= 0:
+            return
+        if self._run is not None or self._chunk_end_ms < math.inf:
+            self.busy_ms += elapsed
+        if self._run is not None:
+            done = self._run.steps_done_by(now_ms)
+            self.steps = self._run_start_step + done
+            self._last_boundary_ms = self._run.end_of_step_ms(done)
+        elif self._chunk_end_ms == math.inf:
+            self._last_boundary_ms = now_ms  # idle: any time is a boundary
+        self._last_ms = now_ms
 
-    def _update_rate(self) -> None:
-        if self.prefilling is None:
-            step_ms = self.cost.decode_step_ms(len(self._batch), self.batch_context)
-            self._rate = 1.0 / step_ms if self._batch and step_ms > 0 else 0.0
-        elif not self._batch:
-            self._rate = 0.0
-        # while prefilling with a batch, the rate set at admission (one step per chunk) holds
-        self.epoch += 1
+    def _boundary_at_or_after(self, t_ms: float) -> float:
+        return t_ms if self._run is None else self._run.boundary_at_or_after(t_ms)
+
+    def _rebase(self, now_ms: float) -> None:
+        """The batch may have changed at this boundary: time the next run of decode steps."""
+        self._last_boundary_ms = self._last_ms = now_ms
+        if self._batch and self._chunk_end_ms == math.inf:
+            cost = self.cost
+            self._run = DecodeRun(
+                now_ms,
+                cost.decode_step_ms(len(self._batch), 0),
+                cost.decode_per_context_token_ms,
+                self._batch_context(),
+                len(self._batch),
+            )
+            self._run_start_step = self.steps
+        else:
+            self._run = None
+
+    def _batch_context(self) -> int:
+        return self.context_base + len(self._batch) * self.steps
+
+    def _maybe_start_chunk(self, now_ms: float) -> None:
+        seq = self.prefilling
+        if seq is None or self._chunk_end_ms < math.inf:
+            return
+        if self._load_end_ms > now_ms + BOUNDARY_EPSILON_MS:
+            return  # the pull has not landed: decode steps go on meanwhile
+        self._chunk_len = min(self.cost.chunk_tokens, seq.request.prompt_len - self._prefill_done)
+        duration = self.cost.prefill_ms(self._chunk_len, self._prefill_done)
+        duration += self.cost.decode_step_ms(len(self._batch), self._batch_context())
+        self._chunk_end_ms = now_ms + duration
+        self._run = None
+
+    def _join(self, seq: SimSequence, now_ms: float) -> None:
+        request = seq.request
+        if not self.register_on_admit:
+            self._register(seq, seq.num_matched_blocks, request.num_prompt_blocks)
+        seq.first_token_ms = now_ms
+        seq.join_step = self.steps
+        seq.finish_step = self.steps + request.output_len - 1
+        heapq.heappush(self._batch, (seq.finish_step, self._order, seq))
+        self._order += 1
+        self.context_base += seq.context_base
+
+    def _retire(self) -> tuple[SimSequence, ...]:
+        finished = []
+        while self._batch and self._batch[0][0] <= self.steps:
+            _, _, seq = heapq.heappop(self._batch)
+            self.context_base -= seq.context_base
+            self._register(seq, seq.request.num_prompt_blocks, len(seq.request.hashes))
+            self.pool.free(seq.blocks)
+            finished.append(seq)
+        if finished:
+            self._blocked = False
+        return tuple(finished)
 
     def _register(self, seq: SimSequence, start: int, stop: int) -> None:
         hashes = seq.request.hashes
@@ -256,7 +338,9 @@ class SimWorker:
             self.pool.register(seq.blocks[i], hashes[i], hashes[i - 1] if i else self.root)
 
     def check_invariants(self) -> None:
-        assert self.batch_context == sum(s.context_tokens for _, _, s in self._batch)
+        assert self.context_base == sum(s.context_base for _, _, s in self._batch)
+        assert self._chunk_end_ms == math.inf or self.prefilling is not None
+        assert (self._run is not None) == (bool(self._batch) and self._chunk_end_ms == math.inf)
         for _, _, seq in self._batch:
             assert all(self.pool.ref_count(b) > 0 for b in seq.blocks)
         if self.prefilling is not None:

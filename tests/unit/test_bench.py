@@ -34,3 +34,17 @@ def test_summarize_folds_responses_into_the_simulator_metrics() -> None:
     assert m["requests_per_worker"] == {"w0": 2, "w1": 1, "w2": 0}
     assert m["imbalance"] == 2.0  # max 2 / mean 1
     assert m["ttft_p50_ms"] == 20.0 and m["decisions_per_s"] is None
+
+
+def test_summarize_reports_tpot_end_to_end_and_goodput_under_the_slo() -> None:
+    samples = [
+        BenchSample(True, "w0", 100, 0, 0, 100.0, e2e_ms=1100.0, num_output_tokens=11),  # 100/tok
+        BenchSample(True, "w0", 100, 0, 0, 100.0, e2e_ms=2100.0, num_output_tokens=11),  # 200/tok
+        BenchSample(True, "w1", 100, 0, 0, 3000.0, e2e_ms=3000.0, num_output_tokens=1),  # late
+        BenchSample(True, "w1", 100, 0, 0, 50.0, e2e_ms=50.0, num_output_tokens=1),  # no TPOT
+    ]
+    m = summarize(samples, ["w0", "w1"], elapsed_s=2.0, slo_ttft_ms=2000.0, slo_tpot_ms=150.0)
+    assert (m["tpot_p50_ms"], m["tpot_p90_ms"]) == (150.0, 190.0)  # two samples: 100 and 200
+    assert m["e2e_p50_ms"] == 1600.0
+    assert m["goodput_rps"] == 1.0 and m["slo_attainment"] == 0.5  # the first and the last
+    assert samples[3].tpot_ms is None

@@ -10,7 +10,14 @@ from kvmesh.coordinator.index.mirror import WorkerId
 from kvmesh.coordinator.routing.cost_model import CostModel
 from kvmesh.coordinator.routing.recent_load import RecentLoad
 from kvmesh.coordinator.routing.routed_prefixes import RoutedPrefixes
-from kvmesh.coordinator.routing.router import KvmeshPolicy, KvmeshWeights, RouteQuery, WorkerView
+from kvmesh.coordinator.routing.router import (
+    KvmeshPolicy,
+    KvmeshWeights,
+    RouteDecision,
+    RouteQuery,
+    WorkerView,
+)
+from kvmesh.coordinator.routing.running_context import RunningContext
 from kvmesh.proto.block_hash import BlockHash
 
 CM = CostModel()
@@ -120,3 +127,82 @@ def test_weights_are_validated() -> None:
         KvmeshWeights(recompute_weight=-1)
     with pytest.raises(ValueError, match="balance_horizon_s must be > 0, got 0"):
         KvmeshWeights(balance_horizon_s=0)
+
+
+def test_running_context_sums_prompts_until_done_or_expired() -> None:
+    r = RunningContext(ttl_s=100.0)
+    r.add("r1", A, 5000, now_s=0.0)
+    r.add("r2", A, 300, now_s=1.0)
+    r.add("r3", B, 700, now_s=2.0)
+    assert (r.tokens(A), r.tokens(B)) == (5300, 700)
+    r.discard("r1")
+    r.discard("r1")  # a second report changes nothing
+    assert r.tokens(A) == 300
+    r.expire(now_s=101.5)  # r2 (routed at 1.0) is past its ttl, r3 not yet
+    assert (r.tokens(A), r.tokens(B), len(r)) == (0, 700, 1)
+    r.check_invariants()
+    r.forget_worker(B)
+    assert len(r) == 0 and r.tokens(B) == 0
+    with pytest.raises(ValueError, match="ttl_s must be > 0, got 0"):
+        RunningContext(ttl_s=0)
+
+
+# Only the decode term differs between the workers in these tests.
+DECODE_ONLY = KvmeshWeights(placement_balance=0, request_balance=0)
+KV_CM = CostModel(decode_per_kv_token_ms=1e-4)
+
+
+def _scores(d: RouteDecision) -> dict[str, float]:
+    return {s.worker_id: s.cost_ms for s in d.scores}
+
+
+def test_a_worker_whose_running_requests_read_more_kv_costs_more_per_token() -> None:
+    p = KvmeshPolicy(KV_CM, random.Random(0), Clock(), DECODE_ONLY)
+    for i, n in enumerate((8000, 4000)):  # two long conversations running on a
+        p.choose(RouteQuery(f"long{i}", hashes(500 + i), n, 16), [view("a")])
+    d = p.choose(query("q", hashes(1, 2)), [view("a"), view("b")])
+    assert d.worker_id == "b"
+    gap = _scores(d)["a"] - _scores(d)["b"]
+    # 2 (its steps and theirs) x 16 tokens x 1e-4 ms x 12,000 tokens of KV more per step.
+    assert gap == pytest.approx(2 * DECODE_ONLY.decode_tokens * 1e-4 * 12000)
+    p.on_request_done("long0")
+    p.on_request_done("long1")
+    p.on_request_done("q")
+    d = p.choose(query("q2", hashes(1, 2)), [view("a"), view("b")])
+    assert _scores(d)["a"] == pytest.approx(_scores(d)["b"])
+
+
+def test_without_a_kv_price_the_batch_size_prices_decode() -> None:
+    p = KvmeshPolicy(CM, random.Random(0), Clock(), DECODE_ONLY)
+    busy = WorkerView(WorkerId("a"), 1000, 1000, 0.0, 0, 3, 0, 0)  # 3 running
+    d = p.choose(query("q", hashes(1, 2)), [busy, view("b")])
+    step = CM.decode_step_ms(3)  # the running batch rides along the prefill ...
+    per_token = 2 * DECODE_ONLY.decode_tokens * 3 * CM.decode_per_seq_ms  # ... and slows decode
+    assert _scores(d)["a"] - _scores(d)["b"] == pytest.approx(step + per_token)
+
+
+@pytest.mark.parametrize("decode_tokens", [0.0, 16.0])
+def test_a_hot_prefix_is_replicated_once_its_holders_batch_outweighs_recomputing_it(
+    decode_tokens: float,
+) -> None:
+    weights = KvmeshWeights(placement_balance=0, request_balance=0, decode_tokens=decode_tokens)
+    p = KvmeshPolicy(KV_CM, random.Random(0), Clock(), weights)
+    prefix = hashes(*range(1, 129))  # 2,048 tokens on a, nowhere else
+    holder, other = view("a", matched=128), view("b")
+    landed = [
+        p.choose(
+            RouteQuery(f"r{i}", [*prefix, BlockHash(1000 + i)], 16 * 129 + 5, 16), [holder, other]
+        ).worker_id
+        for i in range(40)
+    ]  # none finishes: a's batch keeps growing
+    if decode_tokens == 0:
+        assert set(landed) == {"a"}  # nothing prices the batch: the holder takes them all
+    else:
+        first_b = landed.index("b")
+        # Continuous: b wins once a's extra KV per step, paid 2 x 16 times, passes the
+        # recompute saving (prefill of the 2K prefix, counted twice) - not at a fixed count.
+        saving = (1 + weights.recompute_weight) * (
+            KV_CM.prefill_ms(16 * 129 + 5) - KV_CM.prefill_ms(16 * 129 + 5 - 2048, 2048)
+        )
+        extra_kv = 2 * 16 * 1e-4 * (16 * 129 + 5)
+        assert first_b == pytest.approx(saving / extra_kv, abs=1.5)

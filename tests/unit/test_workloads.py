@@ -16,6 +16,7 @@ SMALL = {
     "multi_turn": {"num_sessions": 3, "turns_per_session": 3, "first_message_len": 32},
     "rag": {"num_requests": 40, "corpus_docs": 16, "doc_len": 32},
     "agentic": {"num_agents": 3, "steps_per_agent": 4, "system_prompt_len": 64},
+    "hot_prefix": {"num_requests": 40, "prefix_len": 64, "question_len": 32},
 }
 
 
@@ -73,6 +74,19 @@ def test_agentic_context_grows_by_tool_output_and_action() -> None:
     lengths = sorted({r.prompt_len for r in reqs})
     action = workloads.AgenticConfig().action_len
     assert lengths == [64 + 512 + k * (10 + action) for k in range(4)]
+
+
+def test_hot_prefix_heat_is_skewed_and_answers_are_short_or_long() -> None:
+    config = {"num_requests": 3000, "prefix_len": 32, "question_len": 16}
+    requests = workloads.generate("hot_prefix", 2, config)
+    heads = [r.token_ids[:32].tobytes() for r in requests]
+    counts = sorted((heads.count(h) for h in set(heads)), reverse=True)
+    shares = [c / len(requests) for c in counts]
+    # Defaults: 6 prompts, Zipf 0.8, 20% cold. The two hottest exceed 1/8 (8 workers' fair share).
+    assert 0.24 < shares[0] < 0.32 and 0.13 < shares[1] < 0.19 and shares[2] < shares[1]
+    assert sum(c for c in counts if c > 1) == pytest.approx(0.8 * len(requests), rel=0.05)
+    assert {r.output_len for r in requests} == {24, 640}
+    assert all(r.prompt_len >= 32 + 16 for r in requests)
 
 
 def test_overrides_are_checked_with_the_field_named() -> None:

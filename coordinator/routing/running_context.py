@@ -1,0 +1,83 @@
+"""The KV each worker's running requests read per decode step, as far as the router knows it.
+
+A decode step reads every running sequence's whole context (a prefix several sequences share is
+read once per sequence by the attention kernel), so what a worker's batch adds to each step grows
+with the sum of its requests' prompt lengths, not with their number: ten 20K-token conversations
+slow a step far more than ten 2K-token questions. Tokens generated since are not counted (the
+router does not see them); requests that are never reported done leave after `ttl_s`, which
+bounds the memory when a caller never calls `discard`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from kvmesh.coordinator.index.mirror import WorkerId
+
+
+@dataclass(frozen=True, slots=True)
+class _Running:
+    worker: WorkerId
+    num_tokens: int
+    routed_s: float
+
+
+class RunningContext:
+    """Per-worker sum of the prompt tokens of requests routed there and not done.
+
+    Invariants: tokens(w) == sum of num_tokens of w's entries; entries are in routing order.
+    """
+
+    def __init__(self, ttl_s: float = 600.0) -> None:
+        if not ttl_s > 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        self.ttl_s = ttl_s
+        self._entries: OrderedDict[str, _Running] = OrderedDict()
+        self._tokens: dict[WorkerId, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def tokens(self, worker: WorkerId) -> int:
+        return self._tokens.get(worker, 0)
+
+    def add(self, request_id: str, worker: WorkerId, num_tokens: int, now_s: float) -> None:
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        self.discard(request_id)
+        self._entries[request_id] = _Running(worker, num_tokens, now_s)
+        self._tokens[worker] = self._tokens.get(worker, 0) + num_tokens
+
+    def discard(self, request_id: str) -> None:
+        entry = self._entries.pop(request_id, None)
+        if entry is not None:
+            self._take(entry)
+
+    def expire(self, now_s: float) -> None:
+        while self._entries:
+            request_id, entry = next(iter(self._entries.items()))
+            if now_s - entry.routed_s < self.ttl_s:
+                return
+            del self._entries[request_id]
+            self._take(entry)
+
+    def forget_worker(self, worker: WorkerId) -> None:
+        for request_id in [r for r, e in self._entries.items() if e.worker == worker]:
+            del self._entries[request_id]
+        self._tokens.pop(worker, None)
+
+    def _take(self, entry: _Running) -> None:
+        left = self._tokens[entry.worker] - entry.num_tokens
+        if left:
+            self._tokens[entry.worker] = left
+        else:
+            del self._tokens[entry.worker]
+
+    def check_invariants(self) -> None:
+        sums: dict[WorkerId, int] = {}
+        for e in self._entries.values():
+            sums[e.worker] = sums.get(e.worker, 0) + e.num_tokens
+        assert sums == {w: t for w, t in self._tokens.items() if t}, (sums, self._tokens)
+        times = [e.routed_s for e in self._entries.values()]
+        assert times == sorted(times)
