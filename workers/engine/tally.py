@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvmesh.workers.contract.replies import PrefillFacts, WorkerCounters
+from kvmesh.workers.kv.warm_sessions import WarmSessionStats
 
 
 @dataclass(slots=True)
@@ -33,7 +34,9 @@ class WorkerTally:
         self.pulled_tokens += facts.pulled_tokens
         self.computed_tokens += facts.computed_tokens
 
-    def snapshot(self, num_preemptions: int, num_host_blocks: int) -> WorkerCounters:
+    def snapshot(
+        self, num_preemptions: int, num_host_blocks: int, sessions: WarmSessionStats
+    ) -> WorkerCounters:
         return WorkerCounters(
             num_requests=self.num_requests,
             num_finished=self.num_finished,
@@ -49,6 +52,11 @@ class WorkerTally:
             num_preemptions=num_preemptions,
             num_host_blocks=num_host_blocks,
             prefill_ms_per_token=self.prefill_ms_total / max(1, self.prefill_tokens_total),
+            num_warm_sessions=sessions.num_sessions,
+            warm_session_bytes=sessions.num_bytes,
+            num_sessions_evicted_ttl=sessions.num_evicted_ttl,
+            num_sessions_evicted_budget=sessions.num_evicted_budget,
+            num_sessions_evicted_pressure=sessions.num_evicted_pressure,
         )
 
     def check_invariants(self) -> None:
