@@ -159,6 +159,8 @@ def route_from_proto(message: pb.RouteResponse) -> RouteResult:
             for s in message.scores
         ],
         policy=message.policy,
+        session_worker_id=message.session_worker_id,
+        session_affinity_ms=message.session_affinity_ms,
     )
 
 

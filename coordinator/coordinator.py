@@ -29,6 +29,7 @@ from kvmesh.coordinator.routing.load_tracker import LoadTracker
 from kvmesh.coordinator.routing.pull_planner import PullPlan, best_peer, cheapest_prefill
 from kvmesh.coordinator.routing.router import RouteDecision, RouteQuery, WorkerView, make_policy
 from kvmesh.coordinator.routing.transfer_planner import PullPricing
+from kvmesh.coordinator.session_turns import SessionTurns, TurnMode
 from kvmesh.proto.block_hash import (
     BlockHash,
     block_hashes,
@@ -143,8 +144,13 @@ class Coordinator:
         self._worker_free_blocks = worker_free_blocks or (lambda _w: (1 << 30, 1 << 30))
         self.cost_model = cost_model or CostModel()
         self.policy = make_policy(
-            config.policy, self.cost_model, random.Random(config.route_seed), clock
+            config.policy,
+            self.cost_model,
+            random.Random(config.route_seed),
+            clock,
+            session_affinity_blocks=config.session_affinity_blocks,
         )
+        self.turns = SessionTurns()
         self.load = LoadTracker()
         self._lock = threading.Lock()  # guards policy, load tracker and counters
         self.counters = Counters()
@@ -247,9 +253,45 @@ class Coordinator:
         session_id: str = "",
         worker_id: str = "",
         request_id: str = "",
+        turn_mode: TurnMode = TurnMode.CONCURRENT,
     ) -> Iterator[StreamEvent]:
-        """Route (unless `worker_id` forces placement) and stream the worker's outputs."""
+        """Route (unless `worker_id` forces placement) and stream the worker's outputs.
+
+        With a `turn_mode` other than CONCURRENT, the stream first waits for (or refuses, with
+        `SessionBusy`) another turn of the session in flight, and routes only then."""
         self.check_sampling(prompt, sampling)
+        if session_id and turn_mode is not TurnMode.CONCURRENT:
+            return self._exclusive_turn(
+                prompt, sampling, session_id, worker_id, request_id, turn_mode
+            )
+        return self._route_and_stream(prompt, sampling, session_id, worker_id, request_id, True)
+
+    def _exclusive_turn(
+        self,
+        prompt: PreparedPrompt,
+        sampling: SamplingConfig,
+        session_id: str,
+        worker_id: str,
+        request_id: str,
+        mode: TurnMode,
+    ) -> Iterator[StreamEvent]:
+        self.turns.begin(session_id, mode, self.config.session_queue_timeout_s)
+        try:
+            yield from self._route_and_stream(
+                prompt, sampling, session_id, worker_id, request_id, False
+            )
+        finally:
+            self.turns.end(session_id)
+
+    def _route_and_stream(
+        self,
+        prompt: PreparedPrompt,
+        sampling: SamplingConfig,
+        session_id: str,
+        worker_id: str,
+        request_id: str,
+        count_turn: bool,
+    ) -> Iterator[StreamEvent]:
         request_id = request_id or uuid.uuid4().hex
         if worker_id:
             chosen, predicted, pull, matched = self._forced(prompt, worker_id)
@@ -268,10 +310,12 @@ class Coordinator:
             self.load.on_routed(request_id, chosen, predicted, uncached)
             self.counters.num_requests += 1
         spec = self._pull_spec(pull, chosen, prompt) if pull is not None else None
-        request = WorkerRequest(request_id, prompt.token_ids, sampling, prompt.cache_salt, spec)
+        request = WorkerRequest(
+            request_id, prompt.token_ids, sampling, prompt.cache_salt, spec, session_id
+        )
         # Handed to the backend now: a lazy backend (Ray) calls the worker on the first read, an
         # eager one (the simulator) queues the request at once.
-        return self._stream(chosen, request, self.backend.generate(chosen, request))
+        return self._stream(chosen, request, self.backend.generate(chosen, request), count_turn)
 
     def _pull_spec(
         self, pull: PullPlan, target: WorkerId, prompt: PreparedPrompt
@@ -310,11 +354,19 @@ class Coordinator:
         return prompt_len - num_reusable_tokens(prompt_len, matched_blocks, self.config.block_size)
 
     def _stream(
-        self, worker: WorkerId, request: WorkerRequest, outputs: Iterator[RequestOutput]
+        self,
+        worker: WorkerId,
+        request: WorkerRequest,
+        outputs: Iterator[RequestOutput],
+        count_turn: bool = True,
     ) -> Iterator[StreamEvent]:
         """The worker's outputs as stream events. If the worker dies mid-stream, the request
         moves to another live worker with its prompt plus the tokens already streamed (at most
-        `max_migrations` times), so the client sees a slower stream, not an error."""
+        `max_migrations` times), so the client sees a slower stream, not an error; it keeps its
+        session. `count_turn`: count it among its session's turns in flight (an exclusive turn
+        was counted before it was routed)."""
+        if count_turn:
+            self.turns.begin(request.session_id, TurnMode.CONCURRENT)
         ok = cancelled = False
         produced: list[int] = []
         migrations = 0
@@ -339,6 +391,8 @@ class Coordinator:
             cancelled = True
             raise
         finally:
+            if count_turn:
+                self.turns.end(request.session_id)
             with self._lock:
                 self.load.on_finished(current.request_id)
                 self.policy.on_request_done(current.request_id)
@@ -377,7 +431,8 @@ class Coordinator:
             raise WorkerDied(dead)  # nothing left to generate but the final message was lost
         prompt = self.prepare(list(original.prompt_ids) + produced, "", original.cache_salt)
         request_id = f"{original.request_id}.m{attempt}"
-        decision = self.route(prompt, request_id=request_id)  # raises NoLiveWorker if none
+        # raises NoLiveWorker if none; the session's affinity moves with the turn
+        decision = self.route(prompt, original.session_id, request_id)
         with self._lock:
             uncached = self._uncached_tokens(len(prompt.token_ids), decision.matched_blocks)
             self.load.on_routed(
@@ -385,7 +440,11 @@ class Coordinator:
             )
         sampling = replace(original.sampling, max_tokens=remaining)
         return decision.worker_id, WorkerRequest(
-            request_id, prompt.token_ids, sampling, original.cache_salt
+            request_id,
+            prompt.token_ids,
+            sampling,
+            original.cache_salt,
+            session_id=original.session_id,
         )
 
     def _on_prefilled(self, worker: WorkerId, request: WorkerRequest, facts: PrefillFacts) -> None:
@@ -421,6 +480,7 @@ class Coordinator:
                 "computed_tokens": c.computed_tokens,
                 "generated_tokens": c.generated_tokens,
                 "num_migrations": c.num_migrations,
+                "num_session_turns_refused": self.turns.num_refused,
                 "hit_rate": c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
             }
         snapshot["num_indexed_blocks"] = self.mirror.num_blocks

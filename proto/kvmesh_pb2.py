@@ -24,59 +24,61 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvmesh/proto/kvmesh.proto\x12\tkvmesh.v1\"\xa0\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\r\n\x05min_p\x18\x08 \x01(\x02\"\xb0\x01\n\x0fGenerateRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x11\n\tworker_id\x18\x06 \x01(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\t\"\x8d\x01\n\nCacheFacts\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x15\n\rpulled_tokens\x18\x04 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x05 \x01(\r\x12\x0e\n\x06policy\x18\x06 \x01(\t\"\x95\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12$\n\x05\x63\x61\x63he\x18\x03 \x01(\x0b\x32\x15.kvmesh.v1.CacheFacts\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x0f\n\x07ttft_ms\x18\x05 \x01(\x01\x12\x12\n\nrequest_id\x18\x06 \x01(\t\"Y\n\x0cRouteRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x12\n\ncache_salt\x18\x04 \x01(\t\"I\n\x0bWorkerScore\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x16\n\x0ematched_blocks\x18\x02 \x01(\r\x12\x0f\n\x07\x63ost_ms\x18\x03 \x01(\x01\"\x9a\x01\n\rRouteResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x16\n\x0ematched_tokens\x18\x03 \x01(\r\x12\x0f\n\x07\x63ost_ms\x18\x04 \x01(\x01\x12&\n\x06scores\x18\x05 \x03(\x0b\x32\x16.kvmesh.v1.WorkerScore\x12\x0e\n\x06policy\x18\x06 \x01(\t\"F\n\rLookupRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x12\n\ncache_salt\x18\x03 \x01(\t\"P\n\x0bWorkerMatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x16\n\x0ematched_blocks\x18\x02 \x01(\r\x12\x16\n\x0ematched_tokens\x18\x03 \x01(\r\"c\n\x0eLookupResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x04\x12\'\n\x07matches\x18\x03 \x03(\x0b\x32\x16.kvmesh.v1.WorkerMatch\"\x0e\n\x0cStatsRequest\"\x85\x05\n\rStatsResponse\x12\x13\n\x0bnum_workers\x18\x01 \x01(\r\x12\x18\n\x10num_live_workers\x18\x02 \x01(\r\x12\x1a\n\x12num_indexed_blocks\x18\x03 \x01(\x04\x12\x14\n\x0cnum_requests\x18\x04 \x01(\x04\x12\x1b\n\x13num_failed_requests\x18\x05 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x06 \x01(\x04\x12\x15\n\rcached_tokens\x18\x07 \x01(\x04\x12\x17\n\x0f\x63omputed_tokens\x18\x08 \x01(\x04\x12\x18\n\x10generated_tokens\x18\t \x01(\x04\x12\x10\n\x08hit_rate\x18\n \x01(\x01\x12\x0e\n\x06policy\x18\x0b \x01(\t\x12\x17\n\x0fredis_connected\x18\x0c \x01(\x08\x12\x1a\n\x12num_events_applied\x18\r \x01(\x04\x12\x13\n\x0bnum_resyncs\x18\x0e \x01(\x04\x12\x12\n\nblock_size\x18\x0f \x01(\r\x12\r\n\x05model\x18\x10 \x01(\t\x12\x15\n\rpulled_tokens\x18\x1e \x01(\x04\x12\x11\n\tnum_pulls\x18\x1f \x01(\x04\x12\x18\n\x10num_failed_pulls\x18  \x01(\x04\x12\x16\n\x0enum_migrations\x18! \x01(\x04\x12\x0f\n\x07routing\x18( \x01(\t\x12\x19\n\x11num_decode_errors\x18) \x01(\x04\x12\x1b\n\x13num_drained_workers\x18* \x01(\r\x12\x1d\n\x15num_rejected_requests\x18+ \x01(\x04\x12\x1e\n\x16num_cancelled_requests\x18, \x01(\x04\x12\"\n\x1anum_slow_streams_cancelled\x18- \x01(\x04\"\xb7\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\x03\x12\x0c\n\x04node\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x06 \x01(\r\x12\r\n\x05\x61live\x18\x07 \x01(\x08\x12\x15\n\rcached_tokens\x18\x08 \x01(\x04\x12\x17\n\x0f\x63omputed_tokens\x18\t \x01(\x04\x12\x14\n\x0cnum_requests\x18\n \x01(\x04\x12\x13\n\x0bnum_running\x18\x0b \x01(\r\x12\x13\n\x0bnum_waiting\x18\x0c \x01(\r\x12\x12\n\ngeneration\x18\r \x01(\x04\x12\x1a\n\x12num_indexed_blocks\x18\x0e \x01(\x04\x12\x0f\n\x07\x64rained\x18( \x01(\x08\"\x14\n\x12ListWorkersRequest\"=\n\x13ListWorkersResponse\x12&\n\x07workers\x18\x01 \x03(\x0b\x32\x15.kvmesh.v1.WorkerInfo\"2\n\x0c\x44rainRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07undrain\x18\x02 \x01(\x08\"+\n\rDrainResponse\x12\x1a\n\x12\x64rained_worker_ids\x18\x01 \x03(\t\"\x13\n\x11\x43learCacheRequest\"<\n\rWorkerCleared\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x18\n\x10num_freed_blocks\x18\x02 \x01(\r\"?\n\x12\x43learCacheResponse\x12)\n\x07workers\x18\x01 \x03(\x0b\x32\x18.kvmesh.v1.WorkerCleared\"\x14\n\x12VerifyIndexRequest\"\x9d\x01\n\x0fWorkerIndexView\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x61live\x18\x02 \x01(\x08\x12\x15\n\rmirror_hashes\x18\x03 \x03(\x04\x12\x13\n\x0bpool_hashes\x18\x04 \x03(\x04\x12\x19\n\x11mirror_generation\x18\x05 \x01(\x04\x12\x12\n\nmirror_seq\x18\x06 \x01(\x04\x12\r\n\x05owned\x18\x07 \x01(\x08\"[\n\x13VerifyIndexResponse\x12+\n\x07workers\x18\x01 \x03(\x0b\x32\x1a.kvmesh.v1.WorkerIndexView\x12\x17\n\x0fredis_connected\x18\x02 \x01(\x08\x32\xa9\x04\n\x06KVMesh\x12\x45\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x12:\n\x05Route\x12\x17.kvmesh.v1.RouteRequest\x1a\x18.kvmesh.v1.RouteResponse\x12=\n\x06Lookup\x12\x18.kvmesh.v1.LookupRequest\x1a\x19.kvmesh.v1.LookupResponse\x12:\n\x05Stats\x12\x17.kvmesh.v1.StatsRequest\x1a\x18.kvmesh.v1.StatsResponse\x12L\n\x0bListWorkers\x12\x1d.kvmesh.v1.ListWorkersRequest\x1a\x1e.kvmesh.v1.ListWorkersResponse\x12:\n\x05\x44rain\x12\x17.kvmesh.v1.DrainRequest\x1a\x18.kvmesh.v1.DrainResponse\x12I\n\nClearCache\x12\x1c.kvmesh.v1.ClearCacheRequest\x1a\x1d.kvmesh.v1.ClearCacheResponse\x12L\n\x0bVerifyIndex\x12\x1d.kvmesh.v1.VerifyIndexRequest\x1a\x1e.kvmesh.v1.VerifyIndexResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvmesh/proto/kvmesh.proto\x12\tkvmesh.v1\"\xa0\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\r\n\x05min_p\x18\x08 \x01(\x02\"\xd8\x01\n\x0fGenerateRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x11\n\tworker_id\x18\x06 \x01(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12&\n\tturn_mode\x18\x08 \x01(\x0e\x32\x13.kvmesh.v1.TurnMode\"\x8d\x01\n\nCacheFacts\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x15\n\rpulled_tokens\x18\x04 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x05 \x01(\r\x12\x0e\n\x06policy\x18\x06 \x01(\t\"\x95\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12$\n\x05\x63\x61\x63he\x18\x03 \x01(\x0b\x32\x15.kvmesh.v1.CacheFacts\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x0f\n\x07ttft_ms\x18\x05 \x01(\x01\x12\x12\n\nrequest_id\x18\x06 \x01(\t\"Y\n\x0cRouteRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x12\n\ncache_salt\x18\x04 \x01(\t\"I\n\x0bWorkerScore\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x16\n\x0ematched_blocks\x18\x02 \x01(\r\x12\x0f\n\x07\x63ost_ms\x18\x03 \x01(\x01\"\xd2\x01\n\rRouteResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x16\n\x0ematched_tokens\x18\x03 \x01(\r\x12\x0f\n\x07\x63ost_ms\x18\x04 \x01(\x01\x12&\n\x06scores\x18\x05 \x03(\x0b\x32\x16.kvmesh.v1.WorkerScore\x12\x0e\n\x06policy\x18\x06 \x01(\t\x12\x19\n\x11session_worker_id\x18\x07 \x01(\t\x12\x1b\n\x13session_affinity_ms\x18\x08 \x01(\x01\"F\n\rLookupRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x12\n\ncache_salt\x18\x03 \x01(\t\"P\n\x0bWorkerMatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x16\n\x0ematched_blocks\x18\x02 \x01(\r\x12\x16\n\x0ematched_tokens\x18\x03 \x01(\r\"c\n\x0eLookupResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x04\x12\'\n\x07matches\x18\x03 \x03(\x0b\x32\x16.kvmesh.v1.WorkerMatch\"\x0e\n\x0cStatsRequest\"\xcd\x06\n\rStatsResponse\x12\x13\n\x0bnum_workers\x18\x01 \x01(\r\x12\x18\n\x10num_live_workers\x18\x02 \x01(\r\x12\x1a\n\x12num_indexed_blocks\x18\x03 \x01(\x04\x12\x14\n\x0cnum_requests\x18\x04 \x01(\x04\x12\x1b\n\x13num_failed_requests\x18\x05 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x06 \x01(\x04\x12\x15\n\rcached_tokens\x18\x07 \x01(\x04\x12\x17\n\x0f\x63omputed_tokens\x18\x08 \x01(\x04\x12\x18\n\x10generated_tokens\x18\t \x01(\x04\x12\x10\n\x08hit_rate\x18\n \x01(\x01\x12\x0e\n\x06policy\x18\x0b \x01(\t\x12\x17\n\x0fredis_connected\x18\x0c \x01(\x08\x12\x1a\n\x12num_events_applied\x18\r \x01(\x04\x12\x13\n\x0bnum_resyncs\x18\x0e \x01(\x04\x12\x12\n\nblock_size\x18\x0f \x01(\r\x12\r\n\x05model\x18\x10 \x01(\t\x12\x15\n\rpulled_tokens\x18\x1e \x01(\x04\x12\x11\n\tnum_pulls\x18\x1f \x01(\x04\x12\x18\n\x10num_failed_pulls\x18  \x01(\x04\x12\x16\n\x0enum_migrations\x18! \x01(\x04\x12\x0f\n\x07routing\x18( \x01(\t\x12\x19\n\x11num_decode_errors\x18) \x01(\x04\x12\x1b\n\x13num_drained_workers\x18* \x01(\r\x12\x1d\n\x15num_rejected_requests\x18+ \x01(\x04\x12\x1e\n\x16num_cancelled_requests\x18, \x01(\x04\x12\"\n\x1anum_slow_streams_cancelled\x18- \x01(\x04\x12\x19\n\x11num_warm_sessions\x18\x32 \x01(\r\x12\x1a\n\x12warm_session_bytes\x18\x33 \x01(\x04\x12 \n\x18num_sessions_evicted_ttl\x18\x34 \x01(\x04\x12#\n\x1bnum_sessions_evicted_budget\x18\x35 \x01(\x04\x12%\n\x1dnum_sessions_evicted_pressure\x18\x36 \x01(\x04\x12!\n\x19num_session_turns_refused\x18\x37 \x01(\x04\"\xee\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\x03\x12\x0c\n\x04node\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x06 \x01(\r\x12\r\n\x05\x61live\x18\x07 \x01(\x08\x12\x15\n\rcached_tokens\x18\x08 \x01(\x04\x12\x17\n\x0f\x63omputed_tokens\x18\t \x01(\x04\x12\x14\n\x0cnum_requests\x18\n \x01(\x04\x12\x13\n\x0bnum_running\x18\x0b \x01(\r\x12\x13\n\x0bnum_waiting\x18\x0c \x01(\r\x12\x12\n\ngeneration\x18\r \x01(\x04\x12\x1a\n\x12num_indexed_blocks\x18\x0e \x01(\x04\x12\x0f\n\x07\x64rained\x18( \x01(\x08\x12\x19\n\x11num_warm_sessions\x18\x32 \x01(\r\x12\x1a\n\x12warm_session_bytes\x18\x33 \x01(\x04\"\x14\n\x12ListWorkersRequest\"=\n\x13ListWorkersResponse\x12&\n\x07workers\x18\x01 \x03(\x0b\x32\x15.kvmesh.v1.WorkerInfo\"2\n\x0c\x44rainRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07undrain\x18\x02 \x01(\x08\"+\n\rDrainResponse\x12\x1a\n\x12\x64rained_worker_ids\x18\x01 \x03(\t\"\x13\n\x11\x43learCacheRequest\"<\n\rWorkerCleared\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x18\n\x10num_freed_blocks\x18\x02 \x01(\r\"?\n\x12\x43learCacheResponse\x12)\n\x07workers\x18\x01 \x03(\x0b\x32\x18.kvmesh.v1.WorkerCleared\"\x14\n\x12VerifyIndexRequest\"\x9d\x01\n\x0fWorkerIndexView\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x61live\x18\x02 \x01(\x08\x12\x15\n\rmirror_hashes\x18\x03 \x03(\x04\x12\x13\n\x0bpool_hashes\x18\x04 \x03(\x04\x12\x19\n\x11mirror_generation\x18\x05 \x01(\x04\x12\x12\n\nmirror_seq\x18\x06 \x01(\x04\x12\r\n\x05owned\x18\x07 \x01(\x08\"[\n\x13VerifyIndexResponse\x12+\n\x07workers\x18\x01 \x03(\x0b\x32\x1a.kvmesh.v1.WorkerIndexView\x12\x17\n\x0fredis_connected\x18\x02 \x01(\x08*O\n\x08TurnMode\x12\x18\n\x14TURN_MODE_CONCURRENT\x10\x00\x12\x14\n\x10TURN_MODE_REFUSE\x10\x01\x12\x13\n\x0fTURN_MODE_QUEUE\x10\x02\x32\xa9\x04\n\x06KVMesh\x12\x45\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x12:\n\x05Route\x12\x17.kvmesh.v1.RouteRequest\x1a\x18.kvmesh.v1.RouteResponse\x12=\n\x06Lookup\x12\x18.kvmesh.v1.LookupRequest\x1a\x19.kvmesh.v1.LookupResponse\x12:\n\x05Stats\x12\x17.kvmesh.v1.StatsRequest\x1a\x18.kvmesh.v1.StatsResponse\x12L\n\x0bListWorkers\x12\x1d.kvmesh.v1.ListWorkersRequest\x1a\x1e.kvmesh.v1.ListWorkersResponse\x12:\n\x05\x44rain\x12\x17.kvmesh.v1.DrainRequest\x1a\x18.kvmesh.v1.DrainResponse\x12I\n\nClearCache\x12\x1c.kvmesh.v1.ClearCacheRequest\x1a\x1d.kvmesh.v1.ClearCacheResponse\x12L\n\x0bVerifyIndex\x12\x1d.kvmesh.v1.VerifyIndexRequest\x1a\x1e.kvmesh.v1.VerifyIndexResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.proto.kvmesh_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_TURNMODE']._serialized_start=3190
+  _globals['_TURNMODE']._serialized_end=3269
   _globals['_SAMPLINGPARAMS']._serialized_start=41
   _globals['_SAMPLINGPARAMS']._serialized_end=201
   _globals['_GENERATEREQUEST']._serialized_start=204
-  _globals['_GENERATEREQUEST']._serialized_end=380
-  _globals['_CACHEFACTS']._serialized_start=383
-  _globals['_CACHEFACTS']._serialized_end=524
-  _globals['_GENERATERESPONSE']._serialized_start=527
-  _globals['_GENERATERESPONSE']._serialized_end=676
-  _globals['_ROUTEREQUEST']._serialized_start=678
-  _globals['_ROUTEREQUEST']._serialized_end=767
-  _globals['_WORKERSCORE']._serialized_start=769
-  _globals['_WORKERSCORE']._serialized_end=842
-  _globals['_ROUTERESPONSE']._serialized_start=845
-  _globals['_ROUTERESPONSE']._serialized_end=999
-  _globals['_LOOKUPREQUEST']._serialized_start=1001
-  _globals['_LOOKUPREQUEST']._serialized_end=1071
-  _globals['_WORKERMATCH']._serialized_start=1073
-  _globals['_WORKERMATCH']._serialized_end=1153
-  _globals['_LOOKUPRESPONSE']._serialized_start=1155
-  _globals['_LOOKUPRESPONSE']._serialized_end=1254
-  _globals['_STATSREQUEST']._serialized_start=1256
-  _globals['_STATSREQUEST']._serialized_end=1270
-  _globals['_STATSRESPONSE']._serialized_start=1273
-  _globals['_STATSRESPONSE']._serialized_end=1918
-  _globals['_WORKERINFO']._serialized_start=1921
-  _globals['_WORKERINFO']._serialized_end=2232
-  _globals['_LISTWORKERSREQUEST']._serialized_start=2234
-  _globals['_LISTWORKERSREQUEST']._serialized_end=2254
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=2256
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=2317
-  _globals['_DRAINREQUEST']._serialized_start=2319
-  _globals['_DRAINREQUEST']._serialized_end=2369
-  _globals['_DRAINRESPONSE']._serialized_start=2371
-  _globals['_DRAINRESPONSE']._serialized_end=2414
-  _globals['_CLEARCACHEREQUEST']._serialized_start=2416
-  _globals['_CLEARCACHEREQUEST']._serialized_end=2435
-  _globals['_WORKERCLEARED']._serialized_start=2437
-  _globals['_WORKERCLEARED']._serialized_end=2497
-  _globals['_CLEARCACHERESPONSE']._serialized_start=2499
-  _globals['_CLEARCACHERESPONSE']._serialized_end=2562
-  _globals['_VERIFYINDEXREQUEST']._serialized_start=2564
-  _globals['_VERIFYINDEXREQUEST']._serialized_end=2584
-  _globals['_WORKERINDEXVIEW']._serialized_start=2587
-  _globals['_WORKERINDEXVIEW']._serialized_end=2744
-  _globals['_VERIFYINDEXRESPONSE']._serialized_start=2746
-  _globals['_VERIFYINDEXRESPONSE']._serialized_end=2837
-  _globals['_KVMESH']._serialized_start=2840
-  _globals['_KVMESH']._serialized_end=3393
+  _globals['_GENERATEREQUEST']._serialized_end=420
+  _globals['_CACHEFACTS']._serialized_start=423
+  _globals['_CACHEFACTS']._serialized_end=564
+  _globals['_GENERATERESPONSE']._serialized_start=567
+  _globals['_GENERATERESPONSE']._serialized_end=716
+  _globals['_ROUTEREQUEST']._serialized_start=718
+  _globals['_ROUTEREQUEST']._serialized_end=807
+  _globals['_WORKERSCORE']._serialized_start=809
+  _globals['_WORKERSCORE']._serialized_end=882
+  _globals['_ROUTERESPONSE']._serialized_start=885
+  _globals['_ROUTERESPONSE']._serialized_end=1095
+  _globals['_LOOKUPREQUEST']._serialized_start=1097
+  _globals['_LOOKUPREQUEST']._serialized_end=1167
+  _globals['_WORKERMATCH']._serialized_start=1169
+  _globals['_WORKERMATCH']._serialized_end=1249
+  _globals['_LOOKUPRESPONSE']._serialized_start=1251
+  _globals['_LOOKUPRESPONSE']._serialized_end=1350
+  _globals['_STATSREQUEST']._serialized_start=1352
+  _globals['_STATSREQUEST']._serialized_end=1366
+  _globals['_STATSRESPONSE']._serialized_start=1369
+  _globals['_STATSRESPONSE']._serialized_end=2214
+  _globals['_WORKERINFO']._serialized_start=2217
+  _globals['_WORKERINFO']._serialized_end=2583
+  _globals['_LISTWORKERSREQUEST']._serialized_start=2585
+  _globals['_LISTWORKERSREQUEST']._serialized_end=2605
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=2607
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=2668
+  _globals['_DRAINREQUEST']._serialized_start=2670
+  _globals['_DRAINREQUEST']._serialized_end=2720
+  _globals['_DRAINRESPONSE']._serialized_start=2722
+  _globals['_DRAINRESPONSE']._serialized_end=2765
+  _globals['_CLEARCACHEREQUEST']._serialized_start=2767
+  _globals['_CLEARCACHEREQUEST']._serialized_end=2786
+  _globals['_WORKERCLEARED']._serialized_start=2788
+  _globals['_WORKERCLEARED']._serialized_end=2848
+  _globals['_CLEARCACHERESPONSE']._serialized_start=2850
+  _globals['_CLEARCACHERESPONSE']._serialized_end=2913
+  _globals['_VERIFYINDEXREQUEST']._serialized_start=2915
+  _globals['_VERIFYINDEXREQUEST']._serialized_end=2935
+  _globals['_WORKERINDEXVIEW']._serialized_start=2938
+  _globals['_WORKERINDEXVIEW']._serialized_end=3095
+  _globals['_VERIFYINDEXRESPONSE']._serialized_start=3097
+  _globals['_VERIFYINDEXRESPONSE']._serialized_end=3188
+  _globals['_KVMESH']._serialized_start=3272
+  _globals['_KVMESH']._serialized_end=3825
 # @@protoc_insertion_point(module_scope)
