@@ -45,6 +45,7 @@ from kvmesh.proto.events import EventBatch
 from kvmesh.workers.contract.replies import PrefillFacts
 from kvmesh.workers.contract.requests import SamplingConfig, Transport
 from kvmesh.workers.kv.block_pool import BlockPool
+from kvmesh.workers.kv.warm_sessions import WarmSessionConfig
 from kvmesh.workers.model.model_config import preset
 
 ORACLE = "oracle"
@@ -84,6 +85,9 @@ class SimConfig:
     """Compute times (the router's model is derived from it: a calibrated coordinator)."""
     pulls: bool = True
     """Workers can pull prefixes from each other (policies that plan pulls, kvmesh's, use it)."""
+    sessions: WarmSessionConfig | None = None
+    """Workers keep idle sessions warm (as live workers do); None: plain LRU, as before. The
+    oracle stays the shared-LRU bound either way."""
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
@@ -235,6 +239,7 @@ class ClusterSimulation:
                 config.block_size,
                 root,
                 register_on_admit=shared is not None,
+                sessions=None if shared is not None else config.sessions,
             )
             for i in range(n)
         ]

@@ -18,6 +18,8 @@ worker can match, and what it evicts, is exactly what the live system would do.
   workload knows the tokens a later prompt quotes), then the sequence frees tail-first.
 * A planned pull copies the blocks the peer still holds at admission, priced by the cost model's
   transfer time before the prefill; pulled blocks are registered like computed ones.
+* With warm sessions on, a finished turn's chain is kept warm by the real `WarmSessions`, as the
+  live worker does (idle TTL and budget on simulated time).
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ import numpy as np
 from kvmesh.coordinator.sim.cost_model import SimCostModel
 from kvmesh.proto.block_hash import BlockHash, num_reusable_tokens
 from kvmesh.workers.kv.block_pool import BlockId, BlockPool
+from kvmesh.workers.kv.warm_sessions import WarmSessionConfig, WarmSessions
+
+KV_BYTES_PER_TOKEN = 128 << 10
+"""A Llama-3-8B token's KV in bf16 (what the cost model is calibrated on): warm-session bytes."""
 
 _STEP_EPSILON = 1e-6
 
@@ -112,6 +118,7 @@ class SimWorker:
         block_size: int,
         root: BlockHash,
         register_on_admit: bool = False,
+        sessions: WarmSessionConfig | None = None,
     ) -> None:
         self.worker_id = worker_id
         # The oracle's lanes share one pool: a prefix counts as reusable as soon as some lane
@@ -132,6 +139,13 @@ class SimWorker:
         self._last_ms = 0.0
         self.busy_ms = 0.0
         self.epoch = 0  # bumped whenever next_event_ms may have changed
+        self.sessions = (
+            WarmSessions(
+                pool, sessions, block_size * KV_BYTES_PER_TOKEN, lambda: self._last_ms / 1000.0
+            )
+            if sessions is not None
+            else None
+        )
 
     @property
     def num_decoding(self) -> int:
@@ -170,6 +184,9 @@ class SimWorker:
             self.batch_context -= seq.context_tokens
             self._register(seq, seq.request.num_prompt_blocks, len(seq.request.hashes))
             self.pool.free(seq.blocks)
+            if self.sessions is not None:
+                chain = self.pool.match_prefix(seq.request.hashes)
+                self.sessions.keep(seq.request.session_id, chain)
             finished.append(seq)
         self._update_rate()
         return StepOutcome(prefilled, tuple(finished))
@@ -177,6 +194,8 @@ class SimWorker:
     def try_admit(self, now_ms: float) -> SimSequence | None:
         """Start the next queued prefill if the worker is free and the pool can reserve it."""
         self._progress(now_ms)
+        if self.sessions is not None:
+            self.sessions.expire()
         if self.prefilling is not None or not self.queue:
             return None
         request, pull = self.queue[0]
@@ -243,3 +262,6 @@ class SimWorker:
             assert all(self.pool.ref_count(b) > 0 for b in seq.blocks)
         if self.prefilling is not None:
             assert all(self.pool.ref_count(b) > 0 for b in self.prefilling.blocks)
+        if self.sessions is not None:
+            self.sessions.sync()
+            self.sessions.check_invariants()
