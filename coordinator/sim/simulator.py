@@ -88,6 +88,9 @@ class SimConfig:
     sessions: WarmSessionConfig | None = None
     """Workers keep idle sessions warm (as live workers do); None: plain LRU, as before. The
     oracle stays the shared-LRU bound either way."""
+    host_capacity_tokens: int = 0
+    """Each worker's host-memory tier, in tokens (catches what the device evicts; a hit costs a
+    host-to-device copy at the cost model's transfer rate); 0: none, as before."""
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
@@ -104,6 +107,11 @@ class SimConfig:
     def num_blocks(self) -> int:
         """Blocks per worker."""
         return self.capacity_tokens // self.block_size
+
+    @property
+    def host_blocks(self) -> int:
+        """Host-tier blocks per worker."""
+        return self.host_capacity_tokens // self.block_size
 
 
 def prepare_requests(arrivals: Iterable[Arrival], block_size: int) -> list[SimRequest]:
@@ -240,6 +248,7 @@ class ClusterSimulation:
                 root,
                 register_on_admit=shared is not None,
                 sessions=None if shared is not None else config.sessions,
+                host_blocks=0 if shared is not None else config.host_blocks,
             )
             for i in range(n)
         ]
@@ -359,7 +368,7 @@ class ClusterSimulation:
             self._scheduled_epoch[w] = worker.epoch
 
     def _flush_events(self, w: int) -> None:
-        events = self.workers[w].pool.drain_events()
+        events = self.workers[w].drain_events()
         if not events or self.oracle:
             return  # the oracle's shared pool needs no index
         self._event_seq[w] += 1

@@ -32,7 +32,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvmesh.coordinator.sim.cost_model import SimCostModel
+from kvmesh.coordinator.sim.host_tier import SimHostTier
 from kvmesh.proto.block_hash import BlockHash, num_reusable_tokens
+from kvmesh.proto.events import KVEvent
 from kvmesh.workers.kv.block_pool import BlockId, BlockPool
 from kvmesh.workers.kv.warm_sessions import WarmSessionConfig, WarmSessions
 
@@ -89,6 +91,7 @@ class SimSequence:
     admitted_ms: float
     context_tokens: int  # KV the sequence attends to while decoding (prompt + half its output)
     finish_step: float = 0.0
+    host_tokens: int = 0  # of cached_tokens, promoted from the host tier
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +122,7 @@ class SimWorker:
         root: BlockHash,
         register_on_admit: bool = False,
         sessions: WarmSessionConfig | None = None,
+        host_blocks: int = 0,
     ) -> None:
         self.worker_id = worker_id
         # The oracle's lanes share one pool: a prefix counts as reusable as soon as some lane
@@ -146,6 +150,7 @@ class SimWorker:
             if sessions is not None
             else None
         )
+        self.host = SimHostTier(host_blocks) if host_blocks else None
 
     @property
     def num_decoding(self) -> int:
@@ -209,13 +214,22 @@ class SimWorker:
         pool.acquire(matched)
         fresh = pool.allocate(need)
         assert fresh is not None
+        self._demote_evicted()
         n, bs = request.prompt_len, self.block_size
         cached = num_reusable_tokens(n, len(matched), bs)
-        ready = max(cached, self._pullable_tokens(request, pull))
+        host_ready = cached
+        if self.host is not None:
+            num_host = self.host.match(request.prompt_hashes[len(matched) :])
+            host_ready = num_reusable_tokens(n, len(matched) + num_host, bs)
+        pulled_ready = self._pullable_tokens(request, pull)
+        ready = max(cached, pulled_ready, host_ready)
         context = n + request.output_len // 2
         seq = SimSequence(
             request, matched + fresh, len(matched), cached, ready - cached, now_ms, context
         )
+        if host_ready >= pulled_ready and host_ready > cached:  # promoted, not pulled
+            seq.cached_tokens, seq.pulled_tokens = host_ready, 0
+            seq.host_tokens = host_ready - cached
         duration = self.cost.transfer_ms(ready - cached) + self.cost.prefill_ms(n - ready, ready)
         if self._batch:
             chunks = self.cost.num_chunks(n - ready)
@@ -226,6 +240,18 @@ class SimWorker:
             self._register(seq, seq.num_matched_blocks, request.num_prompt_blocks)
         self._update_rate()
         return seq
+
+    def _demote_evicted(self) -> None:
+        evicted = self.pool.drain_evicted()
+        if self.host is not None and evicted:
+            self.host.put([h for _b, h in evicted])
+
+    def drain_events(self) -> list[KVEvent]:
+        """The pool's KV events, then the host tier's."""
+        events = self.pool.drain_events()
+        if self.host is not None:
+            events += self.host.drain_events()
+        return events
 
     def _pullable_tokens(self, request: SimRequest, pull: PullSource | None) -> int:
         """Prompt tokens available after the pull: what the peer still holds of the plan."""
