@@ -85,9 +85,7 @@ class CoordinatorConfig:
                 f"session_affinity_blocks must be a finite number >= 0,"
                 f" got {self.session_affinity_blocks}"
             )
-        if not (
-            math.isfinite(self.session_queue_timeout_s) and self.session_queue_timeout_s >= 0
-        ):
+        if not (math.isfinite(self.session_queue_timeout_s) and self.session_queue_timeout_s >= 0):
             raise ValueError(
                 f"session_queue_timeout_s must be a finite number >= 0,"
                 f" got {self.session_queue_timeout_s}"
