@@ -107,3 +107,32 @@ def test_queued_turn_is_refused_when_the_wait_runs_out() -> None:
     with pytest.raises(SessionBusy, match="waited"):
         turns.begin("chat", TurnMode.QUEUE, timeout_s=5.0)
     assert turns.num_waiting == 0 and turns.num_refused == 1
+
+
+def test_client_sends_the_turn_mode_and_maps_failed_precondition() -> None:
+    import grpc
+
+    from kvmesh.client import SessionBusy as ClientSessionBusy
+    from kvmesh.client import wire
+    from kvmesh.client.errors import error_class_for
+    from kvmesh.proto import kvmesh_pb2 as pb
+
+    kwargs = dict(
+        prompt=None,
+        max_tokens=1,
+        temperature=0.0,
+        top_p=1.0,
+        top_k=0,
+        seed=0,
+        stop_token_ids=(),
+        ignore_eos=False,
+        session_id="chat",
+        cache_salt="",
+        worker_id="",
+        request_id="",
+    )
+    request = wire.build_generate_request([1, 2], turn_mode="queue", **kwargs)  # type: ignore[arg-type]
+    assert request.turn_mode == pb.TURN_MODE_QUEUE
+    with pytest.raises(ValueError, match="turn_mode"):
+        wire.build_generate_request([1, 2], turn_mode="alone", **kwargs)  # type: ignore[arg-type]
+    assert error_class_for(grpc.StatusCode.FAILED_PRECONDITION) is ClientSessionBusy
