@@ -187,3 +187,18 @@ def test_clear_cache_ends_protection() -> None:
 def test_config_refuses_bad_values(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         WarmSessionConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_budget_displaced_session_rejoins_lru_as_if_just_freed() -> None:
+    pool, warm, clock = _sessions(num_blocks=12, budget_blocks=4)
+    older = _chain(pool, 9, 4)  # an ordinary chain freed before the sessions
+    a = _chain(pool, 1, 4)
+    warm.keep("a", a)
+    clock.t = 1.0
+    warm.keep("b", _chain(pool, 2, 4))  # over budget: a is let go, but is newer than `older`
+    _check(warm)
+    assert "a" not in warm and warm.num_evicted_budget == 1
+    assert pool.allocate(4) is not None  # takes the ordinary chain freed first
+    assert pool.match_prefix(_hashes(1, 4)) == a
+    assert pool.match_prefix(_hashes(9, 4)) == []
+    del older

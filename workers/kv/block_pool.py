@@ -209,18 +209,21 @@ class BlockPool:
                 del self._free[b]
                 self._warm[b] = None
 
-    def unprotect(self, blocks: Sequence[BlockId]) -> None:
-        """Return blocks (a chain, in chain order) to the ordinary free queue's head: they were
-        idle longer than anything there deserves, so they go first, the chain's tail before its
-        root. Blocks not protected (any more) are skipped."""
-        for b in blocks:
+    def unprotect(self, blocks: Sequence[BlockId], *, evict_first: bool = True) -> None:
+        """Return blocks (a chain, in chain order) to the ordinary free queue, the chain's tail
+        before its root: at the head with `evict_first` (idle past any use: they go first),
+        else at the tail, as if just freed (plain LRU from here on). Blocks not protected (any
+        more) are skipped."""
+        order = blocks if evict_first else list(reversed(blocks))
+        for b in order:
             if b not in self._protected:
                 continue
             self._protected.discard(b)
             if self._ref_count[b] == 0:
                 del self._warm[b]
                 self._free[b] = None
-                self._free.move_to_end(b, last=False)
+                if evict_first:
+                    self._free.move_to_end(b, last=False)
 
     def drain_lost_protection(self) -> list[BlockId]:
         """Protected blocks reallocated since the last call (the pool had nothing else left)."""

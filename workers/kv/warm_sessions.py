@@ -2,8 +2,9 @@
 blocks, for an idle TTL and within a per-worker byte budget.
 
     turn of session s ends  -> keep(s, chain)      chain protected in the pool (warm queue)
-    s idle >= idle_ttl_s    -> expire()            chain unprotected: ordinary LRU again (TTL)
-    kept chains > budget    -> least recently kept sessions unprotected first     (budget)
+    s idle >= idle_ttl_s    -> expire()            chain unprotected, first to go      (TTL)
+    kept chains > budget    -> least recently kept sessions unprotected first: they
+                               rejoin plain LRU as if just freed                 (budget)
     pool has nothing else   -> the pool reallocates warm blocks, LRU first        (pressure)
 
 Unprotected or reallocated blocks are what the host tier catches (the pool reports every
@@ -131,7 +132,8 @@ class WarmSessions:
             self._release(session_id, [b for b in old[0] if b not in set(chain)])
         while len(self._owners) > self.budget_blocks:
             oldest = next(iter(self._sessions))
-            self._drop(oldest)
+            # Recent enough to deserve LRU's chance: only the budget, not idleness, let it go.
+            self._drop(oldest, evict_first=False)
             self.num_evicted_budget += 1
 
     def expire(self) -> int:
@@ -177,11 +179,13 @@ class WarmSessions:
             num_evicted_pressure=self.num_evicted_pressure,
         )
 
-    def _drop(self, session_id: str) -> None:
+    def _drop(self, session_id: str, evict_first: bool = True) -> None:
         chain, _ = self._sessions.pop(session_id)
-        self._release(session_id, chain)
+        self._release(session_id, chain, evict_first)
 
-    def _release(self, session_id: str, blocks: Sequence[BlockId]) -> None:
+    def _release(
+        self, session_id: str, blocks: Sequence[BlockId], evict_first: bool = True
+    ) -> None:
         """Drop `session_id`'s ownership of `blocks`; unprotect those nobody else keeps."""
         unowned = []
         for b in blocks:
@@ -192,7 +196,7 @@ class WarmSessions:
             if not owners:
                 del self._owners[b]
                 unowned.append(b)
-        self.pool.unprotect(unowned)
+        self.pool.unprotect(unowned, evict_first=evict_first)
 
     def check_invariants(self) -> None:
         owners: dict[BlockId, set[str]] = {}
