@@ -35,10 +35,16 @@ test-integration: install
 test-gpu: install
 	RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q -m gpu tests $(PYTEST_ARGS)
 
+# mypy must see `kvmesh.<folder>` as the import name (the folders are mapped by pyproject), or it
+# treats every cross-folder import as missing and checks nothing across them: a symlink tree.
+MYPY_SRC := .mypy-src
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy proto coordinator workers client
+	@rm -rf $(MYPY_SRC) && mkdir -p $(MYPY_SRC)/kvmesh
+	@for d in proto coordinator workers client; do ln -s "$(CURDIR)/$$d" $(MYPY_SRC)/kvmesh/$$d; done
+	cd $(MYPY_SRC) && ../$(BIN)/mypy --config-file ../pyproject.toml \
+	  -p kvmesh.proto -p kvmesh.coordinator -p kvmesh.workers -p kvmesh.client
 
 proto: install
 	$(BIN)/python -m kvmesh.proto.generate
@@ -47,4 +53,4 @@ bench: install
 	$(BIN)/python benchmarks/micro.py --json bench-results/micro.json
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache $(MYPY_SRC)

@@ -1,6 +1,7 @@
 """`kvmesh bench`: drive a running cluster with a workload or a trace and report what it achieved.
 
     kvmesh bench --address 127.0.0.1:50051 --workload shared_prefix --rate 4 --duration 30 --json
+    kvmesh bench --http http://127.0.0.1:8000 --workload shared_prefix --rate 4   (OpenAI API)
 
 Requests are sent open-loop over gRPC (`AsyncClient`): at Poisson arrivals of `--rate` per second,
 or at the workload's / trace's own arrival times when no rate is given, for `--duration` seconds;
@@ -82,6 +83,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--timeout", type=positive_float, default=120.0, metavar="S", help="per-request deadline"
+    )
+    parser.add_argument(
+        "--http",
+        default="",
+        metavar="URL",
+        help="send over the OpenAI HTTP API at URL (kvmesh's, or a router in front of kvmesh's"
+        " workers) instead of gRPC to --address",
+    )
+    parser.add_argument(
+        "--api-key", default="", metavar="TOKEN", help="bearer token for --http (default: none)"
+    )
+    parser.add_argument(
+        "--label", default="", metavar="NAME", help="name of this run in the report (--http)"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON document")
 
@@ -176,11 +190,28 @@ def run_bench(args: argparse.Namespace) -> int:
     schedule = send_times(requests, args.rate, args.duration, args.seed)
     if not schedule:
         raise ValueError(f"no request starts within --duration {args.duration} s")
-    samples, worker_ids, policy, elapsed = asyncio.run(_drive(args, schedule))
+    if getattr(args, "http", ""):
+        from kvmesh.client import http_bench
+
+        samples, _model, elapsed = asyncio.run(
+            http_bench.drive(
+                args.http,
+                schedule,
+                concurrency=args.concurrency,
+                timeout_s=args.timeout,
+                max_output=args.max_output_tokens,
+                api_key=args.api_key,
+            )
+        )
+        worker_ids = sorted({s.worker_id for s in samples if s.worker_id})
+        policy = args.label or args.http
+    else:
+        samples, worker_ids, policy, elapsed = asyncio.run(_drive(args, schedule))
     metrics = summarize(samples, worker_ids, elapsed)
     errors = sorted({s.error for s in samples if s.error})
     if args.json:
-        doc = {"policies": {policy: metrics}, "address": args.address, "errors": errors}
+        address = getattr(args, "http", "") or args.address
+        doc = {"policies": {policy: metrics}, "address": address, "errors": errors}
         print(json.dumps(doc, indent=2))
     else:
         pairs = [("policy", policy)] + [(k, v) for k, v in metrics.items()]

@@ -24,12 +24,14 @@ from typing import Any
 import grpc
 
 from kvmesh.client import wire
+from kvmesh.client.address_ring import AddressRing
 from kvmesh.client.errors import DeadlineExceeded, from_rpc_error
 from kvmesh.client.results import (
     GenerateResult,
     IndexReport,
     LookupResult,
     RouteResult,
+    ScaleResult,
     Stats,
     StreamChunk,
     WorkerInfo,
@@ -66,30 +68,49 @@ def _channel_options(
 
 
 class Client:
-    """A blocking client; thread-safe (one gRPC channel, shared by all calls).
+    """A blocking client; thread-safe (one gRPC channel per address, shared by all calls).
 
+    `address` is one coordinator or several replicas of one fleet: a call that finds its
+    coordinator unavailable (UNAVAILABLE before any response) moves on to the next address, so
+    a killed coordinator costs a retry, not an error. A stream already answering is not moved
+    (that could repeat tokens); it fails as it would with one address.
     `timeout_s` bounds every call, a whole `generate` stream included; None waits forever.
-    `credentials` switches to a TLS channel (grpc.ssl_channel_credentials(...)).
+    `credentials` switches to TLS channels (grpc.ssl_channel_credentials(...)).
     """
 
     def __init__(
         self,
-        address: str,
+        address: str | Sequence[str],
         *,
         timeout_s: float | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         credentials: grpc.ChannelCredentials | None = None,
         token: str | None = None,
     ) -> None:
-        options = _channel_options(address, timeout_s, max_message_bytes)
-        self.address = address
+        self.ring = AddressRing([address] if isinstance(address, str) else list(address))
         self.timeout_s = timeout_s
         self._metadata = _auth_metadata(token)
-        if credentials is None:
-            self._channel = grpc.insecure_channel(address, options=options)
-        else:
-            self._channel = grpc.secure_channel(address, credentials, options=options)
-        self._stub = pb_grpc.KVMeshStub(self._channel)
+        self._channels = []
+        for a in self.ring.addresses:
+            options = _channel_options(a, timeout_s, max_message_bytes)
+            if credentials is None:
+                self._channels.append(grpc.insecure_channel(a, options=options))
+            else:
+                self._channels.append(grpc.secure_channel(a, credentials, options=options))
+        self._stubs = [pb_grpc.KVMeshStub(c) for c in self._channels]
+
+    @property
+    def address(self) -> str:
+        """The coordinator calls go to now."""
+        return self.ring.current
+
+    @property
+    def _channel(self) -> grpc.Channel:
+        return self._channels[self.ring.index]
+
+    @property
+    def _stub(self) -> pb_grpc.KVMeshStub:
+        return self._stubs[self.ring.index]
 
     def __enter__(self) -> Client:
         return self
@@ -98,8 +119,9 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        """Close the channel; calls in flight are cancelled. Closing twice is harmless."""
-        self._channel.close()
+        """Close the channels; calls in flight are cancelled. Closing twice is harmless."""
+        for channel in self._channels:
+            channel.close()
 
     def wait_ready(self, timeout_s: float) -> None:
         """Block until the coordinator accepts connections; DeadlineExceeded after `timeout_s`."""
@@ -179,7 +201,7 @@ class Client:
         request = wire.build_route_request(
             token_ids, prompt=prompt, session_id=session_id, cache_salt=cache_salt
         )
-        return wire.route_from_proto(self._unary(self._stub.Route, request))
+        return wire.route_from_proto(self._unary("Route", request))
 
     def lookup(
         self,
@@ -190,13 +212,13 @@ class Client:
     ) -> LookupResult:
         """The prompt's block hashes and how many leading blocks each worker holds."""
         request = wire.build_lookup_request(token_ids, prompt=prompt, cache_salt=cache_salt)
-        return wire.lookup_from_proto(self._unary(self._stub.Lookup, request))
+        return wire.lookup_from_proto(self._unary("Lookup", request))
 
     def stats(self) -> Stats:
-        return wire.stats_from_proto(self._unary(self._stub.Stats, pb.StatsRequest()))
+        return wire.stats_from_proto(self._unary("Stats", pb.StatsRequest()))
 
     def list_workers(self) -> list[WorkerInfo]:
-        return wire.workers_from_proto(self._unary(self._stub.ListWorkers, pb.ListWorkersRequest()))
+        return wire.workers_from_proto(self._unary("ListWorkers", pb.ListWorkersRequest()))
 
     # Admin calls: with auth on, the client's token must be an admin token.
 
@@ -204,35 +226,57 @@ class Client:
         """Stop routing new requests to `worker_id` (its running streams finish), or route to it
         again with `undrain=True`; returns every drained worker."""
         request = pb.DrainRequest(worker_id=worker_id, undrain=undrain)
-        return list(self._unary(self._stub.Drain, request).drained_worker_ids)
+        return list(self._unary("Drain", request).drained_worker_ids)
+
+    def scale(self, num_workers: int, *, drain_timeout_s: float = 0.0) -> ScaleResult:
+        """Grow or shrink the fleet to `num_workers`; leaving workers finish their streams first
+        (at most `drain_timeout_s`, 0: the server's 600 s)."""
+        request = pb.ScaleRequest(num_workers=num_workers, drain_timeout_s=drain_timeout_s)
+        return wire.scale_from_proto(self._unary("Scale", request))
 
     def clear_cache(self) -> dict[str, int]:
         """Every worker drops its cached (unreferenced) blocks; returns blocks freed per worker."""
-        response = self._unary(self._stub.ClearCache, pb.ClearCacheRequest())
+        response = self._unary("ClearCache", pb.ClearCacheRequest())
         return {w.worker_id: w.num_freed_blocks for w in response.workers}
 
     def index_views(self) -> IndexReport:
         """Per worker, the coordinator's index mirror and the worker's pool (`kvmesh index
         verify` compares them, and Redis)."""
-        return wire.index_report_from_proto(
-            self._unary(self._stub.VerifyIndex, pb.VerifyIndexRequest())
-        )
+        return wire.index_report_from_proto(self._unary("VerifyIndex", pb.VerifyIndexRequest()))
 
-    def _unary(self, method: Any, request: Any) -> Any:
-        try:
-            return method(request, timeout=self.timeout_s, metadata=self._metadata)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from err
+    def _unary(self, name: str, request: Any) -> Any:
+        """Call the RPC `name` on the current coordinator (failing over, see the class)."""
+        for attempt in range(len(self.ring.addresses)):
+            call = getattr(self._stub, name)
+            try:
+                return call(request, timeout=self.timeout_s, metadata=self._metadata)
+            except grpc.RpcError as err:
+                if not self._fail_over(err, attempt):
+                    raise from_rpc_error(err) from err
+        raise AssertionError("unreachable: the last attempt raises")
 
     def _chunks(self, request: pb.GenerateRequest) -> Iterator[StreamChunk]:
-        call = self._stub.Generate(request, timeout=self.timeout_s, metadata=self._metadata)
-        try:
-            for response in call:
-                yield wire.chunk_from_proto(response)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from err
-        finally:
-            call.cancel()  # a no-op once the stream has ended; frees the server if abandoned
+        for attempt in range(len(self.ring.addresses)):
+            call = self._stub.Generate(request, timeout=self.timeout_s, metadata=self._metadata)
+            answered = False
+            try:
+                for response in call:
+                    answered = True
+                    yield wire.chunk_from_proto(response)
+                return
+            except grpc.RpcError as err:
+                if answered or not self._fail_over(err, attempt):
+                    raise from_rpc_error(err) from err
+            finally:
+                call.cancel()  # a no-op once the stream has ended; frees the server if abandoned
+
+    def _fail_over(self, err: grpc.RpcError, attempt: int) -> bool:
+        """Move to the next address after an UNAVAILABLE, unless every one was tried."""
+        code = err.code() if hasattr(err, "code") else None
+        if code is not grpc.StatusCode.UNAVAILABLE or attempt + 1 >= len(self.ring.addresses):
+            return False
+        self.ring.advance()
+        return True
 
 
 class AsyncClient:
@@ -361,6 +405,10 @@ class AsyncClient:
     async def drain(self, worker_id: str, *, undrain: bool = False) -> list[str]:
         request = pb.DrainRequest(worker_id=worker_id, undrain=undrain)
         return list((await self._unary(self._stub.Drain, request)).drained_worker_ids)
+
+    async def scale(self, num_workers: int, *, drain_timeout_s: float = 0.0) -> ScaleResult:
+        request = pb.ScaleRequest(num_workers=num_workers, drain_timeout_s=drain_timeout_s)
+        return wire.scale_from_proto(await self._unary(self._stub.Scale, request))
 
     async def clear_cache(self) -> dict[str, int]:
         response = await self._unary(self._stub.ClearCache, pb.ClearCacheRequest())

@@ -52,10 +52,12 @@ def _client(args: argparse.Namespace) -> Client:
 
 
 def client_from_args(args: argparse.Namespace, address: str) -> Client:
-    """A client for `address` with the command's timeout, token and TLS flags."""
+    """A client for `address` (or `A,B,...`: replicas to fail over between) with the command's
+    timeout, token and TLS flags."""
     use_tls = args.tls or args.tls_ca or args.tls_cert
     credentials = tls_credentials(args.tls_ca, args.tls_cert, args.tls_key) if use_tls else None
-    return Client(address, timeout_s=args.timeout, token=args.token, credentials=credentials)
+    addresses = [a.strip() for a in address.split(",") if a.strip()]
+    return Client(addresses, timeout_s=args.timeout, token=args.token, credentials=credentials)
 
 
 def _print_json(document: object) -> None:
@@ -163,6 +165,18 @@ def run_stats(args: argparse.Namespace) -> int:
 
 def render_stats(stats: Stats) -> str:
     return format_fields(list(asdict(stats).items()))
+
+
+def run_scale(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        result = client.scale(args.workers, drain_timeout_s=args.drain_timeout)
+    if args.json:
+        _print_json(asdict(result))
+    else:
+        started = ", ".join(result.started_worker_ids) or "none"
+        stopped = ", ".join(result.stopped_worker_ids) or "none"
+        print(f"{result.num_workers} workers (started: {started}; stopped: {stopped})")
+    return 0
 
 
 def run_workers(args: argparse.Namespace) -> int:

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +42,12 @@ class CliEnvironment:
     """KVMESH_AUTH_TOKEN: bearer token `up` / `serve` accept (instead of --auth-token)."""
     admin_token: str | None = field(default=None, repr=False)
     """KVMESH_ADMIN_TOKEN: admin token `up` / `serve` accept (instead of --admin-token)."""
+    metrics_port: int = 0
+    """KVMESH_METRICS_PORT: Prometheus endpoint of `up` / `serve` (0: off)."""
+    log_level: str = "info"
+    """KVMESH_LOG_LEVEL: log level of `up` / `serve` (debug, info, warning, error)."""
+    log_json: bool = False
+    """KVMESH_LOG_JSON: `up` / `serve` log JSON lines (1/true/yes/on or 0/false/no/off)."""
 
     def __post_init__(self) -> None:
         if not self.address:
@@ -48,6 +56,12 @@ class CliEnvironment:
             math.isfinite(self.timeout_s) and self.timeout_s > 0
         ):
             raise ValueError(f"KVMESH_TIMEOUT_S must be a number > 0, got {self.timeout_s}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"KVMESH_METRICS_PORT must be in [0, 65535], got {self.metrics_port}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(
+                f"KVMESH_LOG_LEVEL must be one of {LOG_LEVELS}, got {self.log_level!r}"
+            )
 
 
 def read_environment(environ: Mapping[str, str]) -> CliEnvironment:
@@ -61,6 +75,12 @@ def read_environment(environ: Mapping[str, str]) -> CliEnvironment:
             f"KVMESH_TIMEOUT_S must be a number of seconds, got {timeout_text!r}"
         ) from None
     defaults = CliEnvironment()
+    port_text = values.get("KVMESH_METRICS_PORT", "0")
+    if not port_text.isdigit():
+        raise ValueError(f"KVMESH_METRICS_PORT must be a port number, got {port_text!r}")
+    json_text = values.get("KVMESH_LOG_JSON", "0").lower()
+    if json_text not in _TRUE + _FALSE:
+        raise ValueError(f"KVMESH_LOG_JSON must be one of {_TRUE + _FALSE}, got {json_text!r}")
     return CliEnvironment(
         address=values.get("KVMESH_ADDRESS", defaults.address),
         timeout_s=timeout_s,
@@ -73,4 +93,7 @@ def read_environment(environ: Mapping[str, str]) -> CliEnvironment:
         tls_ca=values.get("KVMESH_TLS_CA"),
         auth_token=values.get("KVMESH_AUTH_TOKEN"),
         admin_token=values.get("KVMESH_ADMIN_TOKEN"),
+        metrics_port=int(port_text),
+        log_level=values.get("KVMESH_LOG_LEVEL", defaults.log_level).lower(),
+        log_json=json_text in _TRUE,
     )

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from importlib import metadata
 
 from kvmesh.client import commands, extension, index_verify
-from kvmesh.client.environment import CliEnvironment
+from kvmesh.client.environment import LOG_LEVELS, CliEnvironment
 from kvmesh.client.extension import Extension, LoadedExtension
 
 Handler = Callable[[argparse.Namespace], int]
@@ -40,6 +40,7 @@ def build_parser(
     _add_read_command(sub, env, "stats", "cluster-wide counters", commands.run_stats)
     _add_read_command(sub, env, "workers", "list the worker actors", commands.run_workers)
     _add_index(sub, env)
+    _add_scale(sub, env)
     for ext in extensions:
         _add_extension(sub, ext, loaded if loaded is not None and loaded.extension == ext else None)
     return parser
@@ -119,6 +120,17 @@ def _add_listen_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="coordinator gRPC listen address")
     parser.add_argument(
         "--port", type=_port, default=50051, metavar="P", help="gRPC port (0: a free one)"
+    )
+    parser.add_argument(
+        "--http-port",
+        type=_port,
+        default=None,
+        metavar="P",
+        help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,"
+        " /v1/models, /health) on this port (0: a free one; default: gRPC only)",
+    )
+    parser.add_argument(
+        "--http-host", default=None, metavar="HOST", help="HTTP listen address (default: --host)"
     )
 
 
@@ -209,7 +221,14 @@ def _add_up(sub: argparse._SubParsersAction, env: CliEnvironment) -> None:
         metavar="URL",
         help="use this Redis instead of starting an embedded one",
     )
+    parser.add_argument(
+        "--ray-address",
+        default="",
+        metavar="ADDR",
+        help="join this Ray cluster instead of starting a private local one",
+    )
     _add_security_options(parser, env)
+    _add_observability_options(parser, env)
     parser.set_defaults(handler=extension.run_up)
 
 
@@ -222,12 +241,66 @@ def _add_serve(sub: argparse._SubParsersAction, env: CliEnvironment) -> None:
         metavar="URL",
         help="the index's Redis, e.g. redis://host:6379/0 (env KVMESH_REDIS_URL)",
     )
-    parser.add_argument("--ray-address", default=env.ray_address, help="Ray cluster to join")
+    parser.add_argument(
+        "--ray-address",
+        default=env.ray_address or "auto",
+        help="Ray cluster to join (env KVMESH_RAY_ADDRESS)",
+    )
+    parser.add_argument(
+        "--attach",
+        action="store_true",
+        help="start no workers: route over the workers already registered in Redis",
+    )
     _add_listen_options(parser)
     _add_model_options(parser, env)
     _add_worker_options(parser, env, default_workers=None)
     _add_security_options(parser, env)
+    _add_observability_options(parser, env)
     parser.set_defaults(handler=extension.run_serve)
+
+
+def _add_scale(sub: argparse._SubParsersAction, env: CliEnvironment) -> None:
+    parser = _subparser(
+        sub, "scale", "grow or shrink the fleet of workers (admin; shrinking drains first)"
+    )
+    _add_client_options(parser, env)
+    parser.add_argument(
+        "--workers", type=_positive_int, required=True, metavar="N", help="workers alive after"
+    )
+    parser.add_argument(
+        "--drain-timeout",
+        type=_positive_float,
+        default=600.0,
+        metavar="SECONDS",
+        help="longest wait for a leaving worker's running streams",
+    )
+    parser.set_defaults(handler=commands.run_scale)
+
+
+def _add_observability_options(parser: argparse.ArgumentParser, env: CliEnvironment) -> None:
+    """Metrics endpoint and logs of `up` / `serve` (docs/operations.md)."""
+    group = parser.add_argument_group("metrics and logs")
+    group.add_argument(
+        "--metrics-port",
+        type=_port,
+        default=env.metrics_port,
+        metavar="P",
+        help="serve Prometheus metrics at http://HOST:P/metrics, HOST being --host"
+        " (env KVMESH_METRICS_PORT; 0: off)",
+    )
+    group.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        default=env.log_level,
+        help="log level; info writes one line per request (id, worker, cached / pulled /"
+        " computed tokens, TTFT) (env KVMESH_LOG_LEVEL)",
+    )
+    group.add_argument(
+        "--log-json",
+        action=argparse.BooleanOptionalAction,
+        default=env.log_json,
+        help="write logs as JSON lines (env KVMESH_LOG_JSON)",
+    )
 
 
 def _add_security_options(parser: argparse.ArgumentParser, env: CliEnvironment) -> None:
@@ -300,7 +373,11 @@ def _add_client_options(
         default=[env.address] if many_addresses else env.address,
         nargs="+" if many_addresses else None,
         metavar="HOST:PORT",
-        help="coordinator address" + ("es" if many_addresses else "") + " (env KVMESH_ADDRESS)",
+        help=(
+            "coordinator addresses (env KVMESH_ADDRESS)"
+            if many_addresses
+            else "coordinator address, or A,B,... replicas to fail over to (env KVMESH_ADDRESS)"
+        ),
     )
     parser.add_argument(
         "--timeout",

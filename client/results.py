@@ -204,3 +204,12 @@ class IndexReport:
 
     workers: list[WorkerIndexView]
     redis_connected: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ScaleResult:
+    """What `Scale` did: workers started and stopped, and how many are alive now."""
+
+    started_worker_ids: list[str]
+    stopped_worker_ids: list[str]
+    num_workers: int

@@ -67,6 +67,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="workers cannot pull prefixes from each other (kvmesh then only recomputes)",
     )
+    parser.add_argument(
+        "--coordinators",
+        type=positive_int,
+        default=1,
+        help="coordinator replicas sharing the fleet (arrivals go to them in turn)",
+    )
+    parser.add_argument(
+        "--report-interval-ms",
+        type=float,
+        default=500.0,
+        metavar="MS",
+        help="how often workers' load reports reach the coordinators",
+    )
     parser.add_argument("--plot", metavar="DIR", help="write PNG charts into DIR")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
 
@@ -83,7 +96,14 @@ def run_simulate(args: argparse.Namespace) -> int:
     default_block = DEFAULT_TRACE_BLOCK_SIZE if args.trace else DEFAULT_WORKLOAD_BLOCK_SIZE
     block_size = args.block_size or (args.trace_block_size if args.trace else default_block)
     config = simulator.SimConfig(
-        args.workers, args.capacity_tokens, block_size, args.seed, cost, not args.no_pulls
+        args.workers,
+        args.capacity_tokens,
+        block_size,
+        args.seed,
+        cost,
+        not args.no_pulls,
+        num_coordinators=args.coordinators,
+        report_interval_ms=args.report_interval_ms,
     )
     start = time.perf_counter()
     requests = simulator.prepare_requests(load_requests(args), block_size)

@@ -19,6 +19,7 @@ from kvmesh.client.results import (
     IndexReport,
     LookupResult,
     RouteResult,
+    ScaleResult,
     Stats,
     StreamChunk,
     WorkerIndexView,
@@ -213,3 +214,9 @@ def index_report_from_proto(message: pb.VerifyIndexResponse) -> IndexReport:
         for w in message.workers
     ]
     return IndexReport(workers=views, redis_connected=message.redis_connected)
+
+
+def scale_from_proto(message: pb.ScaleResponse) -> ScaleResult:
+    return ScaleResult(
+        list(message.started_worker_ids), list(message.stopped_worker_ids), message.num_workers
+    )

@@ -35,6 +35,9 @@ class CoordinatorConfig:
     """Largest max_tokens a request may ask for."""
     health_interval_s: float = 0.5
     """How often worker actors are checked for liveness."""
+    stall_timeout_s: float = 15.0
+    """A worker whose engine makes no progress (or that does not answer at all) this long while
+    it has work is treated as dead: killed, its streams moved, its index entries purged."""
     route_seed: int = 0
     """Seed of the router's tie-breaking randomness."""
     session_affinity_blocks: float = 1.0
@@ -92,6 +95,11 @@ class CoordinatorConfig:
             )
         if self.health_interval_s <= 0:
             raise ValueError(f"health_interval_s must be > 0, got {self.health_interval_s}")
+        if self.stall_timeout_s <= self.health_interval_s:
+            raise ValueError(
+                f"stall_timeout_s ({self.stall_timeout_s}) must exceed health_interval_s"
+                f" ({self.health_interval_s})"
+            )
         self._check_limits()
         self._check_security()
 
@@ -119,3 +127,25 @@ class CoordinatorConfig:
             raise ValueError("tls_cert_file and tls_key_file go together: give both or neither")
         if self.tls_client_ca_file and not self.tls_cert_file:
             raise ValueError("tls_client_ca_file needs the server's tls_cert_file and tls_key_file")
+
+
+@dataclass(frozen=True, slots=True)
+class HttpConfig:
+    """The OpenAI-compatible HTTP API beside the gRPC server (same auth, rate and stream limits)."""
+
+    host: str = "127.0.0.1"
+    """HTTP listen address."""
+    port: int = 8000
+    """HTTP port (0 picks a free one)."""
+    max_body_bytes: int = 16 << 20
+    """Largest request body accepted; bigger ones get 413."""
+    max_threads: int = 256
+    """Requests whose blocking work runs at once (a stream holds a thread between tokens)."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"http port must be in [0, 65535], got {self.port}")
+        if self.max_threads < 1:
+            raise ValueError(f"max_threads must be >= 1, got {self.max_threads}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")

@@ -25,11 +25,12 @@ from kvmesh.coordinator.cluster.registry import WorkerRegistry
 from kvmesh.coordinator.config import CoordinatorConfig
 from kvmesh.coordinator.index.mirror import PrefixMatch, WorkerId
 from kvmesh.coordinator.routing.cost_model import CostModel
-from kvmesh.coordinator.routing.load_tracker import LoadTracker
+from kvmesh.coordinator.routing.load_tracker import LoadTracker, ReportedLoad
 from kvmesh.coordinator.routing.pull_planner import PullPlan, best_peer, cheapest_prefill
 from kvmesh.coordinator.routing.router import RouteDecision, RouteQuery, WorkerView, make_policy
 from kvmesh.coordinator.routing.transfer_planner import PullPricing
 from kvmesh.coordinator.session_turns import SessionTurns, TurnMode
+from kvmesh.coordinator.telemetry.request_record import RequestObserver, RequestRecord
 from kvmesh.proto.block_hash import (
     BlockHash,
     block_hashes,
@@ -104,6 +105,21 @@ class StreamEvent:
     worker that took it over; its prompt then includes the tokens streamed before)."""
 
 
+@dataclass(frozen=True, slots=True)
+class _Turn:
+    """One `generate` call's routing arguments, carried to where the stream starts."""
+
+    session_id: str
+    worker_id: str
+    request_id: str
+    allow_pull: bool
+    label: str
+    started: float
+    count: bool
+    """Count it among its session's turns in flight when the stream starts (an exclusive turn
+    was counted before it was routed)."""
+
+
 @dataclass(slots=True)
 class Counters:
     num_requests: int = 0
@@ -133,6 +149,7 @@ class Coordinator:
         cost_model: CostModel | None = None,
         transfers: PullPricing | None = None,
         clock: Callable[[], float] = time.monotonic,
+        observers: Sequence[RequestObserver] = (),
     ) -> None:
         self.config = config
         self.model = model
@@ -158,6 +175,9 @@ class Coordinator:
         self.transfers = transfers
         if transfers is not None:
             self.policy.transfer_ms = transfers.price
+        self._clock = clock
+        self.observers = tuple(observers)
+        """Told of every routing decision and every request's end (metrics, the request log)."""
 
     # ---- request preparation ------------------------------------------------------------------
 
@@ -209,18 +229,20 @@ class Coordinator:
 
     def views(self, prompt: PreparedPrompt, workers: Sequence[str]) -> list[WorkerView]:
         matches = self.match(prompt)
+        tokens_to_ms = self.cost_model.prefill_ms
         views = []
         for w in workers:
             m = matches.get(WorkerId(w), PrefixMatch(0, 0))
             num_blocks, num_free = self._worker_free_blocks(w)
+            queued_ms, queued_tokens, running = self.load.with_reported(WorkerId(w), tokens_to_ms)
             views.append(
                 WorkerView(
                     WorkerId(w),
                     num_blocks,
                     num_free,
-                    self.load.queued_prefill_ms(WorkerId(w)),
-                    self.load.queued_prefill_tokens(WorkerId(w)),
-                    self.load.num_running(WorkerId(w)),
+                    queued_ms,
+                    queued_tokens,
+                    running,
                     m.num_blocks,
                     m.num_device_blocks,
                 )
@@ -241,7 +263,12 @@ class Coordinator:
             session_id,
         )
         with self._lock:
-            return self.policy.choose(query, self.views(prompt, live))
+            started = self._clock()
+            decision = self.policy.choose(query, self.views(prompt, live))
+            elapsed = self._clock() - started
+        for observer in self.observers:
+            observer.on_routed(elapsed)
+        return decision
 
     # ---- generation ---------------------------------------------------------------------------
 
@@ -253,48 +280,40 @@ class Coordinator:
         session_id: str = "",
         worker_id: str = "",
         request_id: str = "",
+        allow_pull: bool = True,
+        label: str = "",
         turn_mode: TurnMode = TurnMode.CONCURRENT,
     ) -> Iterator[StreamEvent]:
         """Route (unless `worker_id` forces placement) and stream the worker's outputs.
-
+        `allow_pull=False` with `worker_id` serves from that worker's own cache only, as a
+        standalone engine would (the per-worker HTTP endpoints that peer routers front).
+        `label` is the id the client sees (for the request log); default: the request id.
         With a `turn_mode` other than CONCURRENT, the stream first waits for (or refuses, with
         `SessionBusy`) another turn of the session in flight, and routes only then."""
+        started = self._clock()
         self.check_sampling(prompt, sampling)
+        turn = _Turn(session_id, worker_id, request_id, allow_pull, label, started, True)
         if session_id and turn_mode is not TurnMode.CONCURRENT:
-            return self._exclusive_turn(
-                prompt, sampling, session_id, worker_id, request_id, turn_mode
-            )
-        return self._route_and_stream(prompt, sampling, session_id, worker_id, request_id, True)
+            return self._exclusive_turn(prompt, sampling, replace(turn, count=False), turn_mode)
+        return self._route_and_stream(prompt, sampling, turn)
 
     def _exclusive_turn(
-        self,
-        prompt: PreparedPrompt,
-        sampling: SamplingConfig,
-        session_id: str,
-        worker_id: str,
-        request_id: str,
-        mode: TurnMode,
+        self, prompt: PreparedPrompt, sampling: SamplingConfig, turn: _Turn, mode: TurnMode
     ) -> Iterator[StreamEvent]:
-        self.turns.begin(session_id, mode, self.config.session_queue_timeout_s)
+        self.turns.begin(turn.session_id, mode, self.config.session_queue_timeout_s)
         try:
-            yield from self._route_and_stream(
-                prompt, sampling, session_id, worker_id, request_id, False
-            )
+            yield from self._route_and_stream(prompt, sampling, turn)
         finally:
-            self.turns.end(session_id)
+            self.turns.end(turn.session_id)
 
     def _route_and_stream(
-        self,
-        prompt: PreparedPrompt,
-        sampling: SamplingConfig,
-        session_id: str,
-        worker_id: str,
-        request_id: str,
-        count_turn: bool,
+        self, prompt: PreparedPrompt, sampling: SamplingConfig, turn: _Turn
     ) -> Iterator[StreamEvent]:
-        request_id = request_id or uuid.uuid4().hex
+        session_id, worker_id, allow_pull = turn.session_id, turn.worker_id, turn.allow_pull
+        started, label = turn.started, turn.label
+        request_id = turn.request_id or uuid.uuid4().hex
         if worker_id:
-            chosen, predicted, pull, matched = self._forced(prompt, worker_id)
+            chosen, predicted, pull, matched = self._forced(prompt, worker_id, allow_pull)
         else:
             decision = self.route(prompt, session_id, request_id)
             chosen, predicted, pull = (
@@ -315,7 +334,10 @@ class Coordinator:
         )
         # Handed to the backend now: a lazy backend (Ray) calls the worker on the first read, an
         # eager one (the simulator) queues the request at once.
-        return self._stream(chosen, request, self.backend.generate(chosen, request), count_turn)
+        outputs = self.backend.generate(chosen, request)
+        return self._stream(
+            chosen, request, outputs, started=started, label=label, count_turn=turn.count
+        )
 
     def _pull_spec(
         self, pull: PullPlan, target: WorkerId, prompt: PreparedPrompt
@@ -333,7 +355,7 @@ class Coordinator:
         )
 
     def _forced(
-        self, prompt: PreparedPrompt, worker_id: str
+        self, prompt: PreparedPrompt, worker_id: str, allow_pull: bool = True
     ) -> tuple[WorkerId, float, PullPlan | None, int]:
         """Placement chosen by the caller; a pull is still planned when a peer holds more.
         Returns the worker, its predicted prefill, the pull (if any) and its matched blocks."""
@@ -346,7 +368,8 @@ class Coordinator:
         target = next(v for v in views if v.worker_id == worker_id)
         query = RouteQuery("", prompt.block_hashes, len(prompt.token_ids), self.config.block_size)
         price = self.transfers.price if self.transfers is not None else None
-        option = cheapest_prefill(query, target, best_peer(views), self.cost_model, price)
+        peer = best_peer(views) if allow_pull else None
+        option = cheapest_prefill(query, target, peer, self.cost_model, price)
         return target.worker_id, option.prefill_ms, option.pull, target.matched_blocks
 
     def _uncached_tokens(self, prompt_len: int, matched_blocks: int) -> int:
@@ -358,6 +381,9 @@ class Coordinator:
         worker: WorkerId,
         request: WorkerRequest,
         outputs: Iterator[RequestOutput],
+        *,
+        started: float | None = None,
+        label: str = "",
         count_turn: bool = True,
     ) -> Iterator[StreamEvent]:
         """The worker's outputs as stream events. If the worker dies mid-stream, the request
@@ -371,11 +397,18 @@ class Coordinator:
         produced: list[int] = []
         migrations = 0
         current = request
+        first_at: float | None = None
+        prefills: list[PrefillFacts] = []
+        reason = ""
         try:
             while True:
                 try:
                     for event in self._events(worker, current, outputs):
                         produced.extend(event.token_ids)
+                        if first_at is None:
+                            first_at = self._clock()
+                        if event.prefill is not None:
+                            prefills.append(event.prefill)
                         yield event
                         if event.finished:
                             ok = True
@@ -390,6 +423,9 @@ class Coordinator:
         except GeneratorExit:  # the consumer went away: a cancel, not a failure
             cancelled = True
             raise
+        except Exception as exc:
+            reason = str(exc) or type(exc).__name__
+            raise
         finally:
             if count_turn:
                 self.turns.end(request.session_id)
@@ -402,6 +438,20 @@ class Coordinator:
                     self.counters.num_cancelled_requests += 1
                 elif not ok:
                     self.counters.num_failed_requests += 1
+            if self.observers:
+                outcome = "ok" if ok else "cancelled" if cancelled else "failed"
+                ttft = None if first_at is None or started is None else first_at - started
+                record = _record(request, label, outcome, worker, ttft, prefills, produced)
+                self._notify(replace(record, num_migrations=migrations, reason=reason))
+
+    def note_refused(self, label: str, outcome: str, reason: str, *, request_id: str = "") -> None:
+        """A request refused before it reached a worker (invalid input, no live worker)."""
+        if self.observers:
+            self._notify(RequestRecord(request_id or label, label, outcome, reason=reason))
+
+    def _notify(self, record: RequestRecord) -> None:
+        for observer in self.observers:
+            observer.on_request_done(record)
 
     def _events(
         self, worker: WorkerId, request: WorkerRequest, outputs: Iterator[RequestOutput]
@@ -488,8 +538,12 @@ class Coordinator:
         return snapshot
 
     def observe_worker(self, worker_id: str, info: WorkerInfo) -> None:
-        """Fold a worker's measured prefill cost into the router's cost model, so prices follow
-        the hardware (a CPU worker and an H100 differ by orders of magnitude)."""
+        """Take a worker's own report: its load (every replica's requests) for routing, and its
+        measured prefill cost, so prices follow the hardware (CPU and H100 differ by orders of
+        magnitude)."""
+        report = ReportedLoad(info.num_queued_prefill_tokens, info.num_running + info.num_waiting)
+        with self._lock:
+            self.load.on_reported(WorkerId(worker_id), report)
         measured = info.counters.prefill_ms_per_token
         if measured <= 0:
             return
@@ -499,3 +553,27 @@ class Coordinator:
 
     def indexed_blocks_of(self, worker_id: str) -> int:
         return self.mirror.num_worker_blocks(WorkerId(worker_id))
+
+
+def _record(
+    request: WorkerRequest,
+    label: str,
+    outcome: str,
+    worker: str,
+    ttft_s: float | None,
+    prefills: Sequence[PrefillFacts],
+    produced: Sequence[int],
+) -> RequestRecord:
+    """A finished request's record; a migrated request sums the prefills of its workers."""
+    return RequestRecord(
+        request.request_id,
+        label or request.request_id,
+        outcome,
+        worker_id=worker,
+        ttft_s=ttft_s,
+        prompt_tokens=sum(f.prompt_tokens for f in prefills),
+        cached_tokens=sum(f.local_tokens + f.host_tokens for f in prefills),
+        pulled_tokens=sum(f.pulled_tokens for f in prefills),
+        computed_tokens=sum(f.computed_tokens for f in prefills),
+        generated_tokens=len(produced),
+    )

@@ -341,3 +341,21 @@ class VerifyIndexResponse(_message.Message):
     workers: _containers.RepeatedCompositeFieldContainer[WorkerIndexView]
     redis_connected: bool
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerIndexView, _Mapping]]] = ..., redis_connected: _Optional[bool] = ...) -> None: ...
+
+class ScaleRequest(_message.Message):
+    __slots__ = ("num_workers", "drain_timeout_s")
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    num_workers: int
+    drain_timeout_s: float
+    def __init__(self, num_workers: _Optional[int] = ..., drain_timeout_s: _Optional[float] = ...) -> None: ...
+
+class ScaleResponse(_message.Message):
+    __slots__ = ("started_worker_ids", "stopped_worker_ids", "num_workers")
+    STARTED_WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
+    STOPPED_WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    started_worker_ids: _containers.RepeatedScalarFieldContainer[str]
+    stopped_worker_ids: _containers.RepeatedScalarFieldContainer[str]
+    num_workers: int
+    def __init__(self, started_worker_ids: _Optional[_Iterable[str]] = ..., stopped_worker_ids: _Optional[_Iterable[str]] = ..., num_workers: _Optional[int] = ...) -> None: ...

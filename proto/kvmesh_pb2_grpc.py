@@ -74,6 +74,11 @@ class KVMeshStub:
                 request_serializer=kvmesh_dot_proto_dot_kvmesh__pb2.VerifyIndexRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_proto_dot_kvmesh__pb2.VerifyIndexResponse.FromString,
                 _registered_method=True)
+        self.Scale = channel.unary_unary(
+                '/kvmesh.v1.KVMesh/Scale',
+                request_serializer=kvmesh_dot_proto_dot_kvmesh__pb2.ScaleRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_proto_dot_kvmesh__pb2.ScaleResponse.FromString,
+                _registered_method=True)
 
 
 class KVMeshServicer:
@@ -128,6 +133,12 @@ class KVMeshServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Scale(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVMeshServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -170,6 +181,11 @@ def add_KVMeshServicer_to_server(servicer, server):
                     servicer.VerifyIndex,
                     request_deserializer=kvmesh_dot_proto_dot_kvmesh__pb2.VerifyIndexRequest.FromString,
                     response_serializer=kvmesh_dot_proto_dot_kvmesh__pb2.VerifyIndexResponse.SerializeToString,
+            ),
+            'Scale': grpc.unary_unary_rpc_method_handler(
+                    servicer.Scale,
+                    request_deserializer=kvmesh_dot_proto_dot_kvmesh__pb2.ScaleRequest.FromString,
+                    response_serializer=kvmesh_dot_proto_dot_kvmesh__pb2.ScaleResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -388,6 +404,33 @@ class KVMesh:
             '/kvmesh.v1.KVMesh/VerifyIndex',
             kvmesh_dot_proto_dot_kvmesh__pb2.VerifyIndexRequest.SerializeToString,
             kvmesh_dot_proto_dot_kvmesh__pb2.VerifyIndexResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Scale(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.KVMesh/Scale',
+            kvmesh_dot_proto_dot_kvmesh__pb2.ScaleRequest.SerializeToString,
+            kvmesh_dot_proto_dot_kvmesh__pb2.ScaleResponse.FromString,
             options,
             channel_credentials,
             insecure,

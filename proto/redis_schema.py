@@ -22,6 +22,22 @@ WORKERS_SET = f"{PREFIX}:workers"
 EVENTS_STREAM_MAXLEN = 200_000
 
 
+FLEET_KEY = f"{PREFIX}:fleet"
+"""HASH: `id` -> the fleet's id (names its worker actors in Ray), set once by the first comer."""
+SERVICES_SET = f"{PREFIX}:services"
+"""SET of worker ids running as long-lived services (what a coordinator attaches to)."""
+
+
+def service_key(worker_id: str) -> str:
+    """HASH: how to reach a service worker (Ray actor name and namespace) and its config."""
+    return f"{PREFIX}:service:{worker_id}"
+
+
+def replacing_key(worker_id: str) -> str:
+    """STRING with TTL: one coordinator is replacing this dead worker (the others leave it)."""
+    return f"{PREFIX}:service:{worker_id}:replacing"
+
+
 def hash_hex(block_hash: int) -> str:
     return f"{block_hash:016x}"
 

@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent import futures
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import ray
@@ -57,7 +58,9 @@ class WorkerActor:
             # Label the device by the GPU Ray gave us (every actor sees its own as cuda:0), so
             # the coordinator can tell workers sharing a GPU from workers on different GPUs.
             self.worker.device = f"cuda:{ray.get_gpu_ids()[0]}"
-        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        node_id = ray.get_runtime_context().get_node_id()
+        self.worker.node = f"{self.worker.node}/{node_id[:12]}"
+        self._inbox: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
         self._lock = threading.Lock()
@@ -68,6 +71,7 @@ class WorkerActor:
             else None
         )
         self._last_heartbeat = 0.0
+        self._last_tick = time.monotonic()  # the engine loop's progress, read by info()
         self._peers: dict[str, Any] = {}
         self._object_store = ObjectStoreTransport(self._peer, self.worker.runner)
         self._cuda_ipc = CudaIpcTransport(self._peer, self.worker.runner)
@@ -142,7 +146,10 @@ class WorkerActor:
     # ---- reports and admin ----------------------------------------------------------------------
 
     def info(self) -> WorkerInfo:
-        return self.worker.info()
+        info = self.worker.info()
+        busy = info.num_running + info.num_waiting > 0
+        stalled = time.monotonic() - self._last_tick if busy else 0.0
+        return replace(info, engine_stalled_s=stalled)
 
     def ping(self) -> str:
         return self.config.worker_id
@@ -243,7 +250,7 @@ class WorkerActor:
 
     # ---- engine thread ------------------------------------------------------------------------
 
-    def _submit(self, fn: Callable[[], None]) -> None:
+    def _submit(self, fn: Callable[[], object]) -> None:
         self._inbox.put(fn)
         self._wakeup.set()
 
@@ -262,6 +269,7 @@ class WorkerActor:
 
     def _engine_loop(self) -> None:
         while not self._stopped.is_set():
+            self._last_tick = time.monotonic()
             try:
                 self._drain_inbox()
                 outputs = self.worker.step() if self.worker.has_work else []

@@ -20,7 +20,6 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from kvmesh.coordinator.cluster.registry import WorkerRegistry
 from kvmesh.coordinator.coordinator import WorkerDied
-from kvmesh.workers.actor import remote_worker_class
 from kvmesh.workers.config import WorkerConfig
 from kvmesh.workers.contract.replies import RequestOutput, RequestRejected, WorkerFailed, WorkerInfo
 from kvmesh.workers.contract.requests import WorkerRequest
@@ -46,27 +45,38 @@ class Cluster:
         self._latest_info: dict[str, WorkerInfo] = {}
         self._on_info: Callable[[str, WorkerInfo], None] | None = None
         self._nccl_ranks: dict[str, int] = {}
+        self._stall_timeout_s = 15.0
 
     def set_on_info(self, callback: Callable[[str, WorkerInfo], None]) -> None:
         """Called from the health loop with every worker's fresh info (pool, counters)."""
         self._on_info = callback
 
-    def start_workers(
-        self, configs: list[WorkerConfig], num_gpus: float, *, ready_timeout_s: float = 600.0
-    ) -> None:
-        cls = remote_worker_class(num_gpus=num_gpus)
-        for cfg in configs:
-            actor = cls.remote(cfg)
-            with self._lock:
-                self._handles[cfg.worker_id] = _Handle(cfg, actor)
-            self.registry.add(cfg.worker_id)
-        pings = [h.actor.ping.remote() for h in self._handles.values()]
-        ray.get(pings, timeout=ready_timeout_s)
+    def add_worker(self, config: WorkerConfig, actor: Any) -> None:
+        """Take a worker actor (started or attached by the fleet) into routing."""
         with self._lock:
-            peers = {w: h.actor for w, h in self._handles.items()}
-        ray.get([a.set_peers.remote(peers) for a in peers.values()], timeout=ready_timeout_s)
+            if config.worker_id in self._handles:
+                raise ValueError(f"worker id {config.worker_id!r} already has an actor")
+            self._handles[config.worker_id] = _Handle(config, actor)
+        self.registry.add(config.worker_id)
 
-    def start_monitor(self, interval_s: float) -> None:
+    def forget_actor(self, worker_id: str) -> Any:
+        """Drop a worker's actor handle (scaled down or replaced); returns it."""
+        with self._lock:
+            handle = self._handles.pop(worker_id, None)
+            self._latest_info.pop(worker_id, None)
+        return handle.actor if handle is not None else None
+
+    def config(self, worker_id: str) -> WorkerConfig:
+        with self._lock:
+            return self._handles[worker_id].config
+
+    def share_peers(self, timeout_s: float = 60.0) -> None:
+        """Tell every live worker every other's actor handle (pull sources)."""
+        peers = self._live_actors()
+        ray.get([a.set_peers.remote(peers) for a in peers.values()], timeout=timeout_s)
+
+    def start_monitor(self, interval_s: float, stall_timeout_s: float = 15.0) -> None:
+        self._stall_timeout_s = stall_timeout_s
         self._monitor = threading.Thread(
             target=self._watch, args=(interval_s,), name="kvmesh-health", daemon=True
         )
@@ -92,11 +102,20 @@ class Cluster:
             return self._handles[worker_id].actor
 
     def generate(self, worker_id: str, request: WorkerRequest) -> Iterator[RequestOutput]:
-        """Stream a request's outputs; raises RequestRejected, WorkerFailed or WorkerDied."""
+        """Stream a request's outputs; raises RequestRejected, WorkerFailed or WorkerDied.
+        Closing the iterator early (a client that left, a stop string) cancels the worker's
+        stream, so it stops computing for the request instead of running on to max_tokens."""
         stream = self.actor(worker_id).generate.remote(request)
+        finished = False
         try:
             for ref in stream:
-                yield ray.get(ref)
+                output: RequestOutput = ray.get(ref)
+                finished = output.finished
+                yield output
+        except GeneratorExit:
+            if not finished:
+                ray.cancel(stream)
+            raise
         except RayTaskError as exc:
             cause = exc.cause if hasattr(exc, "cause") else None
             if isinstance(cause, RequestRejected | WorkerFailed):
@@ -164,6 +183,16 @@ class Cluster:
                 log.warning("worker %s did not report its info within %.1f s", w, timeout_s)
         return out
 
+    def fresh_info(self, worker_id: str, timeout_s: float = 5.0) -> WorkerInfo | None:
+        """Ask one worker now (None if it does not answer in time or is gone)."""
+        try:
+            info: WorkerInfo = ray.get(self.actor(worker_id).info.remote(), timeout=timeout_s)
+        except (KeyError, RayActorError, GetTimeoutError):
+            return None
+        with self._lock:
+            self._latest_info[worker_id] = info
+        return info
+
     def call_all(self, method: str, timeout_s: float = 30.0) -> dict[str, Any]:
         live = self._live_actors()
         refs = {w: getattr(a, method).remote() for w, a in live.items()}
@@ -178,31 +207,57 @@ class Cluster:
             return self._latest_info.get(worker_id)
 
     def _watch(self, interval_s: float) -> None:
+        last_answer: dict[str, float] = {}
         while not self._stop.wait(interval_s):
             live = self._live_actors()
             refs = {w: a.info.remote() for w, a in live.items()}
             for w, ref in refs.items():
+                now = time.monotonic()
                 try:
-                    info = ray.get(ref, timeout=max(2.0, 4 * interval_s))
+                    info: WorkerInfo = ray.get(ref, timeout=max(2.0, 4 * interval_s))
                 except RayActorError:
                     self.mark_dead(w)
                 except GetTimeoutError:
-                    pass  # busy, not dead: the heartbeat in Redis is the other judge
+                    # Busy or stopped: the second only once it lasts past the stall timeout.
+                    silent_s = now - last_answer.setdefault(w, now)
+                    if silent_s > self._stall_timeout_s:
+                        self.end_stalled(w, f"no answer for {silent_s:.0f} s")
                 else:
+                    last_answer[w] = time.monotonic()
                     with self._lock:
                         self._latest_info[w] = info
-                    if self._on_info is not None:
+                    if info.engine_stalled_s > self._stall_timeout_s:
+                        self.end_stalled(w, f"engine stuck for {info.engine_stalled_s:.0f} s")
+                    elif self._on_info is not None:
                         self._on_info(w, info)
 
-    def stop(self) -> None:
+    def end_stalled(self, worker_id: str, why: str) -> None:
+        """A worker that makes no progress is dead for routing: killed, so its streams fail over
+        (migrate) at once, and handed to the registry like any dead worker."""
+        log.warning("worker %s stalled (%s); ending it", worker_id, why)
+        self.registry.mark_dead(worker_id, f"stalled: {why}")
+        try:
+            ray.kill(self.actor(worker_id), no_restart=True)
+        except (KeyError, ValueError):
+            pass
+
+    def stop(self, *, kill_workers: bool = True) -> None:
+        """Stop watching; with `kill_workers` also end every worker actor (a local cluster).
+        Service workers outlive their coordinator: `kill_workers=False` leaves them running."""
         self._stop.set()
         if self._monitor is not None:
             self._monitor.join(timeout=5)
+        if not kill_workers:
+            return
         with self._lock:
             handles = list(self._handles.values())
         for h in handles:
-            try:
-                ray.get(h.actor.shutdown.remote(), timeout=5)
-            except Exception:  # already dead or stuck: kill below either way
-                pass
-            ray.kill(h.actor, no_restart=True)
+            kill_actor(h.actor)
+
+
+def kill_actor(actor: Any) -> None:
+    try:
+        ray.get(actor.shutdown.remote(), timeout=5)
+    except Exception:  # already dead or stuck: kill below either way
+        pass
+    ray.kill(actor, no_restart=True)

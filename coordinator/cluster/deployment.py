@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from collections.abc import Iterator, MutableMapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -16,9 +17,14 @@ import ray
 import torch
 
 from kvmesh.coordinator.cluster.cluster import Cluster
-from kvmesh.coordinator.cluster.redis_server import RedisServer, start_redis_server
+from kvmesh.coordinator.cluster.fleet import Fleet
+from kvmesh.coordinator.cluster.redis_server import (
+    RedisKeeper,
+    RedisServer,
+    start_redis_server,
+)
 from kvmesh.coordinator.cluster.registry import WorkerRegistry
-from kvmesh.coordinator.config import CoordinatorConfig
+from kvmesh.coordinator.config import CoordinatorConfig, HttpConfig
 from kvmesh.coordinator.coordinator import Coordinator
 from kvmesh.coordinator.index.follower import IndexFollower
 from kvmesh.coordinator.index.locked_mirror import LockedMirror
@@ -26,12 +32,20 @@ from kvmesh.coordinator.index.store import IndexStore
 from kvmesh.coordinator.routing.links import LinkType
 from kvmesh.coordinator.routing.transfer_planner import TransferPlanner
 from kvmesh.coordinator.service.admin import Admin
+from kvmesh.coordinator.service.chat_template import load_chat_template
 from kvmesh.coordinator.service.field_limits import FieldLimits
+from kvmesh.coordinator.service.http_server import HttpGate, HttpServer, build_app
 from kvmesh.coordinator.service.interceptor import GateInterceptor, gate_from_config
-from kvmesh.coordinator.service.servicer import KVMeshServicer, build_server
+from kvmesh.coordinator.service.openai_frontend import OpenAIFrontend
+from kvmesh.coordinator.service.servicer import KVMeshServicer, build_server, set_serving
 from kvmesh.coordinator.service.tls import load_server_tls
+from kvmesh.coordinator.telemetry.collector import MetricsCollector
+from kvmesh.coordinator.telemetry.exporter import MetricsExporter
+from kvmesh.coordinator.telemetry.request_log import RequestLog
+from kvmesh.coordinator.telemetry.request_metrics import RequestMetrics
 from kvmesh.proto.block_hash import namespace_hash
 from kvmesh.workers.config import WorkerConfig
+from kvmesh.workers.contract.replies import RequestRejected
 from kvmesh.workers.model.model_config import load_model_config
 from kvmesh.workers.model.runner import ModelRunner
 from kvmesh.workers.model.tokenizer import load_tokenizer
@@ -50,24 +64,54 @@ class DeploymentConfig:
     gpus_per_worker: float = -1.0
     """GPU share per worker; -1: 1 when there are enough GPUs, else an even split of GPU 0's."""
     ray_address: str = ""
-    """Ray cluster to join (`auto`); empty starts a local Ray unless one is already running."""
+    """Ray cluster to join (`auto`, `host:6379`); empty starts a private local Ray (unless this
+    process already runs one), never whatever cluster `ray start` last recorded."""
+    own_workers: bool = True
+    """A local cluster: its workers stop with it. False: workers are long-lived services that
+    outlive this coordinator (`kvmesh serve`); missing ones are started, running ones attached."""
+    attach: bool = False
+    """Start no workers: route over those already registered (another coordinator's fleet)."""
+    replace_dead_workers: bool = False
+    """Start a replacement (a new id, same config) when a worker dies."""
+    fleet_poll_s: float = 2.0
+    """How often the directory is read for workers other coordinators started."""
+    http: HttpConfig | None = None
+    """The OpenAI-compatible HTTP API; None serves gRPC only."""
+    metrics_port: int | None = None
+    """Prometheus endpoint (`GET /metrics`) on the gRPC host: None serves none, 0 a free port."""
 
     def __post_init__(self) -> None:
         if self.num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {self.num_workers}")
+        if self.attach and self.own_workers:
+            raise ValueError("attach starts no workers, so it owns none: set own_workers=False")
+        if self.fleet_poll_s <= 0:
+            raise ValueError(f"fleet_poll_s must be > 0, got {self.fleet_poll_s}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
 
 
 class Deployment:
     def __init__(self, config: DeploymentConfig) -> None:
         self.config = config
         self.redis: RedisServer | None = None
+        self.redis_keeper: RedisKeeper | None = None
         self.cluster: Cluster | None = None
+        self.fleet: Fleet | None = None
         self.follower: IndexFollower | None = None
         self.coordinator: Coordinator | None = None
         self.server: grpc.Server | None = None
         self.gate: GateInterceptor | None = None
+        self.metrics: MetricsExporter | None = None
+        self.request_metrics = RequestMetrics()
         self.port = 0
+        self.http_server: HttpServer | None = None
         self._started_ray = False
+
+    @property
+    def http_url(self) -> str:
+        """Base URL of the HTTP API (e.g. http://127.0.0.1:8000), empty when it is off."""
+        return self.http_server.url if self.http_server is not None else ""
 
     @property
     def address(self) -> str:
@@ -90,37 +134,32 @@ class Deployment:
             if cc.tls_cert_file
             else None
         )
+        if cc.port:  # before anything starts: a taken port is the user's first error to see
+            ensure_port_free(cc.host, cc.port)
+        if cfg.metrics_port is not None:  # bound first: a port in use fails before Ray starts
+            self.metrics = MetricsExporter(cc.host, cfg.metrics_port)
         redis_url = cc.redis_url
         if not redis_url:
             self.redis = start_redis_server()
+            self.redis_keeper = RedisKeeper(self.redis)
             redis_url = self.redis.url
         if not ray.is_initialized():
             with without_secrets(os.environ):  # a local start spawns Ray's processes from ours
+                # Ray's driver loggers go through our handlers (level, format, JSON) instead of
+                # a handler of Ray's own; the workers' output stays in Ray's session logs.
                 ray.init(
-                    address=cfg.ray_address or None, include_dashboard=False, log_to_driver=False
+                    address=cfg.ray_address or "local",
+                    include_dashboard=False,
+                    log_to_driver=False,
+                    configure_logging=False,
                 )
             self._started_ray = True
-        num_gpus = int(ray.cluster_resources().get("GPU", 0))
-        num_workers = cfg.num_workers or max(num_gpus, 2 if not num_gpus else num_gpus)
-        gpus_per_worker = cfg.gpus_per_worker
-        if gpus_per_worker < 0:
-            gpus_per_worker = 0.0 if not num_gpus else min(1.0, num_gpus / num_workers)
-        workers = [
-            replace(
-                cfg.worker,
-                worker_id=f"w{i}",
-                model=cc.model,
-                block_size=cc.block_size,
-                redis_url=redis_url,
-                seed=cc.seed,
-                gpu_fraction=gpus_per_worker if 0 < gpus_per_worker < 1 else 1.0,
-            )
-            for i in range(num_workers)
-        ]
         ns = f"{namespace_hash(model.fingerprint()):016x}"
         registry = WorkerRegistry()
         self.cluster = cluster = Cluster(registry)
-        self.cluster.start_workers(workers, gpus_per_worker)
+        store = IndexStore(redis_url)
+        self.fleet = fleet = Fleet(cluster, store, redis_url, own_workers=cfg.own_workers)
+        self._start_workers(fleet, redis_url)
         infos = self.cluster.infos()
         first = next(iter(infos.values()), None)
         device = first.device if first is not None else "cpu"
@@ -135,7 +174,6 @@ class Deployment:
             nccl_members=cluster.nccl_members,
         )
         mirror = LockedMirror()
-        store = IndexStore(redis_url)
         self.follower = follower = IndexFollower(
             store, mirror, ns=ns, on_lapsed=registry.report_lapsed
         )
@@ -149,24 +187,29 @@ class Deployment:
             index_connected=lambda: follower.connected,
             worker_free_blocks=lambda w: _free_blocks(cluster, w),
             transfers=transfers,
+            observers=(self.request_metrics, RequestLog()),
         )
         # One judge of liveness, fanned out to everything that keeps per-worker state.
         registry.on_dead(coordinator.forget_worker)
         registry.on_dead(follower.purge_worker)
         registry.on_lapsed(follower.purge_worker)
-        self._calibrate_links(transfers)
+        if cfg.replace_dead_workers:
+            registry.on_dead(fleet.replace_dead)
+        if not cfg.attach:
+            self._calibrate_links(transfers)
         self.cluster.set_on_info(coordinator.observe_worker)
         self.follower.start()
-        self.cluster.start_monitor(cc.health_interval_s)
+        self.cluster.start_monitor(cc.health_interval_s, cc.stall_timeout_s)
+        fleet.start_watching(cfg.fleet_poll_s)
         prompt_limit = min(cc.max_prompt_tokens or model.max_position_embeddings,
                            model.max_position_embeddings)  # fmt: skip
         gate = gate_from_config(cc, FieldLimits(max_prompt_tokens=prompt_limit))
         self.gate = gate
-        admin = Admin(self.cluster, self.coordinator)
+        admin = Admin(self.cluster, self.coordinator, mirror, fleet)
         servicer = KVMeshServicer(
             self.coordinator, self.cluster, self.follower, admin=admin, gate=gate
         )
-        self.server, self.port, _health = build_server(
+        self.server, self.port, health = build_server(
             servicer,
             cc.host,
             cc.port,
@@ -175,8 +218,67 @@ class Deployment:
             interceptors=[gate],
             tls=tls,
         )
+        # Health says SERVING only while some worker can take a request.
+        registry.on_changed(lambda: set_serving(health, bool(registry.routable())))
+        set_serving(health, bool(registry.routable()))
         self.server.start()
+        if cfg.http is not None:
+            self._start_http(cfg.http, gate)
+        if self.metrics is not None:
+            collector = MetricsCollector(
+                coordinator,
+                registry,
+                cluster.latest_info,
+                self.request_metrics,
+                index=follower,
+                num_gate_rejections=lambda: gate.num_rejected,
+            )
+            self.metrics.serve(collector)
         return self.address
+
+    def _start_workers(self, fleet: Fleet, redis_url: str) -> None:
+        cfg, cc = self.config, self.config.coordinator
+        if cfg.attach:
+            fleet.attach()
+            return
+        num_gpus = int(ray.cluster_resources().get("GPU", 0))
+        num_workers = cfg.num_workers or max(num_gpus, 2 if not num_gpus else num_gpus)
+        gpus_per_worker = cfg.gpus_per_worker
+        if gpus_per_worker < 0:
+            gpus_per_worker = 0.0 if not num_gpus else min(1.0, num_gpus / num_workers)
+        template = replace(
+            cfg.worker,
+            model=cc.model,
+            block_size=cc.block_size,
+            redis_url=redis_url,
+            seed=cc.seed,
+            gpu_fraction=gpus_per_worker if 0 < gpus_per_worker < 1 else 1.0,
+        )
+        if cfg.own_workers:
+            fleet.start(template, num_workers, gpus_per_worker)
+        else:
+            fleet.ensure(template, num_workers, gpus_per_worker)
+
+    def _start_http(self, config: HttpConfig, gate: GateInterceptor) -> None:
+        """The OpenAI API, sharing the gRPC gate's tokens, rate buckets and stream slots."""
+        assert self.coordinator is not None
+        cc = self.config.coordinator
+        frontend = OpenAIFrontend(
+            self.coordinator,
+            load_tokenizer(cc.model, cc.seed),
+            load_chat_template(cc.model),
+            client_errors=(RequestRejected,),
+        )
+        http_gate = HttpGate(gate.auth, gate.rate, gate.streams)
+        app = build_app(frontend, http_gate, config.max_body_bytes, config.max_threads)
+        self.http_server = HttpServer(
+            app,
+            config,
+            tls_cert_file=cc.tls_cert_file,
+            tls_key_file=cc.tls_key_file,
+            tls_client_ca_file=cc.tls_client_ca_file,
+        )
+        self.http_server.start()
 
     def _calibrate_links(self, transfers: TransferPlanner) -> None:
         """Measure one worker-to-worker link so the first pulls are priced from reality."""
@@ -202,6 +304,12 @@ class Deployment:
             log.warning("link calibration failed: %s", exc)
 
     def stop(self) -> None:
+        if self.http_server is not None:
+            self.http_server.stop()
+            self.http_server = None
+        if self.metrics is not None:
+            self.metrics.stop()
+            self.metrics = None
         if self.server is not None:
             self.server.stop(grace=1).wait()
             self.server = None
@@ -211,12 +319,16 @@ class Deployment:
         if self.follower is not None:
             self.follower.stop()
             self.follower = None
-        if self.cluster is not None:
-            self.cluster.stop()
+        if self.fleet is not None:
+            self.fleet.stop()  # a service fleet's workers keep running
+            self.fleet = None
             self.cluster = None
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
             self._started_ray = False
+        if self.redis_keeper is not None:
+            self.redis_keeper.stop()
+            self.redis_keeper = None
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
@@ -236,6 +348,17 @@ def without_secrets(environ: MutableMapping[str, str]) -> Iterator[None]:
         yield
     finally:
         environ.update(saved)
+
+
+def ensure_port_free(host: str, port: int) -> None:
+    """Raise OSError naming the port when something already listens on it."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        # As servers bind: a port whose old connections linger (TIME_WAIT) is free to listen on.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            raise OSError(f"port {port} on {host} is already in use") from None
 
 
 def _free_blocks(cluster: Cluster, worker_id: str) -> tuple[int, int]:

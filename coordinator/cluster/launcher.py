@@ -15,8 +15,10 @@ from dataclasses import replace
 from typing import Any
 
 from kvmesh.coordinator.cluster.deployment import Deployment, DeploymentConfig
-from kvmesh.coordinator.config import CoordinatorConfig
+from kvmesh.coordinator.cluster.reaper import start_reaper
+from kvmesh.coordinator.config import CoordinatorConfig, HttpConfig
 from kvmesh.coordinator.service.auth import read_token_file
+from kvmesh.coordinator.telemetry.log_format import LogConfig, configure_logging
 from kvmesh.workers.config import WorkerConfig
 from kvmesh.workers.kv.warm_sessions import WarmSessionConfig
 
@@ -59,12 +61,18 @@ def deployment_config(args: argparse.Namespace, *, embedded_redis: bool) -> Depl
         device=_opt(args, "device", "auto"),
         sessions=sessions,
     )
+    http_port = _opt(args, "http_port", None)
+    http = None
+    if http_port is not None:
+        http = HttpConfig(host=_opt(args, "http_host", coordinator.host), port=int(http_port))
     return DeploymentConfig(
+        http=http,
         coordinator=coordinator,
         num_workers=int(_opt(args, "workers", 0 if not embedded_redis else 2)),
         worker=worker,
         gpus_per_worker=float(_opt(args, "gpus_per_worker", -1.0)),
         ray_address=_opt(args, "ray_address", ""),
+        metrics_port=int(_opt(args, "metrics_port", 0)) or None,  # the flag's 0 means off
     )
 
 
@@ -75,14 +83,13 @@ def _tokens(args: argparse.Namespace, name: str) -> tuple[str, ...]:
     return tuple(t for t in tokens if t) + (read_token_file(path) if path else ())
 
 
-def run_deployment(config: DeploymentConfig) -> int:
-    logging.basicConfig(
-        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+def run_deployment(config: DeploymentConfig, logs: LogConfig | None = None) -> int:
+    logs = logs or LogConfig()
+    configure_logging(logs)
     stop = threading.Event()
     deployment = Deployment(config)
     try:
-        print("kvmesh: starting Redis, Ray and workers ...", file=sys.stderr, flush=True)
+        _note("starting Redis, Ray and workers ...", logs.json_lines)
         try:
             address = deployment.start()
         except Exception as exc:  # one line for the user; the details are in the Ray logs
@@ -98,27 +105,68 @@ def run_deployment(config: DeploymentConfig) -> int:
         security = ("TLS" if cc.tls_cert_file else "plaintext") + (
             ", token auth" if cc.auth_tokens or cc.admin_tokens else ""
         )
+        metrics = (
+            f"; metrics at http://{deployment.metrics.address}/metrics"
+            if deployment.metrics is not None
+            else ""
+        )
         print(
-            f"kvmesh is up at {address} (workers: {workers}; policy {cc.policy}; {security})",
+            f"kvmesh is up at {address} (workers: {workers}; policy {cc.policy}; {security}"
+            f"{metrics})",
             flush=True,
         )
+        if deployment.http_url:
+            print(f"kvmesh OpenAI API at {deployment.http_url}/v1", flush=True)
         stop.wait()
-        print("kvmesh: shutting down ...", file=sys.stderr, flush=True)
+        _note("shutting down ...", logs.json_lines)
         return 0
     finally:
         deployment.stop()
 
 
+def _note(message: str, log_json: bool) -> None:
+    """A progress note on stderr: a log record with JSON logs (every line stays parseable),
+    else plain text."""
+    if log_json:
+        logging.getLogger("kvmesh").info(message)
+    else:
+        print(f"kvmesh: {message}", file=sys.stderr, flush=True)
+
+
 def run_up(args: argparse.Namespace) -> int:
-    """Local cluster: embedded Redis (unless --redis-url), local Ray, N workers, the coordinator."""
+    """Local cluster: embedded Redis (unless --redis-url), a private local Ray (unless
+    --ray-address), N workers that stop with it, the coordinator. A watch process stops all of
+    it if this process dies without cleaning up (SIGKILL, a crash)."""
     config = deployment_config(args, embedded_redis=True)
-    return run_deployment(config)
+    reaper = start_reaper()
+    try:
+        return run_deployment(
+            replace(config, own_workers=True, replace_dead_workers=True), log_config(args)
+        )
+    finally:
+        if reaper is not None and reaper.stdin is not None:
+            reaper.stdin.close()  # a clean exit: the watch finds nothing left and ends
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Coordinator + workers on an existing Ray cluster, against an external Redis."""
+    """A coordinator on an existing Ray cluster and Redis, over long-lived service workers:
+    N ensured running (started if missing), or with --attach only those already registered."""
     config = deployment_config(args, embedded_redis=False)
     if not config.coordinator.redis_url:
         raise ValueError("serve needs --redis-url (or KVMESH_REDIS_URL)")
-    config = replace(config, ray_address=config.ray_address or "auto")
-    return run_deployment(config)
+    attach = bool(_opt(args, "attach", False))
+    return run_deployment(
+        replace(
+            config,
+            ray_address=config.ray_address or "auto",
+            own_workers=False,
+            attach=attach,
+            replace_dead_workers=True,
+        ),
+        log_config(args),
+    )
+
+
+def log_config(args: argparse.Namespace) -> LogConfig:
+    """The log flags of `up` / `serve` (--log-level, --log-json)."""
+    return LogConfig(_opt(args, "log_level", "info"), bool(_opt(args, "log_json", False)))

@@ -8,17 +8,23 @@ a mode-0700 folder, never on its command line. Clients get it through `url`.
 
 from __future__ import annotations
 
+import ctypes
 import ipaddress
+import logging
 import os
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote
+
+log = logging.getLogger(__name__)
 
 
 def find_redis_server() -> str:
@@ -144,7 +150,61 @@ def _quote_config(value: str) -> str:
 
 def _spawn(cmd: list[str], workdir: str) -> subprocess.Popen[bytes]:
     log = open(os.path.join(workdir, "redis.log"), "ab")  # noqa: SIM115 - lives with the process
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        cmd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=_die_with_parent,  # noqa: PLW1509 - only async-signal-safe calls inside
+    )
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: have Linux send SIGTERM when the process that started it
+    dies, so a hard-killed `kvmesh up` leaves no Redis server behind (its own session keeps
+    Ctrl-C away from it). Elsewhere this is a no-op."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+class RedisKeeper:
+    """Restarts an embedded Redis server that died (empty, same port and password): the
+    workers notice their lost events and re-publish in full, the followers rebuild.
+    Invariant: restarts only while not stopped; one watching thread."""
+
+    def __init__(self, server: RedisServer, interval_s: float = 0.5) -> None:
+        self.server = server
+        self.num_restarts = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._watch, args=(interval_s,), name="kvmesh-redis-keeper", daemon=True
+        )
+        self._thread.start()
+
+    def _watch(self, interval_s: float) -> None:
+        # The thread that starts the server is its parent for PDEATHSIG: this one, which lives
+        # until stop(), so a restarted server does not die with a short-lived thread.
+        while not self._stop.wait(interval_s):
+            if self.server.process.poll() is None:
+                continue
+            log.warning(
+                "the embedded Redis exited (%s); restarting it", self.server.process.returncode
+            )
+            try:
+                self.server.restart()
+                self.num_restarts += 1
+            except Exception as exc:  # e.g. the port was taken meanwhile: try again later
+                log.error("could not restart the embedded Redis: %s", exc)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
 
 
 def _wait_ready(server: RedisServer, timeout_s: float) -> None:

@@ -32,12 +32,21 @@ class WorkerRegistry:
         self._lock = threading.Lock()
         self._on_dead: list[Listener] = []
         self._on_lapsed: list[Listener] = []
+        self._on_changed: list[Callable[[], None]] = []
 
     # ---- listeners ----------------------------------------------------------------------------
 
     def on_dead(self, listener: Listener) -> None:
         """Called once per worker, after it stops being routable."""
         self._on_dead.append(listener)
+
+    def on_changed(self, listener: Callable[[], None]) -> None:
+        """Called after anything that can change `routable()` (health checks follow it)."""
+        self._on_changed.append(listener)
+
+    def _changed(self) -> None:
+        for listener in self._on_changed:
+            listener()
 
     def on_lapsed(self, listener: Listener) -> None:
         """Called whenever a worker's heartbeat is found lapsed (its index entries are stale)."""
@@ -50,6 +59,7 @@ class WorkerRegistry:
             if worker_id in self._known:
                 raise ValueError(f"worker id {worker_id!r} is already registered")
             self._known.append(worker_id)
+        self._changed()
 
     def mark_dead(self, worker_id: str, reason: str) -> bool:
         """Take a worker out for good; False if it was unknown or already dead."""
@@ -63,6 +73,7 @@ class WorkerRegistry:
         )
         for listener in self._on_dead:
             listener(worker_id)
+        self._changed()
         return True
 
     def report_lapsed(self, worker_id: str) -> None:
@@ -79,6 +90,7 @@ class WorkerRegistry:
                 self._drained.add(worker_id)
             else:
                 self._drained.discard(worker_id)
+        self._changed()
 
     # ---- reads --------------------------------------------------------------------------------
 

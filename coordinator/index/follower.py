@@ -41,6 +41,10 @@ class IndexFollower:
         self._on_lapsed = on_lapsed or self.purge_worker
         self.connected = False
         self.num_resyncs = 0
+        self.last_event_lag_s: float | None = None
+        """How old the newest applied stream entry was when applied, by its Redis-assigned id
+        (milliseconds on Redis' clock, so a skew between the two hosts shows up here); None
+        before the first entry."""
         self._last_id = "0-0"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvmesh-index", daemon=True)
@@ -90,6 +94,8 @@ class IndexFollower:
                 if result is ApplyResult.NEEDS_RESYNC:
                     self.resync(entry.batch.worker_id)
             self._last_id = entry.entry_id
+        if entries:
+            self.last_event_lag_s = _age_s(entries[-1].entry_id, time.time())
         return len(entries)
 
     def _run(self) -> None:
@@ -132,3 +138,11 @@ class IndexFollower:
             self.store.purge_worker(self.ns, worker)
         except StoreError as exc:
             log.warning("index: could not purge %s from Redis: %s", worker, exc)
+
+
+def _age_s(entry_id: str, now_s: float) -> float | None:
+    """Seconds since Redis appended the stream entry `entry_id` ("<ms>-<seq>"), never negative."""
+    millis, _, _seq = entry_id.partition("-")
+    if not millis.isdigit():
+        return None
+    return max(0.0, now_s - int(millis) / 1e3)

@@ -9,6 +9,7 @@ not newer) and are ignored by the mirror, so nothing falls in between.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -56,8 +57,23 @@ class StreamEntry:
     purged_worker: str | None = None  # a worker that was purged, or neither (undecodable)
 
 
+@dataclass(frozen=True, slots=True)
+class WorkerService:
+    """A worker running as a long-lived service: how any coordinator reaches it."""
+
+    worker_id: str
+    actor_name: str
+    """Its detached Ray actor's name (in `ray_namespace`)."""
+    ray_namespace: str
+    num_gpus: float
+    """GPUs its actor reserves (a replacement asks for the same)."""
+    config_json: str
+    """Its WorkerConfig, as JSON (a replacement starts from it)."""
+
+
 class IndexStore:
-    """Reads and maintains the index in Redis for one coordinator."""
+    """Reads and maintains the index in Redis for one coordinator, and the directory of
+    service workers every coordinator attaches to."""
 
     def __init__(self, redis_url: str, *, socket_timeout_s: float = 2.0) -> None:
         # Any: redis-py's reply types are unions of bytes/str/None that it never narrows.
@@ -135,6 +151,62 @@ class IndexStore:
                     self.num_decode_errors += 1
                     log.warning("rejected event batch %s: %s", eid, exc)
                     yield StreamEntry(eid)
+
+    # ---- the service directory --------------------------------------------------------------
+
+    def fleet_id(self) -> str:
+        """The fleet's id, made by the first coordinator that asks (all later ones agree)."""
+        self._client.hsetnx(schema.FLEET_KEY, "id", os.urandom(4).hex())
+        return cast(bytes, self._client.hget(schema.FLEET_KEY, "id")).decode()
+
+    def claim_service(self, service: WorkerService) -> bool:
+        """Register a service worker under its id; False if the id is taken (atomic)."""
+        key = schema.service_key(service.worker_id)
+        if not self._client.hsetnx(key, "actor_name", service.actor_name):
+            return False
+        fields = {
+            "ray_namespace": service.ray_namespace,
+            "num_gpus": repr(service.num_gpus),
+            "config_json": service.config_json,
+        }
+        pipe = self._client.pipeline(transaction=True)
+        pipe.hset(key, mapping=fields)
+        pipe.sadd(schema.SERVICES_SET, service.worker_id)
+        pipe.execute()
+        return True
+
+    def services(self) -> list[WorkerService]:
+        out = []
+        for raw in sorted(cast(set[bytes], self._client.smembers(schema.SERVICES_SET))):
+            worker_id = raw.decode()
+            h = {
+                k.decode(): v.decode()
+                for k, v in self._client.hgetall(schema.service_key(worker_id)).items()
+            }
+            if "config_json" not in h:
+                continue  # being claimed right now
+            out.append(
+                WorkerService(
+                    worker_id,
+                    h["actor_name"],
+                    h["ray_namespace"],
+                    float(h["num_gpus"]),
+                    h["config_json"],
+                )
+            )
+        return out
+
+    def remove_service(self, worker_id: str) -> None:
+        pipe = self._client.pipeline(transaction=True)
+        pipe.srem(schema.SERVICES_SET, worker_id)
+        pipe.delete(schema.service_key(worker_id), schema.replacing_key(worker_id))
+        pipe.execute()
+
+    def claim_replacement(self, worker_id: str, ttl_s: float) -> bool:
+        """True for exactly one caller per dead worker (within `ttl_s`)."""
+        return bool(
+            self._client.set(schema.replacing_key(worker_id), "1", nx=True, px=int(ttl_s * 1000))
+        )
 
     def close(self) -> None:
         self._client.close()

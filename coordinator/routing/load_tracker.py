@@ -7,6 +7,7 @@ what actually happened: the queue never goes negative and a request's share is r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvmesh.coordinator.index.mirror import WorkerId
@@ -20,15 +21,49 @@ class _Pending:
     prefilled: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class ReportedLoad:
+    """What a worker itself says it has, from every coordinator (one health interval old)."""
+
+    queued_prefill_tokens: int
+    num_requests: int
+    """Running and waiting."""
+
+
 class LoadTracker:
     """Invariants: queued_ms[w] == sum of prefill_ms of w's requests not yet prefilled (>= 0);
-    num_running[w] == number of w's requests routed and not finished."""
+    num_running[w] == number of w's requests routed and not finished.
+
+    Own routes are exact but blind to other coordinator replicas; a worker's report sees them
+    all but lags. The router takes the larger of the two for each worker (`with_reported`), so
+    replicas agree on a worker's load within a health interval and never count a request twice.
+    """
 
     def __init__(self) -> None:
         self._pending: dict[str, _Pending] = {}
         self._queued_ms: dict[WorkerId, float] = {}
         self._queued_tokens: dict[WorkerId, int] = {}
         self._num_running: dict[WorkerId, int] = {}
+        self._reported: dict[WorkerId, ReportedLoad] = {}
+
+    def on_reported(self, worker: WorkerId, load: ReportedLoad) -> None:
+        self._reported[worker] = load
+
+    def with_reported(
+        self, worker: WorkerId, tokens_to_ms: Callable[[int], float]
+    ) -> tuple[float, int, int]:
+        """(queued prefill ms, queued prefill tokens, requests) for routing: the larger of what
+        this coordinator routed and what the worker last reported."""
+        own_ms, own_tokens = self.queued_prefill_ms(worker), self.queued_prefill_tokens(worker)
+        own_running = self.num_running(worker)
+        report = self._reported.get(worker)
+        if report is None:
+            return own_ms, own_tokens, own_running
+        return (
+            max(own_ms, tokens_to_ms(report.queued_prefill_tokens)),
+            max(own_tokens, report.queued_prefill_tokens),
+            max(own_running, report.num_requests),
+        )
 
     def queued_prefill_ms(self, worker: WorkerId) -> float:
         return max(0.0, self._queued_ms.get(worker, 0.0))
@@ -69,6 +104,7 @@ class LoadTracker:
         self._queued_ms.pop(worker, None)
         self._queued_tokens.pop(worker, None)
         self._num_running.pop(worker, None)
+        self._reported.pop(worker, None)
         return ids
 
     def check_invariants(self) -> None:

@@ -11,11 +11,18 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvmesh.coordinator.cluster.registry import WorkerRegistry
+from kvmesh.coordinator.index.locked_mirror import LockedMirror
 from kvmesh.coordinator.index.mirror import WorkerId
 from kvmesh.workers.contract.replies import WorkerInfo
 
 if TYPE_CHECKING:
     from kvmesh.coordinator.coordinator import Coordinator
+
+
+class FleetControl(Protocol):
+    """Growing and shrinking the fleet (`cluster/fleet.py`)."""
+
+    def scale_to(self, num_workers: int, drain_timeout_s: float) -> tuple[list[str], list[str]]: ...
 
 
 class Fleet(Protocol):
@@ -44,10 +51,24 @@ class IndexView:
 
 
 class Admin:
-    def __init__(self, fleet: Fleet, coordinator: Coordinator) -> None:
+    def __init__(
+        self,
+        fleet: Fleet,
+        coordinator: Coordinator,
+        mirror: LockedMirror,
+        control: FleetControl | None = None,
+    ) -> None:
         self.cluster = fleet
         self.coordinator = coordinator
+        self.mirror = mirror
         self.registry = fleet.registry
+        self.control = control
+
+    def scale(self, num_workers: int, drain_timeout_s: float) -> tuple[list[str], list[str]]:
+        """Grow or shrink the fleet; returns (started, stopped) worker ids."""
+        if self.control is None:
+            raise ValueError("this coordinator cannot start or stop workers")
+        return self.control.scale_to(num_workers, drain_timeout_s)
 
     def drain(self, worker_id: str, *, undrain: bool = False) -> list[str]:
         """Take a worker out of routing (or back in); returns every drained worker."""
@@ -63,7 +84,7 @@ class Admin:
         """Mirror and pool of every worker, read one right after the other (under traffic the
         two can differ for a few milliseconds: compare twice before calling it a fault)."""
         pools = self.cluster.call_all("cached_hashes")
-        mirror = self.coordinator.mirror
+        mirror = self.mirror
         owned = set(self.registry.known())
         known = owned | set(mirror.workers())
         views = []

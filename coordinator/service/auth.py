@@ -26,6 +26,7 @@ ADMIN_METHODS = frozenset(
     {
         "/kvmesh.v1.KVMesh/Drain",
         "/kvmesh.v1.KVMesh/ClearCache",
+        "/kvmesh.v1.KVMesh/Scale",
         "/kvmesh.v1.KVMesh/VerifyIndex",
     }
 )

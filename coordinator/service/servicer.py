@@ -101,7 +101,7 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
         # The client's id is a label it gets back (generated when absent); the coordinator keys
         # the request by its own id, so two clients sending the same label never collide.
         request_id = request.request_id or uuid.uuid4().hex
-        stream = self._guard(context, lambda: self._start_generate(request))
+        stream = self._guard(context, lambda: self._start_generate(request, request_id))
         first = True
         tokenizer = self.coordinator.tokenizer
         detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
@@ -142,7 +142,17 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
             policy=self.coordinator.policy.name,
         )
 
-    def _start_generate(self, request: pb.GenerateRequest) -> Iterator[Any]:
+    def _start_generate(self, request: pb.GenerateRequest, label: str) -> Iterator[Any]:
+        try:
+            return self._try_generate(request, label)
+        except (InvalidRequest, RequestRejected, ValueError, NoLiveWorker) as exc:
+            # Refused before any worker took it: its record (for metrics and the request log)
+            # is made here; a request that reached a worker is recorded when its stream ends.
+            outcome = "unavailable" if isinstance(exc, NoLiveWorker) else "invalid"
+            self.coordinator.note_refused(label, outcome, str(exc) or type(exc).__name__)
+            raise
+
+    def _try_generate(self, request: pb.GenerateRequest, label: str) -> Iterator[Any]:
         c = self.coordinator
         prompt = self._prepare(request.token_ids, request.prompt, request.cache_salt)
         s = request.sampling
@@ -167,6 +177,7 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
             session_id=request.session_id,
             worker_id=request.worker_id,
             turn_mode=mode,
+            label=label,
         )
 
     def _prepare(self, token_ids: Any, prompt: str, cache_salt: str) -> PreparedPrompt:
@@ -284,7 +295,7 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
         out = []
         for w in registry.known():
             i = infos.get(w) or self.cluster.latest_info(w)
-            report = {}
+            report: dict[str, Any] = {}
             if i is not None:
                 report = {
                     "pid": i.pid,
@@ -318,6 +329,18 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
         if self.admin is None:
             raise InvalidRequest("this coordinator was started without admin operations")
         return self.admin
+
+    def Scale(self, request: pb.ScaleRequest, context: grpc.ServicerContext) -> pb.ScaleResponse:
+        def run() -> pb.ScaleResponse:
+            timeout_s = request.drain_timeout_s or 600.0
+            started, stopped = self._admin().scale(request.num_workers, timeout_s)
+            return pb.ScaleResponse(
+                started_worker_ids=started,
+                stopped_worker_ids=stopped,
+                num_workers=len(self.cluster.registry.alive()),
+            )
+
+        return self._guard(context, run)
 
     def Drain(self, request: pb.DrainRequest, context: grpc.ServicerContext) -> pb.DrainResponse:
         def run() -> pb.DrainResponse:
@@ -366,6 +389,8 @@ def build_server(
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
+            # A port another server holds is an error, not a second listener sharing it.
+            ("grpc.so_reuseport", 0),
         ],
     )
     pb_grpc.add_KVMeshServicer_to_server(servicer, server)
@@ -388,6 +413,16 @@ def build_server(
         bound = server.add_secure_port(f"{host}:{port}", credentials)
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
-    for name in (SERVICE_NAME, ""):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    set_serving(health_servicer, True)
     return server, bound, health_servicer
+
+
+def set_serving(health_servicer: health.HealthServicer, serving: bool) -> None:
+    """The health answer for the service and the server as a whole."""
+    status = (
+        health_pb2.HealthCheckResponse.SERVING
+        if serving
+        else health_pb2.HealthCheckResponse.NOT_SERVING
+    )
+    for name in (SERVICE_NAME, ""):
+        health_servicer.set(name, status)

@@ -34,7 +34,7 @@ from kvmesh.coordinator.config import CoordinatorConfig
 from kvmesh.coordinator.coordinator import Coordinator, PreparedPrompt, StreamEvent
 from kvmesh.coordinator.index.locked_mirror import LockedMirror
 from kvmesh.coordinator.index.mirror import ApplyResult, PrefixMatch, WorkerId
-from kvmesh.coordinator.routing.load_tracker import LoadTracker
+from kvmesh.coordinator.routing.load_tracker import LoadTracker, ReportedLoad
 from kvmesh.coordinator.routing.router import POLICIES, RoutingPolicy
 from kvmesh.coordinator.sim.backend import SimBackend
 from kvmesh.coordinator.sim.cost_model import SimCostModel
@@ -85,6 +85,11 @@ class SimConfig:
     """Compute times (the router's model is derived from it: a calibrated coordinator)."""
     pulls: bool = True
     """Workers can pull prefixes from each other (policies that plan pulls, kvmesh's, use it)."""
+    num_coordinators: int = 1
+    """Coordinator replicas over the one fleet; arrivals go to them in turn, each routes with its
+    own load tracker and policy state, all read one mirror and the workers' load reports."""
+    report_interval_ms: float = 500.0
+    """How often workers' own load reports reach the coordinators (the live health interval)."""
     sessions: WarmSessionConfig | None = None
     """Workers keep idle sessions warm (as live workers do); None: plain LRU, as before. The
     oracle stays the shared-LRU bound either way."""
@@ -97,6 +102,11 @@ class SimConfig:
             raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_coordinators < 1 or self.report_interval_ms <= 0:
+            raise ValueError(
+                f"need >= 1 coordinator and a report interval > 0, got {self.num_coordinators}"
+                f" and {self.report_interval_ms} ms"
+            )
         if self.capacity_tokens < self.block_size:
             raise ValueError(
                 f"capacity_tokens {self.capacity_tokens} is less than one block of "
@@ -214,7 +224,9 @@ class ClusterSimulation:
             self.mirror.load_worker(wid, 1, 0, [])
         self._event_seq = [0] * n
         self.backend = SimBackend(self.workers)
-        self.coordinator = self._build_coordinator()
+        self.coordinators = [self._build_coordinator(k) for k in range(config.num_coordinators)]
+        self.coordinator = self.coordinators[0]
+        self._last_report_ms = -math.inf
         self._streams: dict[str, Iterator[StreamEvent]] = {}
         self._heap: list[tuple[float, int, int, int]] = []
         self._scheduled_epoch = [-1] * n
@@ -253,7 +265,7 @@ class ClusterSimulation:
             for i in range(n)
         ]
 
-    def _build_coordinator(self) -> Coordinator:
+    def _build_coordinator(self, k: int) -> Coordinator:
         config = self.config
         registry = WorkerRegistry()
         for wid in self.worker_ids:
@@ -261,7 +273,7 @@ class ClusterSimulation:
         coordinator_config = CoordinatorConfig(
             block_size=config.block_size,
             policy="least_loaded" if self.oracle else self.policy_name,
-            route_seed=config.seed,
+            route_seed=config.seed + k,
         )
         index = SharedPoolIndex(self.workers[0].pool, self.worker_ids) if self.oracle else None
         pools = {wid: w.pool for wid, w in zip(self.worker_ids, self.workers, strict=True)}
@@ -271,7 +283,10 @@ class ClusterSimulation:
             self.backend,
             index or self.mirror,
             registry,
-            worker_free_blocks=lambda w: (pools[w].num_blocks, pools[w].num_free),
+            worker_free_blocks=lambda w: (
+                pools[WorkerId(w)].num_blocks,
+                pools[WorkerId(w)].num_free,
+            ),
             cost_model=config.cost.router_cost_model(),
             transfers=SimPulls(config.cost) if config.pulls and not self.oracle else None,
             clock=lambda: self.now_ms / 1000.0,
@@ -317,8 +332,10 @@ class ClusterSimulation:
         prompt = PreparedPrompt(tokens, request.prompt_hashes, "")
         sampling = SamplingConfig(max_tokens=max(1, request.output_len), ignore_eos=True)
         self.backend.expect(request)
+        self._report_load()
+        coordinator = self.coordinators[request.index % len(self.coordinators)]
         start = self._timer()
-        self._streams[request.request_id] = self.coordinator.generate(
+        self._streams[request.request_id] = coordinator.generate(
             prompt, sampling, session_id=request.session_id, request_id=request.request_id
         )
         self._decision_s += self._timer() - start
@@ -326,6 +343,17 @@ class ClusterSimulation:
             self._admit(w)
             self._schedule(w)
         self.backend.touched.clear()
+
+    def _report_load(self) -> None:
+        """Every report interval, each worker's own load reaches every coordinator (as the live
+        health loop's WorkerInfo does), so replicas see each other's requests."""
+        if self.now_ms - self._last_report_ms < self.config.report_interval_ms:
+            return
+        self._last_report_ms = self.now_ms
+        for wid, worker in zip(self.worker_ids, self.workers, strict=True):
+            report = ReportedLoad(worker.queued_prefill_tokens, worker.num_requests)
+            for coordinator in self.coordinators:
+                coordinator.load.on_reported(wid, report)
 
     def _on_worker_event(self, w: int) -> None:
         worker = self.workers[w]

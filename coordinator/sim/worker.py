@@ -156,6 +156,24 @@ class SimWorker:
     def num_decoding(self) -> int:
         return len(self._batch)
 
+    @property
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens queued or prefilling, less what the pool holds of each queued prompt
+        (what a live worker reports)."""
+        bs = self.block_size
+        queued = sum(
+            r.prompt_len
+            - num_reusable_tokens(r.prompt_len, len(self.pool.match_prefix(r.prompt_hashes)), bs)
+            for r, _ in self.queue
+        )
+        if self.prefilling is not None:
+            queued += self.prefilling.request.prompt_len - self.prefilling.cached_tokens
+        return queued
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.queue) + (self.prefilling is not None) + len(self._batch)
+
     def enqueue(self, request: SimRequest, pull: PullSource | None = None) -> None:
         if request.num_reserved_blocks > self.pool.num_blocks:
             raise ValueError(

@@ -10,7 +10,7 @@ from typing import TypeVar
 import grpc
 
 from kvmesh.coordinator.cluster.deployment import Deployment, DeploymentConfig
-from kvmesh.coordinator.config import CoordinatorConfig
+from kvmesh.coordinator.config import CoordinatorConfig, HttpConfig
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
 from kvmesh.workers.config import WorkerConfig
@@ -21,12 +21,19 @@ TEST_DEVICE = os.environ.get("KVMESH_TEST_DEVICE", "cpu")
 
 
 def start_deployment(
-    num_workers: int = 2, num_blocks: int = 128, **coordinator: object
+    num_workers: int = 2,
+    num_blocks: int = 128,
+    *,
+    http: HttpConfig | None = None,
+    metrics_port: int | None = None,
+    **coordinator: object,
 ) -> Deployment:
     config = DeploymentConfig(
         coordinator=CoordinatorConfig(port=0, **coordinator),  # type: ignore[arg-type]
         num_workers=num_workers,
         worker=WorkerConfig(worker_id="template", num_blocks=num_blocks, device=TEST_DEVICE),
+        http=http,
+        metrics_port=metrics_port,
     )
     deployment = Deployment(config)
     deployment.start()

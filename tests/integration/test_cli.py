@@ -9,7 +9,9 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,10 +29,15 @@ def kvmesh(
     return proc
 
 
+def _http_get(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return json.loads(response.read())
+
+
 def test_up_serves_the_read_commands_and_cleans_up_on_sigterm() -> None:
     env = dict(os.environ, RAY_AUTH_MODE="disabled")
     up = subprocess.Popen(
-        [*CLI, "up", "--workers", "2", "--port", "0", "--num-blocks", "96"],
+        [*CLI, "up", "--workers", "2", "--port", "0", "--num-blocks", "96", "--http-port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -48,6 +55,10 @@ def test_up_serves_the_read_commands_and_cleans_up_on_sigterm() -> None:
             m = re.search(r"kvmesh is up at (\S+)", line)
             address = m.group(1) if m else ""
         assert address, "kvmesh up never printed its address"
+        m = re.search(r"kvmesh OpenAI API at (\S+)", up.stdout.readline())
+        assert m, "kvmesh up --http-port never printed the HTTP API's URL"
+        api = m.group(1)
+        assert _http_get(api + "/models")["data"][0]["id"] == "tiny-random"
 
         prefix = ",".join(str(3 + i % 200) for i in range(64))
         first = json.loads(
@@ -100,6 +111,8 @@ def test_up_serves_the_read_commands_and_cleans_up_on_sigterm() -> None:
 
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=60) == 0
+        with pytest.raises(OSError):
+            _http_get(api + "/models")
         gone = kvmesh("stats", "--address", address, check=False)
         assert gone.returncode != 0 and "Traceback" not in gone.stderr
     finally:
@@ -158,3 +171,53 @@ def test_up_keeps_the_tokens_out_of_every_ray_process() -> None:
         except subprocess.TimeoutExpired:
             os.killpg(up.pid, signal.SIGKILL)
             up.wait()
+
+
+def _children(pid: int) -> set[int]:
+    """Every live descendant of `pid` (from /proc)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                parents[int(entry.name)] = int(fields[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc (Linux)")
+def test_a_hard_killed_up_leaves_no_redis_or_ray_process_behind() -> None:
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    up = subprocess.Popen(
+        [*CLI, "up", "--workers", "1", "--port", "0", "--num-blocks", "64"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+    assert up.stdout is not None
+    line = up.stdout.readline()
+    assert "kvmesh is up" in line, line
+    started = _children(up.pid)
+    names = {Path(f"/proc/{p}/comm").read_text().strip() for p in started if _alive(p)}
+    assert any("redis" in n for n in names), names  # the embedded Redis is among them
+    up.send_signal(signal.SIGKILL)
+    up.wait(timeout=30)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and any(_alive(p) for p in started):
+        time.sleep(0.5)
+    left = {p: Path(f"/proc/{p}/comm").read_text().strip() for p in started if _alive(p)}
+    assert not left, f"still running after kvmesh up was killed: {left}"

@@ -58,6 +58,19 @@ def test_suffix_is_evicted_before_prefix() -> None:
     pool.check_invariants()
 
 
+def test_only_reusing_a_registered_block_counts_as_an_eviction() -> None:
+    pool = make_pool(4)
+    blocks = pool.allocate(2)
+    assert blocks is not None
+    pool.register(blocks[0], H(0), BlockHash(0))  # blocks[1] stays unregistered
+    pool.free(blocks)
+    assert pool.allocate(3) is not None  # two never-used blocks, then the unregistered one
+    assert pool.num_evicted == 0
+    assert pool.allocate(1) is not None  # only the registered block is left
+    assert pool.num_evicted == 1
+    pool.check_invariants()
+
+
 def test_allocate_returns_none_when_short() -> None:
     pool = make_pool(2)
     assert pool.allocate(3) is None

@@ -26,6 +26,9 @@ CORE = [
     "kvmesh.coordinator.service.limits",
     "kvmesh.coordinator.service.detokenizer",
     "kvmesh.coordinator.sim.simulator",
+    "kvmesh.coordinator.telemetry.collector",
+    "kvmesh.coordinator.telemetry.request_log",
+    "kvmesh.coordinator.telemetry.log_format",
     "kvmesh.workers.contract.requests",
     "kvmesh.workers.contract.replies",
 ]
@@ -62,6 +65,13 @@ def test_the_coordinator_core_imports_without_torch_and_ray() -> None:
 def test_the_grpc_service_imports_without_ray() -> None:
     result = import_with_blocked(SERVICE, ["ray"])
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_only_the_metrics_exporter_imports_prometheus_client() -> None:
+    pure = [m for m in CORE + SERVICE if m.startswith("kvmesh.coordinator")]
+    assert import_with_blocked(pure, ["prometheus_client"]).returncode == 0
+    exporter = import_with_blocked(["kvmesh.coordinator.telemetry.exporter"], ["prometheus_client"])
+    assert exporter.returncode != 0
 
 
 @pytest.mark.parametrize("shell", ["kvmesh.coordinator.cluster.cluster"])

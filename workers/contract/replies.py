@@ -89,6 +89,8 @@ class WorkerCounters:
     num_failed_pulls: int = 0
     num_preemptions: int = 0
     num_host_blocks: int = 0
+    num_evicted_blocks: int = 0
+    """Registered blocks the device pool reused for new KV (their prefix left the pool)."""
     prefill_ms_per_token: float = 0.0
     """Measured prefill cost (the router's cost model follows it)."""
     num_warm_sessions: int = 0
@@ -118,3 +120,9 @@ class WorkerInfo:
     num_waiting: int
     generation: int
     counters: WorkerCounters
+    engine_stalled_s: float = 0.0
+    """Seconds since the engine loop last went round while it had work (0 when idle): a hung
+    engine shows here even though the actor still answers."""
+    num_queued_prefill_tokens: int = 0
+    """Prompt tokens accepted and not yet prefilled, whichever coordinator sent them: the load
+    every coordinator replica sees alike (a waiting prompt counts whole, before cache matching)."""

@@ -35,7 +35,11 @@ class WorkerTally:
         self.computed_tokens += facts.computed_tokens
 
     def snapshot(
-        self, num_preemptions: int, num_host_blocks: int, sessions: WarmSessionStats
+        self,
+        num_preemptions: int,
+        num_host_blocks: int,
+        sessions: WarmSessionStats,
+        num_evicted_blocks: int = 0,
     ) -> WorkerCounters:
         return WorkerCounters(
             num_requests=self.num_requests,
@@ -51,6 +55,7 @@ class WorkerTally:
             num_failed_pulls=self.num_failed_pulls,
             num_preemptions=num_preemptions,
             num_host_blocks=num_host_blocks,
+            num_evicted_blocks=num_evicted_blocks,
             prefill_ms_per_token=self.prefill_ms_total / max(1, self.prefill_tokens_total),
             num_warm_sessions=sessions.num_sessions,
             warm_session_bytes=sessions.num_bytes,

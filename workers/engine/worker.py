@@ -94,6 +94,9 @@ class Worker:
         # Redis key namespace: one per model, shared by all its tenants (salts live in the hashes).
         self.namespace = f"{namespace_hash(model_fingerprint):016x}"
         self.device = device
+        self.node = socket.gethostname()
+        """Where the worker runs; the Ray shell names its Ray node, so two raylets on one
+        host are two nodes (pulls between them are priced as between nodes)."""
         self.clock = clock
         self.pool = BlockPool(runner.num_blocks, clock)
         self.host_pool = host_pool
@@ -408,7 +411,7 @@ class Worker:
         return WorkerInfo(
             worker_id=self.worker_id,
             pid=os.getpid(),
-            node=socket.gethostname(),
+            node=self.node,
             device=self.device,
             model=self.model_fingerprint,
             block_size=self.block_size,
@@ -417,12 +420,25 @@ class Worker:
             num_cached_blocks=self.pool.num_cached,
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting) + len(self._pulls),
+            num_queued_prefill_tokens=self._queued_prefill_tokens(),
             generation=self.generation,
             counters=self.tally.snapshot(
                 self.scheduler.num_preemptions,
                 self.host_pool.num_cached if self.host_pool else 0,
                 self.sessions.stats(),
+                self.pool.num_evicted,
             ),
+        )
+
+    def _queued_prefill_tokens(self) -> int:
+        """Prompt tokens still to prefill: a waiting prompt less the prefix its pool holds now."""
+        bs = self.block_size
+        queued = 0
+        for s in [*self.scheduler.waiting, *(p.seq for p in self._pulls.values())]:
+            chain = s.full_block_hashes(bs)[: num_reusable_blocks(s.num_tokens, bs)]
+            queued += s.num_tokens - len(self.pool.match_prefix(chain)) * bs
+        return queued + sum(
+            max(0, len(s.prompt_ids) - s.num_computed_tokens) for s in self.scheduler.running
         )
 
     def check_invariants(self) -> None:

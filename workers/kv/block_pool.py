@@ -72,6 +72,8 @@ class BlockPool:
         # Registered blocks handed out again since the last drain: their KV is about to be
         # overwritten, so a host tier must copy them out first.
         self._evicted: list[tuple[BlockId, BlockHash]] = []
+        self.num_evicted = 0
+        """Registered blocks handed out again since start (their hash dropped): evictions."""
 
     @property
     def num_free(self) -> int:
@@ -151,6 +153,7 @@ class BlockPool:
                 self._block_hash[b] = None
                 evicted.append(h)
                 self._evicted.append((b, h))
+                self.num_evicted += 1
             self._ref_count[b] = 1
             self._last_use[b] = now
             blocks.append(b)

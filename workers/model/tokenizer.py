@@ -21,7 +21,7 @@ class Tokenizer(Protocol):
     @property
     def eos_token_ids(self) -> tuple[int, ...]: ...
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
@@ -66,9 +66,9 @@ class ByteTokenizer:
     def eos_token_ids(self) -> tuple[int, ...]:
         return self._eos_token_ids
 
-    def encode(self, text: str) -> list[int]:
-        """BOS (if the model has one) followed by the UTF-8 bytes of `text`."""
-        prefix = [] if self.bos_token_id is None else [self.bos_token_id]
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """BOS (if the model has one and `add_special_tokens`) then the UTF-8 bytes of `text`."""
+        prefix = [] if self.bos_token_id is None or not add_special_tokens else [self.bos_token_id]
         return prefix + list(text.encode("utf-8"))
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -94,9 +94,10 @@ class HFTokenizer:
     def eos_token_ids(self) -> tuple[int, ...]:
         return self._eos_token_ids
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids with the checkpoint's own special tokens added (e.g. Llama 3's BOS)."""
-        return list(self._tokenizer.encode(text, add_special_tokens=True).ids)
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids, with the checkpoint's own special tokens added (e.g. Llama 3's BOS) unless
+        `add_special_tokens` is off (a chat template's text already holds them)."""
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tokenizer.decode(list(ids), skip_special_tokens=True))

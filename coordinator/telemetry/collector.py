@@ -1,0 +1,284 @@
+"""Reads the coordinator, the worker registry, the index follower and the workers' last reports,
+and returns every metric as `MetricFamily` values: pure, so a test can call it without a server.
+
+Collection is pull-based and cheap: nothing here calls a worker. Per-worker figures come from
+the info each worker last reported to the health loop (every `health_interval_s`), so a scrape
+sees load at most that old.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+from kvmesh.coordinator.telemetry.metric_family import MetricFamily, MetricKind, Sample
+from kvmesh.coordinator.telemetry.request_metrics import RequestMetrics
+from kvmesh.workers.contract.replies import WorkerInfo
+
+
+class CoordinatorSource(Protocol):
+    def stats(self) -> Mapping[str, Any]: ...
+    def indexed_blocks_of(self, worker_id: str) -> int: ...
+
+
+class RegistrySource(Protocol):
+    def known(self) -> list[str]: ...
+    def alive(self) -> list[str]: ...
+    def routable(self) -> list[str]: ...
+    def drained(self) -> list[str]: ...
+
+
+class IndexSource(Protocol):
+    @property
+    def connected(self) -> bool: ...
+    @property
+    def num_resyncs(self) -> int: ...
+    @property
+    def last_event_lag_s(self) -> float | None: ...
+
+
+# (stats key, metric name, help): the coordinator's counters, exposed as they are.
+_TOKEN_COUNTERS = (
+    ("prompt_tokens", "kvmesh_prompt_tokens_total", "Prompt tokens of prefilled requests."),
+    (
+        "cached_tokens",
+        "kvmesh_cached_tokens_total",
+        "Prompt tokens reused from the serving worker's device pool or host tier.",
+    ),
+    ("pulled_tokens", "kvmesh_pulled_tokens_total", "Prompt tokens fetched from a peer worker."),
+    ("computed_tokens", "kvmesh_computed_tokens_total", "Prompt tokens prefilled from scratch."),
+    ("generated_tokens", "kvmesh_generated_tokens_total", "Tokens generated and streamed."),
+    ("num_migrations", "kvmesh_migrations_total", "Requests moved after their worker died."),
+)
+
+# (WorkerInfo field or counters field, metric name, kind, help)
+_WORKER_GAUGES = (
+    ("num_running", "kvmesh_worker_running_requests", "Sequences the worker is running."),
+    ("num_waiting", "kvmesh_worker_waiting_requests", "Requests queued (or pulling) on it."),
+    ("num_blocks", "kvmesh_worker_blocks", "KV blocks in the worker's device pool."),
+    ("num_free_blocks", "kvmesh_worker_free_blocks", "Free device blocks (cached ones included)."),
+    ("num_cached_blocks", "kvmesh_worker_cached_blocks", "Registered (matchable) device blocks."),
+)
+_WORKER_COUNTERS = (
+    ("num_requests", "kvmesh_worker_requests_total", "Requests the worker admitted."),
+    ("num_failed", "kvmesh_worker_failed_requests_total", "Requests the worker failed alone."),
+    ("num_preemptions", "kvmesh_worker_preemptions_total", "Sequences preempted (recomputed)."),
+    (
+        "num_evicted_blocks",
+        "kvmesh_worker_evicted_blocks_total",
+        "Cached device blocks reused for new KV (evicted).",
+    ),
+    ("num_pulls", "kvmesh_worker_pulls_total", "Pulls from peers the worker ran."),
+    ("num_failed_pulls", "kvmesh_worker_failed_pulls_total", "Pulls that fell back to compute."),
+    (
+        "host_hit_tokens",
+        "kvmesh_worker_host_hit_tokens_total",
+        "Tokens promoted from the host tier.",
+    ),
+)
+
+
+class MetricsCollector:
+    def __init__(
+        self,
+        coordinator: CoordinatorSource,
+        registry: RegistrySource,
+        latest_info: Callable[[str], WorkerInfo | None],
+        requests: RequestMetrics,
+        *,
+        index: IndexSource | None = None,
+        num_gate_rejections: Callable[[], int] | None = None,
+    ) -> None:
+        self.coordinator = coordinator
+        self.registry = registry
+        self.latest_info = latest_info
+        self.requests = requests
+        self.index = index
+        self.num_gate_rejections = num_gate_rejections
+
+    def collect(self) -> list[MetricFamily]:
+        stats = self.coordinator.stats()
+        return [
+            *self._request_families(),
+            *self._token_families(stats),
+            *self._index_families(stats),
+            *self._fleet_families(),
+            *self._worker_families(),
+        ]
+
+    def _request_families(self) -> list[MetricFamily]:
+        snap = self.requests.snapshot()
+        outcomes = tuple(Sample((("outcome", k),), v) for k, v in snap.outcome_to_count.items())
+        families = [
+            MetricFamily(
+                "kvmesh_requests_total",
+                MetricKind.COUNTER,
+                "Generate requests by outcome (ok, cancelled, failed, invalid, unavailable).",
+                ("outcome",),
+                outcomes,
+            ),
+            MetricFamily(
+                "kvmesh_ttft_seconds",
+                MetricKind.HISTOGRAM,
+                "Time to first token, from the coordinator taking a request to its first tokens.",
+                histogram=snap.ttft,
+            ),
+            MetricFamily(
+                "kvmesh_routing_decision_seconds",
+                MetricKind.HISTOGRAM,
+                "Time the routing policy took to price the workers and choose one.",
+                histogram=snap.routing_decision,
+            ),
+        ]
+        if self.num_gate_rejections is not None:
+            families.append(
+                _single(
+                    "kvmesh_gate_rejections_total",
+                    MetricKind.COUNTER,
+                    "Calls refused before the service (auth, rate, stream and size limits).",
+                    self.num_gate_rejections(),
+                )
+            )
+        return families
+
+    def _token_families(self, stats: Mapping[str, Any]) -> list[MetricFamily]:
+        families = [
+            _single(name, MetricKind.COUNTER, text, stats.get(key, 0))
+            for key, name, text in _TOKEN_COUNTERS
+        ]
+        families.append(
+            _single(
+                "kvmesh_cache_hit_ratio",
+                MetricKind.GAUGE,
+                "Cached / prompt tokens since start (pulled tokens not counted as hits).",
+                stats.get("hit_rate", 0.0),
+            )
+        )
+        return families
+
+    def _index_families(self, stats: Mapping[str, Any]) -> list[MetricFamily]:
+        families = [
+            _single(
+                "kvmesh_index_blocks",
+                MetricKind.GAUGE,
+                "Blocks in this coordinator's index mirror.",
+                stats.get("num_indexed_blocks", 0),
+            ),
+            _single(
+                "kvmesh_index_events_total",
+                MetricKind.COUNTER,
+                "Block events (stored / removed hashes) the mirror applied from the stream.",
+                stats.get("num_events_applied", 0),
+            ),
+        ]
+        if self.index is None:
+            return families
+        lag = self.index.last_event_lag_s
+        families += [
+            _single(
+                "kvmesh_redis_connected",
+                MetricKind.GAUGE,
+                "1 while the index follows Redis; 0 means routing by load only.",
+                1.0 if self.index.connected else 0.0,
+            ),
+            _single(
+                "kvmesh_index_resyncs_total",
+                MetricKind.COUNTER,
+                "Worker snapshots reloaded from Redis (start, gaps, new generations).",
+                self.index.num_resyncs,
+            ),
+            _single(
+                "kvmesh_index_event_lag_seconds",
+                MetricKind.GAUGE,
+                "Age of the newest applied event batch when it was applied (Redis clock).",
+                0.0 if lag is None else lag,
+            ),
+        ]
+        return families
+
+    def _fleet_families(self) -> list[MetricFamily]:
+        known = self.registry.known()
+        alive = set(self.registry.alive())
+        routable = set(self.registry.routable())
+        drained = set(self.registry.drained())
+        states = (
+            ("routable", len(routable)),
+            ("drained", len(drained)),
+            ("dead", len(known) - len(alive)),
+        )
+        return [
+            MetricFamily(
+                "kvmesh_workers",
+                MetricKind.GAUGE,
+                "Workers this coordinator knows, by state.",
+                ("state",),
+                tuple(Sample((("state", s),), n) for s, n in states),
+            ),
+            MetricFamily(
+                "kvmesh_worker_up",
+                MetricKind.GAUGE,
+                "1 while the worker's actor is alive.",
+                ("worker",),
+                tuple(Sample((("worker", w),), 1.0 if w in alive else 0.0) for w in known),
+            ),
+            MetricFamily(
+                "kvmesh_worker_indexed_blocks",
+                MetricKind.GAUGE,
+                "Blocks the index mirror holds for the worker.",
+                ("worker",),
+                tuple(
+                    Sample((("worker", w),), self.coordinator.indexed_blocks_of(w)) for w in known
+                ),
+            ),
+        ]
+
+    def _worker_families(self) -> list[MetricFamily]:
+        infos = {w: i for w in self.registry.alive() if (i := self.latest_info(w)) is not None}
+
+        def per_worker(
+            name: str, kind: MetricKind, text: str, read: Callable[[WorkerInfo], float]
+        ) -> MetricFamily:
+            samples = tuple(Sample((("worker", w),), read(i)) for w, i in sorted(infos.items()))
+            return MetricFamily(name, kind, text, ("worker",), samples)
+
+        families = [
+            per_worker(name, MetricKind.GAUGE, text, _info_field(field))
+            for field, name, text in _WORKER_GAUGES
+        ]
+        families += [
+            per_worker(name, MetricKind.COUNTER, text, _counter_field(field))
+            for field, name, text in _WORKER_COUNTERS
+        ]
+        families += [
+            per_worker(
+                "kvmesh_worker_pool_usage_ratio",
+                MetricKind.GAUGE,
+                "Device blocks in use by running sequences / all device blocks.",
+                lambda i: (i.num_blocks - i.num_free_blocks) / i.num_blocks if i.num_blocks else 0,
+            ),
+            per_worker(
+                "kvmesh_worker_host_blocks",
+                MetricKind.GAUGE,
+                "Blocks held in the worker's host-memory tier.",
+                lambda i: i.counters.num_host_blocks,
+            ),
+            per_worker(
+                "kvmesh_worker_prefill_seconds_per_token",
+                MetricKind.GAUGE,
+                "Measured prefill cost per token (the router's cost model follows it).",
+                lambda i: i.counters.prefill_ms_per_token / 1e3,
+            ),
+        ]
+        return families
+
+
+def _single(name: str, kind: MetricKind, text: str, value: float) -> MetricFamily:
+    return MetricFamily(name, kind, text, (), (Sample((), float(value)),))
+
+
+def _info_field(name: str) -> Callable[[WorkerInfo], float]:
+    return lambda info: float(getattr(info, name))
+
+
+def _counter_field(name: str) -> Callable[[WorkerInfo], float]:
+    return lambda info: float(getattr(info.counters, name))
