@@ -129,7 +129,8 @@ class WarmSessions:
             self.pool.protect(chain)
             self._sessions[session_id] = (chain, self._clock())
         if old is not None:
-            self._release(session_id, [b for b in old[0] if b not in set(chain)])
+            kept = set(chain)
+            self._release(session_id, [b for b in old[0] if b not in kept])
         while len(self._owners) > self.budget_blocks:
             oldest = next(iter(self._sessions))
             # Recent enough to deserve LRU's chance: only the budget, not idleness, let it go.
