@@ -210,6 +210,6 @@ class WarmSessions:
                 owners.setdefault(b, set()).add(session_id)
         assert owners == self._owners, "owners do not match the kept chains"
         assert len(self._owners) <= max(self.budget_blocks, 0)
-        for b in range(self.pool.num_blocks):
-            block = BlockId(b)
-            assert self.pool.is_protected(block) == (block in self._owners), f"block {b}"
+        for i in range(self.pool.num_blocks):
+            block = BlockId(i)
+            assert self.pool.is_protected(block) == (block in self._owners), f"block {i}"
