@@ -17,6 +17,7 @@ from kvmesh.client.errors import (
     NotFound,
     PermissionDenied,
     ResourceExhausted,
+    SessionBusy,
     Unauthenticated,
     Unavailable,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "NotFound",
     "PermissionDenied",
     "ResourceExhausted",
+    "SessionBusy",
     "RouteResult",
     "Stats",
     "StreamChunk",

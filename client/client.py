@@ -146,6 +146,7 @@ class Client:
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
         session_id: str = "",
+        turn_mode: str = "concurrent",
         cache_salt: str = "",
         worker_id: str = "",
         request_id: str = "",
@@ -154,7 +155,8 @@ class Client:
 
         `temperature == 0` is greedy, else in [0.01, 100]; `top_p` 1, `top_k` 0 and `min_p` 0
         disable those filters; `seed` makes sampling reproducible. `worker_id` forces placement
-        (empty: let the router choose).
+        (empty: let the router choose). `turn_mode` ("concurrent", "refuse", "queue"): with a
+        `session_id`, refuse (`SessionBusy`) or wait while another turn of it is in flight.
         """
         request = wire.build_generate_request(**_generate_kwargs(locals()))
         start_s = time.perf_counter()
@@ -177,6 +179,7 @@ class Client:
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
         session_id: str = "",
+        turn_mode: str = "concurrent",
         cache_salt: str = "",
         worker_id: str = "",
         request_id: str = "",
@@ -333,6 +336,7 @@ class AsyncClient:
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
         session_id: str = "",
+        turn_mode: str = "concurrent",
         cache_salt: str = "",
         worker_id: str = "",
         request_id: str = "",
@@ -359,6 +363,7 @@ class AsyncClient:
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
         session_id: str = "",
+        turn_mode: str = "concurrent",
         cache_salt: str = "",
         worker_id: str = "",
         request_id: str = "",

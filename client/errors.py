@@ -11,6 +11,7 @@ message (`details`); the class says what the caller can do about it:
     Unauthenticated     send credentials
     PermissionDenied    the credentials may not do this
     DeadlineExceeded    the call ran past its timeout
+    SessionBusy         wait for the session's turn in flight (FAILED_PRECONDITION)
     InternalError       a server bug or lost data; report it
     KVMeshError         anything else (CANCELLED, UNIMPLEMENTED, ABORTED, ...)
 """
@@ -66,6 +67,11 @@ class DeadlineExceeded(KVMeshError):
     """The call did not finish within its timeout."""
 
 
+class SessionBusy(KVMeshError):
+    """Another turn of the session is in flight and this turn asked to run alone
+    (FAILED_PRECONDITION)."""
+
+
 class InternalError(KVMeshError):
     """The server failed unexpectedly (INTERNAL, UNKNOWN, DATA_LOSS)."""
 
@@ -91,6 +97,7 @@ _CODE_TO_ERROR: dict[grpc.StatusCode, type[KVMeshError]] = {
     grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
     grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    grpc.StatusCode.FAILED_PRECONDITION: SessionBusy,
     grpc.StatusCode.INTERNAL: InternalError,
     grpc.StatusCode.UNKNOWN: InternalError,
     grpc.StatusCode.DATA_LOSS: InternalError,

@@ -179,6 +179,27 @@ def _add_worker_options(
         metavar="GB",
         help="pinned host-memory tier per worker for blocks evicted from the device (0: off)",
     )
+    parser.add_argument(
+        "--session-ttl-s",
+        type=_positive_float,
+        default=None,
+        metavar="S",
+        help="keep an idle session's chain warm this long after its turn (default: 300)",
+    )
+    parser.add_argument(
+        "--session-budget",
+        type=float,
+        default=None,
+        metavar="F",
+        help="share of each worker's KV pool idle sessions may keep warm (0: off; default 0.5)",
+    )
+    parser.add_argument(
+        "--session-affinity-blocks",
+        type=float,
+        default=None,
+        metavar="N",
+        help="a session's pull to its last worker, in blocks of prefill (default: 1)",
+    )
     parser.add_argument("--device", default=env.device, help="worker device: auto, cpu or cuda")
     parser.add_argument(
         "--gpus-per-worker",

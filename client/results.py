@@ -83,6 +83,10 @@ class RouteResult:
     cost_ms: float
     scores: list[WorkerScore]
     policy: str
+    session_worker_id: str = ""
+    """Where the session's last turn went (empty: no session, or not known to this router)."""
+    session_affinity_ms: float = 0.0
+    """What that worker's cost was lowered by for the session (included in its score)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +146,14 @@ class Stats:
     """Streams the client cancelled (not counted as failed)."""
     num_slow_streams_cancelled: int
     """Streams the server ended because the client stopped reading (send budget)."""
+    num_warm_sessions: int
+    """Idle sessions whose chains the workers keep warm (summed over their last reports)."""
+    warm_session_bytes: int
+    num_sessions_evicted_ttl: int
+    num_sessions_evicted_budget: int
+    num_sessions_evicted_pressure: int
+    num_session_turns_refused: int
+    """Turns refused because another turn of their session was in flight."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +177,9 @@ class WorkerInfo:
     num_indexed_blocks: int
     drained: bool
     """Taken out of routing by an admin `Drain`; it still finishes its running requests."""
+    num_warm_sessions: int
+    """Idle sessions whose chains this worker keeps warm."""
+    warm_session_bytes: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -76,6 +76,7 @@ def build_generate_request(
     min_p: float = 0.0,
     ignore_eos: bool,
     session_id: str,
+    turn_mode: str = "concurrent",
     cache_salt: str,
     worker_id: str,
     request_id: str,
@@ -98,9 +99,14 @@ def build_generate_request(
         ignore_eos=ignore_eos,
         min_p=min_p,
     )
+    modes = {"concurrent": pb.TURN_MODE_CONCURRENT, "refuse": pb.TURN_MODE_REFUSE}
+    modes["queue"] = pb.TURN_MODE_QUEUE
+    if turn_mode not in modes:
+        raise ValueError(f"turn_mode must be one of {', '.join(modes)}, got {turn_mode!r}")
     request = pb.GenerateRequest(
         sampling=sampling,
         session_id=session_id,
+        turn_mode=modes[turn_mode],
         cache_salt=cache_salt,
         worker_id=worker_id,
         request_id=request_id,
@@ -160,6 +166,8 @@ def route_from_proto(message: pb.RouteResponse) -> RouteResult:
             for s in message.scores
         ],
         policy=message.policy,
+        session_worker_id=message.session_worker_id,
+        session_affinity_ms=message.session_affinity_ms,
     )
 
 

@@ -40,6 +40,14 @@ class CoordinatorConfig:
     it has work is treated as dead: killed, its streams moved, its index entries purged."""
     route_seed: int = 0
     """Seed of the router's tie-breaking randomness."""
+    session_affinity_blocks: float = 1.0
+    """What keeping a session on the worker its last turn went to is worth to the kvmesh policy,
+    in blocks of prefill: that worker's cost is lowered by this many blocks' prefill time (a
+    cost term, no cliff: a busier or colder worker still loses). 0 disables; the warm-session
+    chain on that worker is already priced through the index."""
+    session_queue_timeout_s: float = 30.0
+    """How long a turn sent with turn mode QUEUE waits for its session's turn in flight to end
+    before it is refused (FAILED_PRECONDITION)."""
     max_prompt_tokens: int = 0
     """Longest prompt accepted, in tokens (0: the model's context); longer: INVALID_ARGUMENT."""
     max_concurrent_streams: int = 0
@@ -75,6 +83,16 @@ class CoordinatorConfig:
             raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
         if self.max_concurrent_rpcs < 1:
             raise ValueError(f"max_concurrent_rpcs must be >= 1, got {self.max_concurrent_rpcs}")
+        if not (math.isfinite(self.session_affinity_blocks) and self.session_affinity_blocks >= 0):
+            raise ValueError(
+                f"session_affinity_blocks must be a finite number >= 0,"
+                f" got {self.session_affinity_blocks}"
+            )
+        if not (math.isfinite(self.session_queue_timeout_s) and self.session_queue_timeout_s >= 0):
+            raise ValueError(
+                f"session_queue_timeout_s must be a finite number >= 0,"
+                f" got {self.session_queue_timeout_s}"
+            )
         if self.health_interval_s <= 0:
             raise ValueError(f"health_interval_s must be > 0, got {self.health_interval_s}")
         if self.stall_timeout_s <= self.health_interval_s:

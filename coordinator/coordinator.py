@@ -29,6 +29,7 @@ from kvmesh.coordinator.routing.load_tracker import LoadTracker, ReportedLoad
 from kvmesh.coordinator.routing.pull_planner import PullPlan, best_peer, cheapest_prefill
 from kvmesh.coordinator.routing.router import RouteDecision, RouteQuery, WorkerView, make_policy
 from kvmesh.coordinator.routing.transfer_planner import PullPricing
+from kvmesh.coordinator.session_turns import SessionTurns, TurnMode
 from kvmesh.coordinator.telemetry.request_record import RequestObserver, RequestRecord
 from kvmesh.proto.block_hash import (
     BlockHash,
@@ -104,6 +105,21 @@ class StreamEvent:
     worker that took it over; its prompt then includes the tokens streamed before)."""
 
 
+@dataclass(frozen=True, slots=True)
+class _Turn:
+    """One `generate` call's routing arguments, carried to where the stream starts."""
+
+    session_id: str
+    worker_id: str
+    request_id: str
+    allow_pull: bool
+    label: str
+    started: float
+    count: bool
+    """Count it among its session's turns in flight when the stream starts (an exclusive turn
+    was counted before it was routed)."""
+
+
 @dataclass(slots=True)
 class Counters:
     num_requests: int = 0
@@ -145,8 +161,13 @@ class Coordinator:
         self._worker_free_blocks = worker_free_blocks or (lambda _w: (1 << 30, 1 << 30))
         self.cost_model = cost_model or CostModel()
         self.policy = make_policy(
-            config.policy, self.cost_model, random.Random(config.route_seed), clock
+            config.policy,
+            self.cost_model,
+            random.Random(config.route_seed),
+            clock,
+            session_affinity_blocks=config.session_affinity_blocks,
         )
+        self.turns = SessionTurns()
         self.load = LoadTracker()
         self._lock = threading.Lock()  # guards policy, load tracker and counters
         self.counters = Counters()
@@ -261,14 +282,36 @@ class Coordinator:
         request_id: str = "",
         allow_pull: bool = True,
         label: str = "",
+        turn_mode: TurnMode = TurnMode.CONCURRENT,
     ) -> Iterator[StreamEvent]:
         """Route (unless `worker_id` forces placement) and stream the worker's outputs.
         `allow_pull=False` with `worker_id` serves from that worker's own cache only, as a
         standalone engine would (the per-worker HTTP endpoints that peer routers front).
-        `label` is the id the client sees (for the request log); default: the request id."""
+        `label` is the id the client sees (for the request log); default: the request id.
+        With a `turn_mode` other than CONCURRENT, the stream first waits for (or refuses, with
+        `SessionBusy`) another turn of the session in flight, and routes only then."""
         started = self._clock()
         self.check_sampling(prompt, sampling)
-        request_id = request_id or uuid.uuid4().hex
+        turn = _Turn(session_id, worker_id, request_id, allow_pull, label, started, True)
+        if session_id and turn_mode is not TurnMode.CONCURRENT:
+            return self._exclusive_turn(prompt, sampling, replace(turn, count=False), turn_mode)
+        return self._route_and_stream(prompt, sampling, turn)
+
+    def _exclusive_turn(
+        self, prompt: PreparedPrompt, sampling: SamplingConfig, turn: _Turn, mode: TurnMode
+    ) -> Iterator[StreamEvent]:
+        self.turns.begin(turn.session_id, mode, self.config.session_queue_timeout_s)
+        try:
+            yield from self._route_and_stream(prompt, sampling, turn)
+        finally:
+            self.turns.end(turn.session_id)
+
+    def _route_and_stream(
+        self, prompt: PreparedPrompt, sampling: SamplingConfig, turn: _Turn
+    ) -> Iterator[StreamEvent]:
+        session_id, worker_id, allow_pull = turn.session_id, turn.worker_id, turn.allow_pull
+        started, label = turn.started, turn.label
+        request_id = turn.request_id or uuid.uuid4().hex
         if worker_id:
             chosen, predicted, pull, matched = self._forced(prompt, worker_id, allow_pull)
         else:
@@ -286,11 +329,15 @@ class Coordinator:
             self.load.on_routed(request_id, chosen, predicted, uncached)
             self.counters.num_requests += 1
         spec = self._pull_spec(pull, chosen, prompt) if pull is not None else None
-        request = WorkerRequest(request_id, prompt.token_ids, sampling, prompt.cache_salt, spec)
+        request = WorkerRequest(
+            request_id, prompt.token_ids, sampling, prompt.cache_salt, spec, session_id
+        )
         # Handed to the backend now: a lazy backend (Ray) calls the worker on the first read, an
         # eager one (the simulator) queues the request at once.
         outputs = self.backend.generate(chosen, request)
-        return self._stream(chosen, request, outputs, started=started, label=label)
+        return self._stream(
+            chosen, request, outputs, started=started, label=label, count_turn=turn.count
+        )
 
     def _pull_spec(
         self, pull: PullPlan, target: WorkerId, prompt: PreparedPrompt
@@ -337,10 +384,15 @@ class Coordinator:
         *,
         started: float | None = None,
         label: str = "",
+        count_turn: bool = True,
     ) -> Iterator[StreamEvent]:
         """The worker's outputs as stream events. If the worker dies mid-stream, the request
         moves to another live worker with its prompt plus the tokens already streamed (at most
-        `max_migrations` times), so the client sees a slower stream, not an error."""
+        `max_migrations` times), so the client sees a slower stream, not an error; it keeps its
+        session. `count_turn`: count it among its session's turns in flight (an exclusive turn
+        was counted before it was routed)."""
+        if count_turn:
+            self.turns.begin(request.session_id, TurnMode.CONCURRENT)
         ok = cancelled = False
         produced: list[int] = []
         migrations = 0
@@ -375,6 +427,8 @@ class Coordinator:
             reason = str(exc) or type(exc).__name__
             raise
         finally:
+            if count_turn:
+                self.turns.end(request.session_id)
             with self._lock:
                 self.load.on_finished(current.request_id)
                 self.policy.on_request_done(current.request_id)
@@ -427,7 +481,8 @@ class Coordinator:
             raise WorkerDied(dead)  # nothing left to generate but the final message was lost
         prompt = self.prepare(list(original.prompt_ids) + produced, "", original.cache_salt)
         request_id = f"{original.request_id}.m{attempt}"
-        decision = self.route(prompt, request_id=request_id)  # raises NoLiveWorker if none
+        # raises NoLiveWorker if none; the session's affinity moves with the turn
+        decision = self.route(prompt, original.session_id, request_id)
         with self._lock:
             uncached = self._uncached_tokens(len(prompt.token_ids), decision.matched_blocks)
             self.load.on_routed(
@@ -435,7 +490,11 @@ class Coordinator:
             )
         sampling = replace(original.sampling, max_tokens=remaining)
         return decision.worker_id, WorkerRequest(
-            request_id, prompt.token_ids, sampling, original.cache_salt
+            request_id,
+            prompt.token_ids,
+            sampling,
+            original.cache_salt,
+            session_id=original.session_id,
         )
 
     def _on_prefilled(self, worker: WorkerId, request: WorkerRequest, facts: PrefillFacts) -> None:
@@ -471,6 +530,7 @@ class Coordinator:
                 "computed_tokens": c.computed_tokens,
                 "generated_tokens": c.generated_tokens,
                 "num_migrations": c.num_migrations,
+                "num_session_turns_refused": self.turns.num_refused,
                 "hit_rate": c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
             }
         snapshot["num_indexed_blocks"] = self.mirror.num_blocks

@@ -1,10 +1,20 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class TurnMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TURN_MODE_CONCURRENT: _ClassVar[TurnMode]
+    TURN_MODE_REFUSE: _ClassVar[TurnMode]
+    TURN_MODE_QUEUE: _ClassVar[TurnMode]
+TURN_MODE_CONCURRENT: TurnMode
+TURN_MODE_REFUSE: TurnMode
+TURN_MODE_QUEUE: TurnMode
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos", "min_p")
@@ -27,7 +37,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_p: _Optional[float] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("token_ids", "prompt", "sampling", "session_id", "cache_salt", "worker_id", "request_id")
+    __slots__ = ("token_ids", "prompt", "sampling", "session_id", "cache_salt", "worker_id", "request_id", "turn_mode")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +45,7 @@ class GenerateRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TURN_MODE_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt: str
     sampling: SamplingParams
@@ -42,7 +53,8 @@ class GenerateRequest(_message.Message):
     cache_salt: str
     worker_id: str
     request_id: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ..., cache_salt: _Optional[str] = ..., worker_id: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+    turn_mode: TurnMode
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ..., cache_salt: _Optional[str] = ..., worker_id: _Optional[str] = ..., request_id: _Optional[str] = ..., turn_mode: _Optional[_Union[TurnMode, str]] = ...) -> None: ...
 
 class CacheFacts(_message.Message):
     __slots__ = ("worker_id", "prompt_tokens", "cached_tokens", "pulled_tokens", "computed_tokens", "policy")
@@ -99,20 +111,24 @@ class WorkerScore(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., cost_ms: _Optional[float] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
-    __slots__ = ("worker_id", "prompt_tokens", "matched_tokens", "cost_ms", "scores", "policy")
+    __slots__ = ("worker_id", "prompt_tokens", "matched_tokens", "cost_ms", "scores", "policy", "session_worker_id", "session_affinity_ms")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COST_MS_FIELD_NUMBER: _ClassVar[int]
     SCORES_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
+    SESSION_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_AFFINITY_MS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     prompt_tokens: int
     matched_tokens: int
     cost_ms: float
     scores: _containers.RepeatedCompositeFieldContainer[WorkerScore]
     policy: str
-    def __init__(self, worker_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., cost_ms: _Optional[float] = ..., scores: _Optional[_Iterable[_Union[WorkerScore, _Mapping]]] = ..., policy: _Optional[str] = ...) -> None: ...
+    session_worker_id: str
+    session_affinity_ms: float
+    def __init__(self, worker_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., cost_ms: _Optional[float] = ..., scores: _Optional[_Iterable[_Union[WorkerScore, _Mapping]]] = ..., policy: _Optional[str] = ..., session_worker_id: _Optional[str] = ..., session_affinity_ms: _Optional[float] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("token_ids", "prompt", "cache_salt")
@@ -149,7 +165,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("num_workers", "num_live_workers", "num_indexed_blocks", "num_requests", "num_failed_requests", "prompt_tokens", "cached_tokens", "computed_tokens", "generated_tokens", "hit_rate", "policy", "redis_connected", "num_events_applied", "num_resyncs", "block_size", "model", "pulled_tokens", "num_pulls", "num_failed_pulls", "num_migrations", "routing", "num_decode_errors", "num_drained_workers", "num_rejected_requests", "num_cancelled_requests", "num_slow_streams_cancelled")
+    __slots__ = ("num_workers", "num_live_workers", "num_indexed_blocks", "num_requests", "num_failed_requests", "prompt_tokens", "cached_tokens", "computed_tokens", "generated_tokens", "hit_rate", "policy", "redis_connected", "num_events_applied", "num_resyncs", "block_size", "model", "pulled_tokens", "num_pulls", "num_failed_pulls", "num_migrations", "routing", "num_decode_errors", "num_drained_workers", "num_rejected_requests", "num_cancelled_requests", "num_slow_streams_cancelled", "num_warm_sessions", "warm_session_bytes", "num_sessions_evicted_ttl", "num_sessions_evicted_budget", "num_sessions_evicted_pressure", "num_session_turns_refused")
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     NUM_LIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
     NUM_INDEXED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -176,6 +192,12 @@ class StatsResponse(_message.Message):
     NUM_REJECTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_CANCELLED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_SLOW_STREAMS_CANCELLED_FIELD_NUMBER: _ClassVar[int]
+    NUM_WARM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    WARM_SESSION_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_SESSIONS_EVICTED_TTL_FIELD_NUMBER: _ClassVar[int]
+    NUM_SESSIONS_EVICTED_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    NUM_SESSIONS_EVICTED_PRESSURE_FIELD_NUMBER: _ClassVar[int]
+    NUM_SESSION_TURNS_REFUSED_FIELD_NUMBER: _ClassVar[int]
     num_workers: int
     num_live_workers: int
     num_indexed_blocks: int
@@ -202,10 +224,16 @@ class StatsResponse(_message.Message):
     num_rejected_requests: int
     num_cancelled_requests: int
     num_slow_streams_cancelled: int
-    def __init__(self, num_workers: _Optional[int] = ..., num_live_workers: _Optional[int] = ..., num_indexed_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_failed_requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., hit_rate: _Optional[float] = ..., policy: _Optional[str] = ..., redis_connected: _Optional[bool] = ..., num_events_applied: _Optional[int] = ..., num_resyncs: _Optional[int] = ..., block_size: _Optional[int] = ..., model: _Optional[str] = ..., pulled_tokens: _Optional[int] = ..., num_pulls: _Optional[int] = ..., num_failed_pulls: _Optional[int] = ..., num_migrations: _Optional[int] = ..., routing: _Optional[str] = ..., num_decode_errors: _Optional[int] = ..., num_drained_workers: _Optional[int] = ..., num_rejected_requests: _Optional[int] = ..., num_cancelled_requests: _Optional[int] = ..., num_slow_streams_cancelled: _Optional[int] = ...) -> None: ...
+    num_warm_sessions: int
+    warm_session_bytes: int
+    num_sessions_evicted_ttl: int
+    num_sessions_evicted_budget: int
+    num_sessions_evicted_pressure: int
+    num_session_turns_refused: int
+    def __init__(self, num_workers: _Optional[int] = ..., num_live_workers: _Optional[int] = ..., num_indexed_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_failed_requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., hit_rate: _Optional[float] = ..., policy: _Optional[str] = ..., redis_connected: _Optional[bool] = ..., num_events_applied: _Optional[int] = ..., num_resyncs: _Optional[int] = ..., block_size: _Optional[int] = ..., model: _Optional[str] = ..., pulled_tokens: _Optional[int] = ..., num_pulls: _Optional[int] = ..., num_failed_pulls: _Optional[int] = ..., num_migrations: _Optional[int] = ..., routing: _Optional[str] = ..., num_decode_errors: _Optional[int] = ..., num_drained_workers: _Optional[int] = ..., num_rejected_requests: _Optional[int] = ..., num_cancelled_requests: _Optional[int] = ..., num_slow_streams_cancelled: _Optional[int] = ..., num_warm_sessions: _Optional[int] = ..., warm_session_bytes: _Optional[int] = ..., num_sessions_evicted_ttl: _Optional[int] = ..., num_sessions_evicted_budget: _Optional[int] = ..., num_sessions_evicted_pressure: _Optional[int] = ..., num_session_turns_refused: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "pid", "node", "device", "num_blocks", "num_free_blocks", "alive", "cached_tokens", "computed_tokens", "num_requests", "num_running", "num_waiting", "generation", "num_indexed_blocks", "drained")
+    __slots__ = ("worker_id", "pid", "node", "device", "num_blocks", "num_free_blocks", "alive", "cached_tokens", "computed_tokens", "num_requests", "num_running", "num_waiting", "generation", "num_indexed_blocks", "drained", "num_warm_sessions", "warm_session_bytes")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
@@ -221,6 +249,8 @@ class WorkerInfo(_message.Message):
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     NUM_INDEXED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DRAINED_FIELD_NUMBER: _ClassVar[int]
+    NUM_WARM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    WARM_SESSION_BYTES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     pid: int
     node: str
@@ -236,7 +266,9 @@ class WorkerInfo(_message.Message):
     generation: int
     num_indexed_blocks: int
     drained: bool
-    def __init__(self, worker_id: _Optional[str] = ..., pid: _Optional[int] = ..., node: _Optional[str] = ..., device: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., alive: _Optional[bool] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., generation: _Optional[int] = ..., num_indexed_blocks: _Optional[int] = ..., drained: _Optional[bool] = ...) -> None: ...
+    num_warm_sessions: int
+    warm_session_bytes: int
+    def __init__(self, worker_id: _Optional[str] = ..., pid: _Optional[int] = ..., node: _Optional[str] = ..., device: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., alive: _Optional[bool] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., generation: _Optional[int] = ..., num_indexed_blocks: _Optional[int] = ..., drained: _Optional[bool] = ..., num_warm_sessions: _Optional[int] = ..., warm_session_bytes: _Optional[int] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ()

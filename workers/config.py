@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvmesh.workers.kv.warm_sessions import WarmSessionConfig
+
 
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
@@ -40,6 +42,8 @@ class WorkerConfig:
     """How often the worker refreshes its heartbeat and info in Redis."""
     heartbeat_ttl_s: float = 3.0
     """A heartbeat older than this marks the worker dead."""
+    sessions: WarmSessionConfig = field(default_factory=WarmSessionConfig)
+    """How long and within what budget idle sessions' chains are kept warm."""
 
     def __post_init__(self) -> None:
         if not self.worker_id:

@@ -20,6 +20,7 @@ from kvmesh.coordinator.config import CoordinatorConfig, HttpConfig
 from kvmesh.coordinator.service.auth import read_token_file
 from kvmesh.coordinator.telemetry.log_format import LogConfig, configure_logging
 from kvmesh.workers.config import WorkerConfig
+from kvmesh.workers.kv.warm_sessions import WarmSessionConfig
 
 
 def _opt(args: argparse.Namespace, name: str, default: Any) -> Any:
@@ -47,12 +48,18 @@ def deployment_config(args: argparse.Namespace, *, embedded_redis: bool) -> Depl
         rate_limit_rps=float(_opt(args, "rate_limit", 0.0)),
         rate_limit_burst=int(_opt(args, "rate_limit_burst", 0)),
         stream_send_timeout_s=float(_opt(args, "stream_send_timeout", 30.0)),
+        session_affinity_blocks=float(_opt(args, "session_affinity_blocks", 1.0)),
+    )
+    sessions = WarmSessionConfig(
+        idle_ttl_s=float(_opt(args, "session_ttl_s", 300.0)),
+        budget_fraction=float(_opt(args, "session_budget", 0.5)),
     )
     worker = WorkerConfig(
         worker_id="template",
         num_blocks=int(_opt(args, "num_blocks", 0)),
         host_cache_gb=float(_opt(args, "host_cache_gb", 0.0)),
         device=_opt(args, "device", "auto"),
+        sessions=sessions,
     )
     http_port = _opt(args, "http_port", None)
     http = None

@@ -95,6 +95,10 @@ class RouteDecision:
     scores: tuple[WorkerScore, ...]
     pull: PullPlan | None = None
     """Blocks the chosen worker should first fetch from a peer (kvmesh's policy only)."""
+    session_worker_id: str = ""
+    """The worker the request's session last went to (kvmesh's policy; empty: none known)."""
+    session_affinity_ms: float = 0.0
+    """What that worker's cost was lowered by for the session (included in the scores)."""
 
 
 class RoutingPolicy(ABC):

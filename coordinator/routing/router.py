@@ -131,9 +131,18 @@ class KvmeshWeights:
     w is slower by what w's batch reads more than the lightest worker's, and the request makes
     each of theirs slower as much, so the difference is paid twice per token. Fewer than a
     typical answer's tokens, since batches even out as sequences finish. 0 prices one step."""
+    session_affinity_blocks: float = 1.0
+    """A session's pull towards the worker its last turn went to, in blocks of prefill time
+    (`CoordinatorConfig.session_affinity_blocks`); 0 disables."""
 
     def __post_init__(self) -> None:
-        for name in ("recompute_weight", "placement_balance", "request_balance", "decode_tokens"):
+        for name in (
+            "recompute_weight",
+            "placement_balance",
+            "request_balance",
+            "decode_tokens",
+            "session_affinity_blocks",
+        ):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("balance_horizon_s", "routed_prefix_ttl_s"):
@@ -152,7 +161,7 @@ class KvmeshPolicy(RoutingPolicy):
                 + memory(w)                ramps up as the prompt's new blocks outgrow w's free ones
                 + p * recent_work(w) * uncached_share(w)
                 + q * recent_requests(w) * min over workers of ready
-                - session_affinity(w)
+                - session_affinity(w)     a blocks' prefill, on the session's last worker
 
     (recent_* are measured above the least-loaded worker's, so only differences count.) A worker
     that holds more of the prompt saves prefill and recompute; a busy one pays its queue. Nothing
@@ -195,6 +204,13 @@ class KvmeshPolicy(RoutingPolicy):
         ]
         costs = self._costs(query, views, options, now)
         decision = self._pick_lowest(query, views, costs)
+        sticky = self._sessions.get(query.session_id)
+        if sticky is not None:
+            decision = replace(
+                decision,
+                session_worker_id=sticky,
+                session_affinity_ms=self._session_affinity_ms(query),
+            )
         chosen = next(i for i, w in enumerate(views) if w.worker_id == decision.worker_id)
         option = options[chosen]
         if option.pull is not None:
@@ -245,7 +261,7 @@ class KvmeshPolicy(RoutingPolicy):
             cost += weights.placement_balance * (w_work - least_work) * uncached_share
             cost += weights.request_balance * (w_requests - least_requests) * cheapest_ready
             if sticky == w.worker_id:
-                cost -= cm.prefill_per_token_ms * query.block_size
+                cost -= self._session_affinity_ms(query)
             costs.append(cost)
         return costs
 
@@ -256,6 +272,10 @@ class KvmeshPolicy(RoutingPolicy):
         if cm.decode_per_kv_token_ms > 0:
             return cm.decode_kv_ms(self._running.tokens(w.worker_id))
         return w.num_running * cm.decode_per_seq_ms
+
+    def _session_affinity_ms(self, query: RouteQuery) -> float:
+        blocks = self.weights.session_affinity_blocks
+        return blocks * self.cost_model.prefill_per_token_ms * query.block_size
 
     def _memory_pressure_ms(self, query: RouteQuery, w: WorkerView) -> float:
         """0 while the prompt's new blocks fit in w's free blocks; then up to one block's worth of
@@ -305,12 +325,18 @@ def make_policy(
     cost_model: CostModel,
     rng: random.Random,
     clock: Callable[[], float] = time.monotonic,
+    *,
+    session_affinity_blocks: float | None = None,
 ) -> RoutingPolicy:
-    """A fresh policy; `clock` (seconds) is what time-based policies (SGLang's tree) read."""
+    """A fresh policy; `clock` (seconds) is what time-based policies (SGLang's tree) read;
+    `session_affinity_blocks` overrides the kvmesh policy's session term (others ignore it)."""
     try:
         policy_type = POLICIES[name]
     except KeyError:
         raise ValueError(
             f"unknown policy {name!r}; choose from {', '.join(sorted(POLICIES))}"
         ) from None
+    if policy_type is KvmeshPolicy and session_affinity_blocks is not None:
+        weights = KvmeshWeights(session_affinity_blocks=session_affinity_blocks)
+        return KvmeshPolicy(cost_model, rng, clock, weights)
     return policy_type(cost_model, rng, clock)

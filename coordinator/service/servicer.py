@@ -40,6 +40,7 @@ from kvmesh.coordinator.service.admin import Admin, Fleet
 from kvmesh.coordinator.service.detokenizer import IncrementalDetokenizer
 from kvmesh.coordinator.service.interceptor import GateInterceptor
 from kvmesh.coordinator.service.tls import ServerTls
+from kvmesh.coordinator.session_turns import SessionBusy, TurnMode
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
 from kvmesh.workers.contract.replies import RequestRejected
@@ -50,7 +51,16 @@ T = TypeVar("T")
 SERVICE_NAME = "kvmesh.v1.KVMesh"
 
 
+_TURN_MODES = {
+    pb.TURN_MODE_CONCURRENT: TurnMode.CONCURRENT,
+    pb.TURN_MODE_REFUSE: TurnMode.REFUSE,
+    pb.TURN_MODE_QUEUE: TurnMode.QUEUE,
+}
+
+
 def _status_for(exc: BaseException) -> grpc.StatusCode:
+    if isinstance(exc, SessionBusy):
+        return grpc.StatusCode.FAILED_PRECONDITION
     if isinstance(exc, InvalidRequest | RequestRejected | ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(exc, NoLiveWorker | WorkerDied):
@@ -158,11 +168,15 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
             ignore_eos=s.ignore_eos,
             min_p=s.min_p,
         )
+        mode = _TURN_MODES.get(request.turn_mode)
+        if mode is None:
+            raise InvalidRequest(f"unknown turn_mode {request.turn_mode}")
         return c.generate(
             prompt,
             sampling,
             session_id=request.session_id,
             worker_id=request.worker_id,
+            turn_mode=mode,
             label=label,
         )
 
@@ -197,6 +211,8 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
                     for s in d.scores
                 ],
                 policy=c.policy.name,
+                session_worker_id=d.session_worker_id,
+                session_affinity_ms=d.session_affinity_ms,
             )
 
         return self._guard(context, run)
@@ -241,10 +257,32 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
                 ),
                 num_pulls=c.transfers.num_pulls if c.transfers is not None else 0,
                 num_failed_pulls=c.transfers.num_failed_pulls if c.transfers is not None else 0,
+                **self._session_totals(),
                 **s,
             )
 
         return self._guard(context, run)
+
+    def _session_totals(self) -> dict[str, int]:
+        """Warm-session counters summed over the workers' last reports (the health watcher's:
+        Stats never waits on a worker)."""
+        totals = dict.fromkeys(
+            (
+                "num_warm_sessions",
+                "warm_session_bytes",
+                "num_sessions_evicted_ttl",
+                "num_sessions_evicted_budget",
+                "num_sessions_evicted_pressure",
+            ),
+            0,
+        )
+        for w in self.cluster.registry.known():
+            info = self.cluster.latest_info(w)
+            if info is None:
+                continue
+            for name in totals:
+                totals[name] += getattr(info.counters, name)
+        return totals
 
     def ListWorkers(
         self, request: pb.ListWorkersRequest, context: grpc.ServicerContext
@@ -271,6 +309,8 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
                     "num_running": i.num_running,
                     "num_waiting": i.num_waiting,
                     "generation": i.generation,
+                    "num_warm_sessions": i.counters.num_warm_sessions,
+                    "warm_session_bytes": i.counters.warm_session_bytes,
                 }
             out.append(
                 pb.WorkerInfo(

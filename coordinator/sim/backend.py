@@ -25,6 +25,8 @@ class SimBackend:
         self._index_of = {w.worker_id: i for i, w in enumerate(self.workers)}
         self._requests: dict[str, SimRequest] = {}
         self._outboxes: dict[str, deque[RequestOutput]] = {}
+        self.host_tokens: list[int] = []
+        """Prompt tokens each prefill promoted from a host tier (in prefill order)."""
         self.touched: list[int] = []
         """Workers that got a request since the simulation last looked (it admits on them)."""
 
@@ -47,9 +49,10 @@ class SimBackend:
 
     def first_token(self, seq: SimSequence) -> None:
         request = seq.request
+        self.host_tokens.append(seq.host_tokens)
         facts = PrefillFacts(
-            local_tokens=seq.cached_tokens,
-            host_tokens=0,
+            local_tokens=seq.cached_tokens - seq.host_tokens,
+            host_tokens=seq.host_tokens,
             pulled_tokens=seq.pulled_tokens,
             computed_tokens=request.prompt_len - seq.cached_tokens - seq.pulled_tokens,
         )

@@ -45,6 +45,7 @@ from kvmesh.proto.events import EventBatch
 from kvmesh.workers.contract.replies import PrefillFacts
 from kvmesh.workers.contract.requests import SamplingConfig, Transport
 from kvmesh.workers.kv.block_pool import BlockPool
+from kvmesh.workers.kv.warm_sessions import WarmSessionConfig
 from kvmesh.workers.model.model_config import preset
 
 ORACLE = "oracle"
@@ -91,6 +92,12 @@ class SimConfig:
     own load tracker and policy state, all read one mirror and the workers' load reports."""
     report_interval_ms: float = 500.0
     """How often workers' own load reports reach the coordinators (the live health interval)."""
+    sessions: WarmSessionConfig | None = None
+    """Workers keep idle sessions warm (as live workers do); None: plain LRU, as before. The
+    oracle stays the shared-LRU bound either way."""
+    host_capacity_tokens: int = 0
+    """Each worker's host-memory tier, in tokens (catches what the device evicts; a hit costs a
+    host-to-device copy at the cost model's transfer rate); 0: none, as before."""
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
@@ -112,6 +119,11 @@ class SimConfig:
     def num_blocks(self) -> int:
         """Blocks per worker."""
         return self.capacity_tokens // self.block_size
+
+    @property
+    def host_blocks(self) -> int:
+        """Host-tier blocks per worker."""
+        return self.host_capacity_tokens // self.block_size
 
 
 def prepare_requests(arrivals: Iterable[Arrival], block_size: int) -> list[SimRequest]:
@@ -251,6 +263,8 @@ class ClusterSimulation:
                 config.block_size,
                 root,
                 register_on_admit=shared is not None,
+                sessions=None if shared is not None else config.sessions,
+                host_blocks=0 if shared is not None else config.host_blocks,
             )
             for i in range(n)
         ]
@@ -394,7 +408,7 @@ class ClusterSimulation:
             self._scheduled_epoch[w] = worker.epoch
 
     def _flush_events(self, w: int) -> None:
-        events = self.workers[w].pool.drain_events()
+        events = self.workers[w].drain_events()
         if not events or self.oracle:
             return  # the oracle's shared pool needs no index
         self._event_seq[w] += 1

@@ -22,6 +22,9 @@ worker can match, and what it evicts, is exactly what the live system would do.
 * Admission reserves blocks for prompt and output at once (no preemption); prompt blocks are
   registered when the prefill ends, generated blocks when the sequence finishes (when the
   workload knows the tokens a later prompt quotes), then the sequence frees tail-first.
+* With warm sessions on, a finished turn's chain is kept warm by the real `WarmSessions`, as the
+  live worker does (idle TTL and budget on simulated time); with a host tier, evicted blocks are
+  demoted to it and a hit there is priced as a host-to-device copy.
 """
 
 from __future__ import annotations
@@ -35,8 +38,14 @@ import numpy as np
 
 from kvmesh.coordinator.sim.cost_model import SimCostModel
 from kvmesh.coordinator.sim.decode_run import BOUNDARY_EPSILON_MS, DecodeRun
+from kvmesh.coordinator.sim.host_tier import SimHostTier
 from kvmesh.proto.block_hash import BlockHash, num_reusable_tokens
+from kvmesh.proto.events import KVEvent
 from kvmesh.workers.kv.block_pool import BlockId, BlockPool
+from kvmesh.workers.kv.warm_sessions import WarmSessionConfig, WarmSessions
+
+KV_BYTES_PER_TOKEN = 128 << 10
+"""A Llama-3-8B token's KV in bf16 (what the cost model is calibrated on): warm-session bytes."""
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -87,6 +96,7 @@ class SimSequence:
     first_token_ms: float = math.nan
     join_step: int = 0  # the worker's step count when its first token came out
     finish_step: int = 0  # ... when its last one does
+    host_tokens: int = 0  # of cached_tokens, promoted from the host tier
 
     @property
     def context_base(self) -> int:
@@ -123,6 +133,8 @@ class SimWorker:
         block_size: int,
         root: BlockHash,
         register_on_admit: bool = False,
+        sessions: WarmSessionConfig | None = None,
+        host_blocks: int = 0,
     ) -> None:
         self.worker_id = worker_id
         # The oracle's lanes share one pool: a prefix counts as reusable as soon as some lane
@@ -150,6 +162,14 @@ class SimWorker:
         self._last_ms = 0.0
         self.busy_ms = 0.0
         self.epoch = 0  # bumped whenever next_event_ms may have changed
+        self.sessions = (
+            WarmSessions(
+                pool, sessions, block_size * KV_BYTES_PER_TOKEN, lambda: self._last_ms / 1000.0
+            )
+            if sessions is not None
+            else None
+        )
+        self.host = SimHostTier(host_blocks) if host_blocks else None
 
     @property
     def num_decoding(self) -> int:
@@ -217,6 +237,8 @@ class SimWorker:
         """Start the next queued prefill if the worker is at a step boundary, has no prefill
         running and the pool can reserve the request's blocks."""
         self._sync(now_ms)
+        if self.sessions is not None:
+            self.sessions.expire()
         if self.prefilling is not None or not self.queue:
             return None
         request, pull = self.queue[0]
@@ -235,10 +257,19 @@ class SimWorker:
         pool.acquire(matched)
         fresh = pool.allocate(need)
         assert fresh is not None
-        n = request.prompt_len
-        cached = num_reusable_tokens(n, len(matched), self.block_size)
-        ready = max(cached, self._pullable_tokens(request, pull))
+        self._demote_evicted()
+        n, bs = request.prompt_len, self.block_size
+        cached = num_reusable_tokens(n, len(matched), bs)
+        host_ready = cached
+        if self.host is not None:
+            num_host = self.host.match(request.prompt_hashes[len(matched) :])
+            host_ready = num_reusable_tokens(n, len(matched) + num_host, bs)
+        pulled_ready = self._pullable_tokens(request, pull)
+        ready = max(cached, pulled_ready, host_ready)
         seq = SimSequence(request, matched + fresh, len(matched), cached, ready - cached, now_ms)
+        if host_ready >= pulled_ready and host_ready > cached:  # promoted, not pulled
+            seq.cached_tokens, seq.pulled_tokens = host_ready, 0
+            seq.host_tokens = host_ready - cached
         self.prefilling, self._prefill_done = seq, ready
         self._load_end_ms = now_ms + self.cost.transfer_ms(ready - cached)
         if self.register_on_admit:
@@ -327,10 +358,25 @@ class SimWorker:
             self.context_base -= seq.context_base
             self._register(seq, seq.request.num_prompt_blocks, len(seq.request.hashes))
             self.pool.free(seq.blocks)
+            if self.sessions is not None:
+                chain = self.pool.match_prefix(seq.request.hashes)
+                self.sessions.keep(seq.request.session_id, chain)
             finished.append(seq)
         if finished:
             self._blocked = False
         return tuple(finished)
+
+    def _demote_evicted(self) -> None:
+        evicted = self.pool.drain_evicted()
+        if self.host is not None and evicted:
+            self.host.put([h for _b, h in evicted])
+
+    def drain_events(self) -> list[KVEvent]:
+        """The pool's KV events, then the host tier's."""
+        events = self.pool.drain_events()
+        if self.host is not None:
+            events += self.host.drain_events()
+        return events
 
     def _register(self, seq: SimSequence, start: int, stop: int) -> None:
         hashes = seq.request.hashes
@@ -345,3 +391,6 @@ class SimWorker:
             assert all(self.pool.ref_count(b) > 0 for b in seq.blocks)
         if self.prefilling is not None:
             assert all(self.pool.ref_count(b) > 0 for b in self.prefilling.blocks)
+        if self.sessions is not None:
+            self.sessions.sync()
+            self.sessions.check_invariants()

@@ -184,3 +184,25 @@ def test_cli_table_and_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None
     assert "unknown policies nope" in capsys.readouterr().err
     assert cli.main([*args, "--cost", "nope=1"]) == 2
     assert "unknown cost-model field" in capsys.readouterr().err
+
+
+def test_warm_sessions_and_a_host_tier_run_on_the_real_classes() -> None:
+    from kvmesh.coordinator.sim.simulator import ClusterSimulation
+    from kvmesh.workers.kv.warm_sessions import WarmSessionConfig
+
+    overrides = {"num_sessions": 24, "turns_per_session": 3, "think_time_s": 2.0}
+    requests = prepare_requests(workloads.generate("multi_turn", 1, overrides), 16)
+    base = small_config(capacity_tokens=8192)
+    plain = ClusterSimulation(base, "kvmesh", requests).run()
+    config = small_config(
+        capacity_tokens=8192,
+        sessions=WarmSessionConfig(idle_ttl_s=60.0, budget_fraction=0.5),
+        host_capacity_tokens=32768,
+    )
+    sim = ClusterSimulation(config, "kvmesh", requests)
+    result = sim.run()
+    for w in sim.workers:
+        w.check_invariants()
+        assert w.sessions is not None and w.host is not None
+    assert sum(w.sessions.stats().num_sessions for w in sim.workers if w.sessions) > 0
+    assert result.cached_tokens + result.pulled_tokens >= plain.cached_tokens + plain.pulled_tokens

@@ -11,6 +11,7 @@ from kvmesh.workers.contract.replies import RequestOutput
 from kvmesh.workers.contract.requests import SamplingConfig, WorkerRequest
 from kvmesh.workers.engine.scheduler import SchedulerConfig
 from kvmesh.workers.engine.worker import Worker
+from kvmesh.workers.kv.warm_sessions import WarmSessionConfig
 from kvmesh.workers.model.model_config import preset
 from kvmesh.workers.model.runner import ModelRunner, SeqChunk
 
@@ -18,8 +19,14 @@ BS = 16
 
 
 class Harness:
-    def __init__(self, num_blocks: int = 64, max_num_seqs: int = 8) -> None:
+    def __init__(
+        self,
+        num_blocks: int = 64,
+        max_num_seqs: int = 8,
+        sessions: WarmSessionConfig | None = None,
+    ) -> None:
         config = preset("tiny-random")
+        self.now_s = 0.0
         self.logits: dict[str, list[torch.Tensor]] = defaultdict(list)
         runner = ModelRunner(config, num_blocks, BS, device="cpu", dtype=torch.float32, seed=0)
         self.worker = Worker(
@@ -29,6 +36,8 @@ class Harness:
             SchedulerConfig(BS, max_num_seqs, 4096),
             eos_token_ids=(),
             logits_sink=lambda rid, row: self.logits[rid].append(row),
+            clock=lambda: self.now_s,
+            sessions=sessions,
         )
 
     def run(self, requests: list[WorkerRequest]) -> dict[str, list[RequestOutput]]:
@@ -215,3 +224,45 @@ def test_a_forward_pass_failure_fails_only_the_sequence_that_causes_it() -> None
     for k, p in enumerate(prompts):
         assert tokens(outs[f"r{k}"]) == tokens(Harness().run([req("x", p, 10)])["x"])
     assert worker.pool.num_free == worker.pool.num_blocks
+
+
+def _churn(h: Harness, num_requests: int) -> None:
+    """Unrelated one-off requests that cycle every ordinary free block of a 64-block pool."""
+    for i in range(num_requests):
+        prompt = [(i * 31 + j * 13) % 250 + 3 for j in range(120)]
+        h.run([req(f"churn{i}", prompt)])
+
+
+def _turn(rid: str, prompt: list[int], session_id: str) -> WorkerRequest:
+    return WorkerRequest(
+        rid,
+        tuple(prompt),
+        SamplingConfig(max_tokens=8, ignore_eos=True),
+        session_id=session_id,
+    )
+
+
+@pytest.mark.parametrize("session_id", ["chat", ""])
+def test_idle_session_next_turn_hits_after_churn_evicts_other_free_blocks(session_id: str) -> None:
+    h = Harness(sessions=WarmSessionConfig(idle_ttl_s=60.0, budget_fraction=0.25))
+    first = h.run([_turn("t1", PREFIX, session_id)])
+    h.now_s = 30.0
+    _churn(h, 10)
+    second = h.run([_turn("t2", PREFIX + tokens(first["t1"]) + [5, 6, 7], session_id)])
+    local = second["t2"][0].prefill.local_tokens
+    if session_id:
+        assert local == 64  # the whole first prompt (its answer's block was never full)
+        assert h.worker.info().counters.num_warm_sessions == 1
+    else:
+        assert local == 0  # plain LRU: the churn took every block of the first turn
+
+
+def test_idle_session_past_its_ttl_is_an_ordinary_free_chain() -> None:
+    h = Harness(sessions=WarmSessionConfig(idle_ttl_s=10.0, budget_fraction=0.25))
+    h.run([_turn("t1", PREFIX, "chat")])
+    h.now_s = 11.0
+    _churn(h, 10)
+    counters = h.worker.info().counters
+    assert (counters.num_warm_sessions, counters.num_sessions_evicted_ttl) == (0, 1)
+    out = h.run([_turn("t2", PREFIX + [5, 6, 7], "chat")])
+    assert out["t2"][0].prefill.local_tokens == 0

@@ -93,6 +93,16 @@ class WorkerCounters:
     """Registered blocks the device pool reused for new KV (their prefix left the pool)."""
     prefill_ms_per_token: float = 0.0
     """Measured prefill cost (the router's cost model follows it)."""
+    num_warm_sessions: int = 0
+    """Idle sessions whose chains are kept warm now."""
+    warm_session_bytes: int = 0
+    """Device KV bytes those chains hold (distinct blocks)."""
+    num_sessions_evicted_ttl: int = 0
+    """Sessions no longer kept warm because they were idle for the TTL."""
+    num_sessions_evicted_budget: int = 0
+    """Sessions let go (least recently used first) to stay within the byte budget."""
+    num_sessions_evicted_pressure: int = 0
+    """Sessions whose whole chain the device pool had to reuse (nothing else was free)."""
 
 
 @dataclass(frozen=True, slots=True)

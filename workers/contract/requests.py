@@ -119,3 +119,6 @@ class WorkerRequest:
     cache_salt: str = ""
     pull: PullSpec | None = None
     """Fetch these blocks from a peer during admission; a failed pull just means recompute."""
+    session_id: str = ""
+    """Conversation the request is a turn of (empty: none). The worker keeps the session's chain
+    warm after the turn (`workers/kv/warm_sessions.py`); a migrated turn keeps it."""

@@ -48,6 +48,7 @@ class Sequence:
     num_preemptions: int = 0
     first_token_s: float | None = None
     finish_reason: str = ""
+    session_id: str = ""  # the conversation this is a turn of; its chain is kept warm after
 
     @property
     def num_tokens(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvmesh.workers.contract.replies import PrefillFacts, WorkerCounters
+from kvmesh.workers.kv.warm_sessions import WarmSessionStats
 
 
 @dataclass(slots=True)
@@ -34,7 +35,11 @@ class WorkerTally:
         self.computed_tokens += facts.computed_tokens
 
     def snapshot(
-        self, num_preemptions: int, num_host_blocks: int, num_evicted_blocks: int = 0
+        self,
+        num_preemptions: int,
+        num_host_blocks: int,
+        sessions: WarmSessionStats,
+        num_evicted_blocks: int = 0,
     ) -> WorkerCounters:
         return WorkerCounters(
             num_requests=self.num_requests,
@@ -52,6 +57,11 @@ class WorkerTally:
             num_host_blocks=num_host_blocks,
             num_evicted_blocks=num_evicted_blocks,
             prefill_ms_per_token=self.prefill_ms_total / max(1, self.prefill_tokens_total),
+            num_warm_sessions=sessions.num_sessions,
+            warm_session_bytes=sessions.num_bytes,
+            num_sessions_evicted_ttl=sessions.num_evicted_ttl,
+            num_sessions_evicted_budget=sessions.num_evicted_budget,
+            num_sessions_evicted_pressure=sessions.num_evicted_pressure,
         )
 
     def check_invariants(self) -> None:

@@ -46,6 +46,7 @@ from kvmesh.workers.kv import pull_reservation
 from kvmesh.workers.kv.block_pool import BlockId, BlockPool
 from kvmesh.workers.kv.host_pool import HostPool
 from kvmesh.workers.kv.pull_reservation import PullReservation
+from kvmesh.workers.kv.warm_sessions import WarmSessionConfig, WarmSessions
 from kvmesh.workers.model.runner import ModelRunner, SeqChunk
 from kvmesh.workers.transfer.block_export import BlockExport
 
@@ -85,6 +86,7 @@ class Worker:
         device: str = "cpu",
         logits_sink: Callable[[str, torch.Tensor], None] | None = None,
         host_pool: HostPool | None = None,
+        sessions: WarmSessionConfig | None = None,
     ) -> None:
         self.worker_id = worker_id
         self.runner = runner
@@ -101,6 +103,10 @@ class Worker:
         self.scheduler = Scheduler(scheduler_config, self.pool)
         self.block_size = scheduler_config.block_size
         self.host_tier = HostTier(host_pool, self.pool, runner, self.block_size)
+        # Warm sessions run on the clock in seconds, whatever unit the pool's clock uses.
+        self.sessions = WarmSessions(
+            self.pool, sessions or WarmSessionConfig(), self.block_num_bytes, clock
+        )
         self.eos_token_ids = tuple(eos_token_ids)
         self.events = EventLog(worker_id)
         self._seqs: dict[str, Sequence] = {}
@@ -134,6 +140,7 @@ class Worker:
             req.sampling,
             self.root_hash(req.cache_salt),
             self.clock(),
+            session_id=req.session_id,
         )
         self.scheduler.check_fits(seq)
         self._seqs[req.request_id] = seq
@@ -224,6 +231,7 @@ class Worker:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns what each touched request produced."""
+        self.sessions.expire()
         waiting = list(self.scheduler.waiting)[: self.scheduler.config.max_num_seqs]
         self.tally.host_hit_tokens += self.host_tier.promote(waiting, self.scheduler.unpin)
         step = self.scheduler.schedule()
@@ -306,10 +314,18 @@ class Worker:
             if finished:
                 self._seqs.pop(seq.request_id, None)
                 self.tally.num_finished += 1
+                self._keep_session(seq)
             outputs.append(
                 RequestOutput(seq.request_id, (token,), finished, seq.finish_reason, facts)
             )
         return outputs
+
+    def _keep_session(self, seq: Sequence) -> None:
+        """Keep a finished turn's chain warm: the leading run of its blocks still registered
+        (prompt and answer, so the next turn, which quotes both, matches all of it)."""
+        if seq.session_id and seq.finish_reason != "abort":
+            chain = self.pool.match_prefix(seq.full_block_hashes(self.block_size))
+            self.sessions.keep(seq.session_id, chain)
 
     @staticmethod
     def _prefill_facts(seq: Sequence) -> PrefillFacts:
@@ -409,6 +425,7 @@ class Worker:
             counters=self.tally.snapshot(
                 self.scheduler.num_preemptions,
                 self.host_pool.num_cached if self.host_pool else 0,
+                self.sessions.stats(),
                 self.pool.num_evicted,
             ),
         )
@@ -429,5 +446,7 @@ class Worker:
         for pending in self._pulls.values():
             held += [*pending.reservation.local, *pending.reservation.targets]
         self.scheduler.check_invariants(held)
+        self.sessions.sync()
+        self.sessions.check_invariants()
         if self.host_pool is not None:
             self.host_pool.check_invariants()

@@ -11,6 +11,12 @@ event recorded).
 A finished sequence frees its blocks tail first, so its prefix outlives its suffix. A block is
 *registered* only once every slot in it is written; registering a hash that is already held by
 another block keeps the first block (the duplicate stays unregistered and is reused first).
+
+*Protected* blocks (a warm idle session's chain, see `warm_sessions.py`) wait on a second free
+queue that is handed out only once the ordinary one is empty, so they outlive every ordinary free
+block; protection is dropped when such a block is reallocated (`drain_lost_protection` says which):
+
+    allocate():   ordinary free queue (LRU) first ........ then the warm queue (LRU)
 """
 
 from __future__ import annotations
@@ -37,8 +43,10 @@ class BlockPool:
     """Fixed set of KV blocks on one device.
 
     Invariants (checked by `check_invariants`):
-      * a block is on the free queue iff its ref_count == 0
-      * num_free + num_used == num_blocks
+      * a block is on exactly one free queue iff its ref_count == 0; a free block is on the warm
+        queue iff it is protected
+      * a protected block is registered
+      * num_free (both queues) + num_used == num_blocks
       * hash_to_block[h] == b iff block_hash[b] == h (every registered block, free or used)
       * a free block keeps its hash (still matchable) until it is reallocated
     """
@@ -56,6 +64,10 @@ class BlockPool:
         self._free: OrderedDict[BlockId, None] = OrderedDict(
             (BlockId(b), None) for b in range(num_blocks)
         )
+        # Free protected blocks, handed out only when `_free` is empty (same order rules).
+        self._warm: OrderedDict[BlockId, None] = OrderedDict()
+        self._protected: set[BlockId] = set()
+        self._lost_protection: list[BlockId] = []
         self._pending_events: list[KVEvent] = []
         # Registered blocks handed out again since the last drain: their KV is about to be
         # overwritten, so a host tier must copy them out first.
@@ -65,11 +77,18 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._warm)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
+
+    @property
+    def num_protected(self) -> int:
+        return len(self._protected)
+
+    def is_protected(self, block: BlockId) -> bool:
+        return block in self._protected
 
     @property
     def num_cached(self) -> int:
@@ -105,24 +124,29 @@ class BlockPool:
         now = self._clock()
         for b in blocks:
             if self._ref_count[b] == 0:
-                del self._free[b]
+                self._queue_of(b).pop(b)
             self._ref_count[b] += 1
             self._last_use[b] = now
 
     def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= len(self._free)
+        return num_blocks <= self.num_free
 
     def allocate(self, num_blocks: int) -> list[BlockId] | None:
         """Fresh blocks with ref_count 1, evicting the least recently freed; None if too few."""
         if num_blocks < 0:
             raise ValueError(f"cannot allocate {num_blocks} blocks")
-        if num_blocks > len(self._free):
+        if num_blocks > self.num_free:
             return None  # expected: the scheduler waits or preempts
         now = self._clock()
         blocks: list[BlockId] = []
         evicted: list[BlockHash] = []
         for _ in range(num_blocks):
-            b, _ = self._free.popitem(last=False)
+            if self._free:
+                b, _ = self._free.popitem(last=False)
+            else:
+                b, _ = self._warm.popitem(last=False)
+                self._protected.discard(b)
+                self._lost_protection.append(b)
             h = self._block_hash[b]
             if h is not None:
                 del self._hash_to_block[h]
@@ -166,12 +190,60 @@ class BlockPool:
             self._ref_count[b] -= 1
             self._last_use[b] = now
             if self._ref_count[b] == 0:
+                if b in self._protected:
+                    self._warm[b] = None
+                    continue
                 self._free[b] = None
                 if self._block_hash[b] is None:
                     self._free.move_to_end(b, last=False)
 
+    def protect(self, blocks: Sequence[BlockId]) -> None:
+        """Keep registered blocks (a chain, in chain order) past every ordinary free block.
+        Free ones move to the warm queue as if freed now, tail first (the root goes last)."""
+        for b in reversed(blocks):
+            if self._block_hash[b] is None:
+                raise ValueError(f"block {b} is not registered; only a cached chain is protected")
+            if b in self._protected:
+                if self._ref_count[b] == 0:
+                    self._warm.move_to_end(b)
+                continue
+            self._protected.add(b)
+            if self._ref_count[b] == 0:
+                del self._free[b]
+                self._warm[b] = None
+
+    def unprotect(self, blocks: Sequence[BlockId], *, evict_first: bool = True) -> None:
+        """Return blocks (a chain, in chain order) to the ordinary free queue, the chain's tail
+        before its root: at the head with `evict_first` (idle past any use: they go first),
+        else at the tail, as if just freed (plain LRU from here on). Blocks not protected (any
+        more) are skipped."""
+        order = blocks if evict_first else list(reversed(blocks))
+        for b in order:
+            if b not in self._protected:
+                continue
+            self._protected.discard(b)
+            if self._ref_count[b] == 0:
+                del self._warm[b]
+                self._free[b] = None
+                if evict_first:
+                    self._free.move_to_end(b, last=False)
+
+    def drain_lost_protection(self) -> list[BlockId]:
+        """Protected blocks reallocated since the last call (the pool had nothing else left)."""
+        lost, self._lost_protection = self._lost_protection, []
+        return lost
+
+    def _queue_of(self, block: BlockId) -> OrderedDict[BlockId, None]:
+        return self._warm if block in self._protected else self._free
+
     def evict_all_free(self) -> int:
-        """Forget the hashes of every free block (ClearCache); returns how many were dropped."""
+        """Forget the hashes of every free block (ClearCache); returns how many were dropped.
+        Protection ends with the hash: the warm blocks join the ordinary queue."""
+        for b in self._warm:
+            self._protected.discard(b)
+            self._lost_protection.append(b)
+            self._free[b] = None
+        self._warm.clear()
         dropped: list[BlockHash] = []
         for b in self._free:
             h = self._block_hash[b]
@@ -208,13 +280,17 @@ class BlockPool:
             block = BlockId(b)
             rc = self._ref_count[block]
             assert rc >= 0, f"block {b} has ref_count {rc}"
-            assert (rc == 0) == (block in self._free), f"block {b}: ref {rc}, free-queue mismatch"
+            on_queue = (block in self._free) + (block in self._warm)
+            assert on_queue == (rc == 0), f"block {b}: ref {rc}, on {on_queue} free queues"
+            if rc == 0:
+                assert (block in self._warm) == (block in self._protected), f"block {b}: warm"
             num_used += rc > 0
             h = self._block_hash[block]
+            assert h is not None or block not in self._protected, f"block {b}: protected, no hash"
             if h is not None:
                 assert self._hash_to_block.get(h) == block, (
                     f"block {b}: hash {h:#x} not mapped back"
                 )
-        assert num_used + len(self._free) == self.num_blocks
+        assert num_used + self.num_free == self.num_blocks
         for h, b in self._hash_to_block.items():
             assert self._block_hash[b] == h, f"hash {h:#x} maps to block {b} holding another hash"

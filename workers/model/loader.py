@@ -96,4 +96,5 @@ def build_worker(config: WorkerConfig) -> Worker:
         eos_token_ids=model.eos_token_ids,
         device=device,
         host_pool=host_pool,
+        sessions=config.sessions,
     )
