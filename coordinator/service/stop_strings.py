@@ -51,8 +51,11 @@ class StopStringMatcher:
 
 
 def _first_match(text: str, stop: Sequence[str]) -> int | None:
-    found = [i for i in (text.find(s) for s in stop) if i >= 0]
-    return min(found) if found else None
+    """Where the output ends: at the stop string that is complete first as the text grows (the
+    smallest end; of two ending together, the longer), as a token-by-token engine would stop.
+    So the cut does not depend on how the text was split into pushes."""
+    found = [(i + len(s), i) for s in stop if (i := text.find(s)) >= 0]
+    return min(found)[1] if found else None
 
 
 def _partial_tail_len(text: str, stop: Sequence[str]) -> int:

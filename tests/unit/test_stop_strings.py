@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from kvmesh.coordinator.service.stop_strings import StopStringMatcher
@@ -52,6 +52,7 @@ def test_empty_stop_string_and_push_after_stop_are_misuse() -> None:
         m.push("more")
 
 
+@example(["b\n", "a"], ["\n", "b\na"])  # a stop completing first wins over one starting earlier
 @given(
     st.lists(st.text(alphabet="ab\n", max_size=6), max_size=8),
     st.lists(st.text(alphabet="ab\n", min_size=1, max_size=3), min_size=1, max_size=3),
@@ -60,8 +61,9 @@ def test_streamed_output_equals_the_whole_text_cut_at_the_first_stop(
     pieces: list[str], stop: list[str]
 ) -> None:
     whole = "".join(pieces)
-    cuts = [i for i in (whole.find(s) for s in stop) if i >= 0]
-    expected = whole[: min(cuts)] if cuts else whole
+    # Generation stops when a stop string is first complete: the smallest end wins.
+    cuts = [(i + len(s), i) for s in stop if (i := whole.find(s)) >= 0]
+    expected = whole[: min(cuts)[1]] if cuts else whole
     m = StopStringMatcher(stop)
     out = []
     for piece in pieces:
