@@ -70,6 +70,7 @@ class Fleet:
         self._watcher: threading.Thread | None = None
         self._template: tuple[WorkerConfig, float] | None = None
         self._starting: set[str] = set()  # claimed by `start`, not yet handed to the cluster
+        self._replacers: list[threading.Thread] = []
         self._missing_since: dict[str, float] = {}
         self.missing_grace_s = 120.0
 
@@ -167,9 +168,13 @@ class Fleet:
     def replace_dead(self, worker_id: str) -> None:
         """The registry's on_dead: one coordinator starts a replacement, in the background
         (the caller may be a request thread that just saw the worker die)."""
+        if self._stop.is_set():
+            return  # shutting down: nothing to replace
         thread = threading.Thread(
             target=self._replace, args=(worker_id,), name=f"kvmesh-replace-{worker_id}", daemon=True
         )
+        with self._lock:
+            self._replacers.append(thread)
         thread.start()
 
     def _replace(self, worker_id: str) -> None:
@@ -230,6 +235,10 @@ class Fleet:
         self._stop.set()
         if self._watcher is not None:
             self._watcher.join(timeout=5)
+        with self._lock:
+            replacers = list(self._replacers)
+        for thread in replacers:  # a replacement being started is stopped with the rest
+            thread.join(timeout=30)
         self.cluster.stop(kill_workers=self.own_workers)
         if self.own_workers:
             for w in self.cluster.worker_ids():
