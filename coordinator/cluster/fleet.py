@@ -54,18 +54,17 @@ class Fleet:
         redis_url: str,
         *,
         own_workers: bool,
-        placement_timeout_s: float = 60.0,
         ready_timeout_s: float = 600.0,
     ) -> None:
         self.cluster = cluster
         self.directory = directory
         self.redis_url = redis_url
         self.own_workers = own_workers
-        self.placement_timeout_s = placement_timeout_s
         self.ready_timeout_s = ready_timeout_s
         self.fleet_id = directory.fleet_id()
         self.num_replaced = 0
         self._lock = threading.Lock()
+        self._attach_lock = threading.Lock()  # one attach at a time (watcher, scale, ensure)
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
         self._template: tuple[WorkerConfig, float] | None = None
@@ -106,6 +105,10 @@ class Fleet:
     def attach(self) -> list[str]:
         """Take every registered worker this coordinator does not know yet into routing;
         returns their ids. A record whose actor no longer exists is dropped."""
+        with self._attach_lock:
+            return self._attach()
+
+    def _attach(self) -> list[str]:
         attached: list[str] = []
         for service in self.directory.services():
             with self._lock:
