@@ -221,8 +221,8 @@ def test_two_followers_started_at_different_times_agree_with_redis(url: str) -> 
 @pytest.mark.slow
 def test_a_restarted_coordinator_rebuilds_a_million_blocks_from_redis(url: str) -> None:
     """1M indexed blocks (4 workers x 250K, written by the real apply script) come back into a
-    fresh mirror from Redis alone. The time goes to docs/reliability.md; the bound here only
-    catches a collapse (the goal is 10 s: 4.7 s measured on a 2-core CPU machine)."""
+    fresh mirror from Redis alone. The time is printed and recorded in docs/reliability.md (goal
+    10 s: 4.2-5.2 s measured on a 2-core CPU machine); the test asserts only what was loaded."""
     num_workers, per_worker, per_batch = 4, 250_000, 50_000
     for w in range(num_workers):
         pub = EventPublisher(url, NS, f"w{w}")
@@ -237,7 +237,6 @@ def test_a_restarted_coordinator_rebuilds_a_million_blocks_from_redis(url: str) 
     print(f"rebuilt {loaded} blocks in {elapsed_s:.2f} s")
     assert loaded == follower.mirror.num_blocks == num_workers * per_worker
     assert follower.mirror.cursor(WorkerId("w3")) == (GEN, per_worker // per_batch)
-    assert elapsed_s < 30
 
 
 def test_a_least_privilege_acl_user_runs_the_whole_index(url: str, server: RedisServer) -> None:
