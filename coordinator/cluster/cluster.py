@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
 from kvmesh.coordinator.cluster.registry import WorkerRegistry
 from kvmesh.coordinator.coordinator import WorkerDied
@@ -222,6 +222,8 @@ class Cluster:
                     silent_s = now - last_answer.setdefault(w, now)
                     if silent_s > self._stall_timeout_s:
                         self.end_stalled(w, f"no answer for {silent_s:.0f} s")
+                except RayError as exc:  # info() itself failed: the watch must go on
+                    log.warning("worker %s could not report: %s", w, str(exc).splitlines()[0])
                 else:
                     last_answer[w] = time.monotonic()
                     with self._lock:

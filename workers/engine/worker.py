@@ -112,6 +112,7 @@ class Worker:
         self._seqs: dict[str, Sequence] = {}
         self._pulls: dict[str, _PendingPull] = {}
         self._peer_pins: list[BlockId] = []
+        self._num_queued_prefill_tokens = 0  # see _note_queue
         self.tally = WorkerTally()
         # Debug / test hook: receives (request_id, logits row) for every sampled token.
         self._logits_sink = logits_sink
@@ -148,9 +149,10 @@ class Worker:
         pending = self._reserve_pull(seq, req.pull) if req.pull is not None else None
         if pending is None:
             self.scheduler.add(seq)
-            return None
-        self._pulls[req.request_id] = pending
-        return pending.reservation
+        else:
+            self._pulls[req.request_id] = pending
+        self._note_queue()
+        return pending.reservation if pending is not None else None
 
     def _validate(self, req: WorkerRequest) -> None:
         if req.request_id in self._seqs:
@@ -181,6 +183,7 @@ class Worker:
             pull_reservation.release(self.pool, pending.reservation)
         else:
             self.scheduler.abort(request_id)
+        self._note_queue()
         return True
 
     # ---- pulls (target side) --------------------------------------------------------------------
@@ -225,12 +228,18 @@ class Worker:
         self.tally.num_pulls += 1
         self.tally.num_failed_pulls += num_pulled == 0
         self.scheduler.add(seq)
+        self._note_queue()
         return num_pulled
 
     # ---- steps --------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns what each touched request produced."""
+        outputs = self._step()
+        self._note_queue()
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         self.sessions.expire()
         waiting = list(self.scheduler.waiting)[: self.scheduler.config.max_num_seqs]
         self.tally.host_hit_tokens += self.host_tier.promote(waiting, self.scheduler.unpin)
@@ -420,7 +429,7 @@ class Worker:
             num_cached_blocks=self.pool.num_cached,
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting) + len(self._pulls),
-            num_queued_prefill_tokens=self._queued_prefill_tokens(),
+            num_queued_prefill_tokens=self._num_queued_prefill_tokens,
             generation=self.generation,
             counters=self.tally.snapshot(
                 self.scheduler.num_preemptions,
@@ -429,6 +438,11 @@ class Worker:
                 self.pool.num_evicted,
             ),
         )
+
+    def _note_queue(self) -> None:
+        """Recompute the queued-prefill report on the engine thread (after anything that changes
+        the queue): `info()` is called from other threads and only reads the number."""
+        self._num_queued_prefill_tokens = self._queued_prefill_tokens()
 
     def _queued_prefill_tokens(self) -> int:
         """Prompt tokens still to prefill: a waiting prompt less the prefix its pool holds now."""
