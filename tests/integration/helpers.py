@@ -76,3 +76,9 @@ def end_service_fleet(redis_url: str) -> None:
             ray.kill(ray.get_actor(service.actor_name, namespace=service.ray_namespace))
         except ValueError:
             pass
+
+
+def holds(stub: pb_grpc.KVMeshStub, tokens: list[int], worker: str, num_blocks: int) -> bool:
+    """The coordinator's index says `worker` holds `num_blocks` leading blocks of `tokens`."""
+    matches = stub.Lookup(pb.LookupRequest(token_ids=tokens)).matches
+    return any(m.worker_id == worker and m.matched_blocks == num_blocks for m in matches)

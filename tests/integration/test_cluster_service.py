@@ -5,7 +5,6 @@ fleet, and start-up errors are one clear line (real Redis, real Ray)."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -15,24 +14,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvmesh.client import Client
 from kvmesh.coordinator.cluster.deployment import Deployment, DeploymentConfig
 from kvmesh.coordinator.cluster.fleet import RAY_NAMESPACE, PlacementError
-from kvmesh.coordinator.cluster.redis_server import RedisServer, start_redis_server
+from kvmesh.coordinator.cluster.redis_server import RedisServer
 from kvmesh.coordinator.config import CoordinatorConfig
 from kvmesh.coordinator.index.store import IndexStore
-from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.workers.config import WorkerConfig
-from tests.integration.helpers import TEST_DEVICE, end_service_fleet, generate, stub_for, wait_for
+from tests.integration.helpers import TEST_DEVICE, generate, holds, stub_for, wait_for
 
 pytestmark = [pytest.mark.redis, pytest.mark.ray]
 
 PROMPT = [(i * 11) % 250 + 3 for i in range(70)]  # 4 full blocks
-
-
-@pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    server = start_redis_server()
-    yield server
-    end_service_fleet(server.url)
-    server.stop()
 
 
 def service(redis_url: str, num_workers: int = 2, **kw: object) -> Deployment:
@@ -55,24 +45,21 @@ def alive(d: Deployment) -> list[str]:
 
 
 def test_workers_outlive_their_coordinator_and_a_new_one_attaches(
-    ray_session: None, redis_server: RedisServer
+    ray_session: None, service_redis: RedisServer
 ) -> None:
-    first = service(redis_server.url)
+    first = service(service_redis.url)
     try:
         out = generate(stub_for(first.address), PROMPT, worker_id="w0")
         assert out[0].cache.computed_tokens == len(PROMPT)
     finally:
         first.stop()  # the coordinator goes; its workers and their caches stay
 
-    second = service(redis_server.url, attach=True)
+    second = service(service_redis.url, attach=True)
     try:
         assert alive(second) == ["w0", "w1"]
         stub = stub_for(second.address)
         wait_for(
-            lambda: any(
-                m.worker_id == "w0" and m.matched_blocks == 4
-                for m in stub.Lookup(pb.LookupRequest(token_ids=PROMPT)).matches
-            ),
+            lambda: holds(stub, PROMPT, "w0", 4),
             what="the new coordinator's mirror, rebuilt from Redis",
         )
         again = generate(stub, PROMPT)
@@ -82,10 +69,10 @@ def test_workers_outlive_their_coordinator_and_a_new_one_attaches(
 
 
 def test_two_coordinators_share_one_fleet_with_distinct_ids(
-    ray_session: None, redis_server: RedisServer
+    ray_session: None, service_redis: RedisServer
 ) -> None:
-    a = service(redis_server.url, num_workers=2)
-    b = service(redis_server.url, num_workers=3)  # attaches to w0, w1 and starts one more
+    a = service(service_redis.url, num_workers=2)
+    b = service(service_redis.url, num_workers=3)  # attaches to w0, w1 and starts one more
     try:
         assert alive(b) == ["w0", "w1", "w2"]
         wait_for(lambda: alive(a) == ["w0", "w1", "w2"], what="the first coordinator to attach w2")
@@ -93,10 +80,7 @@ def test_two_coordinators_share_one_fleet_with_distinct_ids(
         generate(stub_for(a.address), PROMPT, worker_id="w2")
         stub_b = stub_for(b.address)
         wait_for(
-            lambda: any(
-                m.worker_id == "w2" and m.matched_blocks == 4
-                for m in stub_b.Lookup(pb.LookupRequest(token_ids=PROMPT)).matches
-            ),
+            lambda: holds(stub_b, PROMPT, "w2", 4),
             what="w2's blocks in the second coordinator's mirror",
         )
         assert generate(stub_b, PROMPT)[0].cache.worker_id == "w2"
@@ -106,14 +90,14 @@ def test_two_coordinators_share_one_fleet_with_distinct_ids(
 
 
 def test_a_dead_worker_is_replaced_under_a_new_id(
-    ray_session: None, redis_server: RedisServer
+    ray_session: None, service_redis: RedisServer
 ) -> None:
-    d = service(redis_server.url, replace_dead_workers=True)
+    d = service(service_redis.url, replace_dead_workers=True)
     try:
         assert d.cluster is not None
         ray.kill(d.cluster.actor("w0"), no_restart=True)
         wait_for(lambda: alive(d) == ["w1", "w2"], timeout_s=60, what="w0 replaced by w2")
-        store = IndexStore(redis_server.url)
+        store = IndexStore(service_redis.url)
         assert sorted(s.worker_id for s in store.services()) == ["w1", "w2"]
         out = generate(stub_for(d.address), PROMPT, worker_id="w2")
         assert out[-1].finish_reason == "length"
@@ -122,9 +106,9 @@ def test_a_dead_worker_is_replaced_under_a_new_id(
 
 
 def test_scale_grows_then_drains_a_worker_before_stopping_it(
-    ray_session: None, redis_server: RedisServer
+    ray_session: None, service_redis: RedisServer
 ) -> None:
-    d = service(redis_server.url)
+    d = service(service_redis.url)
     try:
         with Client(d.address, timeout_s=120) as client:
             grown = client.scale(3)
@@ -143,15 +127,15 @@ def test_scale_grows_then_drains_a_worker_before_stopping_it(
         assert migrations == 0  # the stream finished on w2: drained, not cut and moved
         assert shrunk and shrunk[0].stopped_worker_ids == ["w2"]  # type: ignore[attr-defined]
         assert alive(d) == ["w0", "w1"]
-        assert [s.worker_id for s in IndexStore(redis_server.url).services()] == ["w0", "w1"]
+        assert [s.worker_id for s in IndexStore(service_redis.url).services()] == ["w0", "w1"]
     finally:
         d.stop()
 
 
 def test_health_is_not_serving_while_no_worker_can_take_a_request(
-    ray_session: None, redis_server: RedisServer
+    ray_session: None, service_redis: RedisServer
 ) -> None:
-    d = service(redis_server.url)
+    d = service(service_redis.url)
     try:
         health = health_pb2_grpc.HealthStub(grpc.insecure_channel(d.address))
         ask = lambda: health.Check(health_pb2.HealthCheckRequest(service="")).status  # noqa: E731
@@ -167,12 +151,12 @@ def test_health_is_not_serving_while_no_worker_can_take_a_request(
 
 
 def test_a_taken_port_and_an_unplaceable_fleet_are_clear_errors(
-    ray_session: None, redis_server: RedisServer
+    ray_session: None, service_redis: RedisServer
 ) -> None:
-    d = service(redis_server.url, num_workers=1)
+    d = service(service_redis.url, num_workers=1)
     try:
         taken = DeploymentConfig(
-            coordinator=CoordinatorConfig(port=d.port, redis_url=redis_server.url),
+            coordinator=CoordinatorConfig(port=d.port, redis_url=service_redis.url),
             own_workers=False,
             attach=True,
         )
@@ -181,5 +165,5 @@ def test_a_taken_port_and_an_unplaceable_fleet_are_clear_errors(
     finally:
         d.stop()
     with pytest.raises(PlacementError, match=r"cannot place 6\d workers .* the Ray cluster has"):
-        service(redis_server.url, num_workers=64)
+        service(service_redis.url, num_workers=64)
     assert RAY_NAMESPACE == "kvmesh"

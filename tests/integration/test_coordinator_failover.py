@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -20,8 +19,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.client import Client
 from kvmesh.client.errors import KVMeshError
-from kvmesh.coordinator.cluster.redis_server import RedisServer, start_redis_server
-from tests.integration.helpers import end_service_fleet, wait_for
+from kvmesh.coordinator.cluster.redis_server import RedisServer
+from tests.integration.helpers import wait_for
 
 pytestmark = [pytest.mark.redis, pytest.mark.ray, pytest.mark.slow]
 
@@ -52,25 +51,17 @@ def serving(port: int) -> bool:
         return False
 
 
-@pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    server = start_redis_server()
-    yield server
-    end_service_fleet(server.url)
-    server.stop()
-
-
 def test_a_killed_coordinator_loses_no_cache_and_its_replica_serves(
-    ray_session: None, redis_server: RedisServer
+    ray_session: None, service_redis: RedisServer
 ) -> None:
     gcs = ray.get_runtime_context().gcs_address
     port_a, port_b = free_port(), free_port()
-    a = serve(gcs, redis_server.url, port_a, "--workers", "2")
+    a = serve(gcs, service_redis.url, port_a, "--workers", "2")
     b: subprocess.Popen[str] | None = None
     restarted: subprocess.Popen[str] | None = None
     try:
         wait_for(lambda: serving(port_a), timeout_s=120, what="coordinator A")
-        b = serve(gcs, redis_server.url, port_b, "--attach")
+        b = serve(gcs, service_redis.url, port_b, "--attach")
         wait_for(lambda: serving(port_b), timeout_s=120, what="coordinator B (attached)")
         addresses = [f"127.0.0.1:{port_a}", f"127.0.0.1:{port_b}"]
         with Client(addresses, timeout_s=60) as client:
@@ -104,7 +95,7 @@ def test_a_killed_coordinator_loses_no_cache_and_its_replica_serves(
             again = client.generate(PROMPT, max_tokens=2, ignore_eos=True, worker_id=holder)
             assert again.cached_tokens == 64
 
-        restarted = serve(gcs, redis_server.url, port_a, "--attach")
+        restarted = serve(gcs, service_redis.url, port_a, "--attach")
         wait_for(lambda: serving(port_a), timeout_s=120, what="coordinator A restarted")
         with Client(f"127.0.0.1:{port_a}", timeout_s=60) as client:
             assert {m.worker_id for m in client.lookup(PROMPT).matches} >= {holder}
