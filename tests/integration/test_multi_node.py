@@ -5,6 +5,7 @@ is purged (real Redis, real multi-node Ray)."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -28,9 +29,7 @@ def nodes(ray_session: None) -> Iterator[RayNodes]:
     """A head with no CPU for actors and two worker nodes, in place of the session's Ray (which
     is restored afterwards for the tests that follow)."""
     ray.shutdown()
-    cluster = RayNodes(initialize_head=True, head_node_args={"num_cpus": 0})
-    for _ in range(2):
-        cluster.add_node(num_cpus=2)
+    cluster = _start_nodes()
     ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
     cluster.wait_for_nodes()
     try:
@@ -39,6 +38,25 @@ def nodes(ray_session: None) -> Iterator[RayNodes]:
         ray.shutdown()
         cluster.shutdown()
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
+
+
+def _start_nodes(attempts: int = 3) -> RayNodes:
+    """Ray gives a new raylet a fixed 30 s to register with its GCS; on a loaded two-core machine
+    (the session's Ray still tearing down its workers) one start can miss that, so a start that
+    times out is torn down and tried again. Any other failure, or the last attempt's, is raised."""
+    for attempt in range(attempts):
+        cluster = RayNodes()
+        try:
+            cluster.add_node(num_cpus=0)  # the head: no CPU for actors
+            for _ in range(2):
+                cluster.add_node(num_cpus=2)
+            return cluster
+        except Exception as exc:
+            cluster.shutdown()
+            if "timed out during startup" not in str(exc) or attempt == attempts - 1:
+                raise
+            time.sleep(2.0)
+    raise AssertionError("unreachable")
 
 
 def test_workers_spread_pull_across_nodes_and_survive_a_lost_node(nodes: RayNodes) -> None:
