@@ -19,7 +19,9 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
+
+import numpy as np
 
 from kvmesh.coordinator.cluster.registry import WorkerRegistry
 from kvmesh.coordinator.config import CoordinatorConfig
@@ -27,7 +29,12 @@ from kvmesh.coordinator.index.mirror import PrefixMatch, WorkerId
 from kvmesh.coordinator.routing.cost_model import CostModel
 from kvmesh.coordinator.routing.load_tracker import LoadTracker, ReportedLoad
 from kvmesh.coordinator.routing.pull_planner import PullPlan, best_peer, cheapest_prefill
-from kvmesh.coordinator.routing.router import RouteDecision, RouteQuery, WorkerView, make_policy
+from kvmesh.coordinator.routing.router import (
+    RouteDecision,
+    RouteQuery,
+    WorkerColumns,
+    make_policy,
+)
 from kvmesh.coordinator.routing.transfer_planner import PullPricing
 from kvmesh.coordinator.session_turns import SessionTurns, TurnMode
 from kvmesh.coordinator.telemetry.request_record import RequestObserver, RequestRecord
@@ -175,6 +182,7 @@ class Coordinator:
         self.transfers = transfers
         if transfers is not None:
             self.policy.transfer_ms = transfers.price
+            self.policy.transfer_ms_many = transfers.price_many
         self._clock = clock
         self.observers = tuple(observers)
         """Told of every routing decision and every request's end (metrics, the request log)."""
@@ -227,27 +235,30 @@ class Coordinator:
             return {}  # a stale index must not steer traffic: route by load only
         return self.mirror.match(prompt.block_hashes)
 
-    def views(self, prompt: PreparedPrompt, workers: Sequence[str]) -> list[WorkerView]:
+    def views(self, prompt: PreparedPrompt, workers: Sequence[str]) -> WorkerColumns:
+        """Every routable worker as the router sees it for this prompt, as columns."""
+        ids = cast(tuple[WorkerId, ...], tuple(workers))
+        capacity = [self._worker_free_blocks(w) for w in ids]
+        queued_ms, queued_tokens, running = self.load.columns(ids, self.cost_model)
+        num_matched = np.zeros(len(ids), dtype=np.int64)
+        num_device = np.zeros(len(ids), dtype=np.int64)
         matches = self.match(prompt)
-        tokens_to_ms = self.cost_model.prefill_ms
-        views = []
-        for w in workers:
-            m = matches.get(WorkerId(w), PrefixMatch(0, 0))
-            num_blocks, num_free = self._worker_free_blocks(w)
-            queued_ms, queued_tokens, running = self.load.with_reported(WorkerId(w), tokens_to_ms)
-            views.append(
-                WorkerView(
-                    WorkerId(w),
-                    num_blocks,
-                    num_free,
-                    queued_ms,
-                    queued_tokens,
-                    running,
-                    m.num_blocks,
-                    m.num_device_blocks,
-                )
-            )
-        return views
+        index_of = {w: i for i, w in enumerate(ids)} if matches else None
+        for w, m in matches.items():
+            i = index_of.get(w) if index_of is not None else None
+            if i is not None:
+                num_matched[i], num_device[i] = m.num_blocks, m.num_device_blocks
+        return WorkerColumns(
+            ids,
+            np.array([c[0] for c in capacity], dtype=np.int64),
+            np.array([c[1] for c in capacity], dtype=np.int64),
+            queued_ms,
+            queued_tokens,
+            running,
+            num_matched,
+            num_device,
+            index_of,
+        )
 
     def route(
         self, prompt: PreparedPrompt, session_id: str = "", request_id: str = ""

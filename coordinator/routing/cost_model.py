@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 
 @dataclass(frozen=True, slots=True)
 class CostModel:
@@ -53,6 +55,20 @@ class CostModel:
             + num_new_tokens * self.prefill_per_token_ms
             + pairs * self.attention_per_token_pair_ms
         )
+
+    def prefill_ms_array(
+        self, num_new_tokens: np.ndarray, num_cached_tokens: np.ndarray | int = 0
+    ) -> np.ndarray:
+        """`prefill_ms` of every row at once: the same operations in the same order, so each row
+        is bit for bit what `prefill_ms` gives (the router's test holds both to it)."""
+        new = np.asarray(num_new_tokens, dtype=np.int64)
+        pairs = new * (num_cached_tokens + new / 2)
+        ms = (
+            self.prefill_fixed_ms
+            + new * self.prefill_per_token_ms
+            + pairs * self.attention_per_token_pair_ms
+        )
+        return np.where(new > 0, ms, 0.0)
 
     def transfer_ms(self, num_tokens: int) -> float:
         return num_tokens * self.kv_bytes_per_token / self.transfer_bytes_per_ms

@@ -7,10 +7,13 @@ what actually happened: the queue never goes negative and a request's share is r
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvmesh.coordinator.index.mirror import WorkerId
+from kvmesh.coordinator.routing.cost_model import CostModel
 
 
 @dataclass(slots=True)
@@ -63,6 +66,29 @@ class LoadTracker:
             max(own_ms, tokens_to_ms(report.queued_prefill_tokens)),
             max(own_tokens, report.queued_prefill_tokens),
             max(own_running, report.num_requests),
+        )
+
+    def columns(
+        self, workers: Sequence[WorkerId], cost_model: CostModel
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`with_reported` of every worker at once, as arrays (queued ms, queued tokens,
+        requests), with `cost_model.prefill_ms` pricing the reported tokens: the same values."""
+        n = len(workers)
+        own_ms = np.fromiter((self._queued_ms.get(w, 0.0) for w in workers), np.float64, n)
+        own_ms = np.maximum(own_ms, 0.0)
+        own_tokens = np.fromiter((self._queued_tokens.get(w, 0) for w in workers), np.int64, n)
+        own_running = np.fromiter((self._num_running.get(w, 0) for w in workers), np.int64, n)
+        if not self._reported:
+            return own_ms, own_tokens, own_running
+        reports = [self._reported.get(w) for w in workers]
+        has = np.fromiter((r is not None for r in reports), bool, n)
+        tokens = np.fromiter((r.queued_prefill_tokens if r else 0 for r in reports), np.int64, n)
+        running = np.fromiter((r.num_requests if r else 0 for r in reports), np.int64, n)
+        reported_ms = cost_model.prefill_ms_array(tokens)
+        return (
+            np.where(has, np.maximum(own_ms, reported_ms), own_ms),
+            np.where(has, np.maximum(own_tokens, tokens), own_tokens),
+            np.where(has, np.maximum(own_running, running), own_running),
         )
 
     def queued_prefill_ms(self, worker: WorkerId) -> float:

@@ -16,16 +16,18 @@ import random
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, ClassVar, NamedTuple, overload
+
+import numpy as np
 
 from kvmesh.coordinator.index.mirror import WorkerId
 from kvmesh.coordinator.routing.cost_model import CostModel
 from kvmesh.proto.block_hash import BlockHash, num_reusable_tokens
 
 if TYPE_CHECKING:
-    from kvmesh.coordinator.routing.pull_planner import PullPlan, TransferPrice
+    from kvmesh.coordinator.routing.pull_planner import PullPlan, TransferPrice, TransferPrices
 
 _TIE_EPSILON_MS = 1e-9
 
@@ -51,6 +53,93 @@ class WorkerView(NamedTuple):
     """Leading prompt blocks this worker holds (any tier)."""
     matched_device_blocks: int
     """... of which the leading run on the device tier."""
+
+
+class WorkerColumns(Sequence[WorkerView]):
+    """The live workers for one prompt as columns: one array per `WorkerView` field, row i being
+    worker `ids[i]`. kvmesh's policy prices all rows at once; any other policy reads it as the
+    sequence of `WorkerView`s it is (a row is built when indexed).
+
+    Invariants: every array has len(ids) rows; ids are unique; the int columns are int64 and
+    `queued_prefill_ms` float64; matched_device_blocks <= matched_blocks row by row.
+    """
+
+    __slots__ = (
+        "ids",
+        "num_blocks",
+        "num_free_blocks",
+        "queued_prefill_ms",
+        "queued_prefill_tokens",
+        "num_running",
+        "matched_blocks",
+        "matched_device_blocks",
+        "_index_of",
+    )
+
+    def __init__(
+        self,
+        ids: Sequence[WorkerId],
+        num_blocks: np.ndarray,
+        num_free_blocks: np.ndarray,
+        queued_prefill_ms: np.ndarray,
+        queued_prefill_tokens: np.ndarray,
+        num_running: np.ndarray,
+        matched_blocks: np.ndarray,
+        matched_device_blocks: np.ndarray,
+        index_of: Mapping[WorkerId, int] | None = None,
+    ) -> None:
+        self.ids = tuple(ids)
+        self.num_blocks = np.asarray(num_blocks, dtype=np.int64)
+        self.num_free_blocks = np.asarray(num_free_blocks, dtype=np.int64)
+        self.queued_prefill_ms = np.asarray(queued_prefill_ms, dtype=np.float64)
+        self.queued_prefill_tokens = np.asarray(queued_prefill_tokens, dtype=np.int64)
+        self.num_running = np.asarray(num_running, dtype=np.int64)
+        self.matched_blocks = np.asarray(matched_blocks, dtype=np.int64)
+        self.matched_device_blocks = np.asarray(matched_device_blocks, dtype=np.int64)
+        self._index_of = index_of
+        n = len(self.ids)
+        for name in self.__slots__[1:-1]:
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"{name} has {len(getattr(self, name))} rows for {n} workers")
+
+    @classmethod
+    def from_views(cls, views: Sequence[WorkerView]) -> WorkerColumns:
+        if isinstance(views, WorkerColumns):
+            return views
+        fields = list(zip(*views, strict=True)) if views else [()] * len(WorkerView._fields)
+        return cls(fields[0], *(np.array(f) for f in fields[1:]))
+
+    @property
+    def index_of(self) -> Mapping[WorkerId, int]:
+        """Row of each worker id (built once, on first use)."""
+        if self._index_of is None:
+            self._index_of = {w: i for i, w in enumerate(self.ids)}
+        return self._index_of
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @overload
+    def __getitem__(self, i: int) -> WorkerView: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[WorkerView]: ...
+    def __getitem__(self, i: int | slice) -> WorkerView | list[WorkerView]:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        return WorkerView(
+            self.ids[i],
+            int(self.num_blocks[i]),
+            int(self.num_free_blocks[i]),
+            float(self.queued_prefill_ms[i]),
+            int(self.queued_prefill_tokens[i]),
+            int(self.num_running[i]),
+            int(self.matched_blocks[i]),
+            int(self.matched_device_blocks[i]),
+        )
+
+    def __iter__(self) -> Iterator[WorkerView]:
+        for i in range(len(self.ids)):
+            yield self[i]
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +170,36 @@ class WorkerScore(NamedTuple):
     cost_ms: float
 
 
+class ScoreColumns(Sequence[WorkerScore]):
+    """Every worker's score for one decision, kept as the arrays that priced them: a
+    `WorkerScore` is built only when read (most decisions are never inspected)."""
+
+    __slots__ = ("_ids", "_matched_blocks", "_costs_ms")
+
+    def __init__(
+        self, ids: Sequence[WorkerId], matched_blocks: np.ndarray, costs_ms: np.ndarray
+    ) -> None:
+        self._ids, self._matched_blocks, self._costs_ms = ids, matched_blocks, costs_ms
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    @overload
+    def __getitem__(self, i: int) -> WorkerScore: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[WorkerScore]: ...
+    def __getitem__(self, i: int | slice) -> WorkerScore | list[WorkerScore]:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        return WorkerScore(self._ids[i], int(self._matched_blocks[i]), float(self._costs_ms[i]))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+
 @dataclass(frozen=True, slots=True)
 class RouteDecision:
     """The chosen worker and the scores that chose it."""
@@ -92,7 +211,8 @@ class RouteDecision:
     """The chosen worker's score (a time for kvmesh; other policies use their own units)."""
     predicted_prefill_ms: float
     """What the load tracker should queue on the chosen worker."""
-    scores: tuple[WorkerScore, ...]
+    scores: Sequence[WorkerScore]
+    """Every worker's score, in the order the workers were given."""
     pull: PullPlan | None = None
     """Blocks the chosen worker should first fetch from a peer (kvmesh's policy only)."""
     session_worker_id: str = ""
@@ -121,6 +241,8 @@ class RoutingPolicy(ABC):
         self.clock = clock  # seconds; only differences are used
         # Set by the coordinator when workers can pull blocks from each other; None: no pulls.
         self.transfer_ms: TransferPrice | None = None
+        # The same prices for many targets at once (one source), when the pricer has them.
+        self.transfer_ms_many: TransferPrices | None = None
 
     @abstractmethod
     def choose(self, query: RouteQuery, workers: Sequence[WorkerView]) -> RouteDecision: ...

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvmesh.coordinator.index.mirror import WorkerId
 from kvmesh.coordinator.routing.cost_model import CostModel
 from kvmesh.coordinator.routing.policy import RouteQuery, WorkerView
@@ -20,6 +22,9 @@ from kvmesh.proto.block_hash import num_reusable_tokens
 
 TransferPrice = Callable[[WorkerId, WorkerId, int], float]
 """(source, destination, num_tokens) -> milliseconds."""
+TransferPrices = Callable[[WorkerId, Sequence[WorkerId], np.ndarray], np.ndarray]
+"""(source, destinations, num_tokens per destination) -> milliseconds per destination, each
+what `TransferPrice` gives for that destination."""
 
 
 @dataclass(frozen=True, slots=True)

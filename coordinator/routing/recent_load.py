@@ -12,7 +12,10 @@ Each worker's sums are decayed lazily (on read or update), so the cost is O(1) p
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from kvmesh.coordinator.index.mirror import WorkerId
 
@@ -27,17 +30,33 @@ class _Sums:
 class RecentLoad:
     """Decayed per-worker sums of routed work (ms) and routed requests.
 
-    Invariant: every stored sum is >= 0 and was last decayed to its `at_s`.
+    Invariant: every stored sum is >= 0 and was last decayed to its `at_s`. Each worker with a
+    sum owns a row of three arrays (`_slot_of`), so the router reads a whole fleet's sums with
+    one gather (`snapshot_arrays`) instead of a lookup per worker.
     """
 
     def __init__(self, horizon_s: float = 10.0) -> None:
         if not horizon_s > 0:
             raise ValueError(f"horizon_s must be > 0, got {horizon_s}")
         self.horizon_s = horizon_s
-        self._sums: dict[WorkerId, _Sums] = {}
+        self._slot_of: dict[WorkerId, int] = {}
+        self._free_slots: list[int] = []
+        self._work_ms = np.zeros(0)
+        self._num_requests = np.zeros(0)
+        self._at_s = np.zeros(0)
+        # The row index of the last fleet asked for (the live fleet rarely changes).
+        self._rows_for: tuple[tuple[WorkerId, ...], np.ndarray] | None = None
+
+    def _stored(self, worker: WorkerId) -> _Sums | None:
+        slot = self._slot_of.get(worker)
+        if slot is None:
+            return None
+        return _Sums(
+            float(self._work_ms[slot]), float(self._num_requests[slot]), float(self._at_s[slot])
+        )
 
     def _decayed(self, worker: WorkerId, now_s: float) -> _Sums:
-        s = self._sums.get(worker)
+        s = self._stored(worker)
         if s is None:
             return _Sums(0.0, 0.0, now_s)
         if now_s > s.at_s:
@@ -52,12 +71,12 @@ class RecentLoad:
         return self._decayed(worker, now_s).num_requests
 
     def snapshot(self, workers: list[WorkerId], now_s: float) -> tuple[list[float], list[float]]:
-        """(work_ms, num_requests) of each worker at `now_s`, in order; one pass, no allocation
-        per worker (the router calls this for every worker on every decision)."""
+        """(work_ms, num_requests) of each worker at `now_s`, in order, one worker at a time
+        (the reference that `snapshot_arrays` must agree with)."""
         work, requests = [], []
-        sums, horizon, exp = self._sums, self.horizon_s, math.exp
+        horizon, exp = self.horizon_s, math.exp
         for w in workers:
-            s = sums.get(w)
+            s = self._stored(w)
             if s is None:
                 work.append(0.0)
                 requests.append(0.0)
@@ -67,16 +86,67 @@ class RecentLoad:
             requests.append(s.num_requests * f)
         return work, requests
 
+    def snapshot_arrays(
+        self, workers: Sequence[WorkerId], now_s: float
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """`snapshot` of a whole fleet at once, as arrays (to within an ulp: numpy's exp)."""
+        n = len(workers)
+        if not self._slot_of:
+            return np.zeros(n), np.zeros(n)
+        rows = self._rows(tuple(workers))
+        known = rows >= 0
+        safe = np.where(known, rows, 0)
+        at = self._at_s[safe]
+        f = np.where(now_s > at, np.exp((at - now_s) / self.horizon_s), 1.0)
+        work = np.where(known, self._work_ms[safe] * f, 0.0)
+        requests = np.where(known, self._num_requests[safe] * f, 0.0)
+        return work, requests
+
+    def _rows(self, workers: tuple[WorkerId, ...]) -> np.ndarray:
+        cached = self._rows_for
+        if cached is not None and cached[0] == workers:
+            return cached[1]
+        slot_of = self._slot_of
+        rows = np.fromiter((slot_of.get(w, -1) for w in workers), np.int64, len(workers))
+        self._rows_for = (workers, rows)
+        return rows
+
     def add(self, worker: WorkerId, work_ms: float, now_s: float) -> None:
         """One request routed to `worker`, predicted to cost `work_ms` there."""
         if work_ms < 0:
             raise ValueError(f"work_ms must be >= 0, got {work_ms}")
         s = self._decayed(worker, now_s)
-        self._sums[worker] = _Sums(s.work_ms + work_ms, s.num_requests + 1.0, now_s)
+        slot = self._slot_of.get(worker)
+        if slot is None:
+            slot = self._new_slot()
+            self._slot_of[worker] = slot
+            self._rows_for = None
+        self._work_ms[slot] = s.work_ms + work_ms
+        self._num_requests[slot] = s.num_requests + 1.0
+        self._at_s[slot] = now_s
+
+    def _new_slot(self) -> int:
+        if self._free_slots:
+            return self._free_slots.pop()
+        slot = len(self._slot_of)
+        if slot >= len(self._at_s):
+            size = max(64, 2 * len(self._at_s))
+            for name in ("_work_ms", "_num_requests", "_at_s"):
+                grown = np.zeros(size)
+                old = getattr(self, name)
+                grown[: len(old)] = old
+                setattr(self, name, grown)
+        return slot
 
     def forget(self, worker: WorkerId) -> None:
-        self._sums.pop(worker, None)
+        slot = self._slot_of.pop(worker, None)
+        if slot is not None:
+            self._free_slots.append(slot)
+            self._rows_for = None
 
     def check_invariants(self) -> None:
-        for w, s in self._sums.items():
-            assert s.work_ms >= 0 and s.num_requests >= 0, w
+        slots = list(self._slot_of.values())
+        assert len(set(slots)) == len(slots), "two workers share a row"
+        assert not set(slots) & set(self._free_slots), "a free row is in use"
+        for w, slot in self._slot_of.items():
+            assert self._work_ms[slot] >= 0 and self._num_requests[slot] >= 0, w

@@ -19,8 +19,10 @@ stays bounded even if completions are never reported.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from kvmesh.coordinator.index.mirror import WorkerId
 from kvmesh.proto.block_hash import BlockHash
@@ -118,6 +120,33 @@ class RoutedPrefixes:
             else:
                 hi = mid - 1
         return lo
+
+    def extend_many(
+        self,
+        index_of: Mapping[WorkerId, int],
+        hashes: Sequence[BlockHash],
+        held: np.ndarray,
+    ) -> np.ndarray:
+        """`extend` for a whole fleet: `held[i]` is what row i's worker holds (`index_of` maps a
+        worker to its row). Only the workers routed the block right after their own match can
+        grow, so the cost follows the few distinct matches and their routed holders, not the
+        size of the fleet."""
+        refs, n = self._hash_to_worker_refs, len(hashes)
+        out = held
+        for start in np.unique(held).tolist():
+            if start >= n:
+                continue
+            holders = refs.get(hashes[start])
+            if holders is None:
+                continue
+            for worker in holders:
+                row = index_of.get(worker)
+                if row is None or held[row] != start:
+                    continue
+                if out is held:
+                    out = held.copy()
+                out[row] = self.extend(worker, hashes, start)
+        return out
 
     def _drop(self, entry: _Routed) -> None:
         refs = self._hash_to_worker_refs

@@ -12,22 +12,29 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import NamedTuple
+
+import numpy as np
 
 from kvmesh.coordinator.index.mirror import WorkerId
 from kvmesh.coordinator.routing.baselines import DynamoKvPolicy, SglangCacheAwarePolicy
 from kvmesh.coordinator.routing.cost_model import CostModel
 from kvmesh.coordinator.routing.policy import (
+    _TIE_EPSILON_MS,
     RouteDecision,
     RouteQuery,
     RoutingPolicy,
+    ScoreColumns,
     SessionMap,
+    WorkerColumns,
     WorkerScore,
     WorkerView,
 )
-from kvmesh.coordinator.routing.pull_planner import PrefillOption, best_peer, cheapest_prefill
+from kvmesh.coordinator.routing.pull_planner import PullPlan
 from kvmesh.coordinator.routing.recent_load import RecentLoad
 from kvmesh.coordinator.routing.routed_prefixes import RoutedPrefixes
 from kvmesh.coordinator.routing.running_context import RunningContext
+from kvmesh.proto.block_hash import num_reusable_blocks, num_reusable_tokens
 
 __all__ = [
     "POLICIES",
@@ -41,6 +48,7 @@ __all__ = [
     "RoutingPolicy",
     "SessionStickyPolicy",
     "SglangCacheAwarePolicy",
+    "WorkerColumns",
     "WorkerScore",
     "WorkerView",
     "make_policy",
@@ -150,6 +158,21 @@ class KvmeshWeights:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
+class _PrefillOptions(NamedTuple):
+    """Per row: when the prompt's KV is ready on the worker, and how (see `_prefill_options`)."""
+
+    ready_ms: np.ndarray
+    """Transfer + prefill of the cheaper option."""
+    recompute_ms: np.ndarray
+    """The prefill part of it."""
+    pulled: np.ndarray | None = None
+    """True where pulling from `peer` first is the cheaper option (None: no row pulls)."""
+    link_ms: np.ndarray | None = None
+    """The pull's transfer time where `pulled`, else 0."""
+    peer: int | None = None
+    """Row of the worker the pulls come from."""
+
+
 class KvmeshPolicy(RoutingPolicy):
     """One continuous cost per worker, in milliseconds; the lowest wins, ties break randomly.
 
@@ -194,16 +217,26 @@ class KvmeshPolicy(RoutingPolicy):
     def choose(self, query: RouteQuery, workers: Sequence[WorkerView]) -> RouteDecision:
         if not workers:
             raise ValueError("no workers to route to")
+        cols = WorkerColumns.from_views(workers)
         now = self.clock()
         self._routed.expire(now)
         self._running.expire(now)
-        views = self._with_routed_prefixes(query, workers)
-        peer = best_peer(views) if self.transfer_ms is not None else None
-        options = [
-            cheapest_prefill(query, w, peer, self.cost_model, self.transfer_ms) for w in views
-        ]
-        costs = self._costs(query, views, options, now)
-        decision = self._pick_lowest(query, views, costs)
+        matched = cols.matched_blocks
+        if len(self._routed):
+            # Only the local match grows: a routed prefix is not yet there for a peer to pull.
+            matched = self._routed.extend_many(cols.index_of, query.block_hashes, matched)
+        options = self._prefill_options(query, cols, matched)
+        costs = self._costs(query, cols, matched, options, now)
+        i = self._lowest(costs)
+        n, bs = query.prompt_len, query.block_size
+        cached = num_reusable_tokens(n, int(matched[i]), bs)
+        decision = RouteDecision(
+            cols.ids[i],
+            int(matched[i]),
+            float(costs[i]),
+            self.cost_model.prefill_ms(n - cached, cached),
+            ScoreColumns(cols.ids, matched, costs),
+        )
         sticky = self._sessions.get(query.session_id)
         if sticky is not None:
             decision = replace(
@@ -211,80 +244,123 @@ class KvmeshPolicy(RoutingPolicy):
                 session_worker_id=sticky,
                 session_affinity_ms=self._session_affinity_ms(query),
             )
-        chosen = next(i for i, w in enumerate(views) if w.worker_id == decision.worker_id)
-        option = options[chosen]
-        if option.pull is not None:
-            decision = replace(decision, pull=option.pull, predicted_prefill_ms=option.prefill_ms)
-        self._remember(query, decision, workers[chosen].matched_blocks, now)
+        if options.pulled is not None and options.pulled[i]:
+            assert options.peer is not None and options.link_ms is not None
+            pull = PullPlan(
+                cols.ids[options.peer],
+                int(cols.matched_device_blocks[options.peer]),
+                int(matched[i]),
+                float(options.link_ms[i]),
+            )
+            ready_ms = float(options.ready_ms[i])
+            decision = replace(decision, pull=pull, predicted_prefill_ms=ready_ms)
+        self._remember(query, decision, int(cols.matched_blocks[i]), now)
         return decision
 
-    def _with_routed_prefixes(
-        self, query: RouteQuery, workers: Sequence[WorkerView]
-    ) -> Sequence[WorkerView]:
-        if not len(self._routed):
-            return workers
-        out = []
-        for w in workers:
-            held = self._routed.extend(w.worker_id, query.block_hashes, w.matched_blocks)
-            # Only the local match grows: a routed prefix is not yet there for a peer to pull.
-            out.append(w if held == w.matched_blocks else w._replace(matched_blocks=held))
-        return out
+    def _lowest(self, costs: np.ndarray) -> int:
+        """The row of the lowest cost; ties (within `_TIE_EPSILON_MS`) broken by the rng, drawing
+        as `RoutingPolicy._pick_lowest` does."""
+        tied = np.flatnonzero(costs <= costs.min() + _TIE_EPSILON_MS)
+        return int(tied[0]) if len(tied) == 1 else int(self.rng.choice(tied.tolist()))
+
+    def _prefill_options(
+        self, query: RouteQuery, cols: WorkerColumns, matched: np.ndarray
+    ) -> _PrefillOptions:
+        """`pull_planner.cheapest_prefill` for every row: recompute what the worker lacks, or
+        pull the longest device prefix a peer holds first, whichever is ready sooner."""
+        cm, n, bs = self.cost_model, query.prompt_len, query.block_size
+        cached = np.minimum(matched, num_reusable_blocks(n, bs)) * bs
+        recompute = cm.prefill_ms_array(n - cached, cached)
+        device = cols.matched_device_blocks
+        peer = int(np.argmax(device)) if self.transfer_ms is not None else -1
+        if peer < 0 or device[peer] <= 0:
+            return _PrefillOptions(recompute, recompute)
+        num_blocks = int(device[peer])
+        candidates = np.flatnonzero(num_blocks > matched)
+        candidates = candidates[candidates != peer]
+        if not len(candidates):
+            return _PrefillOptions(recompute, recompute)
+        moved_tokens = (num_blocks - matched[candidates]) * bs
+        link = self._transfer_ms_many(cols.ids[peer], cols.ids, candidates, moved_tokens)
+        pulled_cached = num_reusable_tokens(n, num_blocks, bs)
+        with_pull = link + cm.prefill_ms(n - pulled_cached, pulled_cached)
+        wins = with_pull < recompute[candidates]
+        rows = candidates[wins]
+        pulled = np.zeros(len(cols), dtype=bool)
+        pulled[rows] = True
+        link_ms = np.zeros(len(cols))
+        link_ms[rows] = link[wins]
+        ready = recompute.copy()
+        ready[rows] = with_pull[wins]
+        return _PrefillOptions(ready, ready - link_ms, pulled, link_ms, peer)
+
+    def _transfer_ms_many(
+        self,
+        source: WorkerId,
+        ids: Sequence[WorkerId],
+        rows: np.ndarray,
+        num_tokens: np.ndarray,
+    ) -> np.ndarray:
+        targets = [ids[r] for r in rows.tolist()]
+        if self.transfer_ms_many is not None:
+            return np.asarray(self.transfer_ms_many(source, targets, num_tokens), np.float64)
+        price = self.transfer_ms
+        assert price is not None
+        return np.array(
+            [price(source, t, k) for t, k in zip(targets, num_tokens.tolist(), strict=True)],
+            dtype=np.float64,
+        )
 
     def _costs(
         self,
         query: RouteQuery,
-        views: Sequence[WorkerView],
-        options: Sequence[PrefillOption],
+        cols: WorkerColumns,
+        matched: np.ndarray,
+        options: _PrefillOptions,
         now: float,
-    ) -> list[float]:
-        cm, weights, recent = self.cost_model, self.weights, self._recent
-        sticky = self._sessions.get(query.session_id)
-        work, requests = recent.snapshot([w.worker_id for w in views], now)
-        least_work, least_requests = min(work), min(requests)
-        cheapest_ready = min(o.prefill_ms for o in options)
+    ) -> np.ndarray:
+        """Every row's cost at once. Each term is `KvmeshReferencePolicy._scalar_costs`'s, with
+        its operations in the same order, so the costs agree bit for bit (but for numpy's exp in
+        the recent-load decay); change a term there first, then here."""
+        cm, weights = self.cost_model, self.weights
+        n, bs = query.prompt_len, query.block_size
+        work, requests = self._recent.snapshot_arrays(cols.ids, now)
+        running = cols.num_running
+        step_ms = cm.decode_fixed_ms + running * cm.decode_per_seq_ms
         # Decode is paid per token, by this request and by every sequence it joins (see
         # `KvmeshWeights.decode_tokens`): what a hot prefix's holder's growing batch costs.
-        step_loads = [self._decode_load_ms(w) for w in views]
-        least_step_load = min(step_loads)
-        costs = []
-        for w, option, w_work, w_requests, step_load in zip(
-            views, options, work, requests, step_loads, strict=True
-        ):
-            recompute_ms = option.prefill_ms - (option.pull.transfer_ms if option.pull else 0.0)
-            cost = w.queued_prefill_ms + option.prefill_ms + weights.recompute_weight * recompute_ms
-            if w.num_running:
-                cost += cm.decode_step_ms(w.num_running)
-            cost += 2.0 * weights.decode_tokens * (step_load - least_step_load)
-            if query.num_prompt_blocks - w.matched_device_blocks > w.num_free_blocks:
-                cost += self._memory_pressure_ms(query, w)
-            uncached_share = 1.0 - self._cached_tokens(query, w) / query.prompt_len
-            cost += weights.placement_balance * (w_work - least_work) * uncached_share
-            cost += weights.request_balance * (w_requests - least_requests) * cheapest_ready
-            if sticky == w.worker_id:
-                cost -= self._session_affinity_ms(query)
-            costs.append(cost)
-        return costs
-
-    def _decode_load_ms(self, w: WorkerView) -> float:
-        """What w's running batch adds to each decode step: the KV its requests read
-        (`RunningContext`) when the cost model knows a KV token's read cost; else its size."""
-        cm = self.cost_model
         if cm.decode_per_kv_token_ms > 0:
-            return cm.decode_kv_ms(self._running.tokens(w.worker_id))
-        return w.num_running * cm.decode_per_seq_ms
+            tokens = self._running.tokens
+            kv = np.fromiter((tokens(w) for w in cols.ids), np.int64, len(cols))
+            step_load = kv * cm.decode_per_kv_token_ms
+        else:
+            step_load = running * cm.decode_per_seq_ms
+        recompute = weights.recompute_weight * options.recompute_ms
+        cost = cols.queued_prefill_ms + options.ready_ms + recompute
+        cost = cost + np.where(running != 0, step_ms, 0.0)
+        cost = cost + 2.0 * weights.decode_tokens * (step_load - step_load.min())
+        # Memory: 0 while the prompt's new blocks fit in w's free blocks; then up to one block's
+        # worth of decode steps (running sequences must finish, or be preempted, to make room).
+        needed = query.num_prompt_blocks - cols.matched_device_blocks
+        free = cols.num_free_blocks
+        short = (needed > free) & (needed > 0)
+        if short.any():
+            shortfall = (needed - free) / np.where(short, needed, 1)
+            cost = cost + np.where(short, shortfall * step_ms * bs, 0.0)
+        cached = np.minimum(matched, num_reusable_blocks(n, bs)) * bs
+        uncached_share = 1.0 - cached / n
+        cost = cost + weights.placement_balance * (work - work.min()) * uncached_share
+        cheapest_ready = options.ready_ms.min()
+        cost = cost + weights.request_balance * (requests - requests.min()) * cheapest_ready
+        sticky = self._sessions.get(query.session_id)
+        row = cols.index_of.get(sticky) if sticky is not None else None
+        if row is not None:
+            cost[row] -= self._session_affinity_ms(query)
+        return cost
 
     def _session_affinity_ms(self, query: RouteQuery) -> float:
         blocks = self.weights.session_affinity_blocks
         return blocks * self.cost_model.prefill_per_token_ms * query.block_size
-
-    def _memory_pressure_ms(self, query: RouteQuery, w: WorkerView) -> float:
-        """0 while the prompt's new blocks fit in w's free blocks; then up to one block's worth of
-        decode steps (running sequences must finish, or be preempted, to make room)."""
-        needed = query.num_prompt_blocks - w.matched_device_blocks
-        if needed <= 0 or needed <= w.num_free_blocks:
-            return 0.0
-        shortfall = (needed - w.num_free_blocks) / needed
-        return shortfall * self.cost_model.decode_step_ms(w.num_running) * query.block_size
 
     def _remember(
         self, query: RouteQuery, decision: RouteDecision, indexed: int, now: float

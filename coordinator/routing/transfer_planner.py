@@ -6,8 +6,10 @@ and reports what it pulled and how long it took in the request's `PrefillFacts`.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
+
+import numpy as np
 
 from kvmesh.coordinator.index.mirror import WorkerId
 from kvmesh.coordinator.routing.links import LinkTable, LinkType, link_type
@@ -23,6 +25,9 @@ class PullPricing(Protocol):
     num_failed_pulls: int
 
     def price(self, source: WorkerId, target: WorkerId, num_tokens: int) -> float: ...
+    def price_many(
+        self, source: WorkerId, targets: Sequence[WorkerId], num_tokens: np.ndarray
+    ) -> np.ndarray: ...
     def transport(self, source: str, target: str) -> Transport: ...
     def observe(self, source: str, target: str, facts: PrefillFacts) -> None: ...
 
@@ -71,6 +76,18 @@ class TransferPlanner:
             return self.links.transfer_ms(
                 self.link(source, target), num_tokens * self.kv_bytes_per_token
             )
+
+    def price_many(
+        self, source: WorkerId, targets: Sequence[WorkerId], num_tokens: np.ndarray
+    ) -> np.ndarray:
+        """`price` of each target (the router's vectorised path): a lookup per target for its
+        link type, then the arithmetic of `LinkTable.transfer_ms` over arrays."""
+        with self._lock:
+            links = [self.link(source, t) for t in targets]
+            latency = np.array([self.links.latency_ms[k] for k in links], dtype=np.float64)
+            bandwidth = np.array([self.links.bytes_per_ms[k] for k in links], dtype=np.float64)
+        num_bytes = np.asarray(num_tokens, dtype=np.int64) * self.kv_bytes_per_token
+        return latency + num_bytes / bandwidth
 
     def calibrate(self, source: str, target: str, bytes_per_ms: float, latency_ms: float) -> None:
         with self._lock:

@@ -37,6 +37,8 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from kvmesh.coordinator.routing.cost_model import CostModel
 
 
@@ -125,6 +127,12 @@ class SimCostModel:
         if num_tokens <= 0:
             return 0.0
         return self.transfer_fixed_ms + num_tokens * self.transfer_per_token_ms
+
+    def transfer_ms_array(self, num_tokens: np.ndarray) -> np.ndarray:
+        """`transfer_ms` of each row (the same operations, so the same values)."""
+        tokens = np.asarray(num_tokens, dtype=np.int64)
+        ms = self.transfer_fixed_ms + tokens * self.transfer_per_token_ms
+        return np.where(tokens > 0, ms, 0.0)
 
     def router_cost_model(self, typical_context_tokens: int = 4096) -> CostModel:
         """The router's (coarser) model of the same hardware: what a calibrated coordinator

@@ -169,6 +169,11 @@ class SimPulls:
     def price(self, source: WorkerId, target: WorkerId, num_tokens: int) -> float:
         return self.cost.transfer_ms(num_tokens)
 
+    def price_many(
+        self, source: WorkerId, targets: Sequence[WorkerId], num_tokens: np.ndarray
+    ) -> np.ndarray:
+        return self.cost.transfer_ms_array(num_tokens)
+
     def transport(self, source: str, target: str) -> Transport:
         return Transport.OBJECT_STORE
 

@@ -1,0 +1,109 @@
+"""The reference for kvmesh's cost: the policy priced one worker at a time, in plain Python.
+
+`KvmeshPolicy` (router.py) prices every worker at once over columns; this subclass keeps the
+same state and prices the same terms with one loop over `WorkerView`s, as the router did before
+it was vectorised. It is not for serving: a test drives both on the same inputs and requires the
+same decisions, so a term changed in one place and not the other is caught. Change a term here
+first, then in `KvmeshPolicy._costs`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from kvmesh.coordinator.routing.policy import RouteDecision, RouteQuery, WorkerView
+from kvmesh.coordinator.routing.pull_planner import PrefillOption, best_peer, cheapest_prefill
+from kvmesh.coordinator.routing.router import KvmeshPolicy
+
+
+class KvmeshReferencePolicy(KvmeshPolicy):
+    """kvmesh's cost, one worker at a time (see `KvmeshPolicy` for the terms)."""
+
+    name = "kvmesh_reference"
+
+    def choose(self, query: RouteQuery, workers: Sequence[WorkerView]) -> RouteDecision:
+        if not workers:
+            raise ValueError("no workers to route to")
+        workers = list(workers)
+        now = self.clock()
+        self._routed.expire(now)
+        self._running.expire(now)
+        views = self._with_routed_prefixes(query, workers)
+        peer = best_peer(views) if self.transfer_ms is not None else None
+        options = [
+            cheapest_prefill(query, w, peer, self.cost_model, self.transfer_ms) for w in views
+        ]
+        costs = self._scalar_costs(query, views, options, now)
+        decision = self._pick_lowest(query, views, costs)
+        sticky = self._sessions.get(query.session_id)
+        if sticky is not None:
+            decision = replace(
+                decision,
+                session_worker_id=sticky,
+                session_affinity_ms=self._session_affinity_ms(query),
+            )
+        chosen = next(i for i, w in enumerate(views) if w.worker_id == decision.worker_id)
+        option = options[chosen]
+        if option.pull is not None:
+            decision = replace(decision, pull=option.pull, predicted_prefill_ms=option.prefill_ms)
+        self._remember(query, decision, workers[chosen].matched_blocks, now)
+        return decision
+
+    def _with_routed_prefixes(
+        self, query: RouteQuery, workers: Sequence[WorkerView]
+    ) -> Sequence[WorkerView]:
+        if not len(self._routed):
+            return workers
+        out = []
+        for w in workers:
+            held = self._routed.extend(w.worker_id, query.block_hashes, w.matched_blocks)
+            # Only the local match grows: a routed prefix is not yet there for a peer to pull.
+            out.append(w if held == w.matched_blocks else w._replace(matched_blocks=held))
+        return out
+
+    def _scalar_costs(
+        self,
+        query: RouteQuery,
+        views: Sequence[WorkerView],
+        options: Sequence[PrefillOption],
+        now: float,
+    ) -> list[float]:
+        cm, weights, recent = self.cost_model, self.weights, self._recent
+        sticky = self._sessions.get(query.session_id)
+        work, requests = recent.snapshot([w.worker_id for w in views], now)
+        least_work, least_requests = min(work), min(requests)
+        cheapest_ready = min(o.prefill_ms for o in options)
+        step_loads = [self._decode_load_ms(w) for w in views]
+        least_step_load = min(step_loads)
+        costs = []
+        for w, option, w_work, w_requests, step_load in zip(
+            views, options, work, requests, step_loads, strict=True
+        ):
+            recompute_ms = option.prefill_ms - (option.pull.transfer_ms if option.pull else 0.0)
+            cost = w.queued_prefill_ms + option.prefill_ms + weights.recompute_weight * recompute_ms
+            if w.num_running:
+                cost += cm.decode_step_ms(w.num_running)
+            cost += 2.0 * weights.decode_tokens * (step_load - least_step_load)
+            if query.num_prompt_blocks - w.matched_device_blocks > w.num_free_blocks:
+                cost += self._memory_pressure_ms(query, w)
+            uncached_share = 1.0 - self._cached_tokens(query, w) / query.prompt_len
+            cost += weights.placement_balance * (w_work - least_work) * uncached_share
+            cost += weights.request_balance * (w_requests - least_requests) * cheapest_ready
+            if sticky == w.worker_id:
+                cost -= self._session_affinity_ms(query)
+            costs.append(cost)
+        return costs
+
+    def _decode_load_ms(self, w: WorkerView) -> float:
+        cm = self.cost_model
+        if cm.decode_per_kv_token_ms > 0:
+            return cm.decode_kv_ms(self._running.tokens(w.worker_id))
+        return w.num_running * cm.decode_per_seq_ms
+
+    def _memory_pressure_ms(self, query: RouteQuery, w: WorkerView) -> float:
+        needed = query.num_prompt_blocks - w.matched_device_blocks
+        if needed <= 0 or needed <= w.num_free_blocks:
+            return 0.0
+        shortfall = (needed - w.num_free_blocks) / needed
+        return shortfall * self.cost_model.decode_step_ms(w.num_running) * query.block_size

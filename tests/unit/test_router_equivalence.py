@@ -1,0 +1,125 @@
+"""kvmesh's vectorised policy against its scalar reference: the same decisions on the same inputs.
+
+`KvmeshPolicy` prices every worker at once over `WorkerColumns`; `KvmeshReferencePolicy` prices
+one `WorkerView` at a time, as the router did before. Both are driven through the same long,
+random sequence of routes (sessions, routed prefixes, pulls, memory pressure, calibrated decode,
+requests finishing, workers leaving, time passing), each fed the other's state changes only
+through its own decisions; any term that drifts between them changes a decision or a cost.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+
+from kvmesh.coordinator.index.mirror import WorkerId
+from kvmesh.coordinator.routing.cost_model import CostModel
+from kvmesh.coordinator.routing.kvmesh_reference import KvmeshReferencePolicy
+from kvmesh.coordinator.routing.router import (
+    KvmeshPolicy,
+    KvmeshWeights,
+    RouteDecision,
+    RouteQuery,
+    WorkerColumns,
+    WorkerView,
+)
+from kvmesh.proto.block_hash import BlockHash
+
+BS = 16
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now_s = 0.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def _fleet(rng: random.Random, num_workers: int, chain_len: int) -> list[WorkerView]:
+    views = []
+    for w in range(num_workers):
+        matched = rng.choice([0, 0, 0, rng.randrange(chain_len + 1)])
+        device = rng.choice([matched, rng.randrange(matched + 1)])
+        running = rng.choice([0, rng.randrange(40)])
+        queued = rng.choice([0.0, 0.0, rng.random() * 200])
+        free = rng.choice([100_000, rng.randrange(64)])
+        views.append(
+            WorkerView(
+                WorkerId(f"w{w:04d}"), 100_000, free, queued, int(queued), running, matched, device
+            )
+        )
+    return views
+
+
+def _same(fast: RouteDecision, ref: RouteDecision) -> None:
+    assert fast.worker_id == ref.worker_id
+    assert fast.matched_blocks == ref.matched_blocks
+    assert fast.cost_ms == pytest.approx(ref.cost_ms, rel=1e-12, abs=1e-12)
+    assert fast.predicted_prefill_ms == pytest.approx(ref.predicted_prefill_ms, rel=1e-12)
+    assert fast.pull == ref.pull or (
+        fast.pull is not None
+        and ref.pull is not None
+        and replace(fast.pull, transfer_ms=0.0) == replace(ref.pull, transfer_ms=0.0)
+        and fast.pull.transfer_ms == pytest.approx(ref.pull.transfer_ms, rel=1e-12)
+    )
+    assert (fast.session_worker_id, fast.session_affinity_ms) == (
+        ref.session_worker_id,
+        ref.session_affinity_ms,
+    )
+    assert len(fast.scores) == len(ref.scores)
+    for f, r in zip(fast.scores, ref.scores, strict=True):
+        assert (f.worker_id, f.matched_blocks) == (r.worker_id, r.matched_blocks)
+        assert f.cost_ms == pytest.approx(r.cost_ms, rel=1e-12, abs=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("seed", "num_workers", "pulls", "kv_calibrated"),
+    [(0, 3, False, False), (1, 17, True, False), (2, 64, True, True), (3, 256, False, True)],
+)
+def test_vectorised_policy_decides_as_the_scalar_reference(
+    seed: int, num_workers: int, pulls: bool, kv_calibrated: bool
+) -> None:
+    rng = random.Random(seed)
+    cm = CostModel(decode_per_kv_token_ms=1e-5 if kv_calibrated else 0.0)
+    weights = KvmeshWeights(routed_prefix_ttl_s=5.0, session_affinity_blocks=2.0)
+    clock = Clock()
+    fast = KvmeshPolicy(cm, random.Random(seed), clock, weights)
+    ref = KvmeshReferencePolicy(cm, random.Random(seed), clock, weights)
+    if pulls:
+        for p in (fast, ref):
+            p.transfer_ms = lambda src, dst, num_tokens: (
+                0.5 + (len(src) + len(dst)) * num_tokens * 1e-4
+            )
+    families = [[BlockHash(f * 1000 + i + 1) for i in range(40)] for f in range(6)]
+    in_flight: list[str] = []
+    for step in range(300):
+        clock.now_s += rng.choice([0.0, 0.01, 0.3, 2.0])
+        chain = rng.choice(families)[: rng.randrange(1, 41)]
+        prompt_len = len(chain) * BS + rng.randrange(BS)
+        session = rng.choice(["", "", "s1", "s2", f"s{step}"])
+        query = RouteQuery(f"r{step}", chain, prompt_len, BS, session)
+        views = _fleet(rng, num_workers, len(chain))
+        if rng.random() < 0.2:  # every worker alike: the tie-break must draw the same
+            views = [views[0]._replace(worker_id=v.worker_id) for v in views]
+        d_fast = fast.choose(query, WorkerColumns.from_views(views))
+        d_ref = ref.choose(query, views)
+        _same(d_fast, d_ref)
+        in_flight.append(query.request_id)
+        if rng.random() < 0.3:
+            done = in_flight.pop(rng.randrange(len(in_flight)))
+            fast.on_request_done(done)
+            ref.on_request_done(done)
+        if rng.random() < 0.02:
+            gone = rng.choice(views).worker_id
+            fast.on_worker_removed(gone)
+            ref.on_worker_removed(gone)
+
+
+def test_columns_read_back_as_the_views_they_were_built_from() -> None:
+    views = _fleet(random.Random(5), 9, 12)
+    cols = WorkerColumns.from_views(views)
+    assert list(cols) == views and cols[3] == views[3] and cols[2:4] == views[2:4]
+    assert cols.index_of[views[7].worker_id] == 7
