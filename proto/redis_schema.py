@@ -1,77 +1,174 @@
 """The Redis side of the index: key names and the scripts that change them atomically.
 
-    kvmesh:{ns}:blk:{hash}         HASH   worker_id -> tier        who holds the block
-    kvmesh:worker:{id}             HASH   generation, seq, model, node, device, pid, num_blocks, ...
-    kvmesh:worker:{id}:blocks      HASH   hash -> tier             the worker's blocks (resync)
-    kvmesh:worker:{id}:alive       STRING with TTL                 heartbeat
-    kvmesh:workers                 SET    worker ids
-    kvmesh:events                  STREAM field "b" = msgpack EventBatch (proto/events.py),
-                                          or field "p" = id of a purged worker
+The index is split into `NUM_INDEX_SHARDS` shards by worker: every key a worker's events touch
+carries its shard's hash tag (`{sNN}`, or `{sNN.k}`: see `_shard_tag`), so on a Redis Cluster
+they all sit in one slot and one script call can change them atomically; the shards spread over
+the cluster's masters. On a single Redis (the default) the tags are just part of the names.
 
-Hashes are written as 16 lowercase hex digits (Lua numbers cannot hold 64 bits). `{ns}` is the
-namespace of the model (its fingerprint hash), so one Redis can index several models, and a Redis
-Cluster can shard by namespace. Every batch is applied by one script call: readers never see half
-a batch, and a batch of a new generation first wipes the worker's previous blocks.
+    kvmesh:{sNN}:{ns}:blk:{hash}   HASH   worker_id -> tier        who (of shard NN) holds it
+    kvmesh:{sNN}:worker:{id}       HASH   generation, seq, ns, model, node, device, pid, ...
+    kvmesh:{sNN}:worker:{id}:blocks  HASH hash -> tier             the worker's blocks (resync)
+    kvmesh:{sNN}:worker:{id}:alive STRING with TTL                 heartbeat
+    kvmesh:{sNN}:workers           SET    ids of the shard's workers
+    kvmesh:{sNN}:events            STREAM field "b" = msgpack EventBatch (proto/events.py),
+                                          or field "p" = id of a purged worker
+    kvmesh:{fleet}:...             the service directory (one slot: claimed in transactions)
+
+(`{sNN}` is a literal hash tag; `{ns}`, `{hash}`, `{id}` stand for values.) A worker's shard is
+`index_shard(worker_id)`. The holders of one block are spread over the shards of the workers
+that hold it; the mirror, not Redis, answers "who holds this prefix". Each shard's stream is
+ordered, and a worker's batches all go to its own shard's stream, so per-worker order (all the
+mirror needs) holds. Hashes are written as 16 lowercase hex digits (Lua numbers cannot hold 64
+bits); `ns` is the namespace of the model (its fingerprint hash). Every batch is applied by one
+script call: readers never see half a batch, and a batch of a new generation first wipes the
+worker's previous blocks.
 """
 
 from __future__ import annotations
 
+import binascii
+import zlib
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
 PREFIX = "kvmesh"
-EVENTS_STREAM = f"{PREFIX}:events"
-WORKERS_SET = f"{PREFIX}:workers"
 EVENTS_STREAM_MAXLEN = 200_000
+NUM_INDEX_SHARDS = 16
+"""Shards of the index (fixed: changing it moves every worker's keys)."""
 
-
-FLEET_KEY = f"{PREFIX}:fleet"
+_FLEET_TAG = f"{PREFIX}:{{fleet}}"
+FLEET_KEY = f"{_FLEET_TAG}:fleet"
 """HASH: `id` -> the fleet's id (names its worker actors in Ray), set once by the first comer."""
-SERVICES_SET = f"{PREFIX}:services"
+SERVICES_SET = f"{_FLEET_TAG}:services"
 """SET of worker ids running as long-lived services (what a coordinator attaches to)."""
 
 
 def service_key(worker_id: str) -> str:
     """HASH: how to reach a service worker (Ray actor name and namespace) and its config."""
-    return f"{PREFIX}:service:{worker_id}"
+    return f"{_FLEET_TAG}:service:{worker_id}"
 
 
 def replacing_key(worker_id: str) -> str:
     """STRING with TTL: one coordinator is replacing this dead worker (the others leave it)."""
-    return f"{PREFIX}:service:{worker_id}:replacing"
+    return f"{_FLEET_TAG}:service:{worker_id}:replacing"
 
 
 def hash_hex(block_hash: int) -> str:
     return f"{block_hash:016x}"
 
 
-def block_key(ns: str, block_hash_hex: str) -> str:
-    return f"{PREFIX}:{ns}:blk:{block_hash_hex}"
+def index_shard(worker_id: str) -> int:
+    """The shard of a worker's keys: stable across processes and runs (CRC-32 of the id)."""
+    return zlib.crc32(worker_id.encode()) % NUM_INDEX_SHARDS
+
+
+_NUM_CLUSTER_SLOTS = 16384
+
+
+def _shard_tag(shard: int) -> str:
+    """`s07`, or `s07.<n>` with the first n that puts the tag's cluster slot (CRC16-XMODEM, as
+    Redis Cluster hashes) in the shard's sixteenth of the slots: the shards then sit in equal
+    slot ranges, so a cluster whose masters own equal ranges gets them evenly."""
+    low = shard * _NUM_CLUSTER_SLOTS // NUM_INDEX_SHARDS
+    high = (shard + 1) * _NUM_CLUSTER_SLOTS // NUM_INDEX_SHARDS
+    n = 0
+    while True:
+        tag = f"s{shard:02d}" if n == 0 else f"s{shard:02d}.{n}"
+        if low <= binascii.crc_hqx(tag.encode(), 0) % _NUM_CLUSTER_SLOTS < high:
+            return tag
+        n += 1
+
+
+_SHARD_PREFIXES = tuple(f"{PREFIX}:{{{_shard_tag(s)}}}:" for s in range(NUM_INDEX_SHARDS))
+
+
+def shard_prefix(shard: int) -> str:
+    """What every key of `shard` starts with, its hash tag included: `kvmesh:{s07.12}:`."""
+    if not 0 <= shard < NUM_INDEX_SHARDS:
+        raise ValueError(f"shard must be in [0, {NUM_INDEX_SHARDS}), got {shard}")
+    return _SHARD_PREFIXES[shard]
+
+
+def _worker_prefix(worker_id: str) -> str:
+    return shard_prefix(index_shard(worker_id))
+
+
+def block_key(ns: str, block_hash_hex: str, worker_id: str) -> str:
+    """HASH of the holders of one block among the workers of `worker_id`'s shard."""
+    return shard_block_key(index_shard(worker_id), ns, block_hash_hex)
+
+
+def shard_block_key(shard: int, ns: str, block_hash_hex: str) -> str:
+    """HASH of the holders of one block among the workers of `shard`."""
+    return f"{shard_prefix(shard)}{ns}:blk:{block_hash_hex}"
 
 
 def worker_key(worker_id: str) -> str:
-    return f"{PREFIX}:worker:{worker_id}"
+    return f"{_worker_prefix(worker_id)}worker:{worker_id}"
 
 
 def worker_blocks_key(worker_id: str) -> str:
-    return f"{PREFIX}:worker:{worker_id}:blocks"
+    return f"{_worker_prefix(worker_id)}worker:{worker_id}:blocks"
 
 
 def worker_alive_key(worker_id: str) -> str:
-    return f"{PREFIX}:worker:{worker_id}:alive"
+    return f"{_worker_prefix(worker_id)}worker:{worker_id}:alive"
+
+
+def workers_key(shard: int) -> str:
+    """SET of the ids of the workers of `shard`."""
+    return f"{shard_prefix(shard)}workers"
+
+
+def events_key(shard: int) -> str:
+    """STREAM of `shard`'s event batches and purge notices."""
+    return f"{shard_prefix(shard)}events"
+
+
+def worker_events_key(worker_id: str) -> str:
+    return events_key(index_shard(worker_id))
+
+
+EVENTS_STREAMS = tuple(events_key(s) for s in range(NUM_INDEX_SHARDS))
+"""Every shard's stream, in shard order."""
+
+
+def apply_batch_keys(worker_id: str) -> list[str]:
+    """KEYS of `APPLY_BATCH` for one worker (all in its shard's slot)."""
+    s = index_shard(worker_id)
+    return [worker_key(worker_id), worker_blocks_key(worker_id), workers_key(s), events_key(s)]
+
+
+def purge_worker_keys(worker_id: str) -> list[str]:
+    """KEYS of `PURGE_WORKER` for one worker (all in its shard's slot)."""
+    return apply_batch_keys(worker_id) + [worker_alive_key(worker_id)]
+
+
+def cluster_url(url: str) -> tuple[str, bool]:
+    """(`url` without its `cluster` query flag, whether it names a Redis Cluster). A cluster is
+    named by any of its nodes with `?cluster=1` (`redis://:pw@host:7000/0?cluster=1`)."""
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    flags = [v for k, v in query if k == "cluster"]
+    rest = urlencode([(k, v) for k, v in query if k != "cluster"])
+    is_cluster = bool(flags) and flags[-1].lower() in ("1", "true", "yes")
+    return urlunsplit(parts._replace(query=rest)), is_cluster
 
 
 # Drop every block of one worker. Shared by APPLY_BATCH (new generation, cleared) and PURGE_WORKER.
+# `prefix` is the worker's block-key prefix (shard tag + namespace), `wkey` its blocks HASH.
 _WIPE = """
-local function wipe(ns, worker)
-  local wkey = 'kvmesh:worker:' .. worker .. ':blocks'
+local function wipe(prefix, wkey)
   local owned = redis.call('HKEYS', wkey)
   for _, h in ipairs(owned) do
-    redis.call('HDEL', 'kvmesh:' .. ns .. ':blk:' .. h, worker)
+    redis.call('HDEL', prefix .. h, ARGV[2])
   end
   redis.call('DEL', wkey)
   return #owned
 end
 """
 
-# ARGV: ns, worker, generation, seq, payload, maxlen, then groups of
+# KEYS: apply_batch_keys(worker). ARGV: ns, worker, generation, seq, payload, maxlen, shard
+# prefix, then groups of
 #   'S', tier, hashes    stored       'R', tier, hashes    removed       'C'    cleared
 # where `hashes` is the concatenation of the blocks' 16-hex-digit names (one argument, not one
 # per block: per-argument overhead dominated the client's cost). Returns the number of block
@@ -80,21 +177,20 @@ APPLY_BATCH = (
     _WIPE
     + """
 local ns, worker, gen, seq = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
-local info = 'kvmesh:worker:' .. worker
-local cur = redis.call('HMGET', info, 'generation', 'seq')
+local info, wkey = KEYS[1], KEYS[2]
+local cur = redis.call('HMGET', info, 'generation', 'seq', 'ns')
 if cur[1] == gen and cur[2] and tonumber(cur[2]) >= seq then
   return -1
 end
 if cur[1] ~= gen then
-  wipe(ns, worker)
+  wipe(ARGV[7] .. (cur[3] or ns) .. ':blk:', wkey)
 end
-local wkey = info .. ':blocks'
-local prefix = 'kvmesh:' .. ns .. ':blk:'
-local applied, i = 0, 7
+local prefix = ARGV[7] .. ns .. ':blk:'
+local applied, i = 0, 8
 while i <= #ARGV do
   local kind = ARGV[i]
   if kind == 'C' then
-    wipe(ns, worker)
+    wipe(prefix, wkey)
     i = i + 1
   else
     local tier, blob = ARGV[i + 1], ARGV[i + 2]
@@ -123,23 +219,23 @@ while i <= #ARGV do
   end
 end
 redis.call('HSET', info, 'generation', gen, 'seq', seq, 'ns', ns)
-redis.call('SADD', 'kvmesh:workers', worker)
-redis.call('XADD', 'kvmesh:events', 'MAXLEN', '~', ARGV[6], '*', 'b', ARGV[5])
+redis.call('SADD', KEYS[3], worker)
+redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[6], '*', 'b', ARGV[5])
 return applied
 """
 )
 
-# ARGV: ns (used when the worker never recorded its own), worker, maxlen. Removes the worker and
-# everything it held, tells followers (stream field "p" = worker id); returns how many blocks
-# were dropped.
+# KEYS: purge_worker_keys(worker). ARGV: ns (used when the worker never recorded its own),
+# worker, maxlen, shard prefix. Removes the worker and everything it held, tells followers
+# (stream field "p" = worker id); returns how many blocks were dropped.
 PURGE_WORKER = (
     _WIPE
     + """
-local ns = redis.call('HGET', 'kvmesh:worker:' .. ARGV[2], 'ns') or ARGV[1]
-local n = wipe(ns, ARGV[2])
-redis.call('DEL', 'kvmesh:worker:' .. ARGV[2], 'kvmesh:worker:' .. ARGV[2] .. ':alive')
-redis.call('SREM', 'kvmesh:workers', ARGV[2])
-redis.call('XADD', 'kvmesh:events', 'MAXLEN', '~', ARGV[3], '*', 'p', ARGV[2])
+local ns = redis.call('HGET', KEYS[1], 'ns') or ARGV[1]
+local n = wipe(ARGV[4] .. ns .. ':blk:', KEYS[2])
+redis.call('DEL', KEYS[1], KEYS[5])
+redis.call('SREM', KEYS[3], ARGV[2])
+redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[3], '*', 'p', ARGV[2])
 return n
 """
 )

@@ -225,3 +225,101 @@ def _wait_ready(server: RedisServer, timeout_s: float) -> None:
             time.sleep(0.05)
     server.stop()
     raise TimeoutError(f"redis-server did not answer on {host}:{port} within {timeout_s} s")
+
+
+NUM_CLUSTER_SLOTS = 16384
+
+
+@dataclass
+class RedisClusterServers:
+    """A local Redis Cluster of `servers` (masters, no replicas) that `stop()` ends; for the
+    tests and benchmarks of the sharded index. `url` names it (`?cluster=1`)."""
+
+    servers: list[RedisServer]
+
+    @property
+    def url(self) -> str:
+        return f"{self.servers[0].url}?cluster=1"
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+
+def start_redis_cluster(
+    num_masters: int = 3, host: str = "127.0.0.1", timeout_s: float = 20.0
+) -> RedisClusterServers:
+    """`num_masters` fresh servers from the same binary as `start_redis_server`, locked the same
+    way (one random password for all), the hash slots split evenly among them."""
+    if num_masters < 1:
+        raise ValueError(f"num_masters must be >= 1, got {num_masters}")
+    password = secrets.token_urlsafe(32)
+    servers: list[RedisServer] = []
+    try:
+        for _ in range(num_masters):
+            servers.append(_start_cluster_node(host, password, timeout_s))
+        for i, server in enumerate(servers):
+            first = i * NUM_CLUSTER_SLOTS // num_masters
+            last = (i + 1) * NUM_CLUSTER_SLOTS // num_masters
+            _command(server, "CLUSTER", "ADDSLOTS", *range(first, last))
+        for server in servers[1:]:
+            _command(servers[0], "CLUSTER", "MEET", host, server.port)
+        deadline = time.monotonic() + timeout_s
+        while not all(b"cluster_state:ok" in _command(s, "CLUSTER", "INFO") for s in servers):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the Redis Cluster did not settle within {timeout_s} s")
+            time.sleep(0.1)
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    return RedisClusterServers(servers)
+
+
+def _start_cluster_node(host: str, password: str, timeout_s: float) -> RedisServer:
+    port = free_port(host)
+    while port + 10_000 > 65_535 or not _is_free(host, port + 10_000):  # the cluster bus
+        port = free_port(host)
+    workdir = tempfile.mkdtemp(prefix="kvmesh-redis-cluster-")  # mode 0700
+    config = _write_config(workdir, password, host)
+    with open(config, "a") as f:
+        f.write("cluster-enabled yes\n")
+        f.write(f"cluster-config-file {os.path.join(workdir, 'nodes.conf')}\n")
+        f.write("cluster-node-timeout 5000\n")
+    cmd = [
+        find_redis_server(), config, "--port", str(port), "--save", "", "--appendonly", "no",
+        "--dir", workdir, "--daemonize", "no", "--loglevel", "warning",
+    ]  # fmt: skip
+    server = RedisServer(_spawn(cmd, workdir), port, workdir, host, password, cmd)
+    _wait_ready(server, timeout_s)
+    return server
+
+
+def _is_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _command(server: RedisServer, *args: object) -> bytes:
+    """One command over a raw RESP connection (set-up only: this module does not import redis).
+    Returns the reply's payload (a simple or bulk string); raises on an error reply."""
+    with socket.create_connection((server.host, server.port), timeout=5) as s:
+        reader = s.makefile("rb")
+        for command in (("AUTH", server.password), args):
+            parts = [str(a).encode() for a in command]
+            s.sendall(
+                b"*%d\r\n" % len(parts) + b"".join(b"$%d\r\n%s\r\n" % (len(p), p) for p in parts)
+            )
+            line = reader.readline()
+            if line.startswith(b"-"):
+                raise RuntimeError(f"redis {command[0]} failed: {line[1:].strip().decode()}")
+            if line.startswith(b"$"):
+                size = int(line[1:])
+                payload = reader.read(size + 2)[:size]
+            else:
+                payload = line[1:].strip()
+        return payload

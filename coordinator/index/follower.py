@@ -45,7 +45,8 @@ class IndexFollower:
         """How old the newest applied stream entry was when applied, by its Redis-assigned id
         (milliseconds on Redis' clock, so a skew between the two hosts shows up here); None
         before the first entry."""
-        self._last_id = "0-0"
+        self._last_ids: dict[str, str] = {}
+        """Per shard stream, the last entry handled (a stream missing: none yet)."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvmesh-index", daemon=True)
         self._last_sweep = 0.0
@@ -65,11 +66,11 @@ class IndexFollower:
 
     def rebuild(self) -> int:
         """Reload every worker from Redis; returns the number of blocks loaded."""
-        last_id = self.store.last_stream_id()
+        last_ids = self.store.last_stream_ids()
         loaded = 0
         for worker in self.store.worker_ids():
             loaded += self.resync(worker)
-        self._last_id = last_id
+        self._last_ids = last_ids
         self.connected = True
         return loaded
 
@@ -83,9 +84,10 @@ class IndexFollower:
         return len(snap.blocks)
 
     def poll_once(self, block_ms: int | None = _READ_BLOCK_MS) -> int:
-        """Apply what the stream has after the last entry seen; returns entries handled.
-        `block_ms` None returns at once (Redis times blocking reads out in 100 ms ticks)."""
-        entries = self.store.read_stream(self._last_id, block_ms)
+        """Apply what the shard streams have after the last entries seen; returns entries
+        handled. `block_ms` None returns at once (Redis times blocking reads out in 100 ms
+        ticks). Streams interleave in any order; each worker's batches are in one of them."""
+        entries = self.store.read_stream(self._last_ids, block_ms)
         for entry in entries:
             if entry.purged_worker is not None:
                 self.mirror.remove_worker(WorkerId(entry.purged_worker))
@@ -93,7 +95,7 @@ class IndexFollower:
                 result = self.mirror.apply(entry.batch)
                 if result is ApplyResult.NEEDS_RESYNC:
                     self.resync(entry.batch.worker_id)
-            self._last_id = entry.entry_id
+            self._last_ids[entry.stream] = entry.entry_id
         if entries:
             self.last_event_lag_s = _age_s(entries[-1].entry_id, time.time())
         return len(entries)

@@ -1,16 +1,19 @@
 """The coordinator's view of Redis: snapshots, the event stream, purges. The one coordinator
 module that imports redis.
 
-A follower first notes the stream's last id, then reads every worker's snapshot, then reads the
-stream from the noted id: batches already inside a snapshot come back as duplicates (their seq is
-not newer) and are ignored by the mirror, so nothing falls in between.
+A follower first notes each shard stream's last id, then reads every worker's snapshot, then
+reads the streams from the noted ids: batches already inside a snapshot come back as duplicates
+(their seq is not newer) and are ignored by the mirror, so nothing falls in between. The index
+lives on one Redis or is sharded over a Redis Cluster (`schema.cluster_url`); only this module
+and the worker's publisher know the difference.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -22,6 +25,8 @@ from kvmesh.proto.block_hash import BlockHash
 from kvmesh.proto.events import EventBatch, EventDecodeError, decode_batch
 
 log = logging.getLogger(__name__)
+
+_CLUSTER_IDLE_MS = 5
 
 # What every store call may raise when Redis is away; followers catch this, not redis itself.
 StoreError = redis.RedisError
@@ -52,6 +57,8 @@ class WorkerSnapshot:
 
 @dataclass(frozen=True, slots=True)
 class StreamEntry:
+    stream: str
+    """The shard stream it came from (`schema.EVENTS_STREAMS`)."""
     entry_id: str
     batch: EventBatch | None = None  # an event batch, or
     purged_worker: str | None = None  # a worker that was purged, or neither (undecodable)
@@ -77,8 +84,12 @@ class IndexStore:
 
     def __init__(self, redis_url: str, *, socket_timeout_s: float = 2.0) -> None:
         # Any: redis-py's reply types are unions of bytes/str/None that it never narrows.
-        self._client: Any = redis.Redis.from_url(
-            redis_url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s
+        url, self.is_cluster = schema.cluster_url(redis_url)
+        kwargs = {"socket_timeout": socket_timeout_s, "socket_connect_timeout": socket_timeout_s}
+        self._client: Any = (
+            redis.RedisCluster.from_url(url, **kwargs)
+            if self.is_cluster
+            else redis.Redis.from_url(url, **kwargs)
         )
         self._purge = self._client.register_script(schema.PURGE_WORKER)
         self._snapshot = self._client.register_script(_SNAPSHOT)
@@ -90,12 +101,21 @@ class IndexStore:
         except redis.RedisError:
             return False
 
-    def last_stream_id(self) -> str:
-        last = self._client.xrevrange(schema.EVENTS_STREAM, count=1)
-        return last[0][0].decode() if last else "0-0"
+    def last_stream_ids(self) -> dict[str, str]:
+        """Each shard stream's last entry id ("0-0" for an empty one)."""
+        pipe = self._client.pipeline(transaction=False)
+        for stream in schema.EVENTS_STREAMS:
+            pipe.xrevrange(stream, count=1)
+        return {
+            stream: last[0][0].decode() if last else "0-0"
+            for stream, last in zip(schema.EVENTS_STREAMS, pipe.execute(), strict=True)
+        }
 
     def worker_ids(self) -> list[str]:
-        return sorted(w.decode() for w in self._client.smembers(schema.WORKERS_SET))
+        pipe = self._client.pipeline(transaction=False)
+        for shard in range(schema.NUM_INDEX_SHARDS):
+            pipe.smembers(schema.workers_key(shard))
+        return sorted(w.decode() for members in pipe.execute() for w in members)
 
     def snapshot(self, worker_id: str) -> WorkerSnapshot | None:
         """A consistent copy of one worker's state (one script call), or None if unknown."""
@@ -120,37 +140,69 @@ class IndexStore:
         return bool(self._client.exists(schema.worker_alive_key(worker_id)))
 
     def block_holders(self, ns: str, block_hash: BlockHash) -> dict[str, int]:
-        raw = self._client.hgetall(schema.block_key(ns, schema.hash_hex(block_hash)))
-        return {k.decode(): int(v) for k, v in raw.items()}
+        """Every worker holding the block, from every shard."""
+        hex_hash = schema.hash_hex(block_hash)
+        pipe = self._client.pipeline(transaction=False)
+        for shard in range(schema.NUM_INDEX_SHARDS):
+            pipe.hgetall(schema.shard_block_key(shard, ns, hex_hash))
+        return {k.decode(): int(v) for raw in pipe.execute() for k, v in raw.items()}
 
     def num_block_keys(self, ns: str) -> int:
-        return sum(
-            1 for _ in self._client.scan_iter(match=f"{schema.PREFIX}:{ns}:blk:*", count=1000)
-        )
+        """Block keys of `ns` over every shard (a SCAN: for tests and operators, not serving)."""
+        pattern = f"{schema.PREFIX}:{{s*}}:{ns}:blk:*"
+        return sum(1 for _ in self._client.scan_iter(match=pattern, count=1000))
 
     def purge_worker(self, ns: str, worker_id: str) -> int:
-        return int(self._purge(args=[ns, worker_id, schema.EVENTS_STREAM_MAXLEN]))
+        prefix = schema.shard_prefix(schema.index_shard(worker_id))
+        args = [ns, worker_id, schema.EVENTS_STREAM_MAXLEN, prefix]
+        return int(self._purge(keys=schema.purge_worker_keys(worker_id), args=args))
 
     def read_stream(
-        self, after_id: str, block_ms: int | None, count: int = 512
+        self, after_ids: Mapping[str, str], block_ms: int | None, count: int = 512
     ) -> list[StreamEntry]:
-        """Entries after `after_id`, waiting up to block_ms for the first one (None: no wait)."""
-        reply = self._client.xread({schema.EVENTS_STREAM: after_id}, count=count, block=block_ms)
-        return list(self._entries(reply))
+        """Entries of every shard stream after its id in `after_ids` (a stream left out: from
+        its start), waiting up to block_ms for the first one (None: no wait). On a cluster the
+        streams are read without blocking (a blocking read names one slot); an empty round
+        then waits a few milliseconds instead."""
+        streams = {s: after_ids.get(s, "0-0") for s in schema.EVENTS_STREAMS}
+        if not self.is_cluster:
+            reply = self._client.xread(streams, count=count, block=block_ms)
+            return list(self._entries(reply))
+        entries = list(self._entries(self._read_cluster_streams(streams, count)))
+        if not entries and block_ms:
+            time.sleep(min(block_ms, _CLUSTER_IDLE_MS) / 1e3)
+        return entries
+
+    def _read_cluster_streams(self, streams: dict[str, str], count: int) -> list[Any]:
+        """One pipeline per master, one XREAD per stream (a multi-key XREAD must stay in one
+        slot)."""
+        by_node: dict[str, tuple[Any, list[str]]] = {}
+        for stream in streams:
+            node = self._client.get_node_from_key(stream)
+            by_node.setdefault(node.name, (node, []))[1].append(stream)
+        reply: list[Any] = []
+        for node, names in by_node.values():
+            pipe = self._client.get_redis_connection(node).pipeline(transaction=False)
+            for stream in names:
+                pipe.xread({stream: streams[stream]}, count=count)
+            for part in pipe.execute():
+                reply.extend(part or [])
+        return reply
 
     def _entries(self, reply: Any) -> Iterator[StreamEntry]:
-        for _stream, entries in reply or []:
+        for raw_stream, entries in reply or []:
+            stream = raw_stream.decode() if isinstance(raw_stream, bytes) else raw_stream
             for entry_id, fields in entries:
                 eid = entry_id.decode()
                 if b"p" in fields:
-                    yield StreamEntry(eid, purged_worker=fields[b"p"].decode())
+                    yield StreamEntry(stream, eid, purged_worker=fields[b"p"].decode())
                     continue
                 try:
-                    yield StreamEntry(eid, batch=decode_batch(fields.get(b"b", b"")))
+                    yield StreamEntry(stream, eid, batch=decode_batch(fields.get(b"b", b"")))
                 except EventDecodeError as exc:
                     self.num_decode_errors += 1
                     log.warning("rejected event batch %s: %s", eid, exc)
-                    yield StreamEntry(eid)
+                    yield StreamEntry(stream, eid)
 
     # ---- the service directory --------------------------------------------------------------
 

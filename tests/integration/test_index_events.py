@@ -34,6 +34,7 @@ pytestmark = [pytest.mark.redis]
 
 NS = "00000000000000aa"
 GEN = 1000
+W0_EVENTS = schema.worker_events_key("w0")  # the stream of w0's shard
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +71,7 @@ def redis_blocks(url: str, worker: str) -> dict[BlockHash, int]:
 
 
 def last_entry_id(client: redis.Redis) -> bytes:
-    return client.xrevrange(schema.EVENTS_STREAM, count=1)[0][0]  # type: ignore[index]
+    return client.xrevrange(W0_EVENTS, count=1)[0][0]  # type: ignore[index]
 
 
 def test_a_lost_event_is_a_gap_that_triggers_a_resync(url: str) -> None:
@@ -82,7 +83,7 @@ def test_a_lost_event_is_a_gap_that_triggers_a_resync(url: str) -> None:
     assert follower.mirror.worker_hashes(WorkerId("w0")) == {1: 0, 2: 0}
     resyncs = follower.num_resyncs
     pub.publish(EventBatch("w0", GEN, 3, (stored(4, 5),)))
-    client.xdel(schema.EVENTS_STREAM, last_entry_id(client))  # lost on the way to the mirror
+    client.xdel(W0_EVENTS, last_entry_id(client))  # lost on the way to the mirror
     pub.publish(EventBatch("w0", GEN, 4, (stored(6),)))
     drain(follower)
     assert follower.num_resyncs == resyncs + 1
@@ -100,10 +101,10 @@ def test_reordered_events_resync_once_then_the_late_one_is_a_duplicate(url: str)
     early = EventBatch("w0", GEN, 3, (stored(3),))
     pub.publish(late)
     pub.publish(early)
-    entries = client.xrevrange(schema.EVENTS_STREAM, count=2)
-    client.xdel(schema.EVENTS_STREAM, *[e[0] for e in entries])
+    entries = client.xrevrange(W0_EVENTS, count=2)
+    client.xdel(W0_EVENTS, *[e[0] for e in entries])
     for batch in (early, late):  # the stream now carries them in the wrong order
-        client.xadd(schema.EVENTS_STREAM, {"b": encode_batch(batch)})
+        client.xadd(W0_EVENTS, {"b": encode_batch(batch)})
     resyncs = follower.num_resyncs
     drain(follower)
     assert follower.num_resyncs == resyncs + 1
@@ -116,7 +117,7 @@ def test_a_stale_generation_is_ignored_and_a_new_one_reloads(url: str) -> None:
     pub.publish(EventBatch("w0", GEN, 1, (stored(1, 2),)))
     follower = follower_for(url)
     stale = EventBatch("w0", GEN - 1, 99, (stored(66), BlockRemoved((BlockHash(1),))))
-    client.xadd(schema.EVENTS_STREAM, {"b": encode_batch(stale)})  # e.g. a zombie's late write
+    client.xadd(W0_EVENTS, {"b": encode_batch(stale)})  # e.g. a zombie's late write
     pub.publish(EventBatch("w0", GEN, 2, (stored(3),)))
     drain(follower)
     assert follower.mirror.worker_hashes(WorkerId("w0")) == {1: 0, 2: 0, 3: 0}
@@ -178,7 +179,7 @@ def test_malformed_batches_are_rejected_counted_and_never_applied(url: str) -> N
         if not _undecodable(payload):
             return  # hypothesis built a valid batch by chance: not garbage
         before = (follower.store.num_decode_errors, follower.mirror.worker_hashes(WorkerId("w0")))
-        client.xadd(schema.EVENTS_STREAM, {"b": payload})
+        client.xadd(W0_EVENTS, {"b": payload})
         drain(follower)
         assert follower.store.num_decode_errors == before[0] + 1
         assert follower.mirror.worker_hashes(WorkerId("w0")) == before[1]

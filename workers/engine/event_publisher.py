@@ -27,6 +27,7 @@ class PublishResult:
 
 
 def batch_to_argv(ns: str, batch: EventBatch, maxlen: int) -> list[str | bytes | int]:
+    """ARGV of `schema.APPLY_BATCH` (its KEYS: `schema.apply_batch_keys(batch.worker_id)`)."""
     argv: list[str | bytes | int] = [
         ns,
         batch.worker_id,
@@ -34,6 +35,7 @@ def batch_to_argv(ns: str, batch: EventBatch, maxlen: int) -> list[str | bytes |
         batch.seq,
         encode_batch(batch),
         maxlen,
+        schema.shard_prefix(schema.index_shard(batch.worker_id)),
     ]
     for e in batch.events:
         if isinstance(e, AllCleared):
@@ -45,23 +47,33 @@ def batch_to_argv(ns: str, batch: EventBatch, maxlen: int) -> list[str | bytes |
     return argv
 
 
+def connect(redis_url: str, socket_timeout_s: float) -> Any:
+    """A client for `redis_url`: a Redis Cluster client when the URL says `cluster=1`
+    (`schema.cluster_url`), else a plain one."""
+    url, is_cluster = schema.cluster_url(redis_url)
+    kwargs = {"socket_timeout": socket_timeout_s, "socket_connect_timeout": socket_timeout_s}
+    if is_cluster:
+        return redis.RedisCluster.from_url(url, **kwargs)
+    return redis.Redis.from_url(url, **kwargs)
+
+
 class EventPublisher:
     """Writes event batches, worker info and heartbeats for one worker."""
 
     def __init__(self, redis_url: str, ns: str, worker_id: str, *, socket_timeout_s: float = 2.0):
         self.ns = ns
         self.worker_id = worker_id
-        self._client: Any = redis.Redis.from_url(
-            redis_url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s
-        )
+        self._client: Any = connect(redis_url, socket_timeout_s)
         self._apply = self._client.register_script(schema.APPLY_BATCH)
+        self._keys = schema.apply_batch_keys(worker_id)
         self.lost_events = False  # a batch failed: the next success must be a full re-publish
         self.connected = True
         self.published_once = False
 
     def publish(self, batch: EventBatch) -> PublishResult:
         try:
-            n = int(self._apply(args=batch_to_argv(self.ns, batch, schema.EVENTS_STREAM_MAXLEN)))
+            argv = batch_to_argv(self.ns, batch, schema.EVENTS_STREAM_MAXLEN)
+            n = int(self._apply(keys=self._keys, args=argv))
         except redis.RedisError as exc:
             if self.connected:
                 log.warning("worker %s: cannot publish KV events (%s)", self.worker_id, exc)
@@ -77,7 +89,7 @@ class EventPublisher:
             pipe = self._client.pipeline(transaction=False)
             pipe.hset(schema.worker_key(self.worker_id), mapping=info)
             pipe.set(schema.worker_alive_key(self.worker_id), "1", px=ttl_ms)
-            pipe.sadd(schema.WORKERS_SET, self.worker_id)
+            pipe.sadd(schema.workers_key(schema.index_shard(self.worker_id)), self.worker_id)
             pipe.hexists(schema.worker_key(self.worker_id), "generation")
             has_state = pipe.execute()[-1]
         except redis.RedisError:

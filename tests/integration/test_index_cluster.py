@@ -1,0 +1,170 @@
+"""The index sharded over a real local Redis Cluster (3 masters, started from the same
+redis-server binary as every other test): each worker's keys sit in its shard's slot, the event
+and purge scripts run there atomically, and followers rebuild, follow, resync and purge across
+the shards exactly as on one Redis."""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from kvmesh.coordinator.cluster.redis_server import RedisClusterServers, start_redis_cluster
+from kvmesh.coordinator.index.follower import IndexFollower
+from kvmesh.coordinator.index.locked_mirror import LockedMirror
+from kvmesh.coordinator.index.mirror import WorkerId
+from kvmesh.coordinator.index.store import IndexStore
+from kvmesh.proto import redis_schema as schema
+from kvmesh.proto.block_hash import BlockHash
+from kvmesh.proto.events import AllCleared, BlockRemoved, BlockStored, EventBatch
+from kvmesh.workers.engine.event_publisher import EventPublisher
+
+pytestmark = [pytest.mark.redis]
+
+NS = "00000000000000bb"
+GEN = 7
+WORKERS = [f"w{i}" for i in range(12)]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[RedisClusterServers]:
+    c = start_redis_cluster(num_masters=3)
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def url(cluster: RedisClusterServers) -> str:
+    client = _client(cluster.url)
+    for node in client.get_primaries():
+        client.get_redis_connection(node).flushall()
+    return cluster.url
+
+
+def _client(url: str) -> Any:
+    plain, is_cluster = schema.cluster_url(url)
+    assert is_cluster
+    return redis.RedisCluster.from_url(plain)
+
+
+def stored(*hashes: int) -> BlockStored:
+    return BlockStored(tuple(BlockHash(h) for h in hashes))
+
+
+def follower_for(url: str) -> IndexFollower:
+    follower = IndexFollower(IndexStore(url), LockedMirror(), ns=NS)
+    follower.rebuild()
+    return follower
+
+
+def drain(follower: IndexFollower) -> None:
+    while follower.poll_once(block_ms=None):
+        pass
+
+
+def test_every_key_of_a_worker_sits_in_its_shards_slot_and_the_shards_spread(url: str) -> None:
+    client = _client(url)
+    for i, w in enumerate(WORKERS):
+        pub = EventPublisher(url, NS, w)
+        assert pub.publish(EventBatch(w, GEN, 1, (stored(1, 2, 100 + i),))).ok
+        assert pub.heartbeat({"node": "n"}, 3000)
+    keys_per_node = []
+    for node in client.get_primaries():
+        keys = [k.decode() for k in client.get_redis_connection(node).keys("kvmesh:*")]
+        keys_per_node.append(len(keys))
+        for key in keys:  # a key is stored only on the master that owns its slot
+            assert client.get_node_from_key(key).name == node.name, key
+    assert all(n > 0 for n in keys_per_node), keys_per_node  # 12 workers reach all 3 masters
+    for w in WORKERS:
+        slot = client.keyslot(schema.worker_key(w))
+        shard_keys = schema.purge_worker_keys(w) + [
+            schema.block_key(NS, schema.hash_hex(h), w) for h in (1, 2)
+        ]
+        assert {client.keyslot(k) for k in shard_keys} == {slot}
+        assert client.hget(schema.block_key(NS, schema.hash_hex(1), w), w) == b"0"
+    # Block 1 is held by all 12 workers, whose holders live in several shards: all are found.
+    assert IndexStore(url).block_holders(NS, BlockHash(1)) == dict.fromkeys(WORKERS, 0)
+
+
+def test_a_batch_is_applied_whole_and_a_new_generation_wipes_on_the_cluster(url: str) -> None:
+    client = _client(url)
+    pub = EventPublisher(url, NS, "w0")
+    pub.publish(EventBatch("w0", GEN, 1, (stored(1, 2, 3), BlockRemoved((BlockHash(2),)))))
+    assert set(client.hkeys(schema.worker_blocks_key("w0"))) == {
+        schema.hash_hex(h).encode() for h in (1, 3)
+    }
+    assert pub.publish(EventBatch("w0", GEN, 1, (stored(9),))).num_applied == 0  # duplicate
+    pub.publish(EventBatch("w0", GEN + 1, 1, (stored(5),)))  # restarted: old blocks wiped
+    assert client.hkeys(schema.worker_blocks_key("w0")) == [schema.hash_hex(5).encode()]
+    assert not client.exists(schema.block_key(NS, schema.hash_hex(1), "w0"))
+    pub.publish(EventBatch("w0", GEN + 1, 2, (AllCleared(),)))
+    assert not client.exists(schema.worker_blocks_key("w0"))
+
+
+def test_followers_rebuild_follow_resync_and_purge_across_shards(url: str) -> None:
+    pubs = {w: EventPublisher(url, NS, w) for w in WORKERS}
+    for i, (w, pub) in enumerate(pubs.items()):
+        pub.publish(EventBatch(w, GEN, 1, (stored(1000 * i + 1, 1000 * i + 2),)))
+    follower = follower_for(url)
+    assert follower.mirror.num_blocks == 2 * len(WORKERS)
+    late = follower_for(url)
+    for i, (w, pub) in enumerate(pubs.items()):
+        pub.publish(EventBatch(w, GEN, 2, (stored(1000 * i + 3),)))
+    drain(follower)
+    # A lost batch of w5 (deleted from its shard's stream) is a gap: the follower resyncs w5.
+    client = _client(url)
+    pubs["w5"].publish(EventBatch("w5", GEN, 3, (stored(5004),)))
+    stream = schema.worker_events_key("w5")
+    client.xdel(stream, client.xrevrange(stream, count=1)[0][0])
+    pubs["w5"].publish(EventBatch("w5", GEN, 4, (stored(5005),)))
+    resyncs = follower.num_resyncs
+    drain(follower)
+    assert follower.num_resyncs == resyncs + 1
+    store = IndexStore(url)
+    for w in WORKERS:
+        snap = store.snapshot(w)
+        assert snap is not None
+        assert follower.mirror.worker_hashes(WorkerId(w)) == dict(snap.blocks)
+    # A purge, from another coordinator, reaches this follower through w7's shard stream.
+    assert store.purge_worker(NS, "w7") == 3
+    assert not client.exists(schema.worker_key("w7"), schema.worker_blocks_key("w7"))
+    drain(follower)
+    drain(late)
+    assert follower.mirror.num_worker_blocks(WorkerId("w7")) == 0
+    assert WorkerId("w7") not in late.mirror.workers()
+    assert "w7" not in store.worker_ids() and len(store.worker_ids()) == len(WORKERS) - 1
+    for f in (follower, late):
+        f.mirror.check_invariants()
+    assert late.mirror.num_blocks == follower.mirror.num_blocks == 3 * (len(WORKERS) - 1) + 2
+
+
+def _publish(url: str, worker: str, num_batches: int, batch_blocks: int) -> None:
+    pub = EventPublisher(url, NS, worker)
+    base = int(worker[1:]) * 1_000_000
+    for b in range(num_batches):
+        first = base + b * batch_blocks + 1
+        pub.publish(EventBatch(worker, GEN, b + 1, (stored(*range(first, first + batch_blocks)),)))
+
+
+@pytest.mark.slow
+def test_publishers_in_several_processes_fill_the_cluster_and_the_mirror(url: str) -> None:
+    follower = follower_for(url)
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_publish, args=(url, f"w{i}", 20, 100)) for i in range(4)]
+    for p in procs:
+        p.start()
+    while follower.mirror.num_blocks < 4 * 20 * 100:
+        follower.poll_once(block_ms=50)
+        assert all(p.exitcode in (None, 0) for p in procs)
+    for p in procs:
+        p.join()
+    assert all(p.exitcode == 0 for p in procs)
+    store = IndexStore(url)
+    for i in range(4):
+        snap = store.snapshot(f"w{i}")
+        assert snap is not None and len(snap.blocks) == 2000
+        assert follower.mirror.cursor(WorkerId(f"w{i}")) == (GEN, 20)
+    follower.mirror.check_invariants()
