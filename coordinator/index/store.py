@@ -154,7 +154,7 @@ class IndexStore:
 
     def purge_worker(self, ns: str, worker_id: str) -> int:
         prefix = schema.shard_prefix(schema.index_shard(worker_id))
-        args = [ns, worker_id, schema.EVENTS_STREAM_MAXLEN, prefix]
+        args: list[str | int] = [ns, worker_id, schema.EVENTS_STREAM_MAXLEN, prefix]
         return int(self._purge(keys=schema.purge_worker_keys(worker_id), args=args))
 
     def read_stream(

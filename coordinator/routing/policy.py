@@ -107,7 +107,8 @@ class WorkerColumns(Sequence[WorkerView]):
         if isinstance(views, WorkerColumns):
             return views
         fields = list(zip(*views, strict=True)) if views else [()] * len(WorkerView._fields)
-        return cls(fields[0], *(np.array(f) for f in fields[1:]))
+        a = [np.array(f) for f in fields[1:]]
+        return cls(fields[0], a[0], a[1], a[2], a[3], a[4], a[5], a[6])
 
     @property
     def index_of(self) -> Mapping[WorkerId, int]:

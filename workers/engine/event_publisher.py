@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import redis
 
 from kvmesh.proto import redis_schema as schema
@@ -43,7 +44,8 @@ def batch_to_argv(ns: str, batch: EventBatch, maxlen: int) -> list[str | bytes |
             continue
         kind = "S" if isinstance(e, BlockStored) else "R"
         assert isinstance(e, BlockStored | BlockRemoved)
-        argv += [kind, str(e.tier), "".join([schema.hash_hex(h) for h in e.hashes])]
+        # Big-endian bytes in hex: `schema.hash_hex` of each hash, concatenated, in one call.
+        argv += [kind, str(e.tier), np.array(e.hashes, dtype=">u8").tobytes().hex()]
     return argv
 
 
