@@ -141,6 +141,10 @@ class Counters:
     per_worker: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
+FreeBlocksMany = Callable[[Sequence[str]], tuple[np.ndarray, np.ndarray]]
+"""workers -> (pool blocks, free blocks) of each, in order."""
+
+
 class Coordinator:
     def __init__(
         self,
@@ -153,6 +157,7 @@ class Coordinator:
         tokenizer: TextCodec | None = None,
         index_connected: Callable[[], bool] = lambda: True,
         worker_free_blocks: Callable[[str], tuple[int, int]] | None = None,
+        worker_free_blocks_many: FreeBlocksMany | None = None,
         cost_model: CostModel | None = None,
         transfers: PullPricing | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -166,6 +171,9 @@ class Coordinator:
         self.tokenizer = tokenizer
         self.index_connected = index_connected
         self._worker_free_blocks = worker_free_blocks or (lambda _w: (1 << 30, 1 << 30))
+        # The same for a whole fleet at once, when the caller can (the simulator); else per worker.
+        self._worker_free_blocks_many = worker_free_blocks_many
+        self._fleet_rows: tuple[tuple[WorkerId, ...], dict[WorkerId, int]] | None = None
         self.cost_model = cost_model or CostModel()
         self.policy = make_policy(
             config.policy,
@@ -238,20 +246,24 @@ class Coordinator:
     def views(self, prompt: PreparedPrompt, workers: Sequence[str]) -> WorkerColumns:
         """Every routable worker as the router sees it for this prompt, as columns."""
         ids = cast(tuple[WorkerId, ...], tuple(workers))
-        capacity = [self._worker_free_blocks(w) for w in ids]
+        if self._worker_free_blocks_many is not None:
+            num_blocks, num_free = self._worker_free_blocks_many(ids)
+        else:
+            capacity = [self._worker_free_blocks(w) for w in ids]
+            num_blocks = np.array([c[0] for c in capacity], dtype=np.int64)
+            num_free = np.array([c[1] for c in capacity], dtype=np.int64)
         queued_ms, queued_tokens, running = self.load.columns(ids, self.cost_model)
         num_matched = np.zeros(len(ids), dtype=np.int64)
         num_device = np.zeros(len(ids), dtype=np.int64)
-        matches = self.match(prompt)
-        index_of = {w: i for i, w in enumerate(ids)} if matches else None
-        for w, m in matches.items():
-            i = index_of.get(w) if index_of is not None else None
+        index_of = self._index_of(ids)
+        for w, m in self.match(prompt).items():
+            i = index_of.get(w)
             if i is not None:
                 num_matched[i], num_device[i] = m.num_blocks, m.num_device_blocks
         return WorkerColumns(
             ids,
-            np.array([c[0] for c in capacity], dtype=np.int64),
-            np.array([c[1] for c in capacity], dtype=np.int64),
+            num_blocks,
+            num_free,
             queued_ms,
             queued_tokens,
             running,
@@ -260,10 +272,17 @@ class Coordinator:
             index_of,
         )
 
+    def _index_of(self, ids: tuple[WorkerId, ...]) -> dict[WorkerId, int]:
+        """Row of each worker of the fleet, cached while the fleet stays the same tuple."""
+        cached = self._fleet_rows
+        if cached is None or cached[0] is not ids:
+            cached = self._fleet_rows = (ids, {w: i for i, w in enumerate(ids)})
+        return cached[1]
+
     def route(
         self, prompt: PreparedPrompt, session_id: str = "", request_id: str = ""
     ) -> RouteDecision:
-        live = self.registry.routable()
+        live = self.registry.routable_ids()
         if not live:
             raise NoLiveWorker("no live worker can take the request")
         query = RouteQuery(

@@ -29,6 +29,7 @@ class WorkerRegistry:
         self._known: list[str] = []
         self._dead: set[str] = set()
         self._drained: set[str] = set()
+        self._routable: tuple[str, ...] | None = None  # cache of routable_ids(); None: stale
         self._lock = threading.Lock()
         self._on_dead: list[Listener] = []
         self._on_lapsed: list[Listener] = []
@@ -59,6 +60,7 @@ class WorkerRegistry:
             if worker_id in self._known:
                 raise ValueError(f"worker id {worker_id!r} is already registered")
             self._known.append(worker_id)
+            self._routable = None
         self._changed()
 
     def mark_dead(self, worker_id: str, reason: str) -> bool:
@@ -68,6 +70,7 @@ class WorkerRegistry:
                 return False
             self._dead.add(worker_id)
             self._drained.discard(worker_id)
+            self._routable = None
         log.warning(
             "worker %s is gone (%s); removing it from routing and the index", worker_id, reason
         )
@@ -90,6 +93,7 @@ class WorkerRegistry:
                 self._drained.add(worker_id)
             else:
                 self._drained.discard(worker_id)
+            self._routable = None
         self._changed()
 
     # ---- reads --------------------------------------------------------------------------------
@@ -103,8 +107,16 @@ class WorkerRegistry:
             return sorted(w for w in self._known if w not in self._dead)
 
     def routable(self) -> list[str]:
+        return list(self.routable_ids())
+
+    def routable_ids(self) -> tuple[str, ...]:
+        """`routable()` as a tuple that stays the same object until the set changes (the
+        router caches per-fleet lookups on it)."""
         with self._lock:
-            return sorted(w for w in self._known if w not in self._dead | self._drained)
+            if self._routable is None:
+                unroutable = self._dead | self._drained
+                self._routable = tuple(sorted(w for w in self._known if w not in unroutable))
+            return self._routable
 
     def drained(self) -> list[str]:
         with self._lock:
@@ -127,3 +139,6 @@ class WorkerRegistry:
             assert self._drained <= set(self._known) and self._dead <= set(self._known)
             assert not self._drained & self._dead
             assert len(set(self._known)) == len(self._known)
+            unroutable = self._dead | self._drained
+            routable = tuple(sorted(w for w in self._known if w not in unroutable))
+            assert self._routable is None or self._routable == routable, "stale routable cache"

@@ -14,6 +14,7 @@ import numpy as np
 
 from kvmesh.coordinator.index.mirror import WorkerId
 from kvmesh.coordinator.routing.cost_model import CostModel
+from kvmesh.coordinator.routing.worker_rows import WorkerRows
 
 
 @dataclass(slots=True)
@@ -40,17 +41,24 @@ class LoadTracker:
     Own routes are exact but blind to other coordinator replicas; a worker's report sees them
     all but lags. The router takes the larger of the two for each worker (`with_reported`), so
     replicas agree on a worker's load within a health interval and never count a request twice.
+    The per-worker numbers live in `WorkerRows` columns, so `columns` reads a fleet at once.
     """
 
     def __init__(self) -> None:
         self._pending: dict[str, _Pending] = {}
-        self._queued_ms: dict[WorkerId, float] = {}
-        self._queued_tokens: dict[WorkerId, int] = {}
-        self._num_running: dict[WorkerId, int] = {}
-        self._reported: dict[WorkerId, ReportedLoad] = {}
+        self._rows = WorkerRows(
+            queued_ms=np.float64,
+            queued_tokens=np.int64,
+            num_running=np.int64,
+            reported=np.bool_,
+            reported_tokens=np.int64,
+            reported_requests=np.int64,
+        )
 
     def on_reported(self, worker: WorkerId, load: ReportedLoad) -> None:
-        self._reported[worker] = load
+        self._rows.set("reported", worker, True)
+        self._rows.set("reported_tokens", worker, load.queued_prefill_tokens)
+        self._rows.set("reported_requests", worker, load.num_requests)
 
     def with_reported(
         self, worker: WorkerId, tokens_to_ms: Callable[[int], float]
@@ -59,13 +67,13 @@ class LoadTracker:
         this coordinator routed and what the worker last reported."""
         own_ms, own_tokens = self.queued_prefill_ms(worker), self.queued_prefill_tokens(worker)
         own_running = self.num_running(worker)
-        report = self._reported.get(worker)
-        if report is None:
+        if not self._rows.value("reported", worker):
             return own_ms, own_tokens, own_running
+        tokens = int(self._rows.value("reported_tokens", worker))
         return (
-            max(own_ms, tokens_to_ms(report.queued_prefill_tokens)),
-            max(own_tokens, report.queued_prefill_tokens),
-            max(own_running, report.num_requests),
+            max(own_ms, tokens_to_ms(tokens)),
+            max(own_tokens, tokens),
+            max(own_running, int(self._rows.value("reported_requests", worker))),
         )
 
     def columns(
@@ -73,68 +81,70 @@ class LoadTracker:
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """`with_reported` of every worker at once, as arrays (queued ms, queued tokens,
         requests), with `cost_model.prefill_ms` pricing the reported tokens: the same values."""
-        n = len(workers)
-        own_ms = np.fromiter((self._queued_ms.get(w, 0.0) for w in workers), np.float64, n)
-        own_ms = np.maximum(own_ms, 0.0)
-        own_tokens = np.fromiter((self._queued_tokens.get(w, 0) for w in workers), np.int64, n)
-        own_running = np.fromiter((self._num_running.get(w, 0) for w in workers), np.int64, n)
-        if not self._reported:
+        rows = self._rows.rows(workers)  # first: making rows may grow (replace) the columns
+        col = self._rows.columns
+        own_ms = np.maximum(col["queued_ms"][rows], 0.0)
+        own_tokens = col["queued_tokens"][rows]
+        own_running = col["num_running"][rows]
+        has = col["reported"][rows]
+        if not has.any():
             return own_ms, own_tokens, own_running
-        reports = [self._reported.get(w) for w in workers]
-        has = np.fromiter((r is not None for r in reports), bool, n)
-        tokens = np.fromiter((r.queued_prefill_tokens if r else 0 for r in reports), np.int64, n)
-        running = np.fromiter((r.num_requests if r else 0 for r in reports), np.int64, n)
-        reported_ms = cost_model.prefill_ms_array(tokens)
+        # A worker without a report reports 0 tokens and 0 requests, and its own numbers are
+        # >= 0: the max below leaves them as they are, as `with_reported` does.
+        tokens = col["reported_tokens"][rows]
+        reported_ms = np.where(has, cost_model.prefill_ms_array(tokens), 0.0)
         return (
-            np.where(has, np.maximum(own_ms, reported_ms), own_ms),
-            np.where(has, np.maximum(own_tokens, tokens), own_tokens),
-            np.where(has, np.maximum(own_running, running), own_running),
+            np.maximum(own_ms, reported_ms),
+            np.maximum(own_tokens, tokens),
+            np.maximum(own_running, col["reported_requests"][rows]),
         )
 
     def queued_prefill_ms(self, worker: WorkerId) -> float:
-        return max(0.0, self._queued_ms.get(worker, 0.0))
+        return max(0.0, float(self._rows.value("queued_ms", worker)))
 
     def queued_prefill_tokens(self, worker: WorkerId) -> int:
-        return self._queued_tokens.get(worker, 0)
+        return int(self._rows.value("queued_tokens", worker))
 
     def num_running(self, worker: WorkerId) -> int:
-        return self._num_running.get(worker, 0)
+        return int(self._rows.value("num_running", worker))
 
     def on_routed(self, request_id: str, worker: WorkerId, prefill_ms: float, tokens: int) -> None:
         if request_id in self._pending:
             raise ValueError("a request with this id is already in flight")  # never echo ids
         self._pending[request_id] = _Pending(worker, prefill_ms, tokens)
-        self._queued_ms[worker] = self._queued_ms.get(worker, 0.0) + prefill_ms
-        self._queued_tokens[worker] = self._queued_tokens.get(worker, 0) + tokens
-        self._num_running[worker] = self._num_running.get(worker, 0) + 1
+        self._rows.add("queued_ms", worker, prefill_ms)
+        self._rows.add("queued_tokens", worker, tokens)
+        self._rows.add("num_running", worker, 1)
 
     def on_prefilled(self, request_id: str) -> None:
         p = self._pending.get(request_id)
         if p is None or p.prefilled:
             return
         p.prefilled = True
-        self._queued_ms[p.worker] = max(0.0, self._queued_ms[p.worker] - p.prefill_ms)
-        self._queued_tokens[p.worker] = max(0, self._queued_tokens[p.worker] - p.prefill_tokens)
+        queued_ms = float(self._rows.value("queued_ms", p.worker))
+        self._rows.set("queued_ms", p.worker, max(0.0, queued_ms - p.prefill_ms))
+        queued_tokens = int(self._rows.value("queued_tokens", p.worker))
+        self._rows.set("queued_tokens", p.worker, max(0, queued_tokens - p.prefill_tokens))
 
     def on_finished(self, request_id: str) -> None:
         self.on_prefilled(request_id)
         p = self._pending.pop(request_id, None)
         if p is not None:
-            self._num_running[p.worker] -= 1
+            self._rows.add("num_running", p.worker, -1)
 
     def forget_worker(self, worker: WorkerId) -> list[str]:
         """Drop a dead worker's requests; returns their ids."""
         ids = [rid for rid, p in self._pending.items() if p.worker == worker]
         for rid in ids:
             del self._pending[rid]
-        self._queued_ms.pop(worker, None)
-        self._queued_tokens.pop(worker, None)
-        self._num_running.pop(worker, None)
-        self._reported.pop(worker, None)
+        self._rows.release(worker)
         return ids
 
     def check_invariants(self) -> None:
-        for w, n in self._num_running.items():
+        self._rows.check_invariants()
+        workers = {p.worker for p in self._pending.values()}
+        for w in workers:
+            n = self.num_running(w)
             assert n == sum(1 for p in self._pending.values() if p.worker == w), w
             expected = sum(
                 p.prefill_ms for p in self._pending.values() if p.worker == w and not p.prefilled

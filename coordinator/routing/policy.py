@@ -139,8 +139,16 @@ class WorkerColumns(Sequence[WorkerView]):
         )
 
     def __iter__(self) -> Iterator[WorkerView]:
-        for i in range(len(self.ids)):
-            yield self[i]
+        columns = (
+            self.num_blocks.tolist(),
+            self.num_free_blocks.tolist(),
+            self.queued_prefill_ms.tolist(),
+            self.queued_prefill_tokens.tolist(),
+            self.num_running.tolist(),
+            self.matched_blocks.tolist(),
+            self.matched_device_blocks.tolist(),
+        )
+        return map(WorkerView._make, zip(self.ids, *columns, strict=True))
 
 
 @dataclass(frozen=True, slots=True)

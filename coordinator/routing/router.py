@@ -12,7 +12,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import NamedTuple
+from typing import NamedTuple, overload
 
 import numpy as np
 
@@ -158,6 +158,26 @@ class KvmeshWeights:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
+class _Rows(Sequence[WorkerId]):
+    """`ids[r] for r in rows`, read only when indexed (a pricer that ignores the targets, as the
+    simulator's does, never pays for the list)."""
+
+    def __init__(self, ids: Sequence[WorkerId], rows: np.ndarray) -> None:
+        self._ids, self._rows = ids, rows
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    @overload
+    def __getitem__(self, i: int) -> WorkerId: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[WorkerId]: ...
+    def __getitem__(self, i: int | slice) -> WorkerId | list[WorkerId]:
+        if isinstance(i, slice):
+            return [self._ids[r] for r in self._rows[i].tolist()]
+        return self._ids[int(self._rows[i])]
+
+
 class _PrefillOptions(NamedTuple):
     """Per row: when the prompt's KV is ready on the worker, and how (see `_prefill_options`)."""
 
@@ -301,7 +321,7 @@ class KvmeshPolicy(RoutingPolicy):
         rows: np.ndarray,
         num_tokens: np.ndarray,
     ) -> np.ndarray:
-        targets = [ids[r] for r in rows.tolist()]
+        targets = _Rows(ids, rows)
         if self.transfer_ms_many is not None:
             return np.asarray(self.transfer_ms_many(source, targets, num_tokens), np.float64)
         price = self.transfer_ms
@@ -330,9 +350,7 @@ class KvmeshPolicy(RoutingPolicy):
         # Decode is paid per token, by this request and by every sequence it joins (see
         # `KvmeshWeights.decode_tokens`): what a hot prefix's holder's growing batch costs.
         if cm.decode_per_kv_token_ms > 0:
-            tokens = self._running.tokens
-            kv = np.fromiter((tokens(w) for w in cols.ids), np.int64, len(cols))
-            step_load = kv * cm.decode_per_kv_token_ms
+            step_load = self._running.tokens_many(cols.ids) * cm.decode_per_kv_token_ms
         else:
             step_load = running * cm.decode_per_seq_ms
         recompute = weights.recompute_weight * options.recompute_ms

@@ -11,9 +11,13 @@ bounds the memory when a caller never calls `discard`.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvmesh.coordinator.index.mirror import WorkerId
+from kvmesh.coordinator.routing.worker_rows import WorkerRows
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,20 +38,24 @@ class RunningContext:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
         self.ttl_s = ttl_s
         self._entries: OrderedDict[str, _Running] = OrderedDict()
-        self._tokens: dict[WorkerId, int] = {}
+        self._rows = WorkerRows(tokens=np.int64)
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def tokens(self, worker: WorkerId) -> int:
-        return self._tokens.get(worker, 0)
+        return int(self._rows.value("tokens", worker))
+
+    def tokens_many(self, workers: Sequence[WorkerId]) -> np.ndarray:
+        """`tokens` of each worker, in order, as one array."""
+        return self._rows.gather("tokens", workers)
 
     def add(self, request_id: str, worker: WorkerId, num_tokens: int, now_s: float) -> None:
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         self.discard(request_id)
         self._entries[request_id] = _Running(worker, num_tokens, now_s)
-        self._tokens[worker] = self._tokens.get(worker, 0) + num_tokens
+        self._rows.add("tokens", worker, num_tokens)
 
     def discard(self, request_id: str) -> None:
         entry = self._entries.pop(request_id, None)
@@ -65,19 +73,22 @@ class RunningContext:
     def forget_worker(self, worker: WorkerId) -> None:
         for request_id in [r for r, e in self._entries.items() if e.worker == worker]:
             del self._entries[request_id]
-        self._tokens.pop(worker, None)
+        self._rows.release(worker)
 
     def _take(self, entry: _Running) -> None:
-        left = self._tokens[entry.worker] - entry.num_tokens
+        left = self.tokens(entry.worker) - entry.num_tokens
         if left:
-            self._tokens[entry.worker] = left
+            self._rows.set("tokens", entry.worker, left)
         else:
-            del self._tokens[entry.worker]
+            self._rows.release(entry.worker)
 
     def check_invariants(self) -> None:
         sums: dict[WorkerId, int] = {}
         for e in self._entries.values():
             sums[e.worker] = sums.get(e.worker, 0) + e.num_tokens
-        assert sums == {w: t for w, t in self._tokens.items() if t}, (sums, self._tokens)
+        sums = {w: t for w, t in sums.items() if t}
+        held = {w: self.tokens(w) for w in sums}
+        assert sums == held and len(self._rows) == len(sums), (sums, held)
+        self._rows.check_invariants()
         times = [e.routed_s for e in self._entries.values()]
         assert times == sorted(times)

@@ -182,6 +182,23 @@ class SimPulls:
         self.num_failed_pulls += facts.pulled_tokens == 0
 
 
+class _FleetPools:
+    """Pool size and free blocks of a fleet's workers as arrays (the coordinator's
+    `worker_free_blocks_many`), the pools of the last fleet asked about kept in order."""
+
+    def __init__(self, pools: dict[WorkerId, BlockPool]) -> None:
+        self._pools = pools
+        self._fleet: tuple[Sequence[str], list[BlockPool], np.ndarray] | None = None
+
+    def __call__(self, workers: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        if self._fleet is None or self._fleet[0] != workers:
+            pools = [self._pools[WorkerId(w)] for w in workers]
+            sizes = np.fromiter((p.num_blocks for p in pools), np.int64, len(pools))
+            self._fleet = (workers, pools, sizes)  # a pool's size never changes
+        _, pools, sizes = self._fleet
+        return sizes, np.fromiter((p.num_free for p in pools), np.int64, len(pools))
+
+
 class SharedPoolIndex:
     """The oracle's index: every lane holds whatever the one shared pool holds."""
 
@@ -213,8 +230,10 @@ class ClusterSimulation:
         config: SimConfig,
         policy_name: str,
         requests: Sequence[SimRequest],
-        timer: Callable[[], float] = time.perf_counter,
+        timer: Callable[[], float] = time.thread_time,
     ) -> None:
+        """`timer` times the routing decisions: this thread's CPU time by default, so that
+        `decisions_per_s` is per second of CPU, as reported, whatever else the machine runs."""
         if policy_name != ORACLE and policy_name not in POLICIES:
             raise ValueError(f"unknown policy {policy_name!r}")
         self.config = config
@@ -296,6 +315,7 @@ class ClusterSimulation:
                 pools[WorkerId(w)].num_blocks,
                 pools[WorkerId(w)].num_free,
             ),
+            worker_free_blocks_many=_FleetPools(pools),
             cost_model=config.cost.router_cost_model(),
             transfers=SimPulls(config.cost) if config.pulls and not self.oracle else None,
             clock=lambda: self.now_ms / 1000.0,
