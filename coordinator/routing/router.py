@@ -349,6 +349,7 @@ class KvmeshPolicy(RoutingPolicy):
         step_ms = cm.decode_fixed_ms + running * cm.decode_per_seq_ms
         # Decode is paid per token, by this request and by every sequence it joins (see
         # `KvmeshWeights.decode_tokens`): what a hot prefix's holder's growing batch costs.
+        step_load: np.ndarray
         if cm.decode_per_kv_token_ms > 0:
             step_load = self._running.tokens_many(cols.ids) * cm.decode_per_kv_token_ms
         else:
