@@ -11,8 +11,10 @@ Usage: python benchmarks/micro.py [--workers 16,64,256,1024] [--reference] [--js
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import multiprocessing
+import os
 import platform
 import random
 import statistics
@@ -123,6 +125,56 @@ def bench_router(
     return out
 
 
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def bench_mirror(
+    num_blocks: int = 10_000_000, num_workers: int = 64, batch_blocks: int = 4096
+) -> dict[str, float]:
+    """Resident memory per indexed block, and the match cost, with `num_blocks` blocks in the
+    mirror: workers store 4K-block runs of random hashes (an eighth of them also stored by a
+    second worker), then 200 indexed 512-block chains are matched."""
+    np_rng = np.random.default_rng(0)
+    mirror = IndexMirror()
+    workers = [WorkerId(f"w{w}") for w in range(num_workers)]
+    for w in workers:
+        mirror.load_worker(w, 1, 0, [])
+    gc.collect()
+    before = _rss_bytes()
+    seq = dict.fromkeys(workers, 0)
+    chains: list[list[BlockHash]] = []
+    started = time.perf_counter()
+    while mirror.num_blocks < num_blocks:
+        hashes = np_rng.integers(1, 2**63, batch_blocks, dtype=np.uint64).tolist()
+        owners = [workers[int(np_rng.integers(num_workers))]]
+        if np_rng.random() < 0.125:
+            owners.append(workers[int(np_rng.integers(num_workers))])
+        for w in owners:
+            seq[w] += 1
+            mirror.apply(EventBatch(w, 1, seq[w], (BlockStored(tuple(hashes)),)))
+        if len(chains) < 200:
+            chains.append(hashes[:512])
+    ingest_s = time.perf_counter() - started
+    gc.collect()
+    rss = _rss_bytes() - before
+    samples = []
+    for i in range(2000):
+        t = time.perf_counter()
+        mirror.match(chains[i % len(chains)])
+        samples.append((time.perf_counter() - t) * 1e3)
+    out = percentiles(samples)
+    out.update(
+        num_blocks=mirror.num_blocks,
+        num_workers=num_workers,
+        rss_bytes=rss,
+        bytes_per_block=rss / mirror.num_blocks,
+        apply_block_events_per_s=mirror.num_events_applied / ingest_s,
+    )
+    return out
+
+
 def _publish_share(
     url: str, ns: str, worker: int, num_batches: int, batch_blocks: int, go: Any, ready: Any
 ) -> None:
@@ -208,6 +260,13 @@ def main() -> None:  # noqa: D103
     )
     parser.add_argument("--skip-ingest", action="store_true", help="skip the Redis ingestion run")
     parser.add_argument(
+        "--mirror-blocks",
+        type=lambda x: [int(float(v)) for v in x.split(",")],
+        default=[],
+        metavar="N,...",
+        help="also measure the mirror's memory and match cost at these block counts (1e5,1e7)",
+    )
+    parser.add_argument(
         "--cluster-ingest",
         default="",
         metavar="MASTERS,PUBLISHERS",
@@ -265,6 +324,16 @@ def main() -> None:  # noqa: D103
                 ">= 500K/s",
             )
         )
+    if args.mirror_blocks:
+        results["mirror"] = [bench_mirror(n) for n in args.mirror_blocks]
+        for m in results["mirror"]:
+            rows.append(
+                (
+                    f"mirror, {m['num_blocks']:,.0f} blocks: bytes/block, match p50/p99",
+                    f"{m['bytes_per_block']:.0f} B  {m['p50_ms']:.3f} / {m['p99_ms']:.3f} ms",
+                    "<= 100 B, flat",
+                )
+            )
     width = max(len(a) for a, _, _ in rows)
     print(f"{'benchmark':<{width}}  {'measured':<34}  goal")
     for name, value, goal in rows:

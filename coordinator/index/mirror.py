@@ -18,6 +18,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NewType
 
+import numpy as np
+
 from kvmesh.proto.block_hash import BlockHash
 from kvmesh.proto.events import TIER_DEVICE, AllCleared, BlockRemoved, BlockStored, EventBatch
 
@@ -45,22 +47,52 @@ class _WorkerCursor:
     seq: int
 
 
-class IndexMirror:
-    """Block -> holders map for every known worker.
+_NOBODY = 0  # the holder set of a block nobody holds
+_MIN_DELTA = 4096
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: spreads any key pattern over slots
 
-    Each worker gets a bit; a block's holders are an integer bitmask (any tier) plus a second
-    mask of those holding it on the device tier, so `match` walks a chain with one AND per block.
+
+def _home_slots(keys: np.ndarray, bits: int) -> np.ndarray:
+    """Each key's first slot in a table of 2**bits (the top bits of key * golden ratio)."""
+    return ((keys * _GOLDEN) >> np.uint64(64 - bits)).astype(np.int64)
+
+
+class IndexMirror:
+    """Block -> holders for every known worker, in about 12 bytes per block.
+
+    Each worker gets a bit. Blocks held by the same workers on the same tiers share one interned
+    *holder set* (an any-tier mask and a device-tier mask of bits; id 0 is nobody), so a block
+    costs a hash and a set id; there are few distinct sets, however many blocks:
+
+        _keys   uint64[n]  block hashes, sorted (merges insert with one pass)
+        _sets   uint32[n]  holder set of each
+        _index  int32[2^k >= 2n]  open addressing (linear probing) from a hash to its row, so a
+                chain's lookups are a few vectorised probes each, whatever n is
+        _delta  {hash: set id}  blocks changed since the last merge (overrides the arrays; id
+                0: no holder left); merged in, and the index rebuilt, when it outgrows 1/8 of them
+
+    `match` looks a chain up at once and walks only the positions where the holder set changes.
 
     Invariants (checked by `check_invariants`):
-      * bit(w) is set in any_mask[h] iff h in worker_blocks[w]
-      * bit(w) is set in device_mask[h] iff worker_blocks[w][h] == TIER_DEVICE
-      * no hash maps to an empty mask; every worker with blocks has a cursor and a bit
+      * refs[s] == number of blocks whose current set is s (s != 0); an interned set has refs > 0
+      * bit(w) is in any(s) of a block's set s iff w holds it; in device(s) iff on the device tier
+      * num_worker_blocks(w) == blocks whose set has bit(w); num_blocks == blocks with a set != 0
+      * every worker with blocks has a cursor and a bit
     """
 
     def __init__(self) -> None:
-        self._any_mask: dict[BlockHash, int] = {}
-        self._device_mask: dict[BlockHash, int] = {}
-        self._worker_blocks: dict[WorkerId, dict[BlockHash, int]] = {}
+        self._keys = np.zeros(0, dtype=np.uint64)
+        self._sets = np.zeros(0, dtype=np.uint32)
+        self._delta: dict[BlockHash, int] = {}
+        self._index = np.full(16, -1, dtype=np.int32)
+        self._index_bits = 4
+        self._set_any: list[int] = [0]
+        self._set_device: list[int] = [0]
+        self._set_refs: list[int] = [0]
+        self._set_id: dict[tuple[int, int], int] = {(0, 0): _NOBODY}
+        self._free_set_ids: list[int] = []
+        self._num_blocks = 0
+        self._num_blocks_of: dict[WorkerId, int] = {}
         self._cursors: dict[WorkerId, _WorkerCursor] = {}
         self._bit_of: dict[WorkerId, int] = {}
         self._worker_of_bit: dict[int, WorkerId] = {}
@@ -68,16 +100,24 @@ class IndexMirror:
 
     @property
     def num_blocks(self) -> int:
-        return len(self._any_mask)
+        return self._num_blocks
 
     def workers(self) -> list[WorkerId]:
         return list(self._cursors)
 
     def num_worker_blocks(self, worker: WorkerId) -> int:
-        return len(self._worker_blocks.get(worker, ()))
+        return self._num_blocks_of.get(worker, 0)
 
     def worker_hashes(self, worker: WorkerId) -> dict[BlockHash, int]:
-        return dict(self._worker_blocks.get(worker, {}))
+        bit = self._bit_of.get(worker)
+        if not bit or not self._num_blocks_of.get(worker):
+            return {}
+        self._merge()
+        held = [s for s, m in enumerate(self._set_any) if m & bit and self._set_refs[s]]
+        on_device = np.array([bool(self._set_device[s] & bit) for s in held], dtype=bool)
+        rows = np.flatnonzero(np.isin(self._sets, held))
+        tiers = np.where(on_device[np.searchsorted(held, self._sets[rows])], TIER_DEVICE, 1)
+        return dict(zip(self._keys[rows].tolist(), tiers.tolist(), strict=True))
 
     def cursor(self, worker: WorkerId) -> tuple[int, int] | None:
         c = self._cursors.get(worker)
@@ -100,9 +140,10 @@ class IndexMirror:
             elif isinstance(event, BlockRemoved):
                 self._remove(worker, event.hashes, event.tier)
             elif isinstance(event, AllCleared):
-                self._remove(worker, list(self._worker_blocks.get(worker, {})), None)
+                self._drop_worker_blocks(worker)
         cursor.seq = batch.seq
         self.num_events_applied += batch.num_block_events
+        self._maybe_merge()
         return ApplyResult.APPLIED
 
     def load_worker(
@@ -111,37 +152,46 @@ class IndexMirror:
         """Replace everything known about `worker` with a full snapshot (resync)."""
         self.remove_worker(worker)
         self._cursors[worker] = _WorkerCursor(generation, seq)
-        self._worker_blocks[worker] = {}
+        by_tier: dict[int, list[BlockHash]] = {}
         for h, tier in blocks:
-            self._add(worker, (h,), tier)
+            by_tier.setdefault(tier, []).append(h)
+        for tier, hashes in by_tier.items():
+            self._add(worker, hashes, tier)
+        self._maybe_merge()
 
     def remove_worker(self, worker: WorkerId) -> int:
         """Purge a worker (dead or restarting); returns how many of its blocks were dropped."""
-        owned = self._worker_blocks.pop(worker, {})
+        dropped = self._drop_worker_blocks(worker)
         bit = self._bit_of.pop(worker, 0)
-        for h in owned:
-            self._clear_bit(h, bit)
         if bit:
             del self._worker_of_bit[bit]
         self._cursors.pop(worker, None)
-        return len(owned)
+        self._num_blocks_of.pop(worker, None)
+        return dropped
 
     def match(self, hashes: Sequence[BlockHash]) -> dict[WorkerId, PrefixMatch]:
         """Per worker, how many leading blocks of `hashes` it holds (workers with none omitted)."""
-        any_mask, device_mask = self._any_mask, self._device_mask
-        active = any_mask.get(hashes[0], 0) if hashes else 0
-        if not active:
+        if not hashes:
             return {}
+        sets = self._lookup(hashes)
+        if not sets[0]:
+            return {}
+        set_any, set_device = self._set_any, self._set_device
+        active = set_any[sets[0]]
         on_device = active
         num_blocks: dict[int, int] = {}
         num_device: dict[int, int] = {}
+        # Only where the holder set changes can a worker's run end (or the chain's, at a 0).
+        changes = (np.flatnonzero(sets[1:] != sets[:-1]) + 1).tolist()
+        set_of = sets.tolist()
         i = 0
-        for i, h in enumerate(hashes):  # noqa: B007 - i is read after the loop
-            held = active & any_mask.get(h, 0)
+        for i in [0, *changes]:  # noqa: B007 - i is read after the loop
+            s = set_of[i]
+            held = active & set_any[s]
             if held != active:
                 self._record(active & ~held, i, num_blocks)
                 active = held
-            held_dev = on_device & device_mask.get(h, 0)
+            held_dev = on_device & set_device[s]
             if held_dev != on_device:
                 self._record(on_device & ~held_dev, i, num_device)
                 on_device = held_dev
@@ -163,6 +213,93 @@ class IndexMirror:
             out[low] = length
             mask ^= low
 
+    # ---- blocks -> holder sets ------------------------------------------------------------------
+
+    def _lookup(self, hashes: Sequence[BlockHash]) -> np.ndarray:
+        """The current holder set of each hash (0: nobody), as an int64 array."""
+        if len(self._keys):
+            rows = self._find(np.fromiter(hashes, np.uint64, len(hashes)))
+            sets = np.where(rows >= 0, self._sets[rows], 0).astype(np.int64)
+        else:
+            sets = np.zeros(len(hashes), dtype=np.int64)
+        delta = self._delta
+        if delta:
+            get = delta.get
+            for i, h in enumerate(hashes):
+                s = get(h)
+                if s is not None:
+                    sets[i] = s
+        return sets
+
+    def _find(self, wanted: np.ndarray) -> np.ndarray:
+        """Row of each wanted hash in the arrays, -1 where absent: probe the index, all keys
+        at once, one slot further per round for those that met another key."""
+        index, keys, mask = self._index, self._keys, (1 << self._index_bits) - 1
+        found = np.full(len(wanted), -1, dtype=np.int64)
+        if not len(keys):
+            return found
+        todo = np.arange(len(wanted))
+        slots = _home_slots(wanted, self._index_bits)
+        while len(todo):
+            rows = index[slots]
+            occupied = rows >= 0
+            hit = occupied & (keys[np.where(occupied, rows, 0)] == wanted[todo])
+            found[todo[hit]] = rows[hit]
+            again = occupied & ~hit
+            todo, slots = todo[again], (slots[again] + 1) & mask
+        return found
+
+    def _build_index(self) -> None:
+        """Place every row in a table of at least twice as many slots (linear probing): all
+        rows at once per round; of the rows landing on one free slot one wins, the rest move
+        on one slot."""
+        n = len(self._keys)
+        bits = max(4, (2 * n).bit_length())
+        index = np.full(1 << bits, -1, dtype=np.int32)
+        mask = (1 << bits) - 1
+        rows = np.arange(n, dtype=np.int32)
+        slots = _home_slots(self._keys, bits)
+        while len(rows):
+            free = index[slots] < 0
+            index[slots[free]] = rows[free]  # of several rows on one slot, one is kept
+            placed = free & (index[slots] == rows)
+            rows, slots = rows[~placed], (slots[~placed] + 1) & mask
+        self._index, self._index_bits = index, bits
+
+    def _intern(self, any_mask: int, device_mask: int) -> int:
+        key = (any_mask, device_mask)
+        s = self._set_id.get(key)
+        if s is None:
+            if self._free_set_ids:
+                s = self._free_set_ids.pop()
+                self._set_any[s], self._set_device[s], self._set_refs[s] = any_mask, device_mask, 0
+            else:
+                s = len(self._set_any)
+                self._set_any.append(any_mask)
+                self._set_device.append(device_mask)
+                self._set_refs.append(0)
+            self._set_id[key] = s
+        return s
+
+    def _move(self, h: BlockHash, old: int, new: int) -> None:
+        """Block `h` goes from holder set `old` to `new` (refs, the block count, the delta)."""
+        refs = self._set_refs
+        if old:
+            refs[old] -= 1
+            if not refs[old]:
+                self._release_set(old)
+        else:
+            self._num_blocks += 1
+        if new:
+            refs[new] += 1
+        else:
+            self._num_blocks -= 1
+        self._delta[h] = new
+
+    def _release_set(self, s: int) -> None:
+        del self._set_id[(self._set_any[s], self._set_device[s])]
+        self._free_set_ids.append(s)
+
     def _bit(self, worker: WorkerId) -> int:
         bit = self._bit_of.get(worker)
         if bit is None:
@@ -174,56 +311,118 @@ class IndexMirror:
             self._worker_of_bit[bit] = worker
         return bit
 
-    def _add(self, worker: WorkerId, hashes: Iterable[BlockHash], tier: int) -> None:
-        owned = self._worker_blocks.setdefault(worker, {})
+    def _add(self, worker: WorkerId, hashes: Sequence[BlockHash], tier: int) -> None:
+        if not hashes:
+            return
         bit = self._bit(worker)
-        for h in hashes:
-            owned[h] = tier
-            self._any_mask[h] = self._any_mask.get(h, 0) | bit
-            if tier == TIER_DEVICE:
-                self._device_mask[h] = self._device_mask.get(h, 0) | bit
-            else:
-                self._clear_device_bit(h, bit)
+        current = self._lookup(hashes).tolist()
+        set_any, set_device, delta = self._set_any, self._set_device, self._delta
+        added = 0
+        for h, s in zip(hashes, current, strict=True):
+            s = delta.get(h, s)  # a hash twice in one event: its first store counts
+            any_mask = set_any[s]
+            device = set_device[s] | bit if tier == TIER_DEVICE else set_device[s] & ~bit
+            if any_mask & bit and device == set_device[s]:
+                continue
+            added += not any_mask & bit
+            self._move(h, s, self._intern(any_mask | bit, device))
+        if added:
+            self._num_blocks_of[worker] = self._num_blocks_of.get(worker, 0) + added
 
-    def _remove(self, worker: WorkerId, hashes: Iterable[BlockHash], tier: int | None) -> None:
-        owned = self._worker_blocks.get(worker)
-        if not owned:
+    def _remove(self, worker: WorkerId, hashes: Sequence[BlockHash], tier: int) -> None:
+        bit = self._bit_of.get(worker)
+        if not bit or not self._num_blocks_of.get(worker) or not hashes:
             return  # nothing indexed (a worker gets its bit with its first block)
-        bit = self._bit_of[worker]
-        for h in hashes:
-            held = owned.get(h)
-            if held is None or (tier is not None and held != tier):
+        current = self._lookup(hashes).tolist()
+        set_any, set_device, delta = self._set_any, self._set_device, self._delta
+        removed = 0
+        for h, s in zip(hashes, current, strict=True):
+            s = delta.get(h, s)
+            if not set_any[s] & bit:
+                continue
+            held = TIER_DEVICE if set_device[s] & bit else 1
+            if held != tier:
                 continue  # a removal from another tier than the one indexed: keep ours
-            del owned[h]
-            self._clear_bit(h, bit)
+            self._move(h, s, self._intern(set_any[s] & ~bit, set_device[s] & ~bit))
+            removed += 1
+        self._num_blocks_of[worker] -= removed
 
-    def _clear_bit(self, h: BlockHash, bit: int) -> None:
-        left = self._any_mask.get(h, 0) & ~bit
-        if left:
-            self._any_mask[h] = left
-        else:
-            self._any_mask.pop(h, None)
-        self._clear_device_bit(h, bit)
+    def _drop_worker_blocks(self, worker: WorkerId) -> int:
+        """Take the worker's bit out of every block (one pass over the arrays, no per-block
+        Python); returns how many blocks it held."""
+        bit = self._bit_of.get(worker)
+        num_held = self._num_blocks_of.get(worker, 0)
+        if not bit or not num_held:
+            return 0
+        self._merge()
+        refs = self._set_refs
+        remap = np.arange(len(self._set_any), dtype=np.uint32)
+        for s, any_mask in enumerate(self._set_any):
+            if refs[s] and any_mask & bit:
+                remap[s] = self._intern(any_mask & ~bit, self._set_device[s] & ~bit)
+        old = self._sets
+        new = remap[old]
+        changed = old != new
+        counts_old = np.bincount(old[changed], minlength=len(self._set_any))
+        counts_new = np.bincount(new[changed], minlength=len(self._set_any))
+        for s in np.flatnonzero(counts_new).tolist():
+            refs[s] += int(counts_new[s])
+        for s in np.flatnonzero(counts_old).tolist():
+            refs[s] -= int(counts_old[s])
+            if not refs[s]:
+                self._release_set(s)
+        self._num_blocks -= int(counts_new[_NOBODY])
+        self._sets = new
+        self._num_blocks_of[worker] = 0
+        return num_held
 
-    def _clear_device_bit(self, h: BlockHash, bit: int) -> None:
-        left = self._device_mask.get(h, 0) & ~bit
-        if left:
-            self._device_mask[h] = left
-        else:
-            self._device_mask.pop(h, None)
+    def _maybe_merge(self) -> None:
+        if len(self._delta) > max(_MIN_DELTA, len(self._keys) >> 3):
+            self._merge()
+
+    def _merge(self) -> None:
+        """Fold the delta into the sorted arrays, dropping blocks nobody holds any more."""
+        delta = self._delta
+        if not delta:
+            return
+        n = len(delta)
+        new_keys = np.fromiter(delta.keys(), np.uint64, n)
+        new_sets = np.fromiter(delta.values(), np.uint32, n)
+        order = np.argsort(new_keys)
+        new_keys, new_sets = new_keys[order], new_sets[order]
+        keys, sets = self._keys, self._sets
+        rows = np.searchsorted(keys, new_keys)
+        found = rows < len(keys)
+        found[found] = keys[rows[found]] == new_keys[found]
+        sets[rows[found]] = new_sets[found]
+        fresh = ~found & (new_sets != _NOBODY)
+        keys = np.insert(keys, rows[fresh], new_keys[fresh])
+        sets = np.insert(sets, rows[fresh], new_sets[fresh])
+        if len(keys) > 2 * self._num_blocks + _MIN_DELTA:  # many blocks left: compact
+            kept = sets != _NOBODY
+            keys, sets = keys[kept], sets[kept]
+        self._keys, self._sets = keys, sets
+        delta.clear()
+        self._build_index()
 
     def check_invariants(self) -> None:
-        expected_any: dict[BlockHash, int] = {}
-        expected_dev: dict[BlockHash, int] = {}
-        for w, owned in self._worker_blocks.items():
-            assert w in self._cursors, f"worker {w} has blocks but no cursor"
-            if not owned:
+        self._merge()
+        sets = self._sets
+        assert np.all(self._keys[1:] > self._keys[:-1]), "keys are not sorted and unique"
+        rows = self._find(self._keys)
+        assert np.array_equal(rows, np.arange(len(rows))), "the index misses a key's row"
+        counts = np.bincount(sets, minlength=len(self._set_any))
+        for s, refs in enumerate(self._set_refs):
+            if s == _NOBODY:
                 continue
-            bit = self._bit_of[w]
+            live = self._set_id.get((self._set_any[s], self._set_device[s])) == s
+            assert refs == (counts[s] if live else 0), f"set {s}: {refs} refs, {counts[s]} blocks"
+            assert live == (refs > 0), f"set {s} interned with {refs} refs"
+            assert self._set_device[s] & ~self._set_any[s] == 0, f"set {s}: device not in any"
+        assert self._num_blocks == int(np.count_nonzero(sets)), "block count drifted"
+        for w, bit in self._bit_of.items():
             assert self._worker_of_bit[bit] == w
-            for h, t in owned.items():
-                expected_any[h] = expected_any.get(h, 0) | bit
-                if t == TIER_DEVICE:
-                    expected_dev[h] = expected_dev.get(h, 0) | bit
-        assert expected_any == self._any_mask, "holder masks do not match the worker sets"
-        assert expected_dev == self._device_mask, "device masks do not match the worker sets"
+            held = [s for s, m in enumerate(self._set_any) if m & bit and self._set_refs[s]]
+            assert self.num_worker_blocks(w) == int(counts[held].sum()), f"{w}'s count drifted"
+        for w, n in self._num_blocks_of.items():
+            assert not n or (w in self._cursors and w in self._bit_of), f"{w} has blocks only"

@@ -87,3 +87,69 @@ def test_removals_for_a_worker_with_nothing_indexed_are_applied_not_fatal() -> N
     assert m.apply(batch("w1", 3, BlockStored((BlockHash(7),)))) is ApplyResult.APPLIED
     assert m.match([BlockHash(7)]) == {WorkerId("w1"): PrefixMatch(1, 1)}
     m.check_invariants()
+
+
+def _expected_match(
+    model: dict[WorkerId, dict[BlockHash, int]], chain: list[BlockHash]
+) -> dict[WorkerId, PrefixMatch]:
+    out = {}
+    for w, blocks in model.items():
+        n = next((i for i, h in enumerate(chain) if h not in blocks), len(chain))
+        d = next((i for i, h in enumerate(chain[:n]) if blocks[h] != 0), n)
+        if n:
+            out[w] = PrefixMatch(n, d)
+    return out
+
+
+def test_random_events_keep_the_mirror_equal_to_a_plain_model() -> None:
+    """Thousands of stores, removals, clears, resyncs and purges over shared chains, past several
+    merges of the mirror's delta into its arrays: matches, per-worker hashes and counts stay
+    those of a dict-of-dicts model, and the invariants hold throughout."""
+    import random
+
+    rng = random.Random(7)
+    workers = [WorkerId(f"w{i}") for i in range(9)]
+    chains = [[BlockHash(c * 100_000 + i + 1) for i in range(300)] for c in range(8)]
+    chains.append([BlockHash((1 << 64) - 1 - i) for i in range(50)])  # the top of the range
+    m = IndexMirror()
+    model: dict[WorkerId, dict[BlockHash, int]] = {}
+    seq = dict.fromkeys(workers, 0)
+    for w in workers:
+        m.load_worker(w, 1, 0, [])
+        model[w] = {}
+    for step in range(1500):
+        w = rng.choice(workers)
+        chain = rng.choice(chains)
+        lo = rng.randrange(len(chain))
+        hashes = chain[lo : lo + rng.randrange(1, 120)]
+        tier = rng.choice([0, 0, TIER_HOST])
+        kind = rng.random()
+        seq[w] += 1
+        if kind < 0.6:
+            event: BlockStored | BlockRemoved | AllCleared = BlockStored(tuple(hashes), tier)
+            model[w].update(dict.fromkeys(hashes, tier))
+        elif kind < 0.93:
+            event = BlockRemoved(tuple(hashes), tier)
+            for h in hashes:
+                if model[w].get(h) == tier:
+                    del model[w][h]
+        elif kind < 0.96:
+            event = AllCleared()
+            model[w] = {}
+        else:
+            snapshot = [(h, t) for h, t in model[w].items() if rng.random() < 0.7]
+            m.load_worker(w, 1, seq[w], snapshot)
+            model[w] = dict(snapshot)
+            continue
+        assert m.apply(EventBatch(w, 1, seq[w], (event,))) is ApplyResult.APPLIED
+        if step % 100 == 0:
+            m.check_invariants()
+        probe = rng.choice(chains)
+        assert m.match(probe) == _expected_match(model, probe)
+    victim = workers[3]
+    assert m.remove_worker(victim) == len(model.pop(victim))
+    for w in model:
+        assert m.worker_hashes(w) == model[w]
+        assert m.num_worker_blocks(w) == len(model[w])
+    assert m.num_blocks == len(set().union(*model.values()))
+    m.check_invariants()
