@@ -50,11 +50,12 @@ class _WorkerCursor:
 _NOBODY = 0  # the holder set of a block nobody holds
 _MIN_DELTA = 4096
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: spreads any key pattern over slots
+_SCALAR_PROBES = 16  # keys left after a vector round below which probing goes one by one
 
 
 def _home_slots(keys: np.ndarray, bits: int) -> np.ndarray:
     """Each key's first slot in a table of 2**bits (the top bits of key * golden ratio)."""
-    return ((keys * _GOLDEN) >> np.uint64(64 - bits)).astype(np.int64)
+    return (keys * _GOLDEN) >> np.uint64(64 - bits)
 
 
 class IndexMirror:
@@ -232,21 +233,34 @@ class IndexMirror:
         return sets
 
     def _find(self, wanted: np.ndarray) -> np.ndarray:
-        """Row of each wanted hash in the arrays, -1 where absent: probe the index, all keys
-        at once, one slot further per round for those that met another key."""
-        index, keys, mask = self._index, self._keys, (1 << self._index_bits) - 1
-        found = np.full(len(wanted), -1, dtype=np.int64)
+        """Row of each wanted hash in the arrays, -1 where absent: probe the index for all keys
+        at once, one slot further per round for those that met another key; the last few are
+        probed one by one (a round's fixed cost is more than a few scalar probes)."""
+        index, keys, bits = self._index, self._keys, self._index_bits
         if not len(keys):
-            return found
-        todo = np.arange(len(wanted))
-        slots = _home_slots(wanted, self._index_bits)
-        while len(todo):
-            rows = index[slots]
-            occupied = rows >= 0
-            hit = occupied & (keys[np.where(occupied, rows, 0)] == wanted[todo])
+            return np.full(len(wanted), -1, dtype=np.int64)
+        mask = np.uint64((1 << bits) - 1)
+        slots = _home_slots(wanted, bits)
+        rows = index[slots].astype(np.int64)
+        # A row of -1 reads the last key, which cannot be the wanted one: a present key never
+        # has an empty slot on its way from its home slot.
+        hit = keys[rows] == wanted
+        found = np.where(hit, rows, -1)
+        todo = np.flatnonzero((rows >= 0) & ~hit)
+        slots = (slots[todo] + np.uint64(1)) & mask
+        while len(todo) > _SCALAR_PROBES:
+            rows = index[slots].astype(np.int64)
+            hit = (rows >= 0) & (keys[rows] == wanted[todo])
             found[todo[hit]] = rows[hit]
-            again = occupied & ~hit
-            todo, slots = todo[again], (slots[again] + 1) & mask
+            again = (rows >= 0) & ~hit
+            todo, slots = todo[again], (slots[again] + np.uint64(1)) & mask
+        for i, slot in zip(todo.tolist(), slots.tolist(), strict=True):
+            want = wanted[i]
+            while (row := int(index[slot])) >= 0:
+                if keys[row] == want:
+                    found[i] = row
+                    break
+                slot = (slot + 1) & int(mask)
         return found
 
     def _build_index(self) -> None:
@@ -256,14 +270,14 @@ class IndexMirror:
         n = len(self._keys)
         bits = max(4, (2 * n).bit_length())
         index = np.full(1 << bits, -1, dtype=np.int32)
-        mask = (1 << bits) - 1
+        mask = np.uint64((1 << bits) - 1)
         rows = np.arange(n, dtype=np.int32)
         slots = _home_slots(self._keys, bits)
         while len(rows):
             free = index[slots] < 0
             index[slots[free]] = rows[free]  # of several rows on one slot, one is kept
             placed = free & (index[slots] == rows)
-            rows, slots = rows[~placed], (slots[~placed] + 1) & mask
+            rows, slots = rows[~placed], (slots[~placed] + np.uint64(1)) & mask
         self._index, self._index_bits = index, bits
 
     def _intern(self, any_mask: int, device_mask: int) -> int:
