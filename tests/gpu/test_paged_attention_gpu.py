@@ -182,7 +182,10 @@ def test_split_prefix_attention_matches_float64_reference(
         return torch.randn(shape, device="cuda", generator=gen).to(dtype)
 
     q, k, v = randn(query_len, heads, dim), randn(total, kv_heads, dim), randn(total, kv_heads, dim)
-    got = split_prefix_attention(q, k[:prefix_len], v[:prefix_len], k[prefix_len:], v[prefix_len:])
+    rows = torch.full((query_len + 6, heads, dim), float("nan"), device="cuda", dtype=dtype)
+    got = rows[3 : 3 + query_len]  # rows around it belong to nobody: they must stay untouched
+    split_prefix_attention(q, k[:prefix_len], v[:prefix_len], k[prefix_len:], v[prefix_len:], got)
+    assert rows[:3].isnan().all() and rows[3 + query_len :].isnan().all()
     keys, values = (x.double().repeat_interleave(heads // kv_heads, dim=1) for x in (k, v))
     scores = torch.einsum("qhd,khd->hqk", q.double(), keys) / dim**0.5
     query_pos = torch.arange(prefix_len, total, device="cuda")

@@ -264,7 +264,7 @@ class ModelRunner:
             out[rows] = attn.squeeze(0).transpose(0, 1)
         for chunk in plan.cached:
             if self.attention_mode.split_prefill:
-                out[chunk.rows] = self._attend_split(q, k, v, kv_blocks, chunk)
+                self._attend_split(q, k, v, kv_blocks, chunk, out)
             else:
                 out[chunk.rows] = self._attend_cached(q, kv_blocks, chunk)
         if plan.decode is not None:
@@ -299,15 +299,16 @@ class ModelRunner:
         v: torch.Tensor,
         kv_blocks: torch.Tensor,
         chunk: CachedChunk,
-    ) -> torch.Tensor:
-        """One chunked prefill as prefix part + causal square (see `split_attention`); the new
-        tokens' own K/V comes straight from this step, only the prefix from the cache."""
+        out: torch.Tensor,
+    ) -> None:
+        """One chunked prefill as prefix part + causal square (see `split_attention`), into its
+        rows of out; the new tokens' own K/V comes straight from this step, only the prefix
+        from the cache."""
         num_prefix_blocks = -(-chunk.start_pos // self.block_size)
         keys, values = self._gather(kv_blocks, chunk.block_ids[:num_prefix_blocks], 1)
         prefix_k, prefix_v = keys[0, : chunk.start_pos], values[0, : chunk.start_pos]
-        return split_prefix_attention(
-            q[chunk.rows], prefix_k, prefix_v, k[chunk.rows], v[chunk.rows]
-        )
+        rows = chunk.rows
+        split_prefix_attention(q[rows], prefix_k, prefix_v, k[rows], v[rows], out[rows])
 
     def _gather(
         self, kv_blocks: torch.Tensor, block_ids: torch.Tensor, num_seqs: int

@@ -55,14 +55,15 @@ def attention_part(
 ) -> AttentionPart:
     """q [1, h, m, d], k/v [1, h, n, d] (same heads; last dim contiguous) -> its partial, at
     the default scale 1 / sqrt(d). `causal` is the plain top-left mask; callers only ask for it
-    on square parts. Fused kernels may return outputs with any strides."""
-    if cudnn_attention_usable(q.device):
-        result = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            q, k, v, None, True, 0.0, causal, False
-        )
-        return AttentionPart(result[0], result[1].reshape(q.shape[:3]))
-    if q.device.type == "cuda":
-        result = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False)
+    on square parts. Fused kernels (bf16 / fp16 on CUDA) may return outputs with any strides;
+    float32 runs the math."""
+    if q.dtype in (torch.bfloat16, torch.float16) and q.device.type == "cuda":
+        if cudnn_attention_usable(q.device):
+            result = torch.ops.aten._scaled_dot_product_cudnn_attention(
+                q, k, v, None, True, 0.0, causal, False
+            )
+        else:
+            result = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False)
         return AttentionPart(result[0], result[1].reshape(q.shape[:3]))
     scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
     if causal:
@@ -75,13 +76,27 @@ def attention_part(
     return AttentionPart(out.to(q.dtype), lse)
 
 
-def merge_parts(
-    a: torch.Tensor, lse_a: torch.Tensor, b: torch.Tensor, lse_b: torch.Tensor
-) -> torch.Tensor:
-    """Exact softmax merge of two partials over disjoint key sets: [..., d] outputs and their
-    [...] log-sum-exps; returns the combined output in a's dtype."""
-    weights = torch.softmax(torch.stack([lse_a, lse_b]), dim=0).unsqueeze(-1)
-    return (a.float() * weights[0] + b.float() * weights[1]).to(a.dtype)
+def merge_parts(prefix: AttentionPart, own: AttentionPart, group: int, out: torch.Tensor) -> None:
+    """Write the exact softmax merge of the two partials into out [n, heads, dim]: `prefix` in
+    the folded layout ([1, kv_heads, group * n, ...]), `own` per head ([1, heads, n, ...])."""
+    n, heads, dim = out.shape
+    kv_heads = heads // group
+    prefix_out, prefix_lse = prefix.out[0], prefix.lse[0]
+    own_out, own_lse = own.out[0], own.lse[0]
+    if out.device.type == "cuda":
+        from kvmesh.workers.model.split_attention_kernel import launch_merge
+
+        launch_merge(prefix_out, prefix_lse, own_out, own_lse, out)
+        return
+    # [n, heads, ...] views of both partials; head h = kv_head * group + g, row (g, i).
+    unfolded_out = prefix_out.reshape(kv_heads, group, n, dim).permute(2, 0, 1, 3)
+    unfolded_lse = prefix_lse.reshape(kv_heads, group, n).permute(2, 0, 1)
+    weights = torch.softmax(
+        torch.stack([unfolded_lse.reshape(n, heads), own_lse.transpose(0, 1)]), dim=0
+    ).unsqueeze(-1)
+    merged = unfolded_out.reshape(n, heads, dim).float() * weights[0]
+    merged += own_out.transpose(0, 1).float() * weights[1]
+    out.copy_(merged)
 
 
 def split_prefix_attention(
@@ -90,8 +105,9 @@ def split_prefix_attention(
     prefix_v: torch.Tensor,
     new_k: torch.Tensor,
     new_v: torch.Tensor,
-) -> torch.Tensor:
-    """Attention of n new tokens behind a cached prefix: [n, heads, dim].
+    out: torch.Tensor,
+) -> None:
+    """Attention of n new tokens behind a cached prefix, written into out [n, heads, dim].
 
     q [n, heads, dim]; prefix_k/v [prefix_len, kv_heads, dim] (prefix_len >= 1);
     new_k/v [n, kv_heads, dim]. Query head h uses KV head h // (heads / kv_heads).
@@ -112,16 +128,10 @@ def split_prefix_attention(
         prefix_v.transpose(0, 1).unsqueeze(0),
         causal=False,
     )
-    prefix_out = (
-        prefix.out.reshape(kv_heads, group, n, dim).permute(2, 0, 1, 3).reshape(n, heads, dim)
-    )
-    prefix_lse = prefix.lse.reshape(kv_heads, group, n).permute(2, 0, 1).reshape(n, heads)
     own = attention_part(
         q.transpose(0, 1).unsqueeze(0),
         new_k.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0),
         new_v.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0),
         causal=True,
     )
-    own_out = own.out.squeeze(0).transpose(0, 1)
-    own_lse = own.lse.squeeze(0).transpose(0, 1)
-    return merge_parts(prefix_out, prefix_lse, own_out, own_lse)
+    merge_parts(prefix, own, group, out)
