@@ -173,12 +173,14 @@ def cached_prefill_attention_report(
     paged_ms = median_ms(lambda: launch_paged_attention(q, k, v, out, layout, num_sms=num_sms))
     num_prefix_blocks = -(-prefix_len // page)
 
+    split_out = torch.empty_like(q)
+
     def split() -> torch.Tensor:
         keys = k.index_select(0, table).flatten(0, 1)
         values = v.index_select(0, table).flatten(0, 1)
-        prefix = slice(0, prefix_len)
-        new = slice(prefix_len, total)
-        return split_prefix_attention(q, keys[prefix], values[prefix], keys[new], values[new])
+        prefix, new = slice(0, prefix_len), slice(prefix_len, total)
+        split_prefix_attention(q, keys[prefix], values[prefix], keys[new], values[new], split_out)
+        return split_out
 
     def split_prefix_pages_only() -> tuple[torch.Tensor, torch.Tensor]:  # what the runner gathers
         ids = table[:num_prefix_blocks]

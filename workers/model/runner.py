@@ -1,11 +1,10 @@
 """Runs a Llama-family decoder over a paged KV cache.
 
 All chunks' tokens go through the matmuls as one flattened token dimension; attention is the only
-per-sequence step, grouped as `batch_plan` describes. On CUDA, decode reads the cache through block
-tables in the paged Triton kernel (`paged_attention`); a chunked prefill behind a cached prefix
-splits into the unmasked prefix and the causal square of its new tokens on cuDNN's fused attention
-(`split_attention`, Hopper and newer; else the paged kernel); fresh prompts use flash SDPA on their
-own new K/V. On CPU (the reference
+per-sequence step, grouped as `batch_plan` describes. On CUDA, attention over cached K/V (decode
+and chunked prefill) reads the cache through block tables in the paged Triton kernel
+(`paged_attention`; `split_attention` is an opt-in alternative for chunked prefill); fresh prompts
+use flash SDPA on their own new K/V. On CPU (the reference
 path, matched against transformers in the unit tests) cached K/V is gathered into contiguous
 buffers for SDPA, and GQA is folded into the query length (a KV head's query heads become extra
 query rows), so no K/V is copied per query head.
@@ -31,7 +30,7 @@ from kvmesh.workers.model.batch_plan import (
 )
 from kvmesh.workers.model.model_config import ModelConfig, checkpoint_source
 from kvmesh.workers.model.paged_attention import paged_attention
-from kvmesh.workers.model.split_attention import cudnn_attention_usable, split_prefix_attention
+from kvmesh.workers.model.split_attention import split_prefix_attention
 from kvmesh.workers.model.weights import LayerWeights, ModelWeights, load_checkpoint, random_weights
 
 __all__ = ["ModelRunner", "SeqChunk", "apply_rope", "rms_norm", "rope_inv_freq", "rope_tables"]
@@ -134,14 +133,12 @@ class ModelRunner:
         self.inv_freq = rope_inv_freq(config).to(self.device)
         on_gpu = self.device.type == "cuda" and importlib.util.find_spec("triton") is not None
         # Benchmarks and tests may switch paths on a live runner; results must not change.
-        # Chunked prefill: the prefix/causal-square split on cuDNN's fused attention (Hopper and
-        # newer) beats the paged kernel there; elsewhere the paged kernel reads the cache in place.
-        split = on_gpu and cudnn_attention_usable(self.device)
+        # Chunked prefill stays on the paged kernel: the prefix / causal-square split on cuDNN
+        # is ~10% faster per forward at a fixed shape, but cuDNN builds an execution plan for
+        # every new (prefix, chunk) length, ~120 ms each on an H100, and serving sees new
+        # lengths all the time (docs/benchmarks.md). `split_prefill` remains an opt-in mode.
         self.attention_mode = AttentionMode(
-            paged_decode=on_gpu,
-            paged_prefill=on_gpu and not split,
-            explicit_masks=self.device.type != "cuda",
-            split_prefill=split,
+            paged_decode=on_gpu, paged_prefill=on_gpu, explicit_masks=self.device.type != "cuda"
         )
         self._num_sms = (
             torch.cuda.get_device_properties(self.device).multi_processor_count if on_gpu else 0

@@ -15,6 +15,9 @@ read once per KV head and no mask tensor exists; that is where almost all the FL
 fused kernel's fresh-prompt rate. On CPU the same split runs in plain float32 math (tests check
 the split and the merge there; the GPU tests check the fused kernels against the float64
 reference).
+
+Opt-in (`AttentionMode.split_prefill`), not the default: cuDNN builds an execution plan per new
+shape, ~120 ms each on an H100, which a server meeting new prompt lengths pays again and again.
 """
 
 from __future__ import annotations
