@@ -12,7 +12,6 @@ query rows), so no K/V is copied per query head.
 from __future__ import annotations
 
 import importlib.util
-import math
 from collections.abc import Sequence
 
 import torch
@@ -29,59 +28,15 @@ from kvmesh.workers.model.batch_plan import (
 )
 from kvmesh.workers.model.model_config import ModelConfig, checkpoint_source
 from kvmesh.workers.model.paged_attention import paged_attention
+from kvmesh.workers.model.rope import Rope, apply_rope, rope_inv_freq, rope_tables
 from kvmesh.workers.model.weights import LayerWeights, ModelWeights, load_checkpoint, random_weights
 
 __all__ = ["ModelRunner", "SeqChunk", "apply_rope", "rms_norm", "rope_inv_freq", "rope_tables"]
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """[head_dim / 2] float32 RoPE inverse frequencies, with Llama-3 scaling when configured.
-
-    Llama 3 leaves short wavelengths (local detail) alone, stretches long ones by `factor`, and
-    blends linearly in between so no frequency jumps.
-    """
-    exponents = torch.arange(0, config.head_dim, 2, dtype=torch.int64).float() / config.head_dim
-    inv_freq = 1.0 / (config.rope_theta**exponents)
-    s = config.rope_scaling
-    if s is None:
-        return inv_freq
-    context = s.original_max_position_embeddings
-    wavelen = 2 * math.pi / inv_freq
-    smooth = (context / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
-    blended = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
-    scaled = torch.where(wavelen > context / s.low_freq_factor, inv_freq / s.factor, blended)
-    return torch.where(wavelen < context / s.high_freq_factor, inv_freq, scaled)
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm; torch's fused kernel accumulates in float32 even for bf16 inputs."""
     return F.rms_norm(x, weight.shape, weight, eps)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate [num_tokens, num_heads, head_dim] by per-token angles (half-split pairing, as
-    Hugging Face Llama): x = [a, b] becomes [a cos - b sin, b cos + a sin].
-
-    cos/signed_sin are [num_tokens, 1, head_dim] with each frequency twice and the sine's first
-    half negated (see `rope_tables`), so the rotation is one roll and one fused multiply-add:
-    three kernels a layer instead of four (negation is exact, so the result is bit-identical).
-    """
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
-
-
-def rope_tables(
-    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, signed_sin) for `apply_rope`, [num_tokens, 1, head_dim] in `dtype`.
-
-    Angles are computed in float32 (positions reach 128K) and applied in the model dtype, like the
-    reference implementation.
-    """
-    angles = positions[:, None].float() * inv_freq[None, :]
-    cos = torch.cat((angles, angles), dim=-1).cos()
-    sin = angles.sin()
-    signed_sin = torch.cat((-sin, sin), dim=-1)
-    return cos.to(dtype)[:, None, :], signed_sin.to(dtype)[:, None, :]
 
 
 class ModelRunner:
@@ -128,7 +83,7 @@ class ModelRunner:
             device=self.device,
             dtype=self.dtype,
         )
-        self.inv_freq = rope_inv_freq(config).to(self.device)
+        self.rope = Rope(config, self.device)
         on_gpu = self.device.type == "cuda" and importlib.util.find_spec("triton") is not None
         # Benchmarks and tests may switch paths on a live runner; results must not change.
         self.attention_mode = AttentionMode(
@@ -203,7 +158,7 @@ class ModelRunner:
 
     def _run_layers(self, plan: BatchPlan) -> torch.Tensor:
         eps = self.config.rms_norm_eps
-        cos, sin = rope_tables(plan.positions, self.inv_freq, self.dtype)
+        cos, sin = self.rope.tables(plan.positions, self.dtype)
         x = F.embedding(plan.token_ids, self.weights.embed_tokens)
         for layer_index, layer in enumerate(self.weights.layers):
             h = rms_norm(x, layer.input_norm, eps)
