@@ -155,3 +155,58 @@ def test_adapters_that_do_not_fit_are_refused_with_the_reason(
     (dora / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
     with pytest.raises(ValueError, match=r"uses \['use_dora'\]"):
         runner.load_adapter("dora", str(dora))
+
+
+def test_a_worker_serves_adapters_beside_the_base_model_without_sharing_their_blocks(
+    checkpoint: tuple[Any, dict[str, Any], Path],
+) -> None:
+    from collections import defaultdict
+
+    from kvmesh.workers.contract.requests import SamplingConfig, WorkerRequest
+    from kvmesh.workers.engine.scheduler import SchedulerConfig
+    from kvmesh.workers.engine.worker import Worker
+
+    base, tuned, root = checkpoint
+    runner = _runner(root)
+    first_logits: dict[str, torch.Tensor] = {}
+    worker = Worker(
+        "w0",
+        runner,
+        runner.fingerprint,
+        SchedulerConfig(BLOCK_SIZE, 8, 4096),
+        logits_sink=lambda rid, row: first_logits.setdefault(rid, row),
+    )
+    assert worker.info().adapters == ("all", "qv")
+    ids = _prompt(22, 6)
+    sampling = SamplingConfig(max_tokens=2, ignore_eos=True)
+
+    def run(*requests: WorkerRequest) -> dict[str, int]:
+        for r in requests:
+            worker.add_request(r)
+        cached: dict[str, int] = defaultdict(int)
+        while worker.has_work:
+            for out in worker.step():
+                if out.prefill is not None:
+                    cached[out.request_id] = out.prefill.local_tokens
+            worker.check_invariants()
+        return cached
+
+    first = run(
+        WorkerRequest("base", tuple(ids), sampling),
+        WorkerRequest("all", tuple(ids), sampling, adapter="all"),
+    )
+    assert first == {"base": 0, "all": 0}  # same tokens, different namespaces: no sharing
+    torch.testing.assert_close(first_logits["base"], _logits(base, ids)[-1], atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        first_logits["all"], _logits(tuned["all"], ids)[-1], atol=1e-4, rtol=0
+    )
+    again = run(
+        WorkerRequest("qv", tuple(ids), sampling, adapter="qv"),
+        WorkerRequest("all-2", tuple(ids), sampling, adapter="all"),
+    )
+    assert again == {"qv": 0, "all-2": 20}  # the adapter's own blocks are its cache
+    torch.testing.assert_close(first_logits["all-2"], first_logits["all"], atol=1e-5, rtol=0)
+    with pytest.raises(
+        ValueError, match="does not serve adapter 'law'; it serves \\['all', 'qv'\\]"
+    ):
+        worker.add_request(WorkerRequest("law", tuple(ids), sampling, adapter="law"))
