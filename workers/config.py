@@ -64,6 +64,8 @@ class WorkerConfig:
             raise ValueError(f"host_cache_gb must be >= 0, got {self.host_cache_gb}")
         if not 0.0 < self.gpu_fraction <= 1.0:
             raise ValueError(f"gpu_fraction must be in (0, 1], got {self.gpu_fraction}")
+        # A config read back from JSON (a service record) has lists: keep it hashable.
+        object.__setattr__(self, "lora_adapters", tuple(tuple(p) for p in self.lora_adapters))
         names = [name for name, _ in self.lora_adapters]
         if len(set(names)) != len(names) or not all(names):
             raise ValueError(f"LoRA adapter names must be unique and non-empty, got {names}")

@@ -42,8 +42,8 @@ from kvmesh.coordinator.service.interceptor import GateInterceptor
 from kvmesh.coordinator.service.tls import ServerTls
 from kvmesh.coordinator.session_turns import SessionBusy, TurnMode
 from kvmesh.proto import kvmesh_pb2 as pb
-from kvmesh.proto.block_hash import MediaItem
 from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
+from kvmesh.proto.block_hash import MediaItem
 from kvmesh.workers.contract.replies import RequestRejected
 from kvmesh.workers.contract.requests import SamplingConfig
 
