@@ -135,23 +135,10 @@ def load_peft_adapter(
     for i in range(config.num_layers):
         fused: dict[str, LoraPair] = {}
         for group, modules in MODULE_GROUPS.items():
-            pairs = []
-            for module in modules:
-                in_dim, out_dim = dims[module]
-                a = b = None
-                for key in _module_keys(i, module):
-                    if f"{key}.lora_A.weight" in tensors:
-                        a, b = tensors[f"{key}.lora_A.weight"], tensors[f"{key}.lora_B.weight"]
-                        consumed |= {f"{key}.lora_A.weight", f"{key}.lora_B.weight"}
-                if a is None or b is None:
-                    pairs.append((None, out_dim))
-                    continue
-                if a.shape[1] != in_dim or b.shape[0] != out_dim or a.shape[0] != b.shape[1]:
-                    raise ValueError(
-                        f"adapter {folder!r}: layer {i} {module} has A {tuple(a.shape)} and B"
-                        f" {tuple(b.shape)}, the model needs A [r, {in_dim}], B [{out_dim}, r]"
-                    )
-                pairs.append(((a, b * scale), out_dim))
+            pairs = [
+                (_module_pair(tensors, consumed, i, m, dims[m], folder, scale), dims[m][1])
+                for m in modules
+            ]
             pair = _fuse(pairs, device, dtype)
             if pair is not None:
                 fused[group] = pair
@@ -165,9 +152,30 @@ def load_peft_adapter(
     return LoraAdapter(name, tuple(layers))
 
 
-def _module_keys(layer: int, module: str) -> tuple[str, ...]:
+def _module_pair(
+    tensors: dict[str, torch.Tensor],
+    consumed: set[str],
+    layer: int,
+    module: str,
+    in_out: tuple[int, int],
+    folder: str,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(A, scale * B) of one projection of one layer, or None if the adapter leaves it alone."""
     attn_or_mlp = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-    return (f"{_PREFIX}{layer}.{attn_or_mlp}.{module}",)
+    key = f"{_PREFIX}{layer}.{attn_or_mlp}.{module}"
+    a_key, b_key = f"{key}.lora_A.weight", f"{key}.lora_B.weight"
+    if a_key not in tensors or b_key not in tensors:
+        return None
+    a, b = tensors[a_key], tensors[b_key]
+    consumed |= {a_key, b_key}
+    in_dim, out_dim = in_out
+    if a.shape[1] != in_dim or b.shape[0] != out_dim or a.shape[0] != b.shape[1]:
+        raise ValueError(
+            f"adapter {folder!r}: layer {layer} {module} has A {tuple(a.shape)} and B"
+            f" {tuple(b.shape)}, the model needs A [r, {in_dim}], B [{out_dim}, r]"
+        )
+    return a, b * scale
 
 
 def _fuse(
