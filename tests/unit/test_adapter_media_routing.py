@@ -82,3 +82,28 @@ def test_media_items_change_the_chain_from_their_block_and_generate_refuses_them
     assert backend.requests == []
     with pytest.raises(InvalidRequest, match="offset 90 of length 30"):
         c.prepare(PROMPT[:100], "", "", media=[MediaItem(1, offset=90, length=30)])
+
+
+def test_the_openai_api_serves_adapters_as_models_of_their_own() -> None:
+    from kvmesh.coordinator.service.openai_schema import OpenAIError
+    from tests.unit.test_openai_frontend import frontend
+
+    fe, backend = frontend("Hi")
+    fe.coordinator.registry.set_adapters("w1", ["sql"])
+    models = fe.models()["data"]
+    assert [(m["id"], m.get("parent")) for m in models] == [
+        ("tiny-random", None),
+        ("sql", "tiny-random"),
+    ]
+    body = fe.completion({"model": "sql", "prompt": "select", "max_tokens": 4})
+    assert isinstance(body, dict) and body["model"] == "sql"
+    chunks = list(
+        fe.chat({"model": "sql", "messages": [{"role": "user", "content": "x"}], "stream": True})
+    )  # type: ignore[arg-type]
+    assert {c["model"] for c in chunks} == {"sql"}
+    assert [(w, r.adapter) for w, r in backend.requests] == [("w1", "sql"), ("w1", "sql")]
+    fe.completion({"model": "tiny-random", "prompt": "select", "max_tokens": 4})
+    assert backend.requests[-1][1].adapter == ""
+    with pytest.raises(OpenAIError) as err:
+        fe.completion({"model": "law", "prompt": "x", "max_tokens": 4})
+    assert err.value.status == 404 and "['tiny-random', 'sql']" in str(err.value)
