@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvmesh.workers.model.batch_plan import AttentionMode
 from kvmesh.workers.model.model_config import ModelConfig, RopeScaling, load_model_config, preset
 from kvmesh.workers.model.runner import ModelRunner, SeqChunk, rope_inv_freq
 from kvmesh.workers.model.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
@@ -183,6 +184,22 @@ def test_chunked_prefill_into_shuffled_blocks_matches_one_shot(tiny: ModelRunner
     runner.forward([SeqChunk(ids[:10], 0, table)])  # prefix ends mid-block
     chunked = runner.forward([SeqChunk(ids[10:], 10, table)])
     torch.testing.assert_close(chunked, one_shot, atol=1e-5, rtol=0)
+
+
+def test_split_prefix_attention_gives_the_masked_paths_logits(tiny: ModelRunner) -> None:
+    """The prefix / causal-square split with its log-sum-exp merge (the math fallback of the
+    fused kernels) equals the one-call masked path, for prefixes ending mid-block and on one."""
+    ids = prompt(45, seed=11)
+    table = shuffled_table(12, seed=12)
+    expected = fresh_runner(tiny).forward_all_logits([SeqChunk(ids, 0, list(range(12)))])[0]
+    for cached in (1, 10, 16, 44):
+        runner = fresh_runner(tiny)
+        runner.attention_mode = AttentionMode(
+            paged_decode=False, paged_prefill=False, explicit_masks=True, split_prefill=True
+        )
+        runner.forward([SeqChunk(ids[:cached], 0, table)])
+        got = runner.forward_all_logits([SeqChunk(ids[cached:], cached, table)])[0]
+        torch.testing.assert_close(got, expected[cached:], atol=1e-5, rtol=0)
 
 
 def test_decode_steps_match_full_prompt_logits(tiny: ModelRunner) -> None:

@@ -1,9 +1,11 @@
 """Runs a Llama-family decoder over a paged KV cache.
 
 All chunks' tokens go through the matmuls as one flattened token dimension; attention is the only
-per-sequence step, grouped as `batch_plan` describes. On CUDA, attention over cached K/V (decode
-and chunked prefill) reads the cache through block tables in the paged Triton kernel
-(`paged_attention`); fresh prompts use flash SDPA on their own new K/V. On CPU (the reference
+per-sequence step, grouped as `batch_plan` describes. On CUDA, decode reads the cache through block
+tables in the paged Triton kernel (`paged_attention`); a chunked prefill behind a cached prefix
+splits into the unmasked prefix and the causal square of its new tokens on cuDNN's fused attention
+(`split_attention`, Hopper and newer; else the paged kernel); fresh prompts use flash SDPA on their
+own new K/V. On CPU (the reference
 path, matched against transformers in the unit tests) cached K/V is gathered into contiguous
 buffers for SDPA, and GQA is folded into the query length (a KV head's query heads become extra
 query rows), so no K/V is copied per query head.
@@ -30,6 +32,7 @@ from kvmesh.workers.model.lora import LoraAdapter, LoraBatch, load_peft_adapter
 from kvmesh.workers.model.model_config import ModelConfig, checkpoint_source
 from kvmesh.workers.model.paged_attention import paged_attention
 from kvmesh.workers.model.rope import Rope, apply_rope, rope_inv_freq, rope_tables
+from kvmesh.workers.model.split_attention import cudnn_attention_usable, split_prefix_attention
 from kvmesh.workers.model.weights import LayerWeights, ModelWeights, load_checkpoint, random_weights
 
 __all__ = ["ModelRunner", "SeqChunk", "apply_rope", "rms_norm", "rope_inv_freq", "rope_tables"]
@@ -90,8 +93,14 @@ class ModelRunner:
         """LoRA adapters by name (see `lora.py`); a chunk's `adapter` picks one."""
         on_gpu = self.device.type == "cuda" and importlib.util.find_spec("triton") is not None
         # Benchmarks and tests may switch paths on a live runner; results must not change.
+        # Chunked prefill: the prefix/causal-square split on cuDNN's fused attention (Hopper and
+        # newer) beats the paged kernel there; elsewhere the paged kernel reads the cache in place.
+        split = on_gpu and cudnn_attention_usable(self.device)
         self.attention_mode = AttentionMode(
-            paged_decode=on_gpu, paged_prefill=on_gpu, explicit_masks=self.device.type != "cuda"
+            paged_decode=on_gpu,
+            paged_prefill=on_gpu and not split,
+            explicit_masks=self.device.type != "cuda",
+            split_prefill=split,
         )
         self._num_sms = (
             torch.cuda.get_device_properties(self.device).multi_processor_count if on_gpu else 0
@@ -236,7 +245,10 @@ class ModelRunner:
             attn = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
             out[rows] = attn.squeeze(0).transpose(0, 1)
         for chunk in plan.cached:
-            out[chunk.rows] = self._attend_cached(q, kv_blocks, chunk)
+            if self.attention_mode.split_prefill:
+                self._attend_split(q, k, v, kv_blocks, chunk, out)
+            else:
+                out[chunk.rows] = self._attend_cached(q, kv_blocks, chunk)
         if plan.decode is not None:
             d = plan.decode
             keys, values = self._gather(kv_blocks, d.block_ids, len(d.rows))
@@ -261,6 +273,24 @@ class ModelRunner:
         bias = causal_lower_right(qt.shape[2], kt.shape[2])
         attn = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=bias, enable_gqa=True)
         return attn.squeeze(0).transpose(0, 1)
+
+    def _attend_split(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_blocks: torch.Tensor,
+        chunk: CachedChunk,
+        out: torch.Tensor,
+    ) -> None:
+        """One chunked prefill as prefix part + causal square (see `split_attention`), into its
+        rows of out; the new tokens' own K/V comes straight from this step, only the prefix
+        from the cache."""
+        num_prefix_blocks = -(-chunk.start_pos // self.block_size)
+        keys, values = self._gather(kv_blocks, chunk.block_ids[:num_prefix_blocks], 1)
+        prefix_k, prefix_v = keys[0, : chunk.start_pos], values[0, : chunk.start_pos]
+        rows = chunk.rows
+        split_prefix_attention(q[rows], prefix_k, prefix_v, k[rows], v[rows], out[rows])
 
     def _gather(
         self, kv_blocks: torch.Tensor, block_ids: torch.Tensor, num_seqs: int
