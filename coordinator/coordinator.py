@@ -219,7 +219,9 @@ class Coordinator:
         root = adapter_root(root, adapter)
         extra_keys = _media_keys(media, len(token_ids), self.config.block_size)
         hashes = block_hashes(token_ids, self.config.block_size, root, extra_keys)
-        return PreparedPrompt(tuple(token_ids), tuple(hashes), cache_salt, adapter, tuple(media))
+        return PreparedPrompt(
+            tuple(token_ids), tuple(hashes), cache_salt, adapter=adapter, media=tuple(media)
+        )
 
     def check_sampling(self, prompt: PreparedPrompt, sampling: SamplingConfig) -> None:
         vocab = self.model.vocab_size
