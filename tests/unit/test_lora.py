@@ -108,7 +108,7 @@ def test_batched_adapters_each_match_peft_and_the_base_rows_stay_base(
     runner = _runner(root)
     prompts = {"": _prompt(21, 1), "all": _prompt(18, 2), "qv": _prompt(13, 3)}
     tables = {"": list(range(0, 8)), "all": list(range(8, 16)), "qv": list(range(16, 24))}
-    batch = [SeqChunk(ids, 0, tables[name], name) for name, ids in prompts.items()]
+    batch = [SeqChunk(ids, 0, tables[name], adapter=name) for name, ids in prompts.items()]
     got = runner.forward_all_logits(batch)
     expected = [
         _logits(base, prompts[""]),
@@ -129,10 +129,18 @@ def test_decode_steps_of_different_adapters_batch_together(
     runner = _runner(root)
     ids_all, ids_qv = _prompt(15, 4), _prompt(11, 5)
     t_all, t_qv = list(range(0, 6)), list(range(6, 12))
-    runner.forward([SeqChunk(ids_all[:12], 0, t_all, "all"), SeqChunk(ids_qv[:9], 0, t_qv, "qv")])
+    runner.forward(
+        [
+            SeqChunk(ids_all[:12], 0, t_all, adapter="all"),
+            SeqChunk(ids_qv[:9], 0, t_qv, adapter="qv"),
+        ]
+    )
     # Cached prefixes, then a mixed step: a chunked prefill of one and a decode of the other.
     last = runner.forward(
-        [SeqChunk(ids_all[12:], 12, t_all, "all"), SeqChunk(ids_qv[9:10], 9, t_qv, "qv")]
+        [
+            SeqChunk(ids_all[12:], 12, t_all, adapter="all"),
+            SeqChunk(ids_qv[9:10], 9, t_qv, adapter="qv"),
+        ]
     )
     torch.testing.assert_close(last[0], _logits(tuned["all"], ids_all)[-1], atol=1e-4, rtol=0)
     torch.testing.assert_close(last[1], _logits(tuned["qv"], ids_qv[:10])[-1], atol=1e-4, rtol=0)
@@ -144,7 +152,7 @@ def test_adapters_that_do_not_fit_are_refused_with_the_reason(
     _, _, root = checkpoint
     runner = _runner(root)
     with pytest.raises(ValueError, match="adapter 'nope' is not loaded; loaded: \\['all', 'qv'\\]"):
-        runner.forward([SeqChunk([1, 2, 3], 0, [0], "nope")])
+        runner.forward([SeqChunk([1, 2, 3], 0, [0], adapter="nope")])
     with pytest.raises(ValueError, match="already loaded"):
         runner.load_adapter("all", str(root / "all"))
     with pytest.raises(ValueError, match="no adapter_config.json"):

@@ -260,7 +260,7 @@ class Worker:
             return []
         started = time.perf_counter()
         chunks = [
-            SeqChunk(seq.all_ids[start:], start, seq.block_table, seq.adapter)
+            SeqChunk(seq.all_ids[start:], start, seq.block_table, adapter=seq.adapter)
             for seq, start in zip(step.seqs, step.start_positions, strict=True)
         ]
         results = self._forward_and_sample(step, chunks)
