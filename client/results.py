@@ -180,6 +180,8 @@ class WorkerInfo:
     num_warm_sessions: int
     """Idle sessions whose chains this worker keeps warm."""
     warm_session_bytes: int
+    adapters: tuple[str, ...] = ()
+    """LoRA adapters the worker serves besides the base model."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,6 +43,7 @@ from kvmesh.coordinator.service.tls import ServerTls
 from kvmesh.coordinator.session_turns import SessionBusy, TurnMode
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
+from kvmesh.proto.block_hash import MediaItem
 from kvmesh.workers.contract.replies import RequestRejected
 from kvmesh.workers.contract.requests import SamplingConfig
 
@@ -154,7 +155,7 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
 
     def _try_generate(self, request: pb.GenerateRequest, label: str) -> Iterator[Any]:
         c = self.coordinator
-        prompt = self._prepare(request.token_ids, request.prompt, request.cache_salt)
+        prompt = self._prepare(request.token_ids, request.prompt, request.cache_salt, request)
         s = request.sampling
         if not request.HasField("sampling") or s.max_tokens == 0:
             raise InvalidRequest("sampling.max_tokens must be >= 1")
@@ -180,13 +181,18 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
             label=label,
         )
 
-    def _prepare(self, token_ids: Any, prompt: str, cache_salt: str) -> PreparedPrompt:
+    def _prepare(
+        self, token_ids: Any, prompt: str, cache_salt: str, request: Any = None
+    ) -> PreparedPrompt:
         """`Coordinator.prepare` within `max_prompt_tokens` (checked before hashing, and again
-        after tokenizing a text prompt)."""
+        after tokenizing a text prompt), with the request's adapter and media items."""
         limit = self.coordinator.config.max_prompt_tokens
         prepared = None
         if not limit or len(token_ids) <= limit:
-            prepared = self.coordinator.prepare(list(token_ids), prompt, cache_salt)
+            adapter, media = adapter_and_media(request)
+            prepared = self.coordinator.prepare(
+                list(token_ids), prompt, cache_salt, adapter=adapter, media=media
+            )
             if not limit or len(prepared.token_ids) <= limit:
                 return prepared
         n = len(token_ids) if prepared is None else len(prepared.token_ids)
@@ -197,7 +203,7 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
     def Route(self, request: pb.RouteRequest, context: grpc.ServicerContext) -> pb.RouteResponse:
         def run() -> pb.RouteResponse:
             c = self.coordinator
-            prompt = self._prepare(request.token_ids, request.prompt, request.cache_salt)
+            prompt = self._prepare(request.token_ids, request.prompt, request.cache_salt, request)
             d = c.route(prompt, request.session_id)
             return pb.RouteResponse(
                 worker_id=d.worker_id,
@@ -220,7 +226,7 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
     def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
         def run() -> pb.LookupResponse:
             c = self.coordinator
-            prompt = self._prepare(request.token_ids, request.prompt, request.cache_salt)
+            prompt = self._prepare(request.token_ids, request.prompt, request.cache_salt, request)
             matches = c.match(prompt)
             bs = c.config.block_size
             return pb.LookupResponse(
@@ -311,6 +317,7 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
                     "generation": i.generation,
                     "num_warm_sessions": i.counters.num_warm_sessions,
                     "warm_session_bytes": i.counters.warm_session_bytes,
+                    "adapters": list(i.adapters),
                 }
             out.append(
                 pb.WorkerInfo(
@@ -368,6 +375,14 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
             return pb.VerifyIndexResponse(workers=views, redis_connected=connected)
 
         return self._guard(context, run)
+
+
+def adapter_and_media(request: Any) -> tuple[str, tuple[MediaItem, ...]]:
+    """The adapter name and media items of a Generate / Route / Lookup request (none: base)."""
+    if request is None:
+        return "", ()
+    media = tuple(MediaItem(m.hash, m.offset, m.length) for m in request.media)
+    return request.adapter, media
 
 
 def build_server(

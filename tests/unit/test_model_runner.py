@@ -363,8 +363,8 @@ def test_hf_dict_reading_handles_v4_layout_windows_and_unsupported_rope() -> Non
     mistral = {**v4, "architectures": ["MistralForCausalLM"], "rope_scaling": None}
     mistral |= {"sliding_window": 4096, "max_position_embeddings": 32768}
     assert ModelConfig.from_hf_dict(mistral).max_position_embeddings == 4096
-    with pytest.raises(ValueError, match="rope_type 'yarn' is not supported"):
-        ModelConfig.from_hf_dict({**v4, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
+    with pytest.raises(ValueError, match="rope_type 'longrope' is not supported"):
+        ModelConfig.from_hf_dict({**v4, "rope_scaling": {"rope_type": "longrope", "factor": 2.0}})
     with pytest.raises(
         ValueError, match=r"num_heads \(4\) must be a multiple of num_kv_heads \(3\)"
     ):

@@ -49,6 +49,7 @@ class Sequence:
     first_token_s: float | None = None
     finish_reason: str = ""
     session_id: str = ""  # the conversation this is a turn of; its chain is kept warm after
+    adapter: str = ""  # LoRA adapter it runs with ("" = the base model); also in root_hash
 
     @property
     def num_tokens(self) -> int:

@@ -26,7 +26,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvmesh.proto.block_hash import BlockHash, namespace_hash, num_reusable_blocks
+from kvmesh.proto.block_hash import (
+    BlockHash,
+    adapter_root,
+    namespace_hash,
+    num_reusable_blocks,
+)
 from kvmesh.proto.events import TIER_HOST, AllCleared, BlockStored, EventBatch, KVEvent
 from kvmesh.workers.contract.replies import (
     PrefillFacts,
@@ -139,9 +144,10 @@ class Worker:
             req.request_id,
             list(req.prompt_ids),
             req.sampling,
-            self.root_hash(req.cache_salt),
+            adapter_root(self.root_hash(req.cache_salt), req.adapter),
             self.clock(),
             session_id=req.session_id,
+            adapter=req.adapter,
         )
         self.scheduler.check_fits(seq)
         self._seqs[req.request_id] = seq
@@ -160,6 +166,11 @@ class Worker:
         problem = req.sampling.problem()  # checked at the door too; a worker trusts no caller
         if problem is not None:
             raise ValueError(problem)
+        if req.adapter and req.adapter not in self.runner.adapters:
+            raise ValueError(
+                f"this worker does not serve adapter {req.adapter!r};"
+                f" it serves {sorted(self.runner.adapters)}"
+            )
         vocab = self.runner.config.vocab_size
         if not req.prompt_ids:
             raise ValueError("the prompt is empty")
@@ -249,7 +260,7 @@ class Worker:
             return []
         started = time.perf_counter()
         chunks = [
-            SeqChunk(seq.all_ids[start:], start, seq.block_table)
+            SeqChunk(seq.all_ids[start:], start, seq.block_table, adapter=seq.adapter)
             for seq, start in zip(step.seqs, step.start_positions, strict=True)
         ]
         results = self._forward_and_sample(step, chunks)
@@ -430,6 +441,7 @@ class Worker:
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting) + len(self._pulls),
             num_queued_prefill_tokens=self._num_queued_prefill_tokens,
+            adapters=tuple(sorted(self.runner.adapters)),
             generation=self.generation,
             counters=self.tally.snapshot(
                 self.scheduler.num_preemptions,

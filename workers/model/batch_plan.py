@@ -51,6 +51,8 @@ class SeqChunk:
     """Tokens of this sequence already in the cache; the new tokens take positions from here."""
     block_table: Sequence[int]
     """Block ids holding positions [0, start_pos + len(token_ids)); extra trailing ids are fine."""
+    adapter: str = ""
+    """LoRA adapter the sequence runs with ("" = the base model)."""
 
     def __post_init__(self) -> None:
         if len(self.token_ids) < 1:
