@@ -34,6 +34,7 @@ from kvmesh.coordinator.telemetry.request_record import RequestObserver, Request
 from kvmesh.proto.block_hash import (
     BlockHash,
     block_hashes,
+    cache_root,
     namespace_hash,
     num_reusable_blocks,
     num_reusable_tokens,
@@ -90,6 +91,8 @@ class PreparedPrompt:
     token_ids: tuple[int, ...]
     block_hashes: tuple[BlockHash, ...]
     cache_salt: str
+    bypass_cache: bool = False
+    """Match nothing, plan no pull; the worker reuses and registers nothing for it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +153,8 @@ class Coordinator:
         transfers: PullPricing | None = None,
         clock: Callable[[], float] = time.monotonic,
         observers: Sequence[RequestObserver] = (),
+        kv_dtype: str = "float32",
+        cache_epoch: Callable[[], int] = lambda: 0,
     ) -> None:
         self.config = config
         self.model = model
@@ -176,12 +181,24 @@ class Coordinator:
         if transfers is not None:
             self.policy.transfer_ms = transfers.price
         self._clock = clock
+        self.kv_dtype = kv_dtype
+        """The workers' KV dtype, part of the root hash (a worker of another dtype still
+        serves correctly: it hashes with its own, the index just predicts no hits on it)."""
+        self.cache_epoch = cache_epoch
+        """The fleet's cache epoch now (ClearCache moves it on), part of the root hash."""
         self.observers = tuple(observers)
         """Told of every routing decision and every request's end (metrics, the request log)."""
 
     # ---- request preparation ------------------------------------------------------------------
 
-    def prepare(self, token_ids: Sequence[int], prompt: str, cache_salt: str) -> PreparedPrompt:
+    def prepare(
+        self,
+        token_ids: Sequence[int],
+        prompt: str,
+        cache_salt: str,
+        *,
+        bypass_cache: bool = False,
+    ) -> PreparedPrompt:
         if token_ids and prompt:
             raise InvalidRequest("give either token_ids or prompt, not both")
         if prompt:
@@ -200,9 +217,15 @@ class Coordinator:
         top = max(token_ids)
         if top >= vocab:
             raise InvalidRequest(f"token id {top} is outside the vocabulary [0, {vocab})")
-        root = namespace_hash(self.fingerprint, "", cache_salt)
-        hashes = block_hashes(token_ids, self.config.block_size, root)
-        return PreparedPrompt(tuple(token_ids), tuple(hashes), cache_salt)
+        return PreparedPrompt(
+            tuple(token_ids), tuple(self.chain(token_ids, cache_salt)), cache_salt, bypass_cache
+        )
+
+    def chain(self, token_ids: Sequence[int], cache_salt: str) -> list[BlockHash]:
+        """The prompt's block hashes under the current cache epoch and KV dtype."""
+        namespace_root = namespace_hash(self.fingerprint, "", cache_salt)
+        root = cache_root(namespace_root, self.kv_dtype, self.cache_epoch())
+        return block_hashes(token_ids, self.config.block_size, root)
 
     def check_sampling(self, prompt: PreparedPrompt, sampling: SamplingConfig) -> None:
         vocab = self.model.vocab_size
@@ -223,6 +246,8 @@ class Coordinator:
     # ---- lookup and routing -------------------------------------------------------------------
 
     def match(self, prompt: PreparedPrompt) -> dict[WorkerId, PrefixMatch]:
+        if prompt.bypass_cache:
+            return {}
         if not self.index_connected():
             return {}  # a stale index must not steer traffic: route by load only
         return self.mirror.match(prompt.block_hashes)
@@ -330,7 +355,13 @@ class Coordinator:
             self.counters.num_requests += 1
         spec = self._pull_spec(pull, chosen, prompt) if pull is not None else None
         request = WorkerRequest(
-            request_id, prompt.token_ids, sampling, prompt.cache_salt, spec, session_id
+            request_id,
+            prompt.token_ids,
+            sampling,
+            prompt.cache_salt,
+            spec,
+            session_id,
+            bypass_cache=prompt.bypass_cache,
         )
         # Handed to the backend now: a lazy backend (Ray) calls the worker on the first read, an
         # eager one (the simulator) queues the request at once.
@@ -479,7 +510,12 @@ class Coordinator:
         remaining = original.sampling.max_tokens - len(produced)
         if remaining < 1:
             raise WorkerDied(dead)  # nothing left to generate but the final message was lost
-        prompt = self.prepare(list(original.prompt_ids) + produced, "", original.cache_salt)
+        prompt = self.prepare(
+            list(original.prompt_ids) + produced,
+            "",
+            original.cache_salt,
+            bypass_cache=original.bypass_cache,
+        )
         request_id = f"{original.request_id}.m{attempt}"
         # raises NoLiveWorker if none; the session's affinity moves with the turn
         decision = self.route(prompt, original.session_id, request_id)
@@ -495,6 +531,7 @@ class Coordinator:
             sampling,
             original.cache_salt,
             session_id=original.session_id,
+            bypass_cache=original.bypass_cache,
         )
 
     def _on_prefilled(self, worker: WorkerId, request: WorkerRequest, facts: PrefillFacts) -> None:

@@ -44,6 +44,9 @@ class WorkerConfig:
     """A heartbeat older than this marks the worker dead."""
     sessions: WarmSessionConfig = field(default_factory=WarmSessionConfig)
     """How long and within what budget idle sessions' chains are kept warm."""
+    prefix_cache: bool = True
+    """Reuse cached prefixes (False: `--no-prefix-cache`, every request computes its whole
+    prompt and no block is registered or announced)."""
 
     def __post_init__(self) -> None:
         if not self.worker_id:

@@ -45,6 +45,9 @@ class IndexFollower:
         """How old the newest applied stream entry was when applied, by its Redis-assigned id
         (milliseconds on Redis' clock, so a skew between the two hosts shows up here); None
         before the first entry."""
+        self.cache_epoch = 0
+        """The namespace's cache epoch, as last read from Redis (or bumped here); never goes
+        back. Part of every root hash (`cache_root`)."""
         self._last_id = "0-0"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvmesh-index", daemon=True)
@@ -70,6 +73,7 @@ class IndexFollower:
         for worker in self.store.worker_ids():
             loaded += self.resync(worker)
         self._last_id = last_id
+        self._read_epoch()
         self.connected = True
         return loaded
 
@@ -79,8 +83,30 @@ class IndexFollower:
             self.mirror.remove_worker(WorkerId(worker))
             return 0
         self.mirror.load_worker(WorkerId(worker), snap.generation, snap.seq, snap.blocks)
+        self._load_links(WorkerId(worker))
         self.num_resyncs += 1
         return len(snap.blocks)
+
+    def _load_links(self, worker: WorkerId) -> None:
+        """Radix links of the worker's blocks the tree lacks, from Redis (a cold mirror, or
+        blocks only this snapshot brought)."""
+        unlinked = self.mirror.unlinked(worker)
+        if unlinked:
+            links = self.store.node_links(self.ns, unlinked)
+            self.mirror.link((n.block_hash, n.parent_hash, n.depth) for n in links)
+
+    def _read_epoch(self) -> None:
+        self.cache_epoch = max(self.cache_epoch, self.store.cache_epoch(self.ns))
+
+    def bump_cache_epoch(self) -> int:
+        """A cache reset: the next epoch, agreed through Redis (this coordinator's own count
+        when Redis is away)."""
+        try:
+            self.cache_epoch = self.store.bump_cache_epoch(self.ns, self.cache_epoch + 1)
+        except StoreError as exc:
+            log.warning("index: cache epoch bumped without Redis (%s)", exc)
+            self.cache_epoch += 1
+        return self.cache_epoch
 
     def poll_once(self, block_ms: int | None = _READ_BLOCK_MS) -> int:
         """Apply what the stream has after the last entry seen; returns entries handled.
@@ -126,6 +152,7 @@ class IndexFollower:
         if now - self._last_sweep < _SWEEP_S:
             return
         self._last_sweep = now
+        self._read_epoch()  # another coordinator's ClearCache reaches this one here
         for worker in self.store.worker_ids():
             if not self.store.is_alive(worker):
                 log.warning("index: heartbeat of %s lapsed; purging its blocks", worker)

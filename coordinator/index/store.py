@@ -41,6 +41,33 @@ return {redis.call('HGETALL', KEYS[1]), table.concat(keys), tiers}
 """
 
 
+# Radix links of many blocks at once: ARGV ns, then the blocks' 16-hex-digit names concatenated;
+# returns the parents concatenated (16 zeros: no node) and the depths joined by commas.
+_NODE_LINKS = """
+local prefix = 'kvmesh:' .. ARGV[1] .. ':node:'
+local blob = ARGV[2]
+local parents, depths = {}, {}
+for k = 0, #blob / 16 - 1 do
+  local h = string.sub(blob, k * 16 + 1, k * 16 + 16)
+  local node = redis.call('HMGET', prefix .. h, 'p', 'd')
+  parents[#parents + 1] = node[1] or '""" + schema.NO_PARENT_HEX + """'
+  depths[#depths + 1] = node[2] or '0'
+end
+return {table.concat(parents), table.concat(depths, ',')}
+"""
+_LINKS_PER_CALL = 20_000
+
+
+@dataclass(frozen=True, slots=True)
+class NodeLink:
+    """One block's radix metadata in Redis."""
+
+    block_hash: BlockHash
+    parent_hash: BlockHash
+    """0: Redis has no node for the block."""
+    depth: int
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerSnapshot:
     worker_id: str
@@ -82,6 +109,7 @@ class IndexStore:
         )
         self._purge = self._client.register_script(schema.PURGE_WORKER)
         self._snapshot = self._client.register_script(_SNAPSHOT)
+        self._node_links = self._client.register_script(_NODE_LINKS)
         self.num_decode_errors = 0
 
     def ping(self) -> bool:
@@ -122,6 +150,34 @@ class IndexStore:
     def block_holders(self, ns: str, block_hash: BlockHash) -> dict[str, int]:
         raw = self._client.hgetall(schema.block_key(ns, schema.hash_hex(block_hash)))
         return {k.decode(): int(v) for k, v in raw.items()}
+
+    def node_links(self, ns: str, hashes: list[BlockHash]) -> list[NodeLink]:
+        """The radix metadata Redis keeps for `hashes` (a cold mirror's tree comes from here)."""
+        out: list[NodeLink] = []
+        for start in range(0, len(hashes), _LINKS_PER_CALL):
+            chunk = hashes[start : start + _LINKS_PER_CALL]
+            blob = "".join(schema.hash_hex(h) for h in chunk)
+            parents_hex, depths = self._node_links(args=[ns, blob])
+            parents = np.frombuffer(bytes.fromhex(parents_hex.decode()), dtype=">u8").tolist()
+            for h, parent, depth in zip(chunk, parents, depths.split(b","), strict=True):
+                out.append(NodeLink(h, BlockHash(parent), int(depth)))
+        return out
+
+    def node(self, ns: str, block_hash: BlockHash) -> dict[str, str]:
+        raw = self._client.hgetall(schema.node_key(ns, schema.hash_hex(block_hash)))
+        return {k.decode(): v.decode() for k, v in raw.items()}
+
+    def cache_epoch(self, ns: str) -> int:
+        raw = self._client.get(schema.epoch_key(ns))
+        return int(raw) if raw is not None else 0
+
+    def bump_cache_epoch(self, ns: str, at_least: int) -> int:
+        """Move the namespace's cache epoch on (to `at_least` if that is higher); returns it."""
+        epoch = int(self._client.incr(schema.epoch_key(ns)))
+        if epoch < at_least:
+            self._client.set(schema.epoch_key(ns), at_least)
+            epoch = at_least
+        return epoch
 
     def num_block_keys(self, ns: str) -> int:
         return sum(

@@ -122,3 +122,5 @@ class WorkerRequest:
     session_id: str = ""
     """Conversation the request is a turn of (empty: none). The worker keeps the session's chain
     warm after the turn (`workers/kv/warm_sessions.py`); a migrated turn keeps it."""
+    bypass_cache: bool = False
+    """Reuse no cached KV (local, host or pulled) and register none of what it computes."""

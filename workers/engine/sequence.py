@@ -49,6 +49,9 @@ class Sequence:
     first_token_s: float | None = None
     finish_reason: str = ""
     session_id: str = ""  # the conversation this is a turn of; its chain is kept warm after
+    bypass_cache: bool = False
+    cache_salt: str = ""  # the tenant part of root_hash (a cache reset re-roots waiting requests)
+    """Reuse no cached KV and register none of its own (a request that leaves no trace)."""
 
     @property
     def num_tokens(self) -> int:
