@@ -10,6 +10,8 @@ available for that worker:
 The pool is the reference when a queried coordinator runs the worker; otherwise Redis is. Under
 traffic the views legitimately differ for a few milliseconds (a step's events are in flight), so
 the comparison is repeated until it agrees or `--wait` runs out; only then is a difference real.
+Each mirror's radix tree is checked too: every block deeper than 1 must hang off a block some
+worker holds (else no prompt can reach it: an orphan), one level below it.
 Exit code 0: consistent; 1: differences (or a call failed).
 
 Reading Redis needs the coordinator's index store, imported only when `--redis-url` is given (the
@@ -57,10 +59,12 @@ class VerifyReport:
     """worker -> view -> number of blocks."""
     differences: list[Difference]
     notes: list[str]
+    link_problems: list[str] = field(default_factory=list)
+    """Broken parent links in a coordinator's radix tree (orphans, depths off by more than 1)."""
 
     @property
     def consistent(self) -> bool:
-        return not self.differences
+        return not self.differences and not self.link_problems
 
 
 def compare(
@@ -98,7 +102,26 @@ def compare(
         for address, r in reports.items()
         if not r.redis_connected
     ]
-    return VerifyReport(counts, differences, notes)
+    return VerifyReport(counts, differences, notes, _link_problems(reports))
+
+
+def _link_problems(reports: Mapping[str, IndexReport]) -> list[str]:
+    problems = []
+    for address, r in reports.items():
+        links = r.links
+        if links.num_orphans:
+            shown = [f"{h:016x}" for h in links.orphan_hashes[:_SHOWN_HASHES]]
+            problems.append(
+                f"mirror@{address}: {links.num_orphans} block(s) whose parent no worker holds"
+                f" {shown}"
+            )
+        if links.num_bad_depths:
+            shown = [f"{h:016x}" for h in links.bad_depth_hashes[:_SHOWN_HASHES]]
+            problems.append(
+                f"mirror@{address}: {links.num_bad_depths} block(s) not one level below their"
+                f" parent {shown}"
+            )
+    return problems
 
 
 def _difference(
@@ -133,8 +156,8 @@ def read_redis_sets(redis_url: str) -> dict[str, set[int]]:
     return {s.worker_id: {int(h) for h, _tier in s.blocks} for s in snapshots if s is not None}
 
 
-def verify(args: argparse.Namespace) -> tuple[VerifyReport, int]:
-    """The report of the last attempt and the number of attempts."""
+def verify(args: argparse.Namespace) -> tuple[VerifyReport, int, dict[str, IndexReport]]:
+    """The report of the last attempt, the number of attempts and the coordinators' views."""
     deadline = time.monotonic() + args.wait
     attempts = 0
     while True:
@@ -146,12 +169,12 @@ def verify(args: argparse.Namespace) -> tuple[VerifyReport, int]:
                 reports[address] = client.index_views()
         report = compare(reports, redis_sets)
         if report.consistent or time.monotonic() >= deadline:
-            return report, attempts
+            return report, attempts, reports
         time.sleep(_RETRY_S)
 
 
 def run_index_verify(args: argparse.Namespace) -> int:
-    report, attempts = verify(args)
+    report, attempts, reports = verify(args)
     if args.json:
         document = {
             "consistent": report.consistent,
@@ -159,6 +182,8 @@ def run_index_verify(args: argparse.Namespace) -> int:
             "redis_compared": bool(args.redis_url),
             "counts": report.counts,
             "differences": [asdict(d) for d in report.differences],
+            "link_problems": report.link_problems,
+            "tree_nodes": {a: r.links.num_tree_nodes for a, r in reports.items()},
             "notes": report.notes,
         }
         json.dump(document, sys.stdout, indent=2)
@@ -180,7 +205,9 @@ def render(report: VerifyReport, attempts: int, *, redis_compared: bool) -> str:
             f"DIFFERENCE {d.worker_id}: {d.source} lacks {d.num_missing} block(s) {d.reference}"
             f" has {d.missing}, and has {d.num_extra} it lacks {d.extra}"
         )
-    verdict = "consistent" if report.consistent else f"{len(report.differences)} difference(s)"
+    lines += [f"LINKS {p}" for p in report.link_problems]
+    num_problems = len(report.differences) + len(report.link_problems)
+    verdict = "consistent" if report.consistent else f"{num_problems} difference(s)"
     lines.append(f"{verdict} after {attempts} attempt(s)")
     return "\n".join(lines)
 

@@ -149,7 +149,7 @@ while i <= #ARGV do
     local parent, depth = nil, 0
     if kind == 'S' then
       parent, depth = ARGV[i + 3], tonumber(ARGV[i + 4])
-      if parent == '""" + NO_PARENT_HEX + """' then
+      if parent == string.rep('0', 16) then  -- NO_PARENT_HEX
         parent = nil
       elseif depth == 0 then
         local parent_depth = tonumber(redis.call('HGET', node_prefix .. parent, 'd')) or 0

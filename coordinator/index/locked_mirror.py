@@ -82,6 +82,11 @@ class LockedMirror:
             views = [NodeView(n, m.holders(n.block_hash)) for n in nodes]
             return views, m.tree.num_nodes
 
+    @property
+    def num_tree_nodes(self) -> int:
+        with self._lock:
+            return self._mirror.tree.num_nodes
+
     def check_links(self) -> LinkCheck:
         with self._lock:
             return self._mirror.tree.check_links()

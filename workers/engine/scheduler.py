@@ -196,9 +196,7 @@ class Scheduler:
             for i in range(seq.num_registered_blocks, seq.num_computed_tokens // bs):
                 if seq.bypass_cache:
                     break
-                self.pool.register(
-                    seq.block_table[i], hashes[i], seq.parent_hash(i), depth=i + 1
-                )
+                self.pool.register(seq.block_table[i], hashes[i], seq.parent_hash(i), depth=i + 1)
             seq.num_registered_blocks = seq.num_computed_tokens // bs
             seq.output_ids.append(token)
             cfg = seq.sampling
