@@ -43,8 +43,7 @@ return {redis.call('HGETALL', KEYS[1]), table.concat(keys), tiers}
 
 # Radix links of many blocks at once: ARGV ns, then the blocks' 16-hex-digit names concatenated;
 # returns the parents concatenated (16 zeros: no node) and the depths joined by commas.
-_NODE_LINKS = (
-    """
+_NODE_LINKS = """
 local prefix = 'kvmesh:' .. ARGV[1] .. ':node:'
 local blob = ARGV[2]
 local parents, depths = {}, {}
@@ -52,13 +51,10 @@ for k = 0, #blob / 16 - 1 do
   local h = string.sub(blob, k * 16 + 1, k * 16 + 16)
   local node = redis.call('HMGET', prefix .. h, 'p', 'd')
   parents[#parents + 1] = node[1] or string.rep('0', 16)  -- NO_PARENT_HEX
-    + schema.NO_PARENT_HEX
-    + """'
   depths[#depths + 1] = node[2] or '0'
 end
 return {table.concat(parents), table.concat(depths, ',')}
 """
-)
 _LINKS_PER_CALL = 20_000
 
 
