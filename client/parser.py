@@ -325,8 +325,8 @@ def _add_security_options(parser: argparse.ArgumentParser, env: CliEnvironment) 
         "--admin-token",
         default=env.admin_token,
         metavar="TOKEN",
-        help="token for the admin calls Drain, ClearCache, VerifyIndex, IndexTree (env KVMESH_ADMIN_TOKEN;"
-        " default: none, and with --auth-token admin calls are refused)",
+        help="token for the admin calls Drain, ClearCache, VerifyIndex, IndexTree"
+        " (env KVMESH_ADMIN_TOKEN; default: none, and with --auth-token admin calls are refused)",
     )
     group.add_argument("--admin-token-file", metavar="PATH", help="admin tokens, one a line")
     group.add_argument("--tls-cert", metavar="PEM", help="server certificate chain: gRPC over TLS")
