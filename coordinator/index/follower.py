@@ -15,12 +15,14 @@ from collections.abc import Callable
 from kvmesh.coordinator.index.locked_mirror import LockedMirror
 from kvmesh.coordinator.index.mirror import ApplyResult, WorkerId
 from kvmesh.coordinator.index.store import IndexStore, StoreError
+from kvmesh.proto.block_hash import BlockHash
 
 log = logging.getLogger(__name__)
 
 _READ_BLOCK_MS = 100
 _RETRY_S = 0.2
 _SWEEP_S = 1.0
+_LINKS_PER_POLL = 20_000
 
 
 class IndexFollower:
@@ -45,6 +47,7 @@ class IndexFollower:
         """How old the newest applied stream entry was when applied, by its Redis-assigned id
         (milliseconds on Redis' clock, so a skew between the two hosts shows up here); None
         before the first entry."""
+        self._links_pending: dict[WorkerId, list[BlockHash]] = {}
         self.cache_epoch = 0
         """The namespace's cache epoch, as last read from Redis (or bumped here); never goes
         back. Part of every root hash (`cache_root`)."""
@@ -83,17 +86,28 @@ class IndexFollower:
             self.mirror.remove_worker(WorkerId(worker))
             return 0
         self.mirror.load_worker(WorkerId(worker), snap.generation, snap.seq, snap.blocks)
-        self._load_links(WorkerId(worker))
+        unlinked = self.mirror.unlinked(WorkerId(worker))
+        if unlinked:
+            self._links_pending[WorkerId(worker)] = unlinked
         self.num_resyncs += 1
         return len(snap.blocks)
 
-    def _load_links(self, worker: WorkerId) -> None:
-        """Radix links of the worker's blocks the tree lacks, from Redis (a cold mirror, or
-        blocks only this snapshot brought)."""
-        unlinked = self.mirror.unlinked(worker)
-        if unlinked:
-            links = self.store.node_links(self.ns, unlinked)
-            self.mirror.link((n.block_hash, n.parent_hash, n.depth) for n in links)
+    def load_links(self, max_blocks: int | None = None) -> int:
+        """Fetch from Redis the radix links a resync left the tree without (a cold mirror, or
+        blocks only a snapshot brought), at most `max_blocks` of them (None: all); returns how
+        many were asked for. The follower thread calls it between polls: the tree is not on the
+        routing path, so a cold coordinator serves before its tree is whole."""
+        num_asked = 0
+        while self._links_pending and (max_blocks is None or num_asked < max_blocks):
+            worker, pending = next(iter(self._links_pending.items()))
+            num = len(pending) if max_blocks is None else min(len(pending), max_blocks - num_asked)
+            chunk, self._links_pending[worker] = pending[:num], pending[num:]
+            if not self._links_pending[worker]:
+                del self._links_pending[worker]
+            links = self.store.node_links(self.ns, chunk)
+            self.mirror.link((x.block_hash, x.parent_hash, x.depth) for x in links)
+            num_asked += len(chunk)
+        return num_asked
 
     def _read_epoch(self) -> None:
         self.cache_epoch = max(self.cache_epoch, self.store.cache_epoch(self.ns))
@@ -131,6 +145,7 @@ class IndexFollower:
                     self.rebuild()
                     log.info("index: Redis is back; mirror rebuilt")
                 self.poll_once()
+                self.load_links(_LINKS_PER_POLL)
                 self._sweep_expired()
             except StoreError as exc:
                 if self.connected:

@@ -156,7 +156,7 @@ class IndexStore:
         out: list[NodeLink] = []
         for start in range(0, len(hashes), _LINKS_PER_CALL):
             chunk = hashes[start : start + _LINKS_PER_CALL]
-            blob = "".join(schema.hash_hex(h) for h in chunk)
+            blob = np.asarray(chunk, dtype=">u8").tobytes().hex()
             parents_hex, depths = self._node_links(args=[ns, blob])
             parents = np.frombuffer(bytes.fromhex(parents_hex.decode()), dtype=">u8").tolist()
             for h, parent, depth in zip(chunk, parents, depths.split(b","), strict=True):

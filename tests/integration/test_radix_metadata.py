@@ -111,6 +111,9 @@ def test_a_cold_coordinator_reads_the_tree_from_redis(url: str) -> None:
     mirror = LockedMirror()
     follower = IndexFollower(store, mirror, ns=NS)
     assert follower.rebuild() == 4
+    assert mirror.num_tree_nodes == 0  # serving already: the tree is filled in after
+    assert follower.load_links(max_blocks=3) == 3
+    assert follower.load_links() == 1
     views, num_nodes = mirror.tree_nodes(10)
     assert num_nodes == 4
     assert {(v.node.block_hash, v.node.parent_hash, v.node.depth) for v in views} == {
