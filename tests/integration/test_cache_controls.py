@@ -11,6 +11,7 @@ import pytest
 
 from kvmesh.client import cli as kvmesh_cli
 from kvmesh.client.client import Client
+from kvmesh.client.errors import InvalidArgument
 from kvmesh.client.results import CacheStats
 from kvmesh.coordinator.cluster.deployment import Deployment
 from tests.integration.helpers import start_deployment, wait_for
@@ -97,6 +98,12 @@ def test_index_tree_and_top_show_the_prompt_chain(
     assert report["tree_nodes"][deployment.address] >= len(held)
     code, _, err = run_cli(capsys, "index", "top", *address, "--limit", "0")
     assert code != 0 and "--limit" in err
+    with pytest.raises(InvalidArgument, match="max_nodes"):
+        client.index_tree(max_nodes=100_001)
+    code, out, _ = run_cli(capsys, "stats", *address, "--json")
+    stats = json.loads(out)
+    assert code == 0 and stats["num_tree_nodes"] >= len(held)
+    assert set(stats["cache"]) == {f.name for f in fields(CacheStats)}
 
 
 def test_clear_cache_moves_the_epoch_so_nothing_before_it_matches(client: Client) -> None:
