@@ -10,8 +10,9 @@ available for that worker:
 The pool is the reference when a queried coordinator runs the worker; otherwise Redis is. Under
 traffic the views legitimately differ for a few milliseconds (a step's events are in flight), so
 the comparison is repeated until it agrees or `--wait` runs out; only then is a difference real.
-Each mirror's radix tree is checked too: every block deeper than 1 must hang off a block some
-worker holds (else no prompt can reach it: an orphan), one level below it.
+Each mirror's radix tree is checked too, and with `--redis-url` the radix metadata in Redis (the
+tree a cold coordinator starts from): every block deeper than 1 must hang off a block some worker
+holds (else no prompt can reach it: an orphan), one level below it.
 Exit code 0: consistent; 1: differences (or a call failed).
 
 Reading Redis needs the coordinator's index store, imported only when `--redis-url` is given (the
@@ -141,19 +142,39 @@ def _difference(
     )
 
 
-def read_redis_sets(redis_url: str) -> dict[str, set[int]]:
-    """Every registered worker's block set in Redis."""
-    from kvmesh.coordinator.index.store import IndexStore  # server-side: only with --redis-url
+def read_redis_sets(redis_url: str) -> tuple[dict[str, set[int]], list[str]]:
+    """Every registered worker's block set in Redis, and what is wrong with the radix links
+    Redis keeps for those blocks."""
+    # Server-side modules: only with --redis-url.
+    from kvmesh.coordinator.index.radix_tree import RadixTree
+    from kvmesh.coordinator.index.store import IndexStore
 
     try:
         store = IndexStore(redis_url)
         try:
-            snapshots = [store.snapshot(w) for w in store.worker_ids()]
+            snapshots = [s for w in store.worker_ids() if (s := store.snapshot(w)) is not None]
+            ns = snapshots[0].info.get("ns", "") if snapshots else ""
+            held = sorted({h for s in snapshots for h, _tier in s.blocks})
+            links = store.node_links(ns, held) if held else []
         finally:
             store.close()
     except Exception as exc:  # redis-py's errors; the URL (it may hold a password) is not shown
         raise KVMeshError("UNAVAILABLE", f"cannot read the index from Redis: {exc}") from None
-    return {s.worker_id: {int(h) for h, _tier in s.blocks} for s in snapshots if s is not None}
+    tree = RadixTree()
+    for link in links:
+        tree.link((link.block_hash,), link.parent_hash, link.depth)
+    check = tree.check_links(_SHOWN_HASHES)
+    problems = []
+    if check.num_orphans:
+        shown = [f"{h:016x}" for h in check.orphans]
+        problems.append(f"redis: {check.num_orphans} block(s) whose parent no worker holds {shown}")
+    if check.num_bad_depths:
+        shown = [f"{h:016x}" for h in check.bad_depths]
+        problems.append(
+            f"redis: {check.num_bad_depths} block(s) not one level below their parent {shown}"
+        )
+    sets = {s.worker_id: {int(h) for h, _tier in s.blocks} for s in snapshots}
+    return sets, problems
 
 
 def verify(args: argparse.Namespace) -> tuple[VerifyReport, int, dict[str, IndexReport]]:
@@ -162,12 +183,15 @@ def verify(args: argparse.Namespace) -> tuple[VerifyReport, int, dict[str, Index
     attempts = 0
     while True:
         attempts += 1
-        redis_sets = read_redis_sets(args.redis_url) if args.redis_url else None
+        redis_sets, redis_link_problems = (
+            read_redis_sets(args.redis_url) if args.redis_url else (None, [])
+        )
         reports = {}
         for address in args.address:
             with client_from_args(args, address) as client:
                 reports[address] = client.index_views()
         report = compare(reports, redis_sets)
+        report.link_problems.extend(redis_link_problems)
         if report.consistent or time.monotonic() >= deadline:
             return report, attempts, reports
         time.sleep(_RETRY_S)

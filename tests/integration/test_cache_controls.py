@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, fields
 
 import pytest
+import redis
 
 from kvmesh.client import cli as kvmesh_cli
 from kvmesh.client.client import Client
@@ -92,10 +93,22 @@ def test_index_tree_and_top_show_the_prompt_chain(
     assert code == 0 and len(json.loads(out)["nodes"]) == tree.num_nodes
     code, out, _ = run_cli(capsys, "index", "top", *address, "--limit", "5")
     assert code == 0 and "hits" in out and f"{held[-1].block_hash:016x}" in out
-    code, out, _ = run_cli(capsys, "index", "verify", *address, "--json")
+    assert deployment.redis is not None
+    verify = ["index", "verify", *address, "--redis-url", deployment.redis.url, "--json"]
+    code, out, _ = run_cli(capsys, *verify)
     report = json.loads(out)
     assert code == 0 and report["link_problems"] == []
     assert report["tree_nodes"][deployment.address] >= len(held)
+    # A node in Redis that disagrees with its parent's depth is what a cold coordinator would
+    # start from: verify names it.
+    r = redis.Redis.from_url(deployment.redis.url)
+    key = next(r.scan_iter(match=f"kvmesh:*:node:{held[-1].block_hash:016x}"))
+    r.hset(key, "d", 99)
+    try:
+        code, out, _ = run_cli(capsys, *verify[:-1], "--wait", "0.2")
+        assert code == 1 and "LINKS redis: 1 block(s) not one level below" in out
+    finally:
+        r.hset(key, "d", held[-1].depth)
     code, _, err = run_cli(capsys, "index", "top", *address, "--limit", "0")
     assert code != 0 and "--limit" in err
     with pytest.raises(InvalidArgument, match="max_nodes"):

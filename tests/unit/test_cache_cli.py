@@ -83,3 +83,18 @@ def test_tree_is_drawn_indented_under_parents_and_says_when_cut() -> None:
     assert lines[-1] == "3 of 5 block(s) shown (raise --max-nodes)"
     top = render_top(IndexTree([node(2, 1, 2, hits=4)], num_nodes=5))
     assert "0000000000000002" in top and " 4 " in top
+
+
+def test_verify_fails_on_a_mirror_whose_tree_has_broken_links() -> None:
+    from kvmesh.client.index_verify import compare, render
+    from kvmesh.client.results import IndexReport, LinkReport, WorkerIndexView
+
+    views = [WorkerIndexView("w0", True, [1, 2], [1, 2], 1, 1, True)]
+    clean = compare({"a:1": IndexReport(views, True, LinkReport(num_tree_nodes=2))}, None)
+    assert clean.consistent
+    broken = LinkReport(num_tree_nodes=2, num_orphans=1, orphan_hashes=[2], num_bad_depths=1)
+    report = compare({"a:1": IndexReport(views, True, broken)}, None)
+    assert not report.consistent and len(report.link_problems) == 2
+    text = render(report, 1, redis_compared=False)
+    assert "LINKS mirror@a:1: 1 block(s) whose parent no worker holds" in text
+    assert "0000000000000002" in text and text.endswith("2 difference(s) after 1 attempt(s)")
