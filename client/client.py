@@ -40,6 +40,7 @@ from kvmesh.client.results import (
 from kvmesh.client.stream_accumulator import StreamAccumulator
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
+from kvmesh.proto.block_hash import MediaItem
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 
@@ -154,6 +155,8 @@ class Client:
         worker_id: str = "",
         request_id: str = "",
         bypass_cache: bool = False,
+        adapter: str = "",
+        media: Sequence[MediaItem] = (),
     ) -> GenerateResult:
         """Generate from a prompt (token ids or text, exactly one) and wait for the whole stream.
 
@@ -189,6 +192,8 @@ class Client:
         worker_id: str = "",
         request_id: str = "",
         bypass_cache: bool = False,
+        adapter: str = "",
+        media: Sequence[MediaItem] = (),
     ) -> Iterator[StreamChunk]:
         """Like `generate`, but yield each chunk as it arrives. Arguments are checked at once;
         abandoning the iterator (break, close()) cancels the request on the server."""
@@ -203,6 +208,8 @@ class Client:
         session_id: str = "",
         cache_salt: str = "",
         bypass_cache: bool = False,
+        adapter: str = "",
+        media: Sequence[MediaItem] = (),
     ) -> RouteResult:
         """The worker the router would choose for this prompt, without running it."""
         request = wire.build_route_request(
@@ -211,6 +218,8 @@ class Client:
             session_id=session_id,
             cache_salt=cache_salt,
             bypass_cache=bypass_cache,
+            adapter=adapter,
+            media=media,
         )
         return wire.route_from_proto(self._unary("Route", request))
 
@@ -220,9 +229,13 @@ class Client:
         *,
         prompt: str | None = None,
         cache_salt: str = "",
+        adapter: str = "",
+        media: Sequence[MediaItem] = (),
     ) -> LookupResult:
         """The prompt's block hashes and how many leading blocks each worker holds."""
-        request = wire.build_lookup_request(token_ids, prompt=prompt, cache_salt=cache_salt)
+        request = wire.build_lookup_request(
+            token_ids, prompt=prompt, cache_salt=cache_salt, adapter=adapter, media=media
+        )
         return wire.lookup_from_proto(self._unary("Lookup", request))
 
     def stats(self) -> Stats:
@@ -362,6 +375,8 @@ class AsyncClient:
         worker_id: str = "",
         request_id: str = "",
         bypass_cache: bool = False,
+        adapter: str = "",
+        media: Sequence[MediaItem] = (),
     ) -> GenerateResult:
         """See `Client.generate`."""
         request = wire.build_generate_request(**_generate_kwargs(locals()))
@@ -390,6 +405,8 @@ class AsyncClient:
         worker_id: str = "",
         request_id: str = "",
         bypass_cache: bool = False,
+        adapter: str = "",
+        media: Sequence[MediaItem] = (),
     ) -> AsyncIterator[StreamChunk]:
         """See `Client.stream`; use with `async for`. Arguments are checked at once."""
         request = wire.build_generate_request(**_generate_kwargs(locals()))
@@ -403,6 +420,8 @@ class AsyncClient:
         session_id: str = "",
         cache_salt: str = "",
         bypass_cache: bool = False,
+        adapter: str = "",
+        media: Sequence[MediaItem] = (),
     ) -> RouteResult:
         request = wire.build_route_request(
             token_ids,
@@ -410,6 +429,8 @@ class AsyncClient:
             session_id=session_id,
             cache_salt=cache_salt,
             bypass_cache=bypass_cache,
+            adapter=adapter,
+            media=media,
         )
         return wire.route_from_proto(await self._unary(self._stub.Route, request))
 
@@ -419,8 +440,12 @@ class AsyncClient:
         *,
         prompt: str | None = None,
         cache_salt: str = "",
+        adapter: str = "",
+        media: Sequence[MediaItem] = (),
     ) -> LookupResult:
-        request = wire.build_lookup_request(token_ids, prompt=prompt, cache_salt=cache_salt)
+        request = wire.build_lookup_request(
+            token_ids, prompt=prompt, cache_salt=cache_salt, adapter=adapter, media=media
+        )
         return wire.lookup_from_proto(await self._unary(self._stub.Lookup, request))
 
     async def stats(self) -> Stats:

@@ -41,10 +41,12 @@ def parse_token_ids(text: str, flag: str = "--tokens") -> list[int]:
 
 
 def _prompt_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """`token_ids` or `prompt` for a client call, from the --tokens / --prompt pair."""
+    """`token_ids` or `prompt` for a client call, from the --tokens / --prompt pair, with the
+    --adapter and --media options."""
+    extra = {"adapter": args.adapter, "media": tuple(args.media or ())}
     if args.tokens is not None:
-        return {"token_ids": parse_token_ids(args.tokens)}
-    return {"prompt": args.prompt}
+        return {"token_ids": parse_token_ids(args.tokens), **extra}
+    return {"prompt": args.prompt, **extra}
 
 
 def _client(args: argparse.Namespace) -> Client:

@@ -14,6 +14,7 @@ from importlib import metadata
 from kvmesh.client import commands, extension, index_tree, index_verify
 from kvmesh.client.environment import LOG_LEVELS, CliEnvironment
 from kvmesh.client.extension import Extension, LoadedExtension
+from kvmesh.proto.block_hash import MediaItem
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -102,6 +103,24 @@ def _port(text: str) -> int:
     return value
 
 
+def _media_item(value: str) -> MediaItem:
+    parts = value.split(":")
+    try:
+        item_hash, offset, length = int(parts[0], 0), int(parts[1]), int(parts[2])
+    except (ValueError, IndexError):
+        raise argparse.ArgumentTypeError(f"expected HASH:OFFSET:LENGTH, got {value!r}") from None
+    if len(parts) != 3:
+        raise argparse.ArgumentTypeError(f"expected HASH:OFFSET:LENGTH, got {value!r}")
+    return MediaItem(item_hash, offset, length)
+
+
+def _lora_adapter(value: str) -> tuple[str, str]:
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {value!r}")
+    return name, path
+
+
 def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -178,6 +197,15 @@ def _add_worker_options(
         default=0.0,
         metavar="GB",
         help="pinned host-memory tier per worker for blocks evicted from the device (0: off)",
+    )
+    parser.add_argument(
+        "--lora",
+        type=_lora_adapter,
+        action="append",
+        default=None,
+        metavar="NAME=PATH",
+        help="serve the PEFT LoRA adapter in folder PATH as NAME on every worker (repeatable);"
+        " requests pick it with `adapter`",
     )
     parser.add_argument(
         "--no-prefix-cache",
@@ -415,6 +443,16 @@ def _add_prompt_options(parser: argparse.ArgumentParser) -> None:
     prompt.add_argument("--tokens", metavar="IDS", help="prompt token ids, e.g. 1,2,3")
     prompt.add_argument("--prompt", metavar="TEXT", help="prompt text (needs a tokenizer)")
     parser.add_argument("--cache-salt", default="", metavar="S", help="tenant / cache salt")
+    parser.add_argument(
+        "--adapter", default="", metavar="NAME", help="LoRA adapter (default: the base model)"
+    )
+    parser.add_argument(
+        "--media",
+        type=_media_item,
+        action="append",
+        metavar="HASH:OFFSET:LENGTH",
+        help="a media item in the prompt (repeatable; hash in hex with 0x, or decimal)",
+    )
 
 
 def _add_generate(sub: argparse._SubParsersAction, env: CliEnvironment) -> None:

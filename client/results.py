@@ -218,6 +218,8 @@ class WorkerInfo:
     warm_session_bytes: int
     cache: CacheStats
     """This worker's prefix-cache figures."""
+    adapters: tuple[str, ...] = ()
+    """LoRA adapters the worker serves besides the base model."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,6 +32,7 @@ from kvmesh.client.results import (
     WorkerScore,
 )
 from kvmesh.proto import kvmesh_pb2 as pb
+from kvmesh.proto.block_hash import MediaItem
 
 MAX_UINT32 = 2**32 - 1
 MAX_UINT64 = 2**64 - 1
@@ -84,6 +85,8 @@ def build_generate_request(
     cache_salt: str,
     worker_id: str,
     request_id: str,
+    adapter: str = "",
+    media: Sequence[MediaItem] = (),
     bypass_cache: bool = False,
 ) -> pb.GenerateRequest:
     """A checked `GenerateRequest`; the arguments are those of `Client.generate`."""
@@ -118,6 +121,7 @@ def build_generate_request(
         bypass_cache=bypass_cache,
     )
     _set_prompt(request, token_ids, prompt)
+    _set_adapter_and_media(request, adapter, media)
     return request
 
 
@@ -127,21 +131,44 @@ def build_route_request(
     prompt: str | None,
     session_id: str,
     cache_salt: str,
+    adapter: str = "",
+    media: Sequence[MediaItem] = (),
     bypass_cache: bool = False,
 ) -> pb.RouteRequest:
     request = pb.RouteRequest(
         session_id=session_id, cache_salt=cache_salt, bypass_cache=bypass_cache
     )
     _set_prompt(request, token_ids, prompt)
+    _set_adapter_and_media(request, adapter, media)
     return request
 
 
 def build_lookup_request(
-    token_ids: Sequence[int] | None, *, prompt: str | None, cache_salt: str
+    token_ids: Sequence[int] | None,
+    *,
+    prompt: str | None,
+    cache_salt: str,
+    adapter: str = "",
+    media: Sequence[MediaItem] = (),
 ) -> pb.LookupRequest:
     request = pb.LookupRequest(cache_salt=cache_salt)
     _set_prompt(request, token_ids, prompt)
+    _set_adapter_and_media(request, adapter, media)
     return request
+
+
+def _set_adapter_and_media(
+    request: pb.GenerateRequest | pb.RouteRequest | pb.LookupRequest,
+    adapter: str,
+    media: Sequence[MediaItem],
+) -> None:
+    """The LoRA adapter and the media items (hash, offset, length) of a prompt."""
+    request.adapter = adapter
+    for item in media:
+        _check_range("media hash", item.item_hash, 0, MAX_UINT64)
+        _check_range("media offset", item.offset, 0, MAX_UINT32)
+        _check_range("media length", item.length, 1, MAX_UINT32)
+        request.media.add(hash=item.item_hash, offset=item.offset, length=item.length)
 
 
 def cache_facts_from_proto(message: pb.CacheFacts) -> CacheFacts:
@@ -213,7 +240,8 @@ def stats_from_proto(message: pb.StatsResponse) -> Stats:
 def worker_from_proto(message: pb.WorkerInfo) -> WorkerInfo:
     # WorkerInfo mirrors the proto message field for field (a unit test pins this).
     values = {f.name: getattr(message, f.name) for f in fields(WorkerInfo)}
-    return WorkerInfo(**{**values, "cache": cache_stats_from_proto(message.cache)})
+    cache = cache_stats_from_proto(message.cache)
+    return WorkerInfo(**{**values, "cache": cache, "adapters": tuple(message.adapters)})
 
 
 def index_tree_from_proto(message: pb.IndexTreeResponse) -> IndexTree:

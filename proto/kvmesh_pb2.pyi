@@ -37,7 +37,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_p: _Optional[float] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("token_ids", "prompt", "sampling", "session_id", "cache_salt", "worker_id", "request_id", "turn_mode", "bypass_cache")
+    __slots__ = ("token_ids", "prompt", "sampling", "session_id", "cache_salt", "worker_id", "request_id", "turn_mode", "bypass_cache", "adapter", "media")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,8 @@ class GenerateRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TURN_MODE_FIELD_NUMBER: _ClassVar[int]
     BYPASS_CACHE_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt: str
     sampling: SamplingParams
@@ -56,7 +58,19 @@ class GenerateRequest(_message.Message):
     request_id: str
     turn_mode: TurnMode
     bypass_cache: bool
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ..., cache_salt: _Optional[str] = ..., worker_id: _Optional[str] = ..., request_id: _Optional[str] = ..., turn_mode: _Optional[_Union[TurnMode, str]] = ..., bypass_cache: _Optional[bool] = ...) -> None: ...
+    adapter: str
+    media: _containers.RepeatedCompositeFieldContainer[MediaItem]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ..., cache_salt: _Optional[str] = ..., worker_id: _Optional[str] = ..., request_id: _Optional[str] = ..., turn_mode: _Optional[_Union[TurnMode, str]] = ..., bypass_cache: _Optional[bool] = ..., adapter: _Optional[str] = ..., media: _Optional[_Iterable[_Union[MediaItem, _Mapping]]] = ...) -> None: ...
+
+class MediaItem(_message.Message):
+    __slots__ = ("hash", "offset", "length")
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    hash: int
+    offset: int
+    length: int
+    def __init__(self, hash: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class CacheFacts(_message.Message):
     __slots__ = ("worker_id", "prompt_tokens", "cached_tokens", "pulled_tokens", "computed_tokens", "policy")
@@ -91,18 +105,22 @@ class GenerateResponse(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., cache: _Optional[_Union[CacheFacts, _Mapping]] = ..., finish_reason: _Optional[str] = ..., ttft_ms: _Optional[float] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("token_ids", "prompt", "session_id", "cache_salt", "bypass_cache")
+    __slots__ = ("token_ids", "prompt", "session_id", "cache_salt", "bypass_cache", "adapter", "media")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     BYPASS_CACHE_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt: str
     session_id: str
     cache_salt: str
     bypass_cache: bool
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., prompt: _Optional[str] = ..., session_id: _Optional[str] = ..., cache_salt: _Optional[str] = ..., bypass_cache: _Optional[bool] = ...) -> None: ...
+    adapter: str
+    media: _containers.RepeatedCompositeFieldContainer[MediaItem]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., prompt: _Optional[str] = ..., session_id: _Optional[str] = ..., cache_salt: _Optional[str] = ..., bypass_cache: _Optional[bool] = ..., adapter: _Optional[str] = ..., media: _Optional[_Iterable[_Union[MediaItem, _Mapping]]] = ...) -> None: ...
 
 class WorkerScore(_message.Message):
     __slots__ = ("worker_id", "matched_blocks", "cost_ms")
@@ -135,14 +153,18 @@ class RouteResponse(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., matched_tokens: _Optional[int] = ..., cost_ms: _Optional[float] = ..., scores: _Optional[_Iterable[_Union[WorkerScore, _Mapping]]] = ..., policy: _Optional[str] = ..., session_worker_id: _Optional[str] = ..., session_affinity_ms: _Optional[float] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("token_ids", "prompt", "cache_salt")
+    __slots__ = ("token_ids", "prompt", "cache_salt", "adapter", "media")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt: str
     cache_salt: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., prompt: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    adapter: str
+    media: _containers.RepeatedCompositeFieldContainer[MediaItem]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., prompt: _Optional[str] = ..., cache_salt: _Optional[str] = ..., adapter: _Optional[str] = ..., media: _Optional[_Iterable[_Union[MediaItem, _Mapping]]] = ...) -> None: ...
 
 class WorkerMatch(_message.Message):
     __slots__ = ("worker_id", "matched_blocks", "matched_tokens")
@@ -279,7 +301,7 @@ class StatsResponse(_message.Message):
     def __init__(self, num_workers: _Optional[int] = ..., num_live_workers: _Optional[int] = ..., num_indexed_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_failed_requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., hit_rate: _Optional[float] = ..., policy: _Optional[str] = ..., redis_connected: _Optional[bool] = ..., num_events_applied: _Optional[int] = ..., num_resyncs: _Optional[int] = ..., block_size: _Optional[int] = ..., model: _Optional[str] = ..., pulled_tokens: _Optional[int] = ..., num_pulls: _Optional[int] = ..., num_failed_pulls: _Optional[int] = ..., num_migrations: _Optional[int] = ..., routing: _Optional[str] = ..., num_decode_errors: _Optional[int] = ..., num_drained_workers: _Optional[int] = ..., num_rejected_requests: _Optional[int] = ..., num_cancelled_requests: _Optional[int] = ..., num_slow_streams_cancelled: _Optional[int] = ..., num_warm_sessions: _Optional[int] = ..., warm_session_bytes: _Optional[int] = ..., num_sessions_evicted_ttl: _Optional[int] = ..., num_sessions_evicted_budget: _Optional[int] = ..., num_sessions_evicted_pressure: _Optional[int] = ..., num_session_turns_refused: _Optional[int] = ..., cache: _Optional[_Union[CacheStats, _Mapping]] = ..., num_tree_nodes: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "pid", "node", "device", "num_blocks", "num_free_blocks", "alive", "cached_tokens", "computed_tokens", "num_requests", "num_running", "num_waiting", "generation", "num_indexed_blocks", "drained", "num_warm_sessions", "warm_session_bytes", "cache")
+    __slots__ = ("worker_id", "pid", "node", "device", "num_blocks", "num_free_blocks", "alive", "cached_tokens", "computed_tokens", "num_requests", "num_running", "num_waiting", "generation", "num_indexed_blocks", "drained", "num_warm_sessions", "warm_session_bytes", "cache", "adapters")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
@@ -298,6 +320,7 @@ class WorkerInfo(_message.Message):
     NUM_WARM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     WARM_SESSION_BYTES_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     pid: int
     node: str
@@ -316,7 +339,8 @@ class WorkerInfo(_message.Message):
     num_warm_sessions: int
     warm_session_bytes: int
     cache: CacheStats
-    def __init__(self, worker_id: _Optional[str] = ..., pid: _Optional[int] = ..., node: _Optional[str] = ..., device: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., alive: _Optional[bool] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., generation: _Optional[int] = ..., num_indexed_blocks: _Optional[int] = ..., drained: _Optional[bool] = ..., num_warm_sessions: _Optional[int] = ..., warm_session_bytes: _Optional[int] = ..., cache: _Optional[_Union[CacheStats, _Mapping]] = ...) -> None: ...
+    adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_id: _Optional[str] = ..., pid: _Optional[int] = ..., node: _Optional[str] = ..., device: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., alive: _Optional[bool] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., generation: _Optional[int] = ..., num_indexed_blocks: _Optional[int] = ..., drained: _Optional[bool] = ..., num_warm_sessions: _Optional[int] = ..., warm_session_bytes: _Optional[int] = ..., cache: _Optional[_Union[CacheStats, _Mapping]] = ..., adapters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ()

@@ -58,6 +58,8 @@ class Cluster:
                 raise ValueError(f"worker id {config.worker_id!r} already has an actor")
             self._handles[config.worker_id] = _Handle(config, actor)
         self.registry.add(config.worker_id)
+        # Known from its config before its first report, so its adapters route at once.
+        self.registry.set_adapters(config.worker_id, (name for name, _ in config.lora_adapters))
 
     def forget_actor(self, worker_id: str) -> Any:
         """Drop a worker's actor handle (scaled down or replaced); returns it."""

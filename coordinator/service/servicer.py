@@ -48,6 +48,7 @@ from kvmesh.coordinator.service.tls import ServerTls
 from kvmesh.coordinator.session_turns import SessionBusy, TurnMode
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
+from kvmesh.proto.block_hash import MediaItem
 from kvmesh.workers.contract.replies import CacheStats, RequestRejected
 from kvmesh.workers.contract.requests import SamplingConfig
 
@@ -159,9 +160,7 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
 
     def _try_generate(self, request: pb.GenerateRequest, label: str) -> Iterator[Any]:
         c = self.coordinator
-        prompt = self._prepare(
-            request.token_ids, request.prompt, request.cache_salt, request.bypass_cache
-        )
+        prompt = self._prepare(request.token_ids, request.prompt, request.cache_salt, request)
         s = request.sampling
         if not request.HasField("sampling") or s.max_tokens == 0:
             raise InvalidRequest("sampling.max_tokens must be >= 1")
@@ -188,15 +187,22 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
         )
 
     def _prepare(
-        self, token_ids: Any, prompt: str, cache_salt: str, bypass_cache: bool = False
+        self, token_ids: Any, prompt: str, cache_salt: str, request: Any = None
     ) -> PreparedPrompt:
         """`Coordinator.prepare` within `max_prompt_tokens` (checked before hashing, and again
-        after tokenizing a text prompt)."""
+        after tokenizing a text prompt), with the request's adapter, media items and
+        `bypass_cache` (Generate and Route have one)."""
         limit = self.coordinator.config.max_prompt_tokens
         prepared = None
         if not limit or len(token_ids) <= limit:
+            adapter, media = adapter_and_media(request)
             prepared = self.coordinator.prepare(
-                list(token_ids), prompt, cache_salt, bypass_cache=bypass_cache
+                list(token_ids),
+                prompt,
+                cache_salt,
+                adapter=adapter,
+                media=media,
+                bypass_cache=bool(getattr(request, "bypass_cache", False)),
             )
             if not limit or len(prepared.token_ids) <= limit:
                 return prepared
@@ -208,9 +214,7 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
     def Route(self, request: pb.RouteRequest, context: grpc.ServicerContext) -> pb.RouteResponse:
         def run() -> pb.RouteResponse:
             c = self.coordinator
-            prompt = self._prepare(
-                request.token_ids, request.prompt, request.cache_salt, request.bypass_cache
-            )
+            prompt = self._prepare(request.token_ids, request.prompt, request.cache_salt, request)
             d = c.route(prompt, request.session_id)
             return pb.RouteResponse(
                 worker_id=d.worker_id,
@@ -233,7 +237,7 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
     def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
         def run() -> pb.LookupResponse:
             c = self.coordinator
-            prompt = self._prepare(request.token_ids, request.prompt, request.cache_salt)
+            prompt = self._prepare(request.token_ids, request.prompt, request.cache_salt, request)
             matches = c.match(prompt)
             bs = c.config.block_size
             return pb.LookupResponse(
@@ -332,6 +336,7 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
                     "num_warm_sessions": i.counters.num_warm_sessions,
                     "warm_session_bytes": i.counters.warm_session_bytes,
                     "cache": cache_stats_message(i.cache),
+                    "adapters": list(i.adapters),
                 }
             out.append(
                 pb.WorkerInfo(
@@ -401,6 +406,14 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
             return tree_message(views, num_nodes, self.coordinator.config.block_size)
 
         return self._guard(context, run)
+
+
+def adapter_and_media(request: Any) -> tuple[str, tuple[MediaItem, ...]]:
+    """The adapter name and media items of a Generate / Route / Lookup request (none: base)."""
+    if request is None:
+        return "", ()
+    media = tuple(MediaItem(m.hash, m.offset, m.length) for m in request.media)
+    return request.adapter, media
 
 
 def build_server(

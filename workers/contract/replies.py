@@ -188,5 +188,8 @@ class WorkerInfo:
     num_queued_prefill_tokens: int = 0
     """Prompt tokens accepted and not yet prefilled, whichever coordinator sent them: the load
     every coordinator replica sees alike (a waiting prompt counts whole, before cache matching)."""
+    adapters: tuple[str, ...] = ()
+    """LoRA adapters the worker serves besides the base model; routers send an adapter's
+    requests only to workers that list it."""
     cache: CacheStats = CacheStats()
     """The worker's prefix-cache figures (`kvmesh stats`, ListWorkers)."""

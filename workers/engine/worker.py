@@ -26,7 +26,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvmesh.proto.block_hash import BlockHash, cache_root, namespace_hash, num_reusable_blocks
+from kvmesh.proto.block_hash import (
+    BlockHash,
+    adapter_root,
+    cache_root,
+    namespace_hash,
+    num_reusable_blocks,
+)
 from kvmesh.proto.events import TIER_HOST, AllCleared, BlockStored, EventBatch, KVEvent
 from kvmesh.workers.contract.replies import (
     CacheStats,
@@ -149,9 +155,10 @@ class Worker:
             req.request_id,
             list(req.prompt_ids),
             req.sampling,
-            self.root_hash(req.cache_salt),
+            adapter_root(self.root_hash(req.cache_salt), req.adapter),
             self.clock(),
             session_id=req.session_id,
+            adapter=req.adapter,
             bypass_cache=req.bypass_cache or not self.prefix_cache,
             cache_salt=req.cache_salt,
         )
@@ -173,6 +180,11 @@ class Worker:
         problem = req.sampling.problem()  # checked at the door too; a worker trusts no caller
         if problem is not None:
             raise ValueError(problem)
+        if req.adapter and req.adapter not in self.runner.adapters:
+            raise ValueError(
+                f"this worker does not serve adapter {req.adapter!r};"
+                f" it serves {sorted(self.runner.adapters)}"
+            )
         vocab = self.runner.config.vocab_size
         if not req.prompt_ids:
             raise ValueError("the prompt is empty")
@@ -262,7 +274,7 @@ class Worker:
             return []
         started = time.perf_counter()
         chunks = [
-            SeqChunk(seq.all_ids[start:], start, seq.block_table)
+            SeqChunk(seq.all_ids[start:], start, seq.block_table, adapter=seq.adapter)
             for seq, start in zip(step.seqs, step.start_positions, strict=True)
         ]
         results = self._forward_and_sample(step, chunks)
@@ -419,7 +431,7 @@ class Worker:
         if seq.pinned_blocks:
             self.scheduler.unpin(seq)
             seq.num_pulled_tokens = seq.num_host_tokens = 0
-        seq.root_hash = self.root_hash(seq.cache_salt)
+        seq.root_hash = adapter_root(self.root_hash(seq.cache_salt), seq.adapter)
         seq.block_hashes = []
 
     def drain_event_batch(self) -> EventBatch | None:
@@ -466,6 +478,7 @@ class Worker:
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting) + len(self._pulls),
             num_queued_prefill_tokens=self._num_queued_prefill_tokens,
+            adapters=tuple(sorted(self.runner.adapters)),
             generation=self.generation,
             counters=counters,
             cache=self._cache_stats(counters),
