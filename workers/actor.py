@@ -330,6 +330,7 @@ class WorkerActor:
             "block_size": i.block_size,
             "num_blocks": i.num_blocks,
             "num_free_blocks": i.num_free_blocks,
+            "cache_epoch": i.cache.cache_epoch,
             "updated_ms": time.time_ns() // 1_000_000,
         }
 

@@ -110,7 +110,10 @@ class IndexFollower:
         return num_asked
 
     def _read_epoch(self) -> None:
-        self.cache_epoch = max(self.cache_epoch, self.store.cache_epoch(self.ns))
+        known = self.store.cache_epoch(self.ns)
+        if self.cache_epoch > known:  # Redis lost it: put it back for workers starting later
+            self.store.raise_cache_epoch(self.ns, self.cache_epoch)
+        self.cache_epoch = max(self.cache_epoch, known)
 
     def bump_cache_epoch(self) -> int:
         """A cache reset: the next epoch, agreed through Redis (this coordinator's own count

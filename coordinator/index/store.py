@@ -57,6 +57,17 @@ return {table.concat(parents), table.concat(depths, ',')}
 """
 _LINKS_PER_CALL = 20_000
 
+# KEYS[1] the epoch key; ARGV[1] an epoch. Raises the key to it if lower; returns the key's value.
+_RAISE_EPOCH = """
+local current = tonumber(redis.call('GET', KEYS[1]) or '0')
+local wanted = tonumber(ARGV[1])
+if current < wanted then
+  redis.call('SET', KEYS[1], wanted)
+  return wanted
+end
+return current
+"""
+
 
 @dataclass(frozen=True, slots=True)
 class NodeLink:
@@ -110,6 +121,7 @@ class IndexStore:
         self._purge = self._client.register_script(schema.PURGE_WORKER)
         self._snapshot = self._client.register_script(_SNAPSHOT)
         self._node_links = self._client.register_script(_NODE_LINKS)
+        self._raise_epoch = self._client.register_script(_RAISE_EPOCH)
         self.num_decode_errors = 0
 
     def ping(self) -> bool:
@@ -168,16 +180,24 @@ class IndexStore:
         return {k.decode(): v.decode() for k, v in raw.items()}
 
     def cache_epoch(self, ns: str) -> int:
-        raw = self._client.get(schema.epoch_key(ns))
-        return int(raw) if raw is not None else 0
+        """The fleet's cache epoch: the epoch key, or the highest epoch a worker reports if
+        that is higher (Redis restarted empty while the workers lived on)."""
+        pipe = self._client.pipeline(transaction=False)
+        pipe.get(schema.epoch_key(ns))
+        for w in self.worker_ids():
+            pipe.hget(schema.worker_key(w), "cache_epoch")
+        raw, *reported = pipe.execute()
+        return max([int(raw or 0), *(int(r) for r in reported if r is not None)])
+
+    def raise_cache_epoch(self, ns: str, epoch: int) -> int:
+        """Set the namespace's cache epoch to `epoch` unless it is higher already; returns it
+        (so a worker starting now hashes under what the fleet uses)."""
+        return int(self._raise_epoch(keys=[schema.epoch_key(ns)], args=[epoch]))
 
     def bump_cache_epoch(self, ns: str, at_least: int) -> int:
         """Move the namespace's cache epoch on (to `at_least` if that is higher); returns it."""
         epoch = int(self._client.incr(schema.epoch_key(ns)))
-        if epoch < at_least:
-            self._client.set(schema.epoch_key(ns), at_least)
-            epoch = at_least
-        return epoch
+        return self.raise_cache_epoch(ns, at_least) if epoch < at_least else epoch
 
     def num_block_keys(self, ns: str) -> int:
         return sum(

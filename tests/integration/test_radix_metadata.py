@@ -137,3 +137,15 @@ def test_the_cache_epoch_is_agreed_through_redis(url: str) -> None:
     assert second.cache_epoch == 1
     assert second.bump_cache_epoch() == 2
     assert store.bump_cache_epoch(NS, at_least=10) == 10  # a coordinator that knew a higher one
+
+
+def test_the_epoch_outlives_a_redis_that_lost_it(url: str) -> None:
+    w = Writer(url, "w0")
+    w.publisher.heartbeat({"block_size": BS, "cache_epoch": 3}, 10_000)  # reset 3 times before
+    follower = IndexFollower(IndexStore(url), LockedMirror(), ns=NS)
+    follower.rebuild()
+    assert follower.cache_epoch == 3  # from the worker's report: the epoch key was never set
+    redis.Redis.from_url(url).flushall()  # Redis restarted empty
+    follower.rebuild()
+    assert follower.cache_epoch == 3
+    assert EventPublisher(url, NS, "w9").cache_epoch() == 3  # put back for workers starting now
