@@ -77,6 +77,13 @@ _WORKER_COUNTERS = (
     ),
 )
 
+# (reason label, counters field) of kvmesh_worker_sessions_evicted_total
+_SESSION_EVICTIONS = (
+    ("ttl", "num_sessions_evicted_ttl"),
+    ("budget", "num_sessions_evicted_budget"),
+    ("pressure", "num_sessions_evicted_pressure"),
+)
+
 
 class MetricsCollector:
     def __init__(
@@ -261,6 +268,30 @@ class MetricsCollector:
                 MetricKind.GAUGE,
                 "Blocks held in the worker's host-memory tier.",
                 lambda i: i.counters.num_host_blocks,
+            ),
+            per_worker(
+                "kvmesh_worker_warm_sessions",
+                MetricKind.GAUGE,
+                "Idle sessions whose chains the worker keeps warm now.",
+                lambda i: i.counters.num_warm_sessions,
+            ),
+            per_worker(
+                "kvmesh_worker_warm_session_bytes",
+                MetricKind.GAUGE,
+                "Device KV bytes the warm sessions' chains hold.",
+                lambda i: i.counters.warm_session_bytes,
+            ),
+            MetricFamily(
+                "kvmesh_worker_sessions_evicted_total",
+                MetricKind.COUNTER,
+                "Sessions no longer kept warm, by reason: idle past the TTL, over the byte "
+                "budget (LRU), or device pressure (the pool reused the whole chain).",
+                ("worker", "reason"),
+                tuple(
+                    Sample((("worker", w), ("reason", reason)), float(getattr(i.counters, field)))
+                    for w, i in sorted(infos.items())
+                    for reason, field in _SESSION_EVICTIONS
+                ),
             ),
             per_worker(
                 "kvmesh_worker_prefill_seconds_per_token",

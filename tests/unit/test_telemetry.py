@@ -55,7 +55,15 @@ class FakeIndex:
 
 
 def worker_info(worker_id: str, *, num_free: int = 60, evicted: int = 0) -> WorkerInfo:
-    counters = WorkerCounters(num_requests=2, num_preemptions=1, num_evicted_blocks=evicted)
+    counters = WorkerCounters(
+        num_requests=2,
+        num_preemptions=1,
+        num_evicted_blocks=evicted,
+        num_warm_sessions=3,
+        warm_session_bytes=4096,
+        num_sessions_evicted_ttl=7,
+        num_sessions_evicted_budget=2,
+    )
     return WorkerInfo(worker_id, 1, "node", "cpu", "m", BS, 100, num_free, 30, 2, 1, 1, counters)
 
 
@@ -183,6 +191,12 @@ def test_worker_families_read_each_live_workers_last_report() -> None:
     assert fams["kvmesh_worker_preemptions_total"].value(worker="w1") == 1
     assert fams["kvmesh_worker_running_requests"].value(worker="w0") == 2
     assert fams["kvmesh_worker_waiting_requests"].value(worker="w0") == 1
+    assert fams["kvmesh_worker_warm_sessions"].value(worker="w0") == 3
+    assert fams["kvmesh_worker_warm_session_bytes"].value(worker="w1") == 4096
+    evicted = fams["kvmesh_worker_sessions_evicted_total"]
+    assert evicted.value(worker="w0", reason="ttl") == 7
+    assert evicted.value(worker="w0", reason="budget") == 2
+    assert evicted.value(worker="w1", reason="pressure") == 0
     assert fams["kvmesh_workers"].value(state="routable") == 1
     assert fams["kvmesh_workers"].value(state="drained") == 1
     registry.mark_dead("w0", "test")
