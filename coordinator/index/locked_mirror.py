@@ -75,12 +75,14 @@ class LockedMirror:
             return matches
 
     def tree_nodes(self, limit: int, *, hottest: bool = False) -> tuple[list[NodeView], int]:
-        """At most `limit` nodes, in tree order or the most hit first; and how many there are."""
+        """At most `limit` nodes, in tree order or the most hit first; and how many there are.
+        The tree is walked on a copy, so routing never waits for a walk of the whole index."""
         with self._lock:
-            m = self._mirror
-            nodes = m.tree.top(limit) if hottest else m.tree.nodes(limit)
-            views = [NodeView(n, m.holders(n.block_hash)) for n in nodes]
-            return views, m.tree.num_nodes
+            tree = self._mirror.tree.copy()
+        nodes = tree.top(limit) if hottest else tree.nodes(limit)
+        with self._lock:
+            views = [NodeView(n, self._mirror.holders(n.block_hash)) for n in nodes]
+        return views, tree.num_nodes
 
     @property
     def num_tree_nodes(self) -> int:
@@ -89,7 +91,8 @@ class LockedMirror:
 
     def check_links(self) -> LinkCheck:
         with self._lock:
-            return self._mirror.tree.check_links()
+            tree = self._mirror.tree.copy()
+        return tree.check_links()
 
     @property
     def num_blocks(self) -> int:

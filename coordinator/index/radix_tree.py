@@ -17,6 +17,7 @@ Memory: one dict entry per block, its value packing the parent hash and the dept
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -68,6 +69,14 @@ class RadixTree:
 
     def __contains__(self, h: BlockHash) -> bool:
         return h in self._link
+
+    def copy(self) -> RadixTree:
+        """A copy to walk without the owner's lock: two dict copies (measured ~0.3 s per 1M
+        blocks on a loaded 2-core machine), where a walk takes seconds (`nodes`: ~3.5 s)."""
+        other = RadixTree()
+        other._link = dict(self._link)
+        other._hits = dict(self._hits)
+        return other
 
     def link(self, hashes: Sequence[BlockHash], parent: BlockHash, depth: int) -> None:
         """Record a chain: `hashes[0]` follows `parent` at `depth` (0: unknown), each next hash
@@ -131,8 +140,9 @@ class RadixTree:
         first, the deeper (longer prefix) first among equals."""
         if limit < 0:
             raise ValueError(f"limit must be >= 0, got {limit}")
-        ranked = sorted(self._hits, key=lambda h: (-self._hits[h], -self.depth(h), h))
-        return [n for h in ranked[:limit] if (n := self.node(h)) is not None]
+        hits = self._hits
+        ranked = heapq.nsmallest(limit, hits, key=lambda h: (-hits[h], -self.depth(h), h))
+        return [n for h in ranked if (n := self.node(h)) is not None]
 
     def unlinked(self, indexed: Iterable[BlockHash]) -> list[BlockHash]:
         """Those of `indexed` the tree has no link for (a cold start fetches them from Redis)."""
