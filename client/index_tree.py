@@ -59,7 +59,7 @@ def render_tree(tree: IndexTree) -> str:
         level = levels.get(n.parent_hash, -1) + 1
         levels[n.block_hash] = level
         name = _INDENT * min(level, _MAX_INDENT_LEVELS) + f"{n.block_hash:016x}"
-        rows.append([name, n.depth, n.num_tokens, _holders(n), n.hits])
+        rows.append([name, n.depth, n.num_tokens, _holders(n), n.num_hits])
     table = format_table(["block", "depth", "tokens", "holders", "hits"], rows)
     return table + _footer(tree)
 
@@ -68,7 +68,7 @@ def render_top(tree: IndexTree) -> str:
     if not tree.nodes:
         return "no lookup has matched a linked block yet"
     rows = [
-        [f"{n.block_hash:016x}", n.hits, n.depth, n.num_tokens, _holders(n)] for n in tree.nodes
+        [f"{n.block_hash:016x}", n.num_hits, n.depth, n.num_tokens, _holders(n)] for n in tree.nodes
     ]
     return format_table(["prefix (last block)", "hits", "depth", "tokens", "holders"], rows)
 

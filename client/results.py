@@ -275,7 +275,7 @@ class TreeNode:
     """The prefix's length in tokens (depth x block size)."""
     device_worker_ids: list[str]
     host_worker_ids: list[str]
-    hits: int
+    num_hits: int
     """Lookups whose longest match ended on this block (on that coordinator)."""
 
 

@@ -253,7 +253,7 @@ def index_tree_from_proto(message: pb.IndexTreeResponse) -> IndexTree:
             num_tokens=n.num_tokens,
             device_worker_ids=list(n.device_worker_ids),
             host_worker_ids=list(n.host_worker_ids),
-            hits=n.hits,
+            num_hits=n.num_hits,
         )
         for n in message.nodes
     ]

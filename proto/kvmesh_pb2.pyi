@@ -437,22 +437,22 @@ class IndexTreeRequest(_message.Message):
     def __init__(self, max_nodes: _Optional[int] = ..., hottest: _Optional[bool] = ...) -> None: ...
 
 class IndexTreeNode(_message.Message):
-    __slots__ = ("block_hash", "parent_hash", "depth", "num_tokens", "device_worker_ids", "host_worker_ids", "hits")
+    __slots__ = ("block_hash", "parent_hash", "depth", "num_tokens", "device_worker_ids", "host_worker_ids", "num_hits")
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
     DEPTH_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
     HOST_WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
-    HITS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HITS_FIELD_NUMBER: _ClassVar[int]
     block_hash: int
     parent_hash: int
     depth: int
     num_tokens: int
     device_worker_ids: _containers.RepeatedScalarFieldContainer[str]
     host_worker_ids: _containers.RepeatedScalarFieldContainer[str]
-    hits: int
-    def __init__(self, block_hash: _Optional[int] = ..., parent_hash: _Optional[int] = ..., depth: _Optional[int] = ..., num_tokens: _Optional[int] = ..., device_worker_ids: _Optional[_Iterable[str]] = ..., host_worker_ids: _Optional[_Iterable[str]] = ..., hits: _Optional[int] = ...) -> None: ...
+    num_hits: int
+    def __init__(self, block_hash: _Optional[int] = ..., parent_hash: _Optional[int] = ..., depth: _Optional[int] = ..., num_tokens: _Optional[int] = ..., device_worker_ids: _Optional[_Iterable[str]] = ..., host_worker_ids: _Optional[_Iterable[str]] = ..., num_hits: _Optional[int] = ...) -> None: ...
 
 class IndexTreeResponse(_message.Message):
     __slots__ = ("nodes", "num_nodes")

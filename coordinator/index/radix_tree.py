@@ -8,7 +8,7 @@ coordinator, from Redis' radix metadata), so the index can be shown as a tree
 (`kvmesh index verify`):
 
     root (h_0 of a namespace, never indexed itself)
-     └─ a (depth 1) ─ b (depth 2) ─ c (depth 3)      a lookup that matched a, b, c: c.hits += 1
+     └─ a (depth 1) ─ b (depth 2) ─ c (depth 3)      a lookup that matched a, b, c: c.num_hits += 1
                     └─ d (depth 2)
 
 Memory: one dict entry per block, its value packing the parent hash and the depth into one int
@@ -32,7 +32,7 @@ class TreeNode:
     parent_hash: BlockHash
     depth: int
     """Blocks from the root through this one (1: first block of a prompt); 0: unknown."""
-    hits: int
+    num_hits: int
     """Lookups whose longest match (on any worker) ended on this block."""
 
 

@@ -48,7 +48,7 @@ def tree_message(
                 num_tokens=node.depth * block_size,
                 device_worker_ids=sorted(w for w, t in holders.items() if t == TIER_DEVICE),
                 host_worker_ids=sorted(w for w, t in holders.items() if t != TIER_DEVICE),
-                hits=node.hits,
+                num_hits=node.num_hits,
             )
         )
     return pb.IndexTreeResponse(nodes=nodes, num_nodes=num_nodes)

@@ -86,7 +86,7 @@ def test_index_tree_and_top_show_the_prompt_chain(
     assert all(n.num_tokens == n.depth * BS and worker in n.device_worker_ids for n in held)
     assert all(b.parent_hash == a.block_hash for a, b in zip(held, held[1:], strict=False))
     top = client.index_tree(max_nodes=50, hottest=True).nodes
-    assert any(n.block_hash == held[-1].block_hash and n.hits >= 1 for n in top)
+    assert any(n.block_hash == held[-1].block_hash and n.num_hits >= 1 for n in top)
 
     address = ["--address", deployment.address]
     code, out, _ = run_cli(capsys, "index", "tree", *address, "--json")

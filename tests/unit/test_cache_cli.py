@@ -70,8 +70,8 @@ def test_cache_stats_mirror_the_message_field_for_field() -> None:
     assert "cache.num_lookup_hits" in text and "cache.kv_dtype" in text
 
 
-def node(h: int, parent: int, depth: int, hits: int = 0) -> TreeNode:
-    return TreeNode(h, parent, depth, depth * 16, ["w0"], ["w1"] if h == 3 else [], hits)
+def node(h: int, parent: int, depth: int, num_hits: int = 0) -> TreeNode:
+    return TreeNode(h, parent, depth, depth * 16, ["w0"], ["w1"] if h == 3 else [], num_hits)
 
 
 def test_tree_is_drawn_indented_under_parents_and_says_when_cut() -> None:
@@ -81,7 +81,7 @@ def test_tree_is_drawn_indented_under_parents_and_says_when_cut() -> None:
     assert lines[2].startswith("  0000000000000002")
     assert "w0 host:w1" in lines[3]
     assert lines[-1] == "3 of 5 block(s) shown (raise --max-nodes)"
-    top = render_top(IndexTree([node(2, 1, 2, hits=4)], num_nodes=5))
+    top = render_top(IndexTree([node(2, 1, 2, num_hits=4)], num_nodes=5))
     assert "0000000000000002" in top and " 4 " in top
 
 

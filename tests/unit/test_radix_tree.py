@@ -49,7 +49,7 @@ def test_top_ranks_by_hits_then_depth_and_unlink_forgets_hits() -> None:
     for h in (B, B, C, C, A):
         t.note_hit(h)
     t.note_hit(E)  # not linked: ignored
-    assert [(n.block_hash, n.hits) for n in t.top(3)] == [(C, 2), (B, 2), (A, 1)]
+    assert [(n.block_hash, n.num_hits) for n in t.top(3)] == [(C, 2), (B, 2), (A, 1)]
     t.unlink(C)
     assert [n.block_hash for n in t.top(3)] == [B, A]
     t.check_invariants({A, B})
@@ -115,6 +115,6 @@ def test_locked_mirror_counts_a_hit_on_the_deepest_match() -> None:
     locked.match([E])
     views, total = locked.tree_nodes(10, hottest=True)
     assert total == 3
-    assert [(v.node.block_hash, v.node.hits) for v in views] == [(C, 1), (B, 1)]
+    assert [(v.node.block_hash, v.node.num_hits) for v in views] == [(C, 1), (B, 1)]
     first, _ = locked.tree_nodes(1)
     assert first[0].node.block_hash == A and first[0].holders == {W0: 0, W1: 0}
