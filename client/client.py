@@ -29,6 +29,7 @@ from kvmesh.client.errors import DeadlineExceeded, from_rpc_error
 from kvmesh.client.results import (
     GenerateResult,
     IndexReport,
+    IndexTree,
     LookupResult,
     RouteResult,
     ScaleResult,
@@ -91,6 +92,8 @@ class Client:
         self.ring = AddressRing([address] if isinstance(address, str) else list(address))
         self.timeout_s = timeout_s
         self._metadata = _auth_metadata(token)
+        self.last_cache_epoch = 0
+        """The cache epoch the last `clear_cache` moved the fleet to."""
         self._channels = []
         for a in self.ring.addresses:
             options = _channel_options(a, timeout_s, max_message_bytes)
@@ -151,6 +154,7 @@ class Client:
         cache_salt: str = "",
         worker_id: str = "",
         request_id: str = "",
+        bypass_cache: bool = False,
         adapter: str = "",
         media: Sequence[MediaItem] = (),
     ) -> GenerateResult:
@@ -160,6 +164,7 @@ class Client:
         disable those filters; `seed` makes sampling reproducible. `worker_id` forces placement
         (empty: let the router choose). `turn_mode` ("concurrent", "refuse", "queue"): with a
         `session_id`, refuse (`SessionBusy`) or wait while another turn of it is in flight.
+        `bypass_cache` reuses no cached KV and leaves none behind (routed by load only).
         """
         request = wire.build_generate_request(**_generate_kwargs(locals()))
         start_s = time.perf_counter()
@@ -186,6 +191,7 @@ class Client:
         cache_salt: str = "",
         worker_id: str = "",
         request_id: str = "",
+        bypass_cache: bool = False,
         adapter: str = "",
         media: Sequence[MediaItem] = (),
     ) -> Iterator[StreamChunk]:
@@ -201,6 +207,7 @@ class Client:
         prompt: str | None = None,
         session_id: str = "",
         cache_salt: str = "",
+        bypass_cache: bool = False,
         adapter: str = "",
         media: Sequence[MediaItem] = (),
     ) -> RouteResult:
@@ -210,6 +217,7 @@ class Client:
             prompt=prompt,
             session_id=session_id,
             cache_salt=cache_salt,
+            bypass_cache=bypass_cache,
             adapter=adapter,
             media=media,
         )
@@ -251,9 +259,17 @@ class Client:
         return wire.scale_from_proto(self._unary("Scale", request))
 
     def clear_cache(self) -> dict[str, int]:
-        """Every worker drops its cached (unreferenced) blocks; returns blocks freed per worker."""
+        """Reset the cache: every worker drops its cached (unreferenced) blocks and the fleet
+        moves to a new cache epoch (then in `last_cache_epoch`), so nothing computed before can
+        be matched; returns blocks freed per worker."""
         response = self._unary("ClearCache", pb.ClearCacheRequest())
+        self.last_cache_epoch = response.cache_epoch
         return {w.worker_id: w.num_freed_blocks for w in response.workers}
+
+    def index_tree(self, *, max_nodes: int = 0, hottest: bool = False) -> IndexTree:
+        """The coordinator's prefix tree (`kvmesh index tree`), or its most hit nodes."""
+        request = pb.IndexTreeRequest(max_nodes=max_nodes, hottest=hottest)
+        return wire.index_tree_from_proto(self._unary("IndexTree", request))
 
     def index_views(self) -> IndexReport:
         """Per worker, the coordinator's index mirror and the worker's pool (`kvmesh index
@@ -314,6 +330,8 @@ class AsyncClient:
         self.address = address
         self.timeout_s = timeout_s
         self._metadata = _auth_metadata(token)
+        self.last_cache_epoch = 0
+        """The cache epoch the last `clear_cache` moved the fleet to."""
         if credentials is None:
             self._channel = grpc.aio.insecure_channel(address, options=options)
         else:
@@ -356,6 +374,7 @@ class AsyncClient:
         cache_salt: str = "",
         worker_id: str = "",
         request_id: str = "",
+        bypass_cache: bool = False,
         adapter: str = "",
         media: Sequence[MediaItem] = (),
     ) -> GenerateResult:
@@ -385,6 +404,7 @@ class AsyncClient:
         cache_salt: str = "",
         worker_id: str = "",
         request_id: str = "",
+        bypass_cache: bool = False,
         adapter: str = "",
         media: Sequence[MediaItem] = (),
     ) -> AsyncIterator[StreamChunk]:
@@ -399,6 +419,7 @@ class AsyncClient:
         prompt: str | None = None,
         session_id: str = "",
         cache_salt: str = "",
+        bypass_cache: bool = False,
         adapter: str = "",
         media: Sequence[MediaItem] = (),
     ) -> RouteResult:
@@ -407,6 +428,7 @@ class AsyncClient:
             prompt=prompt,
             session_id=session_id,
             cache_salt=cache_salt,
+            bypass_cache=bypass_cache,
             adapter=adapter,
             media=media,
         )
@@ -443,7 +465,12 @@ class AsyncClient:
 
     async def clear_cache(self) -> dict[str, int]:
         response = await self._unary(self._stub.ClearCache, pb.ClearCacheRequest())
+        self.last_cache_epoch = response.cache_epoch
         return {w.worker_id: w.num_freed_blocks for w in response.workers}
+
+    async def index_tree(self, *, max_nodes: int = 0, hottest: bool = False) -> IndexTree:
+        request = pb.IndexTreeRequest(max_nodes=max_nodes, hottest=hottest)
+        return wire.index_tree_from_proto(await self._unary(self._stub.IndexTree, request))
 
     async def index_views(self) -> IndexReport:
         response = await self._unary(self._stub.VerifyIndex, pb.VerifyIndexRequest())

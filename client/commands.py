@@ -82,6 +82,7 @@ def run_generate(args: argparse.Namespace) -> int:
             session_id=args.session,
             cache_salt=args.cache_salt,
             worker_id=args.worker,
+            bypass_cache=args.bypass_cache,
         )
     if args.json:
         _print_json(asdict(result))
@@ -112,7 +113,10 @@ def render_generation(result: GenerateResult) -> str:
 def run_route(args: argparse.Namespace) -> int:
     with _client(args) as client:
         result = client.route(
-            **_prompt_kwargs(args), session_id=args.session, cache_salt=args.cache_salt
+            **_prompt_kwargs(args),
+            session_id=args.session,
+            cache_salt=args.cache_salt,
+            bypass_cache=args.bypass_cache,
         )
     if args.json:
         _print_json(asdict(result))
@@ -166,7 +170,10 @@ def run_stats(args: argparse.Namespace) -> int:
 
 
 def render_stats(stats: Stats) -> str:
-    return format_fields(list(asdict(stats).items()))
+    """One line per figure; the cache's as `cache.<name>`."""
+    items = [(k, v) for k, v in asdict(stats).items() if k != "cache"]
+    items += [(f"cache.{k}", v) for k, v in asdict(stats.cache).items()]
+    return format_fields(items)
 
 
 def run_scale(args: argparse.Namespace) -> int:
@@ -196,6 +203,7 @@ def render_workers(workers: list[WorkerInfo]) -> str:
         return "no workers"
     headers = ["worker", "alive", "device", "node", "pid", "blocks", "free", "indexed"]
     headers += ["running", "waiting", "requests", "cached_tok", "computed_tok", "gen"]
+    headers += ["hits", "misses", "saved_tok", "entries", "evicted", "kv_dtype", "epoch"]
     rows = [
         [
             w.worker_id,
@@ -212,6 +220,13 @@ def render_workers(workers: list[WorkerInfo]) -> str:
             w.cached_tokens,
             w.computed_tokens,
             w.generation,
+            w.cache.num_lookup_hits,
+            w.cache.num_lookup_misses,
+            w.cache.saved_prefill_tokens,
+            w.cache.num_entries,
+            w.cache.num_device_evictions + w.cache.num_host_evictions,
+            w.cache.kv_dtype if w.cache.enabled else f"{w.cache.kv_dtype} (off)",
+            w.cache.cache_epoch,
         ]
         for w in workers
     ]

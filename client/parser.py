@@ -11,7 +11,7 @@ import argparse
 from collections.abc import Callable, Sequence
 from importlib import metadata
 
-from kvmesh.client import commands, extension, index_verify
+from kvmesh.client import commands, extension, index_tree, index_verify
 from kvmesh.client.environment import LOG_LEVELS, CliEnvironment
 from kvmesh.client.extension import Extension, LoadedExtension
 from kvmesh.proto.block_hash import MediaItem
@@ -208,6 +208,12 @@ def _add_worker_options(
         " requests pick it with `adapter`",
     )
     parser.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="turn prefix caching off: every request computes its whole prompt, no block is"
+        " registered or indexed",
+    )
+    parser.add_argument(
         "--session-ttl-s",
         type=_positive_float,
         default=None,
@@ -347,8 +353,8 @@ def _add_security_options(parser: argparse.ArgumentParser, env: CliEnvironment) 
         "--admin-token",
         default=env.admin_token,
         metavar="TOKEN",
-        help="token for the admin calls Drain, ClearCache, VerifyIndex (env KVMESH_ADMIN_TOKEN;"
-        " default: none, and with --auth-token admin calls are refused)",
+        help="token for the admin calls Drain, ClearCache, VerifyIndex, IndexTree"
+        " (env KVMESH_ADMIN_TOKEN; default: none, and with --auth-token admin calls are refused)",
     )
     group.add_argument("--admin-token-file", metavar="PATH", help="admin tokens, one a line")
     group.add_argument("--tls-cert", metavar="PEM", help="server certificate chain: gRPC over TLS")
@@ -466,6 +472,7 @@ def _add_generate(sub: argparse._SubParsersAction, env: CliEnvironment) -> None:
     parser.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
     parser.add_argument("--worker", default="", metavar="ID", help="force this worker")
     parser.add_argument("--session", default="", metavar="ID", help="session id (soft affinity)")
+    _add_bypass_option(parser)
     parser.set_defaults(handler=commands.run_generate)
 
 
@@ -474,7 +481,16 @@ def _add_route(sub: argparse._SubParsersAction, env: CliEnvironment) -> None:
     _add_client_options(parser, env)
     _add_prompt_options(parser)
     parser.add_argument("--session", default="", metavar="ID", help="session id (soft affinity)")
+    _add_bypass_option(parser)
     parser.set_defaults(handler=commands.run_route)
+
+
+def _add_bypass_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--bypass-cache",
+        action="store_true",
+        help="reuse no cached KV and leave none behind (routed by load only)",
+    )
 
 
 def _add_lookup(sub: argparse._SubParsersAction, env: CliEnvironment) -> None:
@@ -510,6 +526,35 @@ def _add_index(sub: argparse._SubParsersAction, env: CliEnvironment) -> None:
         " reporting a difference",
     )
     verify.set_defaults(handler=index_verify.run_index_verify)
+    summary = "show a coordinator's prefix tree: depth, tokens, holders per tier, hits"
+    tree = actions.add_parser(
+        "tree", help=summary, description=summary + ".", formatter_class=_HelpFormatter
+    )
+    _add_client_options(tree, env)
+    tree.add_argument(
+        "--max-nodes",
+        type=_tree_size,
+        default=1000,
+        metavar="N",
+        help="show at most N blocks, in tree order (1..100000)",
+    )
+    tree.set_defaults(handler=index_tree.run_index_tree)
+    summary = "show the hottest prefixes (most lookups ended there) and who holds them"
+    top = actions.add_parser(
+        "top", help=summary, description=summary + ".", formatter_class=_HelpFormatter
+    )
+    _add_client_options(top, env)
+    top.add_argument(
+        "--limit", type=_tree_size, default=20, metavar="N", help="show N prefixes (1..100000)"
+    )
+    top.set_defaults(handler=index_tree.run_index_top)
+
+
+def _tree_size(text: str) -> int:
+    value = int(text) if text.strip().isdigit() else -1
+    if not 1 <= value <= 100_000:
+        raise argparse.ArgumentTypeError(f"must be an integer in [1, 100000], got {text!r}")
+    return value
 
 
 def _add_read_command(

@@ -16,12 +16,16 @@ from typing import Any
 
 from kvmesh.client.results import (
     CacheFacts,
+    CacheStats,
     IndexReport,
+    IndexTree,
+    LinkReport,
     LookupResult,
     RouteResult,
     ScaleResult,
     Stats,
     StreamChunk,
+    TreeNode,
     WorkerIndexView,
     WorkerInfo,
     WorkerMatch,
@@ -83,6 +87,7 @@ def build_generate_request(
     request_id: str,
     adapter: str = "",
     media: Sequence[MediaItem] = (),
+    bypass_cache: bool = False,
 ) -> pb.GenerateRequest:
     """A checked `GenerateRequest`; the arguments are those of `Client.generate`."""
     _check_range("max_tokens", max_tokens, 1, MAX_UINT32)
@@ -113,6 +118,7 @@ def build_generate_request(
         cache_salt=cache_salt,
         worker_id=worker_id,
         request_id=request_id,
+        bypass_cache=bypass_cache,
     )
     _set_prompt(request, token_ids, prompt)
     _set_adapter_and_media(request, adapter, media)
@@ -127,8 +133,11 @@ def build_route_request(
     cache_salt: str,
     adapter: str = "",
     media: Sequence[MediaItem] = (),
+    bypass_cache: bool = False,
 ) -> pb.RouteRequest:
-    request = pb.RouteRequest(session_id=session_id, cache_salt=cache_salt)
+    request = pb.RouteRequest(
+        session_id=session_id, cache_salt=cache_salt, bypass_cache=bypass_cache
+    )
     _set_prompt(request, token_ids, prompt)
     _set_adapter_and_media(request, adapter, media)
     return request
@@ -217,15 +226,38 @@ def lookup_from_proto(message: pb.LookupResponse) -> LookupResult:
     )
 
 
+def cache_stats_from_proto(message: pb.CacheStats) -> CacheStats:
+    # CacheStats mirrors the message field for field (a unit test pins this).
+    return CacheStats(**{f.name: getattr(message, f.name) for f in fields(CacheStats)})
+
+
 def stats_from_proto(message: pb.StatsResponse) -> Stats:
     # Stats mirrors StatsResponse field for field (a unit test pins this), so copy by name.
-    return Stats(**{f.name: getattr(message, f.name) for f in fields(Stats)})
+    values = {f.name: getattr(message, f.name) for f in fields(Stats)}
+    return Stats(**{**values, "cache": cache_stats_from_proto(message.cache)})
 
 
 def worker_from_proto(message: pb.WorkerInfo) -> WorkerInfo:
     # WorkerInfo mirrors the proto message field for field (a unit test pins this).
     values = {f.name: getattr(message, f.name) for f in fields(WorkerInfo)}
-    return WorkerInfo(**{**values, "adapters": tuple(message.adapters)})
+    cache = cache_stats_from_proto(message.cache)
+    return WorkerInfo(**{**values, "cache": cache, "adapters": tuple(message.adapters)})
+
+
+def index_tree_from_proto(message: pb.IndexTreeResponse) -> IndexTree:
+    nodes = [
+        TreeNode(
+            block_hash=n.block_hash,
+            parent_hash=n.parent_hash,
+            depth=n.depth,
+            num_tokens=n.num_tokens,
+            device_worker_ids=list(n.device_worker_ids),
+            host_worker_ids=list(n.host_worker_ids),
+            num_hits=n.num_hits,
+        )
+        for n in message.nodes
+    ]
+    return IndexTree(nodes=nodes, num_nodes=message.num_nodes)
 
 
 def workers_from_proto(message: pb.ListWorkersResponse) -> list[WorkerInfo]:
@@ -245,7 +277,15 @@ def index_report_from_proto(message: pb.VerifyIndexResponse) -> IndexReport:
         )
         for w in message.workers
     ]
-    return IndexReport(workers=views, redis_connected=message.redis_connected)
+    links = LinkReport(
+        num_tree_nodes=message.num_tree_nodes,
+        num_orphans=message.num_orphans,
+        num_bad_depths=message.num_bad_depths,
+        num_unlinked=message.num_unlinked,
+        orphan_hashes=list(message.orphan_hashes),
+        bad_depth_hashes=list(message.bad_depth_hashes),
+    )
+    return IndexReport(workers=views, redis_connected=message.redis_connected, links=links)
 
 
 def scale_from_proto(message: pb.ScaleResponse) -> ScaleResult:

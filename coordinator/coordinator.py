@@ -17,7 +17,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -36,6 +36,7 @@ from kvmesh.proto.block_hash import (
     MediaItem,
     adapter_root,
     block_hashes,
+    cache_root,
     media_extra_keys,
     namespace_hash,
     num_reusable_blocks,
@@ -97,6 +98,8 @@ class PreparedPrompt:
     """LoRA adapter the prompt runs with ("" = the base model); mixed into h_0."""
     media: tuple[MediaItem, ...] = ()
     """Multimodal items in the prompt; their hashes are the blocks' extra keys."""
+    bypass_cache: bool = False
+    """Match nothing, plan no pull; the worker reuses and registers nothing for it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +160,8 @@ class Coordinator:
         transfers: PullPricing | None = None,
         clock: Callable[[], float] = time.monotonic,
         observers: Sequence[RequestObserver] = (),
+        kv_dtype: str = "float32",
+        cache_epoch: Callable[[], int] = lambda: 0,
     ) -> None:
         self.config = config
         self.model = model
@@ -183,6 +188,11 @@ class Coordinator:
         if transfers is not None:
             self.policy.transfer_ms = transfers.price
         self._clock = clock
+        self.kv_dtype = kv_dtype
+        """The workers' KV dtype, part of the root hash (a worker of another dtype still
+        serves correctly: it hashes with its own, the index just predicts no hits on it)."""
+        self.cache_epoch = cache_epoch
+        """The fleet's cache epoch now (ClearCache moves it on), part of the root hash."""
         self.observers = tuple(observers)
         """Told of every routing decision and every request's end (metrics, the request log)."""
 
@@ -194,6 +204,7 @@ class Coordinator:
         prompt: str,
         cache_salt: str,
         *,
+        bypass_cache: bool = False,
         adapter: str = "",
         media: Sequence[MediaItem] = (),
     ) -> PreparedPrompt:
@@ -215,12 +226,30 @@ class Coordinator:
         top = max(token_ids)
         if top >= vocab:
             raise InvalidRequest(f"token id {top} is outside the vocabulary [0, {vocab})")
-        root = namespace_hash(self.fingerprint, "", cache_salt)
-        root = adapter_root(root, adapter)
         extra_keys = _media_keys(media, len(token_ids), self.config.block_size)
-        hashes = block_hashes(token_ids, self.config.block_size, root, extra_keys)
+        hashes = self.chain(token_ids, cache_salt, adapter, extra_keys)
         return PreparedPrompt(
-            tuple(token_ids), tuple(hashes), cache_salt, adapter=adapter, media=tuple(media)
+            tuple(token_ids),
+            tuple(hashes),
+            cache_salt,
+            adapter=adapter,
+            media=tuple(media),
+            bypass_cache=bypass_cache,
+        )
+
+    def chain(
+        self,
+        token_ids: Sequence[int],
+        cache_salt: str,
+        adapter: str = "",
+        extra_keys: Mapping[int, Sequence[int]] | None = None,
+    ) -> list[BlockHash]:
+        """The prompt's block hashes under the current cache epoch and KV dtype (the worker
+        roots its sequences the same way: `Worker.root_hash`, then the adapter)."""
+        namespace_root = namespace_hash(self.fingerprint, "", cache_salt)
+        root = cache_root(namespace_root, self.kv_dtype, self.cache_epoch())
+        return block_hashes(
+            token_ids, self.config.block_size, adapter_root(root, adapter), extra_keys
         )
 
     def check_sampling(self, prompt: PreparedPrompt, sampling: SamplingConfig) -> None:
@@ -242,6 +271,8 @@ class Coordinator:
     # ---- lookup and routing -------------------------------------------------------------------
 
     def match(self, prompt: PreparedPrompt) -> dict[WorkerId, PrefixMatch]:
+        if prompt.bypass_cache:
+            return {}
         if not self.index_connected():
             return {}  # a stale index must not steer traffic: route by load only
         return self.mirror.match(prompt.block_hashes)
@@ -358,6 +389,7 @@ class Coordinator:
             prompt.cache_salt,
             spec,
             session_id,
+            bypass_cache=prompt.bypass_cache,
             adapter=prompt.adapter,
         )
         # Handed to the backend now: a lazy backend (Ray) calls the worker on the first read, an
@@ -527,6 +559,7 @@ class Coordinator:
             list(original.prompt_ids) + produced,
             "",
             original.cache_salt,
+            bypass_cache=original.bypass_cache,
             adapter=original.adapter,
         )
         request_id = f"{original.request_id}.m{attempt}"
@@ -544,6 +577,7 @@ class Coordinator:
             sampling,
             original.cache_salt,
             session_id=original.session_id,
+            bypass_cache=original.bypass_cache,
             adapter=original.adapter,
         )
 

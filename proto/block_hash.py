@@ -159,3 +159,16 @@ def _canonical_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
     if sys.byteorder != "little":
         packed.byteswap()
     return packed.tobytes()
+
+
+def cache_root(namespace_root: BlockHash, kv_dtype: str, cache_epoch: int) -> BlockHash:
+    """h_0 of the cache: the namespace's root with the KV dtype and the cache epoch mixed in.
+
+    KV written in another dtype is not the same KV, and `ClearCache` bumps the epoch, so no block
+    computed before a reset (a running request's included) can be matched after it. Kept apart
+    from `namespace_hash` so the namespace's own inputs can grow without touching this.
+    """
+    if cache_epoch < 0 or not kv_dtype:
+        raise ValueError(f"need a KV dtype and an epoch >= 0, got {kv_dtype!r}, {cache_epoch}")
+    key = f"kv_dtype={kv_dtype}\x1fepoch={cache_epoch}".encode()
+    return BlockHash(xxhash.xxh3_64_intdigest(key, int(namespace_root)))

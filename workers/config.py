@@ -46,6 +46,9 @@ class WorkerConfig:
     """How long and within what budget idle sessions' chains are kept warm."""
     lora_adapters: tuple[tuple[str, str], ...] = ()
     """(name, PEFT folder) of every LoRA adapter the worker serves besides the base model."""
+    prefix_cache: bool = True
+    """Reuse cached prefixes (False: `--no-prefix-cache`, every request computes its whole
+    prompt and no block is registered or announced)."""
 
     def __post_init__(self) -> None:
         if not self.worker_id:

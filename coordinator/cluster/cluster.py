@@ -195,9 +195,9 @@ class Cluster:
             self._latest_info[worker_id] = info
         return info
 
-    def call_all(self, method: str, timeout_s: float = 30.0) -> dict[str, Any]:
+    def call_all(self, method: str, *args: Any, timeout_s: float = 30.0) -> dict[str, Any]:
         live = self._live_actors()
-        refs = {w: getattr(a, method).remote() for w, a in live.items()}
+        refs = {w: getattr(a, method).remote(*args) for w, a in live.items()}
         return {w: ray.get(r, timeout=timeout_s) for w, r in refs.items()}
 
     def mark_dead(self, worker_id: str) -> None:

@@ -154,7 +154,7 @@ class Deployment:
                     configure_logging=False,
                 )
             self._started_ray = True
-        ns = f"{namespace_hash(model.fingerprint()):016x}"
+        ns = f"{namespace_hash(model.fingerprint()):016x}"  # shared by every KV dtype and epoch
         registry = WorkerRegistry()
         self.cluster = cluster = Cluster(registry)
         store = IndexStore(redis_url)
@@ -188,6 +188,8 @@ class Deployment:
             worker_free_blocks=lambda w: _free_blocks(cluster, w),
             transfers=transfers,
             observers=(self.request_metrics, RequestLog()),
+            kv_dtype=first.cache.kv_dtype if first is not None else "float32",
+            cache_epoch=lambda: follower.cache_epoch,
         )
         # One judge of liveness, fanned out to everything that keeps per-worker state.
         registry.on_dead(coordinator.forget_worker)
@@ -205,7 +207,13 @@ class Deployment:
                            model.max_position_embeddings)  # fmt: skip
         gate = gate_from_config(cc, FieldLimits(max_prompt_tokens=prompt_limit))
         self.gate = gate
-        admin = Admin(self.cluster, self.coordinator, mirror, fleet)
+        admin = Admin(
+            self.cluster,
+            self.coordinator,
+            mirror,
+            fleet,
+            bump_cache_epoch=follower.bump_cache_epoch,
+        )
         servicer = KVMeshServicer(
             self.coordinator, self.cluster, self.follower, admin=admin, gate=gate
         )

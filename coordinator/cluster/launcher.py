@@ -61,6 +61,7 @@ def deployment_config(args: argparse.Namespace, *, embedded_redis: bool) -> Depl
         device=_opt(args, "device", "auto"),
         sessions=sessions,
         lora_adapters=tuple(_opt(args, "lora", ())),
+        prefix_cache=not _opt(args, "no_prefix_cache", False),
     )
     http_port = _opt(args, "http_port", None)
     http = None

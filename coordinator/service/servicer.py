@@ -10,7 +10,7 @@ stop the server:
 Oversized messages are refused by gRPC itself with RESOURCE_EXHAUSTED (max_receive_message_length).
 Authentication, rate and stream limits, field sizes and unparsable bytes are answered before a
 call gets here, by the interceptor (`service/interceptor.py`). The admin RPCs (Drain, ClearCache,
-VerifyIndex) delegate to `coordinator/service/admin.py`.
+VerifyIndex, IndexTree) delegate to `coordinator/service/admin.py`.
 """
 
 from __future__ import annotations
@@ -37,6 +37,11 @@ from kvmesh.coordinator.coordinator import (
 )
 from kvmesh.coordinator.index.follower import IndexFollower
 from kvmesh.coordinator.service.admin import Admin, Fleet
+from kvmesh.coordinator.service.cache_messages import (
+    cache_stats_message,
+    link_check_fields,
+    tree_message,
+)
 from kvmesh.coordinator.service.detokenizer import IncrementalDetokenizer
 from kvmesh.coordinator.service.interceptor import GateInterceptor
 from kvmesh.coordinator.service.tls import ServerTls
@@ -44,7 +49,7 @@ from kvmesh.coordinator.session_turns import SessionBusy, TurnMode
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
 from kvmesh.proto.block_hash import MediaItem
-from kvmesh.workers.contract.replies import RequestRejected
+from kvmesh.workers.contract.replies import CacheStats, RequestRejected
 from kvmesh.workers.contract.requests import SamplingConfig
 
 log = logging.getLogger(__name__)
@@ -185,13 +190,19 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
         self, token_ids: Any, prompt: str, cache_salt: str, request: Any = None
     ) -> PreparedPrompt:
         """`Coordinator.prepare` within `max_prompt_tokens` (checked before hashing, and again
-        after tokenizing a text prompt), with the request's adapter and media items."""
+        after tokenizing a text prompt), with the request's adapter, media items and
+        `bypass_cache` (Generate and Route have one)."""
         limit = self.coordinator.config.max_prompt_tokens
         prepared = None
         if not limit or len(token_ids) <= limit:
             adapter, media = adapter_and_media(request)
             prepared = self.coordinator.prepare(
-                list(token_ids), prompt, cache_salt, adapter=adapter, media=media
+                list(token_ids),
+                prompt,
+                cache_salt,
+                adapter=adapter,
+                media=media,
+                bypass_cache=bool(getattr(request, "bypass_cache", False)),
             )
             if not limit or len(prepared.token_ids) <= limit:
                 return prepared
@@ -265,9 +276,16 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
                 num_failed_pulls=c.transfers.num_failed_pulls if c.transfers is not None else 0,
                 **self._session_totals(),
                 **s,
+                cache=cache_stats_message(self._cache_totals()),
+                num_tree_nodes=self.follower.mirror.num_tree_nodes if self.follower else 0,
             )
 
         return self._guard(context, run)
+
+    def _cache_totals(self) -> CacheStats:
+        """The workers' last cache reports, summed (so ListWorkers' figures add up to it)."""
+        reports = [self.cluster.latest_info(w) for w in self.cluster.registry.known()]
+        return CacheStats.total(i.cache for i in reports if i is not None)
 
     def _session_totals(self) -> dict[str, int]:
         """Warm-session counters summed over the workers' last reports (the health watcher's:
@@ -317,6 +335,7 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
                     "generation": i.generation,
                     "num_warm_sessions": i.counters.num_warm_sessions,
                     "warm_session_bytes": i.counters.warm_session_bytes,
+                    "cache": cache_stats_message(i.cache),
                     "adapters": list(i.adapters),
                 }
             out.append(
@@ -360,9 +379,10 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
         self, request: pb.ClearCacheRequest, context: grpc.ServicerContext
     ) -> pb.ClearCacheResponse:
         def run() -> pb.ClearCacheResponse:
-            freed = sorted(self._admin().clear_cache().items())
+            reset = self._admin().clear_cache()
+            freed = sorted(reset.num_freed_blocks.items())
             cleared = [pb.WorkerCleared(worker_id=w, num_freed_blocks=n) for w, n in freed]
-            return pb.ClearCacheResponse(workers=cleared)
+            return pb.ClearCacheResponse(workers=cleared, cache_epoch=reset.cache_epoch)
 
         return self._guard(context, run)
 
@@ -370,9 +390,20 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
         self, request: pb.VerifyIndexRequest, context: grpc.ServicerContext
     ) -> pb.VerifyIndexResponse:
         def run() -> pb.VerifyIndexResponse:
-            views = [pb.WorkerIndexView(**asdict(v)) for v in self._admin().index_views()]
+            admin = self._admin()
+            views = [pb.WorkerIndexView(**asdict(v)) for v in admin.index_views()]
             connected = self.follower is not None and self.follower.connected
-            return pb.VerifyIndexResponse(workers=views, redis_connected=connected)
+            links = link_check_fields(admin.check_links())
+            return pb.VerifyIndexResponse(workers=views, redis_connected=connected, **links)
+
+        return self._guard(context, run)
+
+    def IndexTree(
+        self, request: pb.IndexTreeRequest, context: grpc.ServicerContext
+    ) -> pb.IndexTreeResponse:
+        def run() -> pb.IndexTreeResponse:
+            views, num_nodes = self._admin().tree(request.max_nodes, hottest=request.hottest)
+            return tree_message(views, num_nodes, self.coordinator.config.block_size)
 
         return self._guard(context, run)
 

@@ -77,6 +77,29 @@ _WORKER_COUNTERS = (
     ),
 )
 
+# (CacheStats field, metric name, kind, help): the worker's prefix-cache figures (`kvmesh stats`).
+_CACHE_FIELDS = (
+    (
+        "saved_prefill_tokens",
+        "kvmesh_worker_saved_prefill_tokens_total",
+        MetricKind.COUNTER,
+        "Prompt tokens not prefilled thanks to the cache (device, host or pulled).",
+    ),
+    (
+        "num_host_evictions",
+        "kvmesh_worker_host_evicted_blocks_total",
+        MetricKind.COUNTER,
+        "Host-tier blocks dropped to make room.",
+    ),
+    ("num_bytes", "kvmesh_worker_cache_bytes", MetricKind.GAUGE, "KV bytes of matchable blocks."),
+    (
+        "cache_epoch",
+        "kvmesh_worker_cache_epoch",
+        MetricKind.GAUGE,
+        "Cache epoch the worker hashes under (ClearCache moves it on).",
+    ),
+)
+
 # (reason label, counters field) of kvmesh_worker_sessions_evicted_total
 _SESSION_EVICTIONS = (
     ("ttl", "num_sessions_evicted_ttl"),
@@ -293,6 +316,20 @@ class MetricsCollector:
                     for reason, field in _SESSION_EVICTIONS
                 ),
             ),
+            MetricFamily(
+                "kvmesh_worker_cache_lookups_total",
+                MetricKind.COUNTER,
+                "Requests that reused at least one cached block (hit) or none (miss).",
+                ("worker", "result"),
+                tuple(
+                    Sample((("worker", w), ("result", result)), float(n))
+                    for w, i in sorted(infos.items())
+                    for result, n in (
+                        ("hit", i.cache.num_lookup_hits),
+                        ("miss", i.cache.num_lookup_misses),
+                    )
+                ),
+            ),
             per_worker(
                 "kvmesh_worker_prefill_seconds_per_token",
                 MetricKind.GAUGE,
@@ -300,7 +337,15 @@ class MetricsCollector:
                 lambda i: i.counters.prefill_ms_per_token / 1e3,
             ),
         ]
+        families += [
+            per_worker(name, kind, text, _cache_field(field))
+            for field, name, kind, text in _CACHE_FIELDS
+        ]
         return families
+
+
+def _cache_field(name: str) -> Callable[[WorkerInfo], float]:
+    return lambda info: float(getattr(info.cache, name))
 
 
 def _single(name: str, kind: MetricKind, text: str, value: float) -> MetricFamily:

@@ -125,3 +125,5 @@ class WorkerRequest:
     adapter: str = ""
     """LoRA adapter to run the request with (empty: the base model); part of its namespace, so
     its blocks are never shared with the base model's or another adapter's."""
+    bypass_cache: bool = False
+    """Reuse no cached KV (local, host or pulled) and register none of what it computes."""

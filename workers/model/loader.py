@@ -99,4 +99,5 @@ def build_worker(config: WorkerConfig) -> Worker:
         device=device,
         host_pool=host_pool,
         sessions=config.sessions,
+        prefix_cache=config.prefix_cache,
     )
