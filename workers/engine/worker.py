@@ -5,8 +5,8 @@ the scheduler and the model runner, and is driven by `step()` and by calls the s
 engine thread. Time comes from the injected clock. What crosses to the coordinator is the
 contract (`kvmesh.workers.contract`).
 
-A request with a pull plan is accepted in two calls, so the worker owns the pulled KV from the
-first moment:
+A request with a pull plan is accepted in steps (`pull_admission` holds it meanwhile), so the
+worker owns the pulled KV from the first moment:
 
     add_request(req)  -> PullReservation   local prefix pinned, blocks for the rest allocated
     write_pull(id, fill)                     the transport writes the reserved blocks
@@ -22,7 +22,7 @@ import socket
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
@@ -42,15 +42,15 @@ from kvmesh.workers.contract.replies import (
     WorkerCounters,
     WorkerInfo,
 )
-from kvmesh.workers.contract.requests import PullSpec, WorkerRequest
+from kvmesh.workers.contract.requests import WorkerRequest
 from kvmesh.workers.engine.event_log import EventLog
 from kvmesh.workers.engine.failure import forward_isolated
 from kvmesh.workers.engine.host_tier import HostTier
+from kvmesh.workers.engine.pull_admission import BlockWriter, PullAdmission
 from kvmesh.workers.engine.sampler import sample_isolated
 from kvmesh.workers.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig, StepKind
 from kvmesh.workers.engine.sequence import SeqStatus, Sequence
 from kvmesh.workers.engine.tally import WorkerTally
-from kvmesh.workers.kv import pull_reservation
 from kvmesh.workers.kv.block_pool import BlockId, BlockPool
 from kvmesh.workers.kv.host_pool import HostPool
 from kvmesh.workers.kv.pull_reservation import PullReservation
@@ -58,17 +58,7 @@ from kvmesh.workers.kv.warm_sessions import WarmSessionConfig, WarmSessions
 from kvmesh.workers.model.runner import ModelRunner, SeqChunk
 from kvmesh.workers.transfer.block_export import BlockExport
 
-BlockWriter = Callable[[list[BlockId]], int]
-"""Fills the given reserved blocks (possibly none: the request went away) and returns how many
-of the leading ones it wrote."""
-
-
-@dataclass(frozen=True, slots=True)
-class _PendingPull:
-    seq: Sequence
-    reservation: PullReservation
-    end_block: int
-
+__all__ = ["BlockWriter", "Worker"]
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +115,7 @@ class Worker:
         self.eos_token_ids = tuple(eos_token_ids)
         self.events = EventLog(worker_id)
         self._seqs: dict[str, Sequence] = {}
-        self._pulls: dict[str, _PendingPull] = {}
+        self.pulls = PullAdmission(self.pool, self.host_tier, self.block_size)
         self._peer_pins: list[BlockId] = []
         self._num_queued_prefill_tokens = 0  # see _note_queue
         self.tally = WorkerTally()
@@ -166,13 +156,11 @@ class Worker:
         self._seqs[req.request_id] = seq
         self.tally.num_requests += 1
         pull = req.pull if not seq.bypass_cache else None
-        pending = self._reserve_pull(seq, pull) if pull is not None else None
-        if pending is None:
+        reservation = self.pulls.reserve(seq, pull) if pull is not None else None
+        if reservation is None:  # no plan, or one this prompt cannot use: recompute
             self.scheduler.add(seq)
-        else:
-            self._pulls[req.request_id] = pending
         self._note_queue()
-        return pending.reservation if pending is not None else None
+        return reservation
 
     def _validate(self, req: WorkerRequest) -> None:
         if req.request_id in self._seqs:
@@ -203,53 +191,23 @@ class Worker:
         seq = self._seqs.pop(request_id, None)
         if seq is None:
             return False
-        pending = self._pulls.pop(request_id, None)
-        if pending is not None:
-            pull_reservation.release(self.pool, pending.reservation)
-        else:
+        if not self.pulls.release(request_id):
             self.scheduler.abort(request_id)
         self._note_queue()
         return True
 
     # ---- pulls (target side) --------------------------------------------------------------------
 
-    def _reserve_pull(self, seq: Sequence, spec: PullSpec) -> _PendingPull | None:
-        bs = self.block_size
-        chain = seq.full_block_hashes(bs)
-        end = min(spec.end_block, num_reusable_blocks(len(seq.prompt_ids), bs))
-        if (
-            end <= spec.from_block
-            or tuple(chain[spec.from_block : end]) != spec.hashes[: end - spec.from_block]
-        ):
-            return None  # a plan that does not fit this prompt's chain: recompute instead
-        headroom = -(-seq.num_tokens // bs) - end  # the prompt's own blocks after the pulled run
-        reservation = pull_reservation.reserve(self.pool, chain, end, seq.root_hash, headroom)
-        self.host_tier.demote_evicted()  # before the transport overwrites reallocated blocks
-        if reservation is None:
-            return None
-        return _PendingPull(seq, reservation, end)
-
     def write_pull(self, request_id: str, fill: BlockWriter) -> int:
-        """Run a transport's writer over the request's reserved blocks (none if it went away:
-        a writer that must consume what a peer sends still runs)."""
-        pending = self._pulls.get(request_id)
-        targets = list(pending.reservation.targets) if pending is not None else []
-        return fill(targets)
+        """Run a transport's writer over the request's reserved blocks (see `PullAdmission`)."""
+        return self.pulls.write(request_id, fill)
 
     def finish_pull(self, request_id: str, num_written: int, elapsed_ms: float) -> int:
         """Register what the transport wrote and queue the request; returns pulled blocks."""
-        pending = self._pulls.pop(request_id, None)
-        if pending is None:
+        finished = self.pulls.finish(request_id, num_written, elapsed_ms, self.block_num_bytes)
+        if finished is None:
             return 0  # aborted while pulling: abort released the reservation
-        seq = pending.seq
-        chain = seq.full_block_hashes(self.block_size)[: pending.end_block]
-        pinned, num_pulled = pull_reservation.commit(
-            self.pool, pending.reservation, num_written, chain
-        )
-        seq.pinned_blocks = pinned
-        seq.num_pulled_tokens = num_pulled * self.block_size
-        seq.pull_ms = elapsed_ms
-        seq.pull_bytes = num_written * self.block_num_bytes
+        seq, num_pulled = finished
         self.tally.num_pulls += 1
         self.tally.num_failed_pulls += num_pulled == 0
         self.scheduler.add(seq)
@@ -413,7 +371,7 @@ class Worker:
         re-hashed under the new epoch (letting go of what they pinned). Starts a new
         generation."""
         self.cache_epoch = max(self.cache_epoch + 1, cache_epoch or 0)
-        for seq in [*self.scheduler.waiting, *(p.seq for p in self._pulls.values())]:
+        for seq in [*self.scheduler.waiting, *self.pulls.sequences()]:
             self._reroot(seq)
         dropped = self.pool.evict_all_free()
         self.pool.drain_evicted()
@@ -476,7 +434,7 @@ class Worker:
             num_free_blocks=self.pool.num_free,
             num_cached_blocks=self.pool.num_cached,
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting) + len(self._pulls),
+            num_waiting=len(self.scheduler.waiting) + len(self.pulls),
             num_queued_prefill_tokens=self._num_queued_prefill_tokens,
             adapters=tuple(sorted(self.runner.adapters)),
             generation=self.generation,
@@ -513,7 +471,7 @@ class Worker:
         """Prompt tokens still to prefill: a waiting prompt less the prefix its pool holds now."""
         bs = self.block_size
         queued = 0
-        for s in [*self.scheduler.waiting, *(p.seq for p in self._pulls.values())]:
+        for s in [*self.scheduler.waiting, *self.pulls.sequences()]:
             chain = s.full_block_hashes(bs)[: num_reusable_blocks(s.num_tokens, bs)]
             queued += s.num_tokens - len(self.pool.match_prefix(chain)) * bs
         return queued + sum(
@@ -521,9 +479,7 @@ class Worker:
         )
 
     def check_invariants(self) -> None:
-        held: list[BlockId] = list(self._peer_pins)
-        for pending in self._pulls.values():
-            held += [*pending.reservation.local, *pending.reservation.targets]
+        held: list[BlockId] = [*self._peer_pins, *self.pulls.held_blocks()]
         self.scheduler.check_invariants(held)
         self.sessions.sync()
         self.sessions.check_invariants()
