@@ -202,6 +202,11 @@ class WorkerActor:
         self._nccl = NcclTransport(self._peer, self.worker.runner, self._nccl_link)
         return rank
 
+    def nccl_group(self) -> dict[str, int]:
+        """The NCCL group this worker joined (worker id -> rank), empty if none: how a
+        coordinator that did not start the workers learns which pulls can go over NCCL."""
+        return dict(self._nccl_link.ranks) if self._nccl_link is not None else {}
+
     def nccl_warm_up(self) -> int:
         """Build the NCCL communicator with every peer now, not on the first pull (all ranks
         call this together, after `nccl_init`)."""

@@ -199,6 +199,8 @@ class Deployment:
             registry.on_dead(fleet.replace_dead)
         if not cfg.attach:
             self._calibrate_links(transfers)
+        else:
+            self._adopt_nccl(transfers)
         self.cluster.set_on_info(coordinator.observe_worker)
         self.follower.start()
         self.cluster.start_monitor(cc.health_interval_s, cc.stall_timeout_s)
@@ -288,12 +290,21 @@ class Deployment:
         )
         self.http_server.start()
 
+    def _adopt_nccl(self, transfers: TransferPlanner) -> None:
+        """An attached coordinator plans NCCL pulls between workers that already share a group."""
+        assert self.cluster is not None
+        try:
+            if self.cluster.adopt_nccl():
+                transfers.links.set(LinkType.SAME_NODE, 5e7, 2.0)
+        except Exception as exc:  # an unreachable worker: pulls use the object store
+            log.warning("could not read the workers' NCCL group (%s)", exc)
+
     def _calibrate_links(self, transfers: TransferPlanner) -> None:
         """Measure one worker-to-worker link so the first pulls are priced from reality."""
         assert self.cluster is not None
         live = self.cluster.live_worker_ids()
         try:
-            if self.cluster.setup_nccl():
+            if self.cluster.adopt_nccl() or self.cluster.setup_nccl():
                 # GPU-to-GPU pulls go over NCCL: start from an NVLink-class guess (50 GB/s, 2 ms)
                 # and let the observed pulls correct it.
                 transfers.links.set(LinkType.SAME_NODE, 5e7, 2.0)
