@@ -192,11 +192,12 @@ def run_workers(args: argparse.Namespace) -> int:
 def render_workers(workers: list[WorkerInfo]) -> str:
     if not workers:
         return "no workers"
-    headers = ["worker", "alive", "device", "node", "pid", "blocks", "free", "indexed"]
+    headers = ["worker", "kind", "alive", "device", "node", "pid", "blocks", "free", "indexed"]
     headers += ["running", "waiting", "requests", "cached_tok", "computed_tok", "gen"]
     rows = [
         [
             w.worker_id,
+            w.kind,
             w.alive,
             w.device,
             w.node,

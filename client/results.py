@@ -180,6 +180,8 @@ class WorkerInfo:
     num_warm_sessions: int
     """Idle sessions whose chains this worker keeps warm."""
     warm_session_bytes: int
+    kind: str = "kvmesh"
+    """`kvmesh` for a kvmesh worker; an external engine's kind (`vllm`, `sglang`)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,9 @@ from kvmesh.coordinator.cluster.redis_server import (
 )
 from kvmesh.coordinator.cluster.registry import WorkerRegistry
 from kvmesh.coordinator.config import CoordinatorConfig, HttpConfig
-from kvmesh.coordinator.coordinator import Coordinator
+from kvmesh.coordinator.coordinator import Coordinator, WorkerBackend
+from kvmesh.coordinator.engines.engine_backend import EngineBackend
+from kvmesh.coordinator.engines.engine_fleet import EngineFleet, EngineFleetConfig, EngineSpec
 from kvmesh.coordinator.index.follower import IndexFollower
 from kvmesh.coordinator.index.locked_mirror import LockedMirror
 from kvmesh.coordinator.index.store import IndexStore
@@ -79,6 +81,9 @@ class DeploymentConfig:
     """The OpenAI-compatible HTTP API; None serves gRPC only."""
     metrics_port: int | None = None
     """Prometheus endpoint (`GET /metrics`) on the gRPC host: None serves none, 0 a free port."""
+    engines: tuple[EngineSpec, ...] = ()
+    """External engines (a vLLM fleet) routed to alongside the workers, fed by their KV events;
+    their block size is `coordinator.block_size`. With engines, `num_workers=0` starts no worker."""
 
     def __post_init__(self) -> None:
         if self.num_workers < 0:
@@ -107,6 +112,11 @@ class Deployment:
         self.port = 0
         self.http_server: HttpServer | None = None
         self._started_ray = False
+        self.engines: EngineFleet | None = None
+
+    def engine_ids(self) -> list[str]:
+        """The external engines' ids (empty without engines)."""
+        return sorted(self.engines.endpoints()) if self.engines is not None else []
 
     @property
     def http_url(self) -> str:
@@ -173,6 +183,16 @@ class Deployment:
             cc.block_size,
             nccl_members=cluster.nccl_members,
         )
+        backend: WorkerBackend = cluster
+        if cfg.engines:
+            self.engines = EngineFleet(
+                cfg.engines,
+                EngineFleetConfig(cc.block_size),
+                registry,
+                redis_url,
+                model_fingerprint=model.fingerprint(),
+            )
+            backend = EngineBackend(self.engines.endpoints(), cluster, self.engines.mark_down)
         mirror = LockedMirror()
         self.follower = follower = IndexFollower(
             store, mirror, ns=ns, on_lapsed=registry.report_lapsed
@@ -180,7 +200,7 @@ class Deployment:
         self.coordinator = coordinator = Coordinator(
             cc,
             model,
-            cluster,
+            backend,
             mirror,
             registry,
             tokenizer=load_tokenizer(cc.model),
@@ -199,6 +219,8 @@ class Deployment:
             self._calibrate_links(transfers)
         self.cluster.set_on_info(coordinator.observe_worker)
         self.follower.start()
+        if self.engines is not None:
+            self.engines.start()
         self.cluster.start_monitor(cc.health_interval_s, cc.stall_timeout_s)
         fleet.start_watching(cfg.fleet_poll_s)
         prompt_limit = min(cc.max_prompt_tokens or model.max_position_embeddings,
@@ -207,7 +229,12 @@ class Deployment:
         self.gate = gate
         admin = Admin(self.cluster, self.coordinator, mirror, fleet)
         servicer = KVMeshServicer(
-            self.coordinator, self.cluster, self.follower, admin=admin, gate=gate
+            self.coordinator,
+            self.cluster,
+            self.follower,
+            admin=admin,
+            gate=gate,
+            worker_kind=self.engines.kind if self.engines is not None else None,
         )
         self.server, self.port, health = build_server(
             servicer,
@@ -241,6 +268,8 @@ class Deployment:
         if cfg.attach:
             fleet.attach()
             return
+        if cfg.engines and cfg.num_workers == 0:
+            return  # external engines only
         num_gpus = int(ray.cluster_resources().get("GPU", 0))
         num_workers = cfg.num_workers or max(num_gpus, 2 if not num_gpus else num_gpus)
         gpus_per_worker = cfg.gpus_per_worker
@@ -316,6 +345,9 @@ class Deployment:
         if self.gate is not None:
             self.gate.close()
             self.gate = None
+        if self.engines is not None:
+            self.engines.stop()
+            self.engines = None
         if self.follower is not None:
             self.follower.stop()
             self.follower = None
