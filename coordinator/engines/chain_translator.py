@@ -42,7 +42,8 @@ from kvmesh.proto.events import (
 
 log = logging.getLogger(__name__)
 
-_HOST_MEDIA = frozenset({"CPU", "cpu", "CPU_TIER", "host"})
+_HOST_MEDIA = frozenset({"CPU", "cpu", "STORAGE", "host"})
+"""Media below the engine's device cache (vLLM's offloading tiers): kvmesh's host tier."""
 
 
 @dataclass(slots=True)

@@ -4,7 +4,8 @@ vLLM's and SGLang's publishers send multipart messages on a PUB socket and keep 
 for replay behind a ROUTER socket:
 
     PUB  ->  [topic, seq (8 bytes, big-endian, from 0), msgpack payload]
-    ROUTER:  ask  [b"", start seq (8 bytes)]  ->  [b"", seq, payload] ... [b"", -1, b""]
+    ROUTER:  ask  [b"", start seq (8 bytes)]  ->  [b"", (topic,) seq, payload] ...
+                                                  [b"", (b"",) -1, b""]     (topic: vLLM >= 0.2x)
 
 The subscriber connects to both (the engine binds them: a wildcard endpoint such as
 `tcp://*:5557` in the engine's `--kv-events-config`). Sequence numbers must arrive without gaps:
@@ -207,12 +208,14 @@ class EngineEventSubscriber:
                 if not sock.poll(self.config.replay_timeout_ms):
                     log.warning("engine %s: replay from %d timed out", self.name, start)
                     return None
-                frames = sock.recv_multipart()
-                if len(frames) != 3 or len(frames[1]) != 8:
+                frames = sock.recv_multipart()[1:]  # after the empty delimiter
+                if len(frames) == 3:  # newer vLLM: [topic, seq, payload]
+                    frames = frames[1:]
+                if len(frames) != 2 or len(frames[0]) != 8:
                     return None
-                seq = int.from_bytes(frames[1], "big", signed=True)
+                seq = int.from_bytes(frames[0], "big", signed=True)
                 if seq == _END_SEQ:
                     return out
-                out.append((seq, frames[2]))
+                out.append((seq, frames[1]))
         finally:
             sock.close(linger=0)

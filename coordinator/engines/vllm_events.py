@@ -41,9 +41,12 @@ STORED_FIELDS = (
     "lora_name",
     "extra_keys",
     "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+    "locality",
 )
 """BlockStored's fields in declaration order: the positional encoding's order."""
-REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
+REMOVED_FIELDS = ("block_hashes", "medium", "group_idx", "locality")
 _TAG_KEY = "type"
 _MAX_SKIP_REASONS = 4
 
@@ -77,23 +80,27 @@ def decode_batch_object(
         raise EngineDecodeError("an event batch needs a numeric ts and a list of events")
     events: list[EngineEvent] = []
     reasons: list[str] = []
+    num_skipped = 0
     for raw in raw_events:
         try:
             event = decode_one(raw)
         except MalformedEvent as exc:
+            num_skipped += 1
             if len(reasons) < _MAX_SKIP_REASONS:
                 reasons.append(str(exc))
             continue
         if event is not None:
             events.append(event)
-    num_skipped = len(raw_events) - len(events)
     rank_int = rank if isinstance(rank, int) and not isinstance(rank, bool) else 0
     return EngineEventBatch(float(ts), tuple(events), rank_int, num_skipped, tuple(reasons))
 
 
-def decode_event(raw: Any) -> EngineEvent:
-    """One vLLM event in either encoding; raises MalformedEvent."""
+def decode_event(raw: Any) -> EngineEvent | None:
+    """One vLLM event in either encoding; None for blocks another engine holds (locality
+    REMOTE); raises MalformedEvent."""
     tag, fields = _tag_and_fields(raw)
+    if fields.get("locality") == "REMOTE":
+        return None
     if tag == "BlockStored":
         return stored_from_fields(fields)
     if tag == "BlockRemoved":
