@@ -227,7 +227,13 @@ class Deployment:
                            model.max_position_embeddings)  # fmt: skip
         gate = gate_from_config(cc, FieldLimits(max_prompt_tokens=prompt_limit))
         self.gate = gate
-        admin = Admin(self.cluster, self.coordinator, mirror, fleet)
+        admin = Admin(
+            self.cluster,
+            self.coordinator,
+            mirror,
+            fleet,
+            external_pools=self.engines.announced if self.engines is not None else dict,
+        )
         servicer = KVMeshServicer(
             self.coordinator,
             self.cluster,

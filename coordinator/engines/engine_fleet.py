@@ -169,6 +169,14 @@ class EngineFleet:
     def subscriber(self, engine_id: str) -> EngineEventSubscriber:
         return self._engines[engine_id].subscriber
 
+    def announced(self) -> dict[str, list[int]]:
+        """Per live engine, the kvmesh hashes of the blocks it announced and still holds."""
+        return {
+            engine_id: engine.feed.held_hashes()
+            for engine_id, engine in self._engines.items()
+            if not engine.down
+        }
+
     # ---- life ---------------------------------------------------------------------------------
 
     def start(self) -> None:

@@ -79,6 +79,11 @@ class EngineIndexFeed:
             if self._publish(events):
                 self.publisher.lost_events = False
 
+    def held_hashes(self) -> list[int]:
+        """The kvmesh hashes of every block the engine holds, as far as its events said."""
+        with self._lock:
+            return sorted({int(h) for e in self.translator.held() for h in e.hashes})
+
     def close(self) -> None:
         """No more publishing (the engine is gone and about to be purged)."""
         with self._lock:

@@ -7,6 +7,7 @@ a fact told to the worker registry: a drained worker is not routable, while its 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -57,7 +58,11 @@ class Admin:
         coordinator: Coordinator,
         mirror: LockedMirror,
         control: FleetControl | None = None,
+        *,
+        external_pools: Callable[[], dict[str, list[int]]] = dict,
     ) -> None:
+        self.external_pools = external_pools
+        """Block hashes each external engine announced (its "pool", as kvmesh knows it)."""
         self.cluster = fleet
         self.coordinator = coordinator
         self.mirror = mirror
@@ -84,6 +89,7 @@ class Admin:
         """Mirror and pool of every worker, read one right after the other (under traffic the
         two can differ for a few milliseconds: compare twice before calling it a fault)."""
         pools = self.cluster.call_all("cached_hashes")
+        pools.update(self.external_pools())
         mirror = self.mirror
         owned = set(self.registry.known())
         known = owned | set(mirror.workers())
