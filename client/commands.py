@@ -197,7 +197,7 @@ def render_workers(workers: list[WorkerInfo]) -> str:
     rows = [
         [
             w.worker_id,
-            w.kind,
+            w.kind or "kvmesh",  # a coordinator from before kinds sends none
             w.alive,
             w.device,
             w.node,

@@ -13,7 +13,9 @@ The subscriber connects to both (the engine binds them: a wildcard endpoint such
     next seq == expected       apply
     next seq  > expected       a gap: replay [expected, seq) through the ROUTER socket; if the
                                replay does not cover it, the engine's state is unknown: reset
-    next seq  < expected       the engine restarted (its counter began again): reset
+    next seq  < expected       a batch already applied (the live stream and a replay overlap:
+                               same seq, same payload) is dropped; anything else means the
+                               engine restarted (its counter began again): reset
 
 A reset tells the owner to clear everything it knew about this engine. On start the subscriber
 asks for a replay from 0, so blocks the engine stored before kvmesh came up are learned while
@@ -22,8 +24,10 @@ the engine still buffers them. Payloads that do not decode are counted and skipp
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,6 +38,8 @@ from kvmesh.coordinator.engines.engine_events import EngineDecodeError, EngineEv
 log = logging.getLogger(__name__)
 
 _END_SEQ = -1
+_NUM_RECENT = 4096
+"""Applied batches remembered (seq -> payload digest) to tell a duplicate from a restart."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +99,7 @@ class EngineEventSubscriber:
         self.counters = SubscriberCounters()
         self.expected_seq: int | None = None
         """The next seq to apply; None before the first."""
+        self._recent: OrderedDict[int, bytes] = OrderedDict()
         self._ctx = zmq.Context()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -140,6 +147,8 @@ class EngineEventSubscriber:
         """One live message (called on the subscriber thread; public for tests)."""
         expected = self.expected_seq
         if expected is not None and seq < expected:
+            if self._recent.get(seq) == _digest(payload):
+                return  # applied already (from a replay that overlapped the live stream)
             self._reset(f"sequence went back from {expected} to {seq} (engine restarted)")
         elif expected is not None and seq > expected:
             self.counters.num_gaps += 1
@@ -153,6 +162,9 @@ class EngineEventSubscriber:
         if self.expected_seq is not None and seq < self.expected_seq:
             return  # already applied (a replay overlapped the live stream)
         self.expected_seq = seq + 1
+        self._recent[seq] = _digest(payload)
+        if len(self._recent) > _NUM_RECENT:
+            self._recent.popitem(last=False)
         try:
             batch = self._decode(payload)
         except EngineDecodeError as exc:
@@ -175,6 +187,7 @@ class EngineEventSubscriber:
         log.warning("engine %s: %s; forgetting its blocks", self.name, reason)
         self.counters.num_resets += 1
         self.expected_seq = None
+        self._recent.clear()
         self._on_reset(reason)
 
     def _catch_up(self, start: int, until: int | None) -> bool:
@@ -219,3 +232,7 @@ class EngineEventSubscriber:
                 out.append((seq, frames[1]))
         finally:
             sock.close(linger=0)
+
+
+def _digest(payload: bytes) -> bytes:
+    return hashlib.blake2b(payload, digest_size=16).digest()
