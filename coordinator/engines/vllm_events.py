@@ -16,6 +16,7 @@ its batch; only a payload that is not a batch at all raises `EngineDecodeError`.
 
 from __future__ import annotations
 
+import array
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -138,10 +139,12 @@ def stored_from_fields(fields: dict[str, Any]) -> EngineBlockStored:
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
         raise MalformedEvent(f"block_size must be a positive int, got {block_size!r}")
     tokens = fields.get("token_ids")
-    if not isinstance(tokens, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 32 for t in tokens
-    ):
-        raise MalformedEvent("token_ids must be a list of uint32")
+    try:  # one C-level check of every id (a per-token Python check was 2/3 of decoding)
+        if not isinstance(tokens, list):
+            raise TypeError
+        array.array("I", tokens)
+    except (TypeError, OverflowError):
+        raise MalformedEvent("token_ids must be a list of uint32") from None
     if len(tokens) != len(hashes) * block_size:
         raise MalformedEvent(
             f"{len(tokens)} token ids for {len(hashes)} blocks of {block_size} tokens"

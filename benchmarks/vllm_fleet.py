@@ -1,0 +1,255 @@
+"""kvmesh in front of two real vLLM servers vs round-robin over them, and the rate at which
+vLLM-format KV events enter the index.
+
+Usage (after `make vllm-venv`):
+    python benchmarks/vllm_fleet.py [--groups 8] [--per-group 4] [--json PATH]
+    python benchmarks/vllm_fleet.py --ingest-only
+
+Workload: `groups` shared prefixes of 4 full blocks (4 x 128 tokens, vLLM's CPU block size),
+each asked `per-group` times with a fresh 40-token suffix, in shuffled order, one request at a
+time (this machine's two cores run both engines). Compared, each on fresh prefixes:
+
+    direct round-robin   the client alternates between the two vLLM servers (no kvmesh)
+    kvmesh round_robin   through kvmesh's OpenAI front door, policy round_robin
+    kvmesh               through kvmesh, its cost model fed by the engines' KV events
+
+Hit rate is vLLM's own: the sum of `usage.prompt_tokens_details.cached_tokens` over the sum of
+prompt tokens. TTFT is client-side, to the first streamed chunk that carries a token.
+
+Ingestion: vLLM map-encoded batches (one `BlockStored` of 4 blocks each, parents chained as a
+real engine sends them) decoded, re-hashed into kvmesh's chain and published to a real Redis
+through the same Lua script workers use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import msgpack
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: tests.vllm
+
+from kvmesh.coordinator.cluster.deployment import Deployment, DeploymentConfig  # noqa: E402
+from kvmesh.coordinator.cluster.redis_server import start_redis_server  # noqa: E402
+from kvmesh.coordinator.config import CoordinatorConfig, HttpConfig  # noqa: E402
+from kvmesh.coordinator.engines import vllm_events  # noqa: E402
+from kvmesh.coordinator.engines.chain_translator import ChainTranslator  # noqa: E402
+from kvmesh.coordinator.engines.engine_fleet import EngineSpec  # noqa: E402
+from kvmesh.coordinator.engines.index_feed import EngineIndexFeed  # noqa: E402
+from kvmesh.proto.block_hash import namespace_hash  # noqa: E402
+from kvmesh.workers.engine.event_publisher import EventPublisher  # noqa: E402
+from tests.vllm.vllm_server import (  # noqa: E402
+    CPU_BLOCK_SIZE,
+    VllmServer,
+    start_vllm,
+    write_tiny_llama,
+)
+
+PREFIX_BLOCKS = 4
+SUFFIX_LEN = 40
+MAX_TOKENS = 4
+
+
+def stream_completion(base_url: str, model: str, prompt: list[int]) -> tuple[float, int, int]:
+    """(TTFT in ms, prompt tokens, cached tokens) of one streamed completion."""
+    url = urlsplit(base_url)
+    conn = http.client.HTTPConnection(url.netloc, timeout=300)
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    started = time.perf_counter()
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200, response.read()
+    ttft_ms = -1.0
+    usage: dict[str, Any] = {}
+    for raw in iter(response.readline, b""):
+        line = raw.strip()
+        if not line.startswith(b"data:") or line == b"data: [DONE]":
+            continue
+        chunk = json.loads(line[5:])
+        if ttft_ms < 0 and chunk.get("choices"):
+            choice = chunk["choices"][0]
+            if choice.get("text") or choice.get("token_ids") or choice.get("finish_reason"):
+                ttft_ms = (time.perf_counter() - started) * 1e3
+        usage = chunk.get("usage") or usage
+    conn.close()
+    details = usage.get("prompt_tokens_details") or {}
+    return ttft_ms, int(usage["prompt_tokens"]), int(details.get("cached_tokens") or 0)
+
+
+def workload(seed: int, groups: int, per_group: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefixes = [
+        [rng.randrange(3, 512) for _ in range(PREFIX_BLOCKS * CPU_BLOCK_SIZE)]
+        for _ in range(groups)
+    ]
+    prompts = [
+        p + [rng.randrange(3, 512) for _ in range(SUFFIX_LEN)]
+        for p in prefixes
+        for _ in range(per_group)
+    ]
+    rng.shuffle(prompts)
+    return prompts
+
+
+def run_mode(urls: list[str], model: str, prompts: list[list[int]]) -> dict[str, float]:
+    ttfts, prompt_tokens, cached = [], 0, 0
+    for i, prompt in enumerate(prompts):
+        ttft, n, c = stream_completion(urls[i % len(urls)], model, prompt)
+        ttfts.append(ttft)
+        prompt_tokens += n
+        cached += c
+        time.sleep(0.05)  # the index hears the engine's events (they follow each step)
+    ttfts.sort()
+    return {
+        "requests": len(prompts),
+        "hit_rate": cached / prompt_tokens,
+        "ttft_mean_ms": statistics.fmean(ttfts),
+        "ttft_p50_ms": ttfts[len(ttfts) // 2],
+        "ttft_p90_ms": ttfts[int(len(ttfts) * 0.9)],
+    }
+
+
+def kvmesh_mode(
+    model_dir: Path, engines: list[VllmServer], policy: str, prompts: list[list[int]]
+) -> dict[str, float]:
+    config = DeploymentConfig(
+        coordinator=CoordinatorConfig(
+            model=str(model_dir), block_size=CPU_BLOCK_SIZE, port=0, policy=policy
+        ),
+        num_workers=0,
+        engines=tuple(EngineSpec.parse(s.engine_spec) for s in engines),
+        http=HttpConfig(port=0),
+    )
+    deployment = Deployment(config)
+    deployment.start()
+    try:
+        return run_mode([deployment.http_url], str(model_dir), prompts)
+    finally:
+        deployment.stop()
+
+
+def fleet_benchmark(groups: int, per_group: int) -> dict[str, dict[str, float]]:
+    results: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_tiny_llama(Path(tmp) / "model")
+        engines = [start_vllm(n, model_dir, Path(tmp)) for n in ("a", "b")]
+        try:
+            for e in engines:
+                e.wait_ready()
+            # one warm-up request each (first-call compilation is not what is measured)
+            warm = workload(99, 1, 1)[0]
+            for e in engines:
+                stream_completion(e.base_url, str(model_dir), warm)
+            urls = [e.base_url for e in engines]
+            results["direct round-robin"] = run_mode(
+                urls, str(model_dir), workload(1, groups, per_group)
+            )
+            results["kvmesh round_robin"] = kvmesh_mode(
+                model_dir, engines, "round_robin", workload(2, groups, per_group)
+            )
+            results["kvmesh"] = kvmesh_mode(
+                model_dir, engines, "kvmesh", workload(3, groups, per_group)
+            )
+        finally:
+            for e in engines:
+                e.kill()
+    return results
+
+
+def ingestion_benchmark(num_batches: int = 4000) -> dict[str, float]:
+    """Events per second decoded, re-hashed and published (one BlockStored of 4 blocks each)."""
+    rng = random.Random(5)
+    payloads = []
+    for i in range(num_batches):
+        tokens = [rng.randrange(0, 512) for _ in range(PREFIX_BLOCKS * CPU_BLOCK_SIZE)]
+        hashes = [i * 8 + k + 1 for k in range(PREFIX_BLOCKS)]
+        event = {
+            "type": "BlockStored",
+            "block_hashes": hashes,
+            "parent_block_hash": None,
+            "token_ids": tokens,
+            "block_size": CPU_BLOCK_SIZE,
+            "lora_id": None,
+            "medium": "GPU",
+            "lora_name": None,
+        }
+        payloads.append(msgpack.packb([time.time(), [event], 0]))
+    root = namespace_hash("bench")
+
+    def fresh_translator() -> ChainTranslator:
+        return ChainTranslator(CPU_BLOCK_SIZE, lambda _lora: root)
+
+    started = time.perf_counter()
+    batches = [vllm_events.decode_payload(p) for p in payloads]
+    decode_s = time.perf_counter() - started
+
+    translator = fresh_translator()
+    started = time.perf_counter()
+    for b in batches:
+        for e in b.events:
+            translator.translate(e)
+    translate_s = time.perf_counter() - started
+
+    redis = start_redis_server()
+    try:
+        feed = EngineIndexFeed(
+            "bench", fresh_translator(), EventPublisher(redis.url, "ns", "bench")
+        )
+        started = time.perf_counter()
+        for p in payloads:
+            feed.on_batch(vllm_events.decode_payload(p))
+        total_s = time.perf_counter() - started
+        feed.publisher.close()
+    finally:
+        redis.stop()
+    blocks = num_batches * PREFIX_BLOCKS
+    return {
+        "batches": num_batches,
+        "blocks": blocks,
+        "decode_events_per_s": num_batches / decode_s,
+        "rehash_blocks_per_s": blocks / translate_s,
+        "into_redis_events_per_s": num_batches / total_s,
+        "into_redis_blocks_per_s": blocks / total_s,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--groups", type=int, default=8)
+    parser.add_argument("--per-group", type=int, default=4)
+    parser.add_argument("--ingest-only", action="store_true")
+    parser.add_argument("--json", default="bench-results/vllm_fleet.json")
+    args = parser.parse_args()
+    out: dict[str, Any] = {"ingestion": ingestion_benchmark()}
+    print("ingestion of vLLM-format events:", json.dumps(out["ingestion"], indent=1))
+    if not args.ingest_only:
+        out["fleet"] = fleet_benchmark(args.groups, args.per_group)
+        print(f"{'mode':<20} {'hit rate':>8} {'TTFT mean':>10} {'p50':>8} {'p90':>8}")
+        for mode, r in out["fleet"].items():
+            print(
+                f"{mode:<20} {r['hit_rate']:>8.3f} {r['ttft_mean_ms']:>8.1f}ms"
+                f" {r['ttft_p50_ms']:>6.1f}ms {r['ttft_p90_ms']:>6.1f}ms"
+            )
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
