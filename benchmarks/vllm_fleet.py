@@ -108,27 +108,41 @@ def workload(seed: int, groups: int, per_group: int) -> list[list[int]]:
     return prompts
 
 
-def run_mode(urls: list[str], model: str, prompts: list[list[int]]) -> dict[str, float]:
-    ttfts, prompt_tokens, cached = [], 0, 0
+Sample = tuple[float, int, int]
+"""(TTFT ms, prompt tokens, cached tokens) of one request."""
+
+
+def run_mode(urls: list[str], model: str, prompts: list[list[int]]) -> list[Sample]:
+    samples = []
     for i, prompt in enumerate(prompts):
-        ttft, n, c = stream_completion(urls[i % len(urls)], model, prompt)
-        ttfts.append(ttft)
-        prompt_tokens += n
-        cached += c
+        samples.append(stream_completion(urls[i % len(urls)], model, prompt))
         time.sleep(0.05)  # the index hears the engine's events (they follow each step)
-    ttfts.sort()
+    return samples
+
+
+def summarize(samples: list[Sample]) -> dict[str, float]:
+    def pct(values: list[float], q: float) -> float:
+        values = sorted(values)
+        return values[min(len(values) - 1, int(len(values) * q))] if values else float("nan")
+
+    ttfts = [t for t, _, _ in samples]
+    hits = [t for t, _, c in samples if c > 0]
+    misses = [t for t, _, c in samples if c == 0]
     return {
-        "requests": len(prompts),
-        "hit_rate": cached / prompt_tokens,
+        "requests": len(samples),
+        "hit_rate": sum(c for _, _, c in samples) / sum(n for _, n, _ in samples),
         "ttft_mean_ms": statistics.fmean(ttfts),
-        "ttft_p50_ms": ttfts[len(ttfts) // 2],
-        "ttft_p90_ms": ttfts[int(len(ttfts) * 0.9)],
+        "ttft_p50_ms": pct(ttfts, 0.5),
+        "ttft_p90_ms": pct(ttfts, 0.9),
+        "requests_with_a_hit": len(hits),
+        "ttft_hit_p50_ms": pct(hits, 0.5),
+        "ttft_miss_p50_ms": pct(misses, 0.5),
     }
 
 
 def kvmesh_mode(
     model_dir: Path, engines: list[VllmServer], policy: str, prompts: list[list[int]]
-) -> dict[str, float]:
+) -> list[Sample]:
     config = DeploymentConfig(
         coordinator=CoordinatorConfig(
             model=str(model_dir), block_size=CPU_BLOCK_SIZE, port=0, policy=policy
@@ -145,32 +159,37 @@ def kvmesh_mode(
         deployment.stop()
 
 
-def fleet_benchmark(groups: int, per_group: int) -> dict[str, dict[str, float]]:
-    results: dict[str, dict[str, float]] = {}
+MODES = ("direct round-robin", "kvmesh round_robin", "kvmesh")
+
+
+def fleet_benchmark(groups: int, per_group: int, rounds: int) -> dict[str, dict[str, float]]:
+    """`rounds` rounds, each mode once per round on fresh prefixes; the mode order rotates from
+    round to round (so no mode always runs first, on the coldest engines)."""
+    samples: dict[str, list[Sample]] = {m: [] for m in MODES}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_tiny_llama(Path(tmp) / "model")
         engines = [start_vllm(n, model_dir, Path(tmp)) for n in ("a", "b")]
         try:
             for e in engines:
                 e.wait_ready()
-            # one warm-up request each (first-call compilation is not what is measured)
-            warm = workload(99, 1, 1)[0]
-            for e in engines:
-                stream_completion(e.base_url, str(model_dir), warm)
+            # warm-up: a hit and a miss on each engine (first calls compile; not measured)
+            for warm in workload(99, 2, 2):
+                for e in engines:
+                    stream_completion(e.base_url, str(model_dir), warm)
             urls = [e.base_url for e in engines]
-            results["direct round-robin"] = run_mode(
-                urls, str(model_dir), workload(1, groups, per_group)
-            )
-            results["kvmesh round_robin"] = kvmesh_mode(
-                model_dir, engines, "round_robin", workload(2, groups, per_group)
-            )
-            results["kvmesh"] = kvmesh_mode(
-                model_dir, engines, "kvmesh", workload(3, groups, per_group)
-            )
+            for r in range(rounds):
+                for k in range(len(MODES)):
+                    mode = MODES[(r + k) % len(MODES)]
+                    prompts = workload(100 * r + k, groups, per_group)
+                    if mode == "direct round-robin":
+                        samples[mode] += run_mode(urls, str(model_dir), prompts)
+                    else:
+                        policy = "kvmesh" if mode == "kvmesh" else "round_robin"
+                        samples[mode] += kvmesh_mode(model_dir, engines, policy, prompts)
         finally:
             for e in engines:
                 e.kill()
-    return results
+    return {m: summarize(v) for m, v in samples.items()}
 
 
 def ingestion_benchmark(num_batches: int = 4000) -> dict[str, float]:
@@ -234,18 +253,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--groups", type=int, default=8)
     parser.add_argument("--per-group", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--ingest-only", action="store_true")
     parser.add_argument("--json", default="bench-results/vllm_fleet.json")
     args = parser.parse_args()
     out: dict[str, Any] = {"ingestion": ingestion_benchmark()}
     print("ingestion of vLLM-format events:", json.dumps(out["ingestion"], indent=1))
     if not args.ingest_only:
-        out["fleet"] = fleet_benchmark(args.groups, args.per_group)
-        print(f"{'mode':<20} {'hit rate':>8} {'TTFT mean':>10} {'p50':>8} {'p90':>8}")
+        out["fleet"] = fleet_benchmark(args.groups, args.per_group, args.rounds)
+        print(
+            f"{'mode':<20} {'hit rate':>8} {'hits':>5} {'TTFT mean':>10} {'p50':>8} {'p90':>8}"
+            f" {'hit p50':>8} {'miss p50':>8}"
+        )
         for mode, r in out["fleet"].items():
             print(
-                f"{mode:<20} {r['hit_rate']:>8.3f} {r['ttft_mean_ms']:>8.1f}ms"
-                f" {r['ttft_p50_ms']:>6.1f}ms {r['ttft_p90_ms']:>6.1f}ms"
+                f"{mode:<20} {r['hit_rate']:>8.3f} {r['requests_with_a_hit']:>2}/{r['requests']:<2}"
+                f" {r['ttft_mean_ms']:>8.1f}ms {r['ttft_p50_ms']:>6.1f}ms"
+                f" {r['ttft_p90_ms']:>6.1f}ms {r['ttft_hit_p50_ms']:>6.1f}ms"
+                f" {r['ttft_miss_p50_ms']:>6.1f}ms"
             )
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=1) + "\n")

@@ -32,11 +32,7 @@ from tests.vllm.vllm_server import (
     write_tiny_llama,
 )
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.slow,
-    pytest.mark.skipif(not has_vllm(), reason="needs vLLM's virtualenv (make vllm-venv)"),
-]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 BS = CPU_BLOCK_SIZE
 
@@ -57,6 +53,8 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def engines(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[VllmServer]]:
+    if not has_vllm():  # asked here, not at collection: `make test` deselects these tests
+        pytest.skip("needs vLLM's virtualenv (make vllm-venv)")
     logs = tmp_path_factory.mktemp("vllm-logs")
     servers = [start_vllm(name, model, logs) for name in ("a", "b")]
     try:
