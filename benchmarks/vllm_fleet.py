@@ -14,7 +14,8 @@ time (this machine's two cores run both engines). Compared, each on fresh prefix
     kvmesh               through kvmesh, its cost model fed by the engines' KV events
 
 Hit rate is vLLM's own: the sum of `usage.prompt_tokens_details.cached_tokens` over the sum of
-prompt tokens. TTFT is client-side, to the first streamed chunk that carries a token.
+prompt tokens. TTFT is client-side, to the first streamed chunk (sent once the first token
+exists, by vLLM and by kvmesh alike).
 
 Ingestion: vLLM map-encoded batches (one `BlockStored` of 4 blocks each, parents chained as a
 real engine sends them) decoded, re-hashed into kvmesh's chain and published to a real Redis
@@ -84,9 +85,9 @@ def stream_completion(base_url: str, model: str, prompt: list[int]) -> tuple[flo
             continue
         chunk = json.loads(line[5:])
         if ttft_ms < 0 and chunk.get("choices"):
-            choice = chunk["choices"][0]
-            if choice.get("text") or choice.get("token_ids") or choice.get("finish_reason"):
-                ttft_ms = (time.perf_counter() - started) * 1e3
+            # vLLM and kvmesh both send their first chunk once the first token exists (its text
+            # may be empty: a byte that starts a multi-byte character, or no detokenizer)
+            ttft_ms = (time.perf_counter() - started) * 1e3
         usage = chunk.get("usage") or usage
     conn.close()
     details = usage.get("prompt_tokens_details") or {}

@@ -84,6 +84,8 @@ class DeploymentConfig:
     engines: tuple[EngineSpec, ...] = ()
     """External engines (a vLLM fleet) routed to alongside the workers, fed by their KV events;
     their block size is `coordinator.block_size`. With engines, `num_workers=0` starts no worker."""
+    engine_health: EngineFleetConfig = field(default_factory=EngineFleetConfig)
+    """How the engines are health-checked (interval, misses before down, heartbeat TTL)."""
 
     def __post_init__(self) -> None:
         if self.num_workers < 0:
@@ -187,9 +189,10 @@ class Deployment:
         if cfg.engines:
             self.engines = EngineFleet(
                 cfg.engines,
-                EngineFleetConfig(cc.block_size),
+                cfg.engine_health,
                 registry,
                 redis_url,
+                block_size=cc.block_size,
                 model_fingerprint=model.fingerprint(),
             )
             backend = EngineBackend(self.engines.endpoints(), cluster, self.engines.mark_down)

@@ -80,8 +80,6 @@ class EngineSpec:
 
 @dataclass(frozen=True, slots=True)
 class EngineFleetConfig:
-    block_size: int
-    """Tokens per block: the engines' block size, and the coordinator's (the chains must agree)."""
     health_interval_s: float = 2.0
     """How often each engine's `/health` is asked (and its heartbeat renewed)."""
     max_failures: int = 3
@@ -90,9 +88,8 @@ class EngineFleetConfig:
     """Lifetime of an engine's heartbeat in Redis (followers purge it when it lapses)."""
 
     def __post_init__(self) -> None:
-        if self.block_size < 1 or self.max_failures < 1:
-            raise ValueError(f"block_size ({self.block_size}) and max_failures"
-                             f" ({self.max_failures}) must be >= 1")  # fmt: skip
+        if self.max_failures < 1:
+            raise ValueError(f"max_failures must be >= 1, got {self.max_failures}")
         if not 0 < self.health_interval_s < self.heartbeat_ttl_s:
             raise ValueError(f"need 0 < health_interval_s ({self.health_interval_s}) <"
                              f" heartbeat_ttl_s ({self.heartbeat_ttl_s})")  # fmt: skip
@@ -117,12 +114,16 @@ class EngineFleet:
         registry: WorkerRegistry,
         redis_url: str,
         *,
+        block_size: int,
         model_fingerprint: str,
     ) -> None:
+        """`block_size`: the engines' KV block size, which is the coordinator's (the chains of
+        prompts and of announced blocks must agree)."""
         ids = [s.engine_id for s in specs]
         if len(set(ids)) != len(ids):
             raise ValueError(f"engine ids must be unique, got {ids}")
         self.config = config
+        self.block_size = block_size
         self.registry = registry
         self.ns = f"{namespace_hash(model_fingerprint):016x}"
         self._fingerprint = model_fingerprint
@@ -134,7 +135,7 @@ class EngineFleet:
             self._engines[spec.engine_id] = self._make(spec, redis_url)
 
     def _make(self, spec: EngineSpec, redis_url: str) -> _Engine:
-        translator = ChainTranslator(self.config.block_size, self._root)
+        translator = ChainTranslator(self.block_size, self._root)
         publisher = EventPublisher(redis_url, self.ns, spec.engine_id)
         feed = EngineIndexFeed(spec.engine_id, translator, publisher)
         subscriber = EngineEventSubscriber(
@@ -217,7 +218,7 @@ class EngineFleet:
         info: dict[str, str | int] = {
             "kind": spec.kind,
             "base_url": spec.base_url,
-            "block_size": self.config.block_size,
+            "block_size": self.block_size,
         }
         ttl_ms = int(self.config.heartbeat_ttl_s * 1000)
         if engine.feed.publisher.heartbeat(info, ttl_ms):

@@ -117,6 +117,9 @@ class EngineEventSubscriber:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+            if self._thread.is_alive():  # term() would wait for its sockets forever
+                log.warning("engine %s: the KV-event subscriber did not stop", self.name)
+                return
         self._ctx.term()
 
     # ---- the loop -----------------------------------------------------------------------------
