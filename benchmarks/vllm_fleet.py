@@ -5,6 +5,9 @@ Usage (after `make vllm-venv`):
     python benchmarks/vllm_fleet.py [--groups 8] [--per-group 4] [--json PATH]
     python benchmarks/vllm_fleet.py --ingest-only
 
+Model: a random Llama (vocab 512; 8 layers of 512 by default, so that a 552-token prefill
+costs a visible fraction of a second on one CPU thread).
+
 Workload: `groups` shared prefixes of 4 full blocks (4 x 128 tokens, vLLM's CPU block size),
 each asked `per-group` times with a fresh 40-token suffix, in shuffled order, one request at a
 time (this machine's two cores run both engines). Compared, each on fresh prefixes:
@@ -17,7 +20,7 @@ Hit rate is vLLM's own: the sum of `usage.prompt_tokens_details.cached_tokens` o
 prompt tokens. TTFT is client-side, to the first streamed chunk (sent once the first token
 exists, by vLLM and by kvmesh alike).
 
-Ingestion: vLLM map-encoded batches (one `BlockStored` of 4 blocks each, parents chained as a
+Ingestion: vLLM map-encoded batches (one `BlockStored` of a new prompt's 4 blocks each, as a
 real engine sends them) decoded, re-hashed into kvmesh's chain and published to a real Redis
 through the same Lua script workers use.
 """
@@ -163,12 +166,16 @@ def kvmesh_mode(
 MODES = ("direct round-robin", "kvmesh round_robin", "kvmesh")
 
 
-def fleet_benchmark(groups: int, per_group: int, rounds: int) -> dict[str, dict[str, float]]:
+def fleet_benchmark(
+    groups: int, per_group: int, rounds: int, hidden_size: int, num_layers: int
+) -> dict[str, dict[str, float]]:
     """`rounds` rounds, each mode once per round on fresh prefixes; the mode order rotates from
     round to round (so no mode always runs first, on the coldest engines)."""
     samples: dict[str, list[Sample]] = {m: [] for m in MODES}
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = write_tiny_llama(Path(tmp) / "model")
+        model_dir = write_tiny_llama(
+            Path(tmp) / "model", hidden_size=hidden_size, num_layers=num_layers
+        )
         engines = [start_vllm(n, model_dir, Path(tmp)) for n in ("a", "b")]
         try:
             for e in engines:
@@ -255,13 +262,20 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=8)
     parser.add_argument("--per-group", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--hidden-size", type=int, default=512, help="of the random Llama (prefill must cost)"
+    )
+    parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--ingest-only", action="store_true")
     parser.add_argument("--json", default="bench-results/vllm_fleet.json")
     args = parser.parse_args()
     out: dict[str, Any] = {"ingestion": ingestion_benchmark()}
     print("ingestion of vLLM-format events:", json.dumps(out["ingestion"], indent=1))
     if not args.ingest_only:
-        out["fleet"] = fleet_benchmark(args.groups, args.per_group, args.rounds)
+        out["model"] = {"hidden_size": args.hidden_size, "layers": args.layers, "vocab": 512}
+        out["fleet"] = fleet_benchmark(
+            args.groups, args.per_group, args.rounds, args.hidden_size, args.layers
+        )
         print(
             f"{'mode':<20} {'hit rate':>8} {'hits':>5} {'TTFT mean':>10} {'p50':>8} {'p90':>8}"
             f" {'hit p50':>8} {'miss p50':>8}"

@@ -80,6 +80,35 @@ def test_a_shared_prefix_goes_back_to_the_engine_that_announced_it(kvmesh: Deplo
         assert again["kvmesh"]["cached_tokens"] == 8 * BS
 
 
+def test_index_verify_compares_the_mirror_with_what_each_engine_announced(
+    kvmesh: Deployment,
+) -> None:
+    from kvmesh.client import Client
+
+    rng = random.Random(3)
+    while not (indexed(kvmesh, "a") and indexed(kvmesh, "b")):
+        complete(kvmesh, [rng.randrange(3, 200) for _ in range(3 * BS + 1)])
+    with Client(kvmesh.address) as client:
+        views = {v.worker_id: v for v in client.index_views().workers}
+    for engine in ("a", "b"):
+        wait_for(
+            lambda e=engine: (
+                set(views[e].pool_hashes) == set(views[e].mirror_hashes)  # type: ignore[misc]
+                or _refresh(kvmesh, views)
+            ),
+            f"{engine}'s mirror to equal its announced blocks",
+        )
+        assert views[engine].pool_hashes
+
+
+def _refresh(kvmesh: Deployment, views: dict[str, Any]) -> bool:
+    from kvmesh.client import Client
+
+    with Client(kvmesh.address) as client:
+        views.update({v.worker_id: v for v in client.index_views().workers})
+    return False
+
+
 def test_workers_lists_the_engines_with_their_kind(kvmesh: Deployment) -> None:
     from kvmesh.client import Client
 

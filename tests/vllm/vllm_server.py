@@ -38,19 +38,22 @@ def has_vllm() -> bool:
     return probe.returncode == 0
 
 
-def write_tiny_llama(path: Path, *, seed: int = 0) -> Path:
-    """A 2-layer random Llama (vocab 512) in Hugging Face format; prompts are token ids."""
+def write_tiny_llama(
+    path: Path, *, seed: int = 0, hidden_size: int = 128, num_layers: int = 2
+) -> Path:
+    """A small random Llama (vocab 512; 2 layers of 128 by default) in Hugging Face format;
+    prompts are token ids."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=hidden_size // 32,
+        num_key_value_heads=max(1, hidden_size // 64),
         max_position_embeddings=2048,
         bos_token_id=1,
         eos_token_id=2,
