@@ -221,7 +221,7 @@ def ingestion_benchmark(num_batches: int = 4000) -> dict[str, float]:
     root = namespace_hash("bench")
 
     def fresh_translator() -> ChainTranslator:
-        return ChainTranslator(CPU_BLOCK_SIZE, lambda _lora: root)
+        return ChainTranslator(CPU_BLOCK_SIZE, lambda _lora, _salt: root)
 
     started = time.perf_counter()
     batches = [vllm_events.decode_payload(p) for p in payloads]

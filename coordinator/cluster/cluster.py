@@ -58,6 +58,8 @@ class Cluster:
                 raise ValueError(f"worker id {config.worker_id!r} already has an actor")
             self._handles[config.worker_id] = _Handle(config, actor)
         self.registry.add(config.worker_id)
+        # Known from its config before its first report, so its adapters route at once.
+        self.registry.set_adapters(config.worker_id, (name for name, _ in config.lora_adapters))
 
     def forget_actor(self, worker_id: str) -> Any:
         """Drop a worker's actor handle (scaled down or replaced); returns it."""
@@ -193,9 +195,9 @@ class Cluster:
             self._latest_info[worker_id] = info
         return info
 
-    def call_all(self, method: str, timeout_s: float = 30.0) -> dict[str, Any]:
+    def call_all(self, method: str, *args: Any, timeout_s: float = 30.0) -> dict[str, Any]:
         live = self._live_actors()
-        refs = {w: getattr(a, method).remote() for w, a in live.items()}
+        refs = {w: getattr(a, method).remote(*args) for w, a in live.items()}
         return {w: ray.get(r, timeout=timeout_s) for w, r in refs.items()}
 
     def mark_dead(self, worker_id: str) -> None:

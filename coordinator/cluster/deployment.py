@@ -45,7 +45,7 @@ from kvmesh.coordinator.telemetry.collector import MetricsCollector
 from kvmesh.coordinator.telemetry.exporter import MetricsExporter
 from kvmesh.coordinator.telemetry.request_log import RequestLog
 from kvmesh.coordinator.telemetry.request_metrics import RequestMetrics
-from kvmesh.proto.block_hash import namespace_hash
+from kvmesh.proto.block_hash import BlockHash, namespace_hash
 from kvmesh.workers.config import WorkerConfig
 from kvmesh.workers.contract.replies import RequestRejected
 from kvmesh.workers.model.model_config import load_model_config
@@ -116,6 +116,11 @@ class Deployment:
         self._started_ray = False
         self.engines: EngineFleet | None = None
 
+    def _engine_root(self, lora_name: str, cache_salt: str) -> BlockHash:
+        """The coordinator's h_0 for an engine's blocks (its events arrive once it exists)."""
+        assert self.coordinator is not None
+        return self.coordinator.root_hash(cache_salt, lora_name)
+
     def engine_ids(self) -> list[str]:
         """The external engines' ids (empty without engines)."""
         return sorted(self.engines.endpoints()) if self.engines is not None else []
@@ -166,7 +171,7 @@ class Deployment:
                     configure_logging=False,
                 )
             self._started_ray = True
-        ns = f"{namespace_hash(model.fingerprint()):016x}"
+        ns = f"{namespace_hash(model.fingerprint()):016x}"  # shared by every KV dtype and epoch
         registry = WorkerRegistry()
         self.cluster = cluster = Cluster(registry)
         store = IndexStore(redis_url)
@@ -194,6 +199,7 @@ class Deployment:
                 redis_url,
                 block_size=cc.block_size,
                 model_fingerprint=model.fingerprint(),
+                root=self._engine_root,
             )
             backend = EngineBackend(self.engines.endpoints(), cluster, self.engines.mark_down)
         mirror = LockedMirror()
@@ -211,6 +217,8 @@ class Deployment:
             worker_free_blocks=lambda w: _free_blocks(cluster, w),
             transfers=transfers,
             observers=(self.request_metrics, RequestLog()),
+            kv_dtype=first.cache.kv_dtype if first is not None else "float32",
+            cache_epoch=lambda: follower.cache_epoch,
         )
         # One judge of liveness, fanned out to everything that keeps per-worker state.
         registry.on_dead(coordinator.forget_worker)
@@ -235,6 +243,7 @@ class Deployment:
             self.coordinator,
             mirror,
             fleet,
+            bump_cache_epoch=follower.bump_cache_epoch,
             external_pools=self.engines.announced if self.engines is not None else dict,
         )
         servicer = KVMeshServicer(

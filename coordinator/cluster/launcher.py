@@ -68,6 +68,8 @@ def deployment_config(args: argparse.Namespace, *, embedded_redis: bool) -> Depl
         host_cache_gb=float(_opt(args, "host_cache_gb", 0.0)),
         device=_opt(args, "device", "auto"),
         sessions=sessions,
+        lora_adapters=tuple(_opt(args, "lora", ())),
+        prefix_cache=not _opt(args, "no_prefix_cache", False),
     )
     http_port = _opt(args, "http_port", None)
     http = None

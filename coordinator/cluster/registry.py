@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,7 @@ class WorkerRegistry:
         self._on_dead: list[Listener] = []
         self._on_lapsed: list[Listener] = []
         self._on_changed: list[Callable[[], None]] = []
+        self._adapters: dict[str, frozenset[str]] = {}
 
     # ---- listeners ----------------------------------------------------------------------------
 
@@ -92,6 +93,26 @@ class WorkerRegistry:
                 self._drained.discard(worker_id)
         self._changed()
 
+    def set_adapters(self, worker_id: str, adapters: Iterable[str]) -> None:
+        """What a worker reports serving besides the base model (its info, each health check)."""
+        with self._lock:
+            if worker_id in self._known:
+                self._adapters[worker_id] = frozenset(adapters)
+
+    def routable_for(self, adapter: str) -> list[str]:
+        """Routable workers that serve `adapter` ("" is the base model: every worker)."""
+        routable = self.routable()
+        if not adapter:
+            return routable
+        with self._lock:
+            return [w for w in routable if adapter in self._adapters.get(w, ())]
+
+    def adapters(self) -> list[str]:
+        """Every adapter some live worker reports serving."""
+        with self._lock:
+            live = [a for w, a in self._adapters.items() if w not in self._dead]
+        return sorted(set().union(*live))
+
     # ---- reads --------------------------------------------------------------------------------
 
     def known(self) -> list[str]:
@@ -127,3 +148,4 @@ class WorkerRegistry:
             assert self._drained <= set(self._known) and self._dead <= set(self._known)
             assert not self._drained & self._dead
             assert len(set(self._known)) == len(self._known)
+            assert set(self._adapters) <= set(self._known)

@@ -9,8 +9,11 @@ the map so a `BlockRemoved`, which names only engine hashes, finds its entries:
     kvmesh:   m ──> k1 ──> k2          k1, k2 = block_hashes(tokens, block_size, parent=m)
     map:      p->m, e1->k1, e2->k2     (a chain starting a prompt has parent None: m = h_0)
 
-The namespace root h_0 takes the event's LoRA name; each block's extra keys (multimodal ids,
-salt) are hashed into that block, as kvmesh's contract does. A block whose parent was never seen
+The root h_0 is the coordinator's own for the event's LoRA name and cache salt (so a prompt the
+coordinator hashes lands on the same chain). vLLM repeats both in its per-block extra keys (the
+LoRA name on every block, the salt, a plain string, on the first): they are taken out there and
+the remaining extra keys (multimodal ids, embedding digests) are hashed into their block, as
+kvmesh's contract does. A block whose parent was never seen
 (stored before kvmesh subscribed, or lost in a gap nobody could replay) cannot be chained and is
 not indexed: routing then under-counts that engine's cache, it never over-counts it.
 """
@@ -69,12 +72,12 @@ class ChainTranslator:
         block leaves the index only when the last engine block behind it does
     """
 
-    def __init__(self, block_size: int, root: Callable[[str], BlockHash]) -> None:
+    def __init__(self, block_size: int, root: Callable[[str, str], BlockHash]) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self._root = root
-        """h_0 of kvmesh's namespace for a LoRA name ("" for the base model)."""
+        """h_0 of the coordinator's chains for (LoRA name, cache salt); "" for none."""
         self._engine_to_kvmesh: dict[tuple[EngineHash, int], tuple[BlockHash, int]] = {}
         """(engine hash, tier) -> (kvmesh hash, tier): an engine that offloads to CPU announces
         the same hash once per medium."""
@@ -125,8 +128,14 @@ class ChainTranslator:
                 )
             self.counters.num_wrong_block_size += 1
             return None
+        extra_keys = list(event.extra_keys)
+        if event.lora_name:  # in kvmesh's chain the adapter is in h_0, not in every block
+            extra_keys = [_without(k, event.lora_name) for k in extra_keys]
         if event.parent_hash is None:
-            parent = self._root(event.lora_name)
+            salt = _salt(extra_keys[0]) if extra_keys else ""
+            if salt:
+                extra_keys[0] = _without(extra_keys[0], salt)
+            parent = self._root(event.lora_name, salt)
         else:
             known = self._engine_to_kvmesh.get((event.parent_hash, TIER_DEVICE))
             known = known or self._engine_to_kvmesh.get((event.parent_hash, TIER_HOST))
@@ -134,7 +143,7 @@ class ChainTranslator:
                 self.counters.num_orphan_blocks += len(event.block_hashes)
                 return None
             parent = known[0]
-        extra = {i: extra_key_hashes(k) for i, k in enumerate(event.extra_keys) if k}
+        extra = {i: extra_key_hashes(k) for i, k in enumerate(extra_keys) if k}
         hashes = block_hashes(event.token_ids, self.block_size, parent, extra or None)
         tier = tier_of(event.medium)
         for engine_hash, block in zip(event.block_hashes, hashes, strict=True):
@@ -174,6 +183,22 @@ class ChainTranslator:
         for entry in self._engine_to_kvmesh.values():
             counts[entry] = counts.get(entry, 0) + 1
         assert counts == self._num_refs, "reference counts disagree with the engine-hash map"
+
+
+def _without(key: tuple[object, ...] | None, item: str) -> tuple[object, ...] | None:
+    """A block's extra keys less its first `item` (None when nothing is left)."""
+    if key is None or item not in key:
+        return key
+    i = key.index(item)
+    rest = key[:i] + key[i + 1 :]
+    return rest or None
+
+
+def _salt(key: tuple[object, ...] | None) -> str:
+    """The cache salt among a first block's extra keys: its one plain string (multimodal ids
+    come as (id, offset) pairs, embedding digests as bytes)."""
+    strings = [k for k in key or () if isinstance(k, str)]
+    return strings[0] if len(strings) == 1 else ""
 
 
 def tier_of(medium: str) -> int:

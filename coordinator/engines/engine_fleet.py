@@ -116,9 +116,11 @@ class EngineFleet:
         *,
         block_size: int,
         model_fingerprint: str,
+        root: Callable[[str, str], BlockHash],
     ) -> None:
-        """`block_size`: the engines' KV block size, which is the coordinator's (the chains of
-        prompts and of announced blocks must agree)."""
+        """`block_size`: the engines' KV block size, which is the coordinator's; `root(lora,
+        salt)`: the coordinator's h_0 for them (the chains of prompts and of announced blocks
+        must agree)."""
         ids = [s.engine_id for s in specs]
         if len(set(ids)) != len(ids):
             raise ValueError(f"engine ids must be unique, got {ids}")
@@ -126,7 +128,7 @@ class EngineFleet:
         self.block_size = block_size
         self.registry = registry
         self.ns = f"{namespace_hash(model_fingerprint):016x}"
-        self._fingerprint = model_fingerprint
+        self._root = root
         self._engines: dict[str, _Engine] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -146,9 +148,6 @@ class EngineFleet:
             name=spec.engine_id,
         )
         return _Engine(spec, feed, subscriber)
-
-    def _root(self, lora_name: str) -> BlockHash:
-        return namespace_hash(self._fingerprint, lora_name, "")
 
     # ---- reads --------------------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NewType
 
+from kvmesh.coordinator.index.radix_tree import RadixTree
 from kvmesh.proto.block_hash import BlockHash
 from kvmesh.proto.events import TIER_DEVICE, AllCleared, BlockRemoved, BlockStored, EventBatch
 
@@ -55,6 +56,7 @@ class IndexMirror:
       * bit(w) is set in any_mask[h] iff h in worker_blocks[w]
       * bit(w) is set in device_mask[h] iff worker_blocks[w][h] == TIER_DEVICE
       * no hash maps to an empty mask; every worker with blocks has a cursor and a bit
+      * the radix tree links only indexed hashes (a hash leaves it when it leaves the index)
     """
 
     def __init__(self) -> None:
@@ -65,6 +67,8 @@ class IndexMirror:
         self._bit_of: dict[WorkerId, int] = {}
         self._worker_of_bit: dict[int, WorkerId] = {}
         self.num_events_applied = 0
+        self.tree = RadixTree()
+        """Parent and depth of the indexed blocks, from the stored events (`radix_tree.py`)."""
 
     @property
     def num_blocks(self) -> int:
@@ -78,6 +82,16 @@ class IndexMirror:
 
     def worker_hashes(self, worker: WorkerId) -> dict[BlockHash, int]:
         return dict(self._worker_blocks.get(worker, {}))
+
+    def holders(self, h: BlockHash) -> dict[WorkerId, int]:
+        """worker -> tier of every worker holding block `h`."""
+        mask, out = self._any_mask.get(h, 0), {}
+        while mask:
+            low = mask & -mask
+            worker = self._worker_of_bit[low]
+            out[worker] = self._worker_blocks[worker][h]
+            mask ^= low
+        return out
 
     def cursor(self, worker: WorkerId) -> tuple[int, int] | None:
         c = self._cursors.get(worker)
@@ -94,13 +108,18 @@ class IndexMirror:
             return ApplyResult.DUPLICATE
         if batch.seq > cursor.seq + 1:
             return ApplyResult.NEEDS_RESYNC
+        removed: list[BlockHash] = []
         for event in batch.events:
             if isinstance(event, BlockStored):
                 self._add(worker, event.hashes, event.tier)
+                self.tree.link(event.hashes, event.parent_hash, event.depth)
             elif isinstance(event, BlockRemoved):
-                self._remove(worker, event.hashes, event.tier)
+                removed += self._remove(worker, event.hashes, event.tier)
             elif isinstance(event, AllCleared):
-                self._remove(worker, list(self._worker_blocks.get(worker, {})), None)
+                removed += self._remove(worker, list(self._worker_blocks.get(worker, {})), None)
+        # At the batch's end, as Redis does: a block demoted to the host tier, or re-published
+        # after a clear, keeps its link.
+        self._unlink_unindexed(removed)
         cursor.seq = batch.seq
         self.num_events_applied += batch.num_block_events
         return ApplyResult.APPLIED
@@ -108,15 +127,28 @@ class IndexMirror:
     def load_worker(
         self, worker: WorkerId, generation: int, seq: int, blocks: Iterable[tuple[BlockHash, int]]
     ) -> None:
-        """Replace everything known about `worker` with a full snapshot (resync)."""
-        self.remove_worker(worker)
+        """Replace everything known about `worker` with a full snapshot (resync). The links of
+        blocks it still holds stay in the tree."""
+        before = self._drop_worker(worker)
         self._cursors[worker] = _WorkerCursor(generation, seq)
         self._worker_blocks[worker] = {}
         for h, tier in blocks:
             self._add(worker, (h,), tier)
+        self._unlink_unindexed(before)
 
     def remove_worker(self, worker: WorkerId) -> int:
         """Purge a worker (dead or restarting); returns how many of its blocks were dropped."""
+        owned = self._drop_worker(worker)
+        self._unlink_unindexed(owned)
+        return len(owned)
+
+    def _unlink_unindexed(self, hashes: Iterable[BlockHash]) -> None:
+        any_mask, tree = self._any_mask, self.tree
+        for h in hashes:
+            if h not in any_mask:
+                tree.unlink(h)
+
+    def _drop_worker(self, worker: WorkerId) -> dict[BlockHash, int]:
         owned = self._worker_blocks.pop(worker, {})
         bit = self._bit_of.pop(worker, 0)
         for h in owned:
@@ -124,7 +156,7 @@ class IndexMirror:
         if bit:
             del self._worker_of_bit[bit]
         self._cursors.pop(worker, None)
-        return len(owned)
+        return owned
 
     def match(self, hashes: Sequence[BlockHash]) -> dict[WorkerId, PrefixMatch]:
         """Per worker, how many leading blocks of `hashes` it holds (workers with none omitted)."""
@@ -185,10 +217,14 @@ class IndexMirror:
             else:
                 self._clear_device_bit(h, bit)
 
-    def _remove(self, worker: WorkerId, hashes: Iterable[BlockHash], tier: int | None) -> None:
+    def _remove(
+        self, worker: WorkerId, hashes: Iterable[BlockHash], tier: int | None
+    ) -> list[BlockHash]:
+        """Drop the worker's hold on `hashes`; returns those it held."""
         owned = self._worker_blocks.get(worker)
         if not owned:
-            return  # nothing indexed (a worker gets its bit with its first block)
+            return []  # nothing indexed (a worker gets its bit with its first block)
+        removed = []
         bit = self._bit_of[worker]
         for h in hashes:
             held = owned.get(h)
@@ -196,6 +232,8 @@ class IndexMirror:
                 continue  # a removal from another tier than the one indexed: keep ours
             del owned[h]
             self._clear_bit(h, bit)
+            removed.append(h)
+        return removed
 
     def _clear_bit(self, h: BlockHash, bit: int) -> None:
         left = self._any_mask.get(h, 0) & ~bit
@@ -227,3 +265,4 @@ class IndexMirror:
                     expected_dev[h] = expected_dev.get(h, 0) | bit
         assert expected_any == self._any_mask, "holder masks do not match the worker sets"
         assert expected_dev == self._device_mask, "device masks do not match the worker sets"
+        self.tree.check_invariants(self._any_mask.keys())

@@ -41,6 +41,44 @@ return {redis.call('HGETALL', KEYS[1]), table.concat(keys), tiers}
 """
 
 
+# Radix links of many blocks at once: ARGV ns, then the blocks' 16-hex-digit names concatenated;
+# returns the parents concatenated (16 zeros: no node) and the depths joined by commas.
+_NODE_LINKS = """
+local prefix = 'kvmesh:' .. ARGV[1] .. ':node:'
+local blob = ARGV[2]
+local parents, depths = {}, {}
+for k = 0, #blob / 16 - 1 do
+  local h = string.sub(blob, k * 16 + 1, k * 16 + 16)
+  local node = redis.call('HMGET', prefix .. h, 'p', 'd')
+  parents[#parents + 1] = node[1] or string.rep('0', 16)  -- NO_PARENT_HEX
+  depths[#depths + 1] = node[2] or '0'
+end
+return {table.concat(parents), table.concat(depths, ',')}
+"""
+_LINKS_PER_CALL = 20_000
+
+# KEYS[1] the epoch key; ARGV[1] an epoch. Raises the key to it if lower; returns the key's value.
+_RAISE_EPOCH = """
+local current = tonumber(redis.call('GET', KEYS[1]) or '0')
+local wanted = tonumber(ARGV[1])
+if current < wanted then
+  redis.call('SET', KEYS[1], wanted)
+  return wanted
+end
+return current
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeLink:
+    """One block's radix metadata in Redis."""
+
+    block_hash: BlockHash
+    parent_hash: BlockHash
+    """0: Redis has no node for the block."""
+    depth: int
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerSnapshot:
     worker_id: str
@@ -82,6 +120,8 @@ class IndexStore:
         )
         self._purge = self._client.register_script(schema.PURGE_WORKER)
         self._snapshot = self._client.register_script(_SNAPSHOT)
+        self._node_links = self._client.register_script(_NODE_LINKS)
+        self._raise_epoch = self._client.register_script(_RAISE_EPOCH)
         self.num_decode_errors = 0
 
     def ping(self) -> bool:
@@ -122,6 +162,42 @@ class IndexStore:
     def block_holders(self, ns: str, block_hash: BlockHash) -> dict[str, int]:
         raw = self._client.hgetall(schema.block_key(ns, schema.hash_hex(block_hash)))
         return {k.decode(): int(v) for k, v in raw.items()}
+
+    def node_links(self, ns: str, hashes: list[BlockHash]) -> list[NodeLink]:
+        """The radix metadata Redis keeps for `hashes` (a cold mirror's tree comes from here)."""
+        out: list[NodeLink] = []
+        for start in range(0, len(hashes), _LINKS_PER_CALL):
+            chunk = hashes[start : start + _LINKS_PER_CALL]
+            blob = np.asarray(chunk, dtype=">u8").tobytes().hex()
+            parents_hex, depths = self._node_links(args=[ns, blob])
+            parents = np.frombuffer(bytes.fromhex(parents_hex.decode()), dtype=">u8").tolist()
+            for h, parent, depth in zip(chunk, parents, depths.split(b","), strict=True):
+                out.append(NodeLink(h, BlockHash(parent), int(depth)))
+        return out
+
+    def node(self, ns: str, block_hash: BlockHash) -> dict[str, str]:
+        raw = self._client.hgetall(schema.node_key(ns, schema.hash_hex(block_hash)))
+        return {k.decode(): v.decode() for k, v in raw.items()}
+
+    def cache_epoch(self, ns: str) -> int:
+        """The fleet's cache epoch: the epoch key, or the highest epoch a worker reports if
+        that is higher (Redis restarted empty while the workers lived on)."""
+        pipe = self._client.pipeline(transaction=False)
+        pipe.get(schema.epoch_key(ns))
+        for w in self.worker_ids():
+            pipe.hget(schema.worker_key(w), "cache_epoch")
+        raw, *reported = pipe.execute()
+        return max([int(raw or 0), *(int(r) for r in reported if r is not None)])
+
+    def raise_cache_epoch(self, ns: str, epoch: int) -> int:
+        """Set the namespace's cache epoch to `epoch` unless it is higher already; returns it
+        (so a worker starting now hashes under what the fleet uses)."""
+        return int(self._raise_epoch(keys=[schema.epoch_key(ns)], args=[epoch]))
+
+    def bump_cache_epoch(self, ns: str, at_least: int) -> int:
+        """Move the namespace's cache epoch on (to `at_least` if that is higher); returns it."""
+        epoch = int(self._client.incr(schema.epoch_key(ns)))
+        return self.raise_cache_epoch(ns, at_least) if epoch < at_least else epoch
 
     def num_block_keys(self, ns: str) -> int:
         return sum(

@@ -26,8 +26,8 @@ NS = "engine-test"
 ENGINE = "e0"
 
 
-def _root(lora: str) -> BlockHash:
-    return namespace_hash("fp", lora, "")
+def _root(lora: str, salt: str = "") -> BlockHash:
+    return namespace_hash("fp", lora, salt)
 
 
 def wait_for(check: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:

@@ -10,14 +10,14 @@ from kvmesh.coordinator.engines.engine_events import (
     EngineBlockStored,
     EngineHash,
 )
-from kvmesh.proto.block_hash import BlockHash, block_hashes, namespace_hash
+from kvmesh.proto.block_hash import BlockHash, adapter_root, block_hashes, namespace_hash
 from kvmesh.proto.events import TIER_HOST, AllCleared, BlockRemoved, BlockStored
 
 BS = 4
 
 
-def _root(lora: str) -> BlockHash:
-    return namespace_hash("model-fp", lora, "")
+def _root(lora: str, salt: str = "") -> BlockHash:
+    return adapter_root(namespace_hash("model-fp", "", salt), lora)
 
 
 def _stored(
@@ -99,3 +99,17 @@ def test_cpu_medium_is_the_host_tier_and_clear_forgets_everything() -> None:
     assert [e.tier for e in t.held()] == [TIER_HOST]
     assert t.translate(EngineAllCleared()) == AllCleared()
     assert t.num_blocks == 0 and t.held() == []
+
+
+def test_vllms_lora_and_salt_extra_keys_move_into_the_root_as_the_coordinator_hashes_them() -> None:
+    t = ChainTranslator(BS, _root)
+    tokens = list(range(8))
+    # vLLM repeats the LoRA name in every block's extra keys and the salt in the first block's
+    extra = (("adapter", "tenant-1"), ("adapter",))
+    out = t.translate(_stored([1, 2], None, tokens, lora_name="adapter", extra_keys=extra))
+    assert isinstance(out, BlockStored)
+    assert list(out.hashes) == block_hashes(tokens, BS, _root("adapter", "tenant-1"))
+    # a multimodal (id, offset) pair stays in its block
+    image = t.translate(_stored([3], None, tokens[:4], extra_keys=((("img", 0),),)))
+    assert isinstance(image, BlockStored)
+    assert list(image.hashes) != block_hashes(tokens[:4], BS, _root(""))

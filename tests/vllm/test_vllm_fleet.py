@@ -23,7 +23,6 @@ from kvmesh.coordinator.config import CoordinatorConfig, HttpConfig
 from kvmesh.coordinator.engines.engine_fleet import EngineSpec
 from kvmesh.coordinator.index.mirror import WorkerId
 from kvmesh.coordinator.index.store import IndexStore
-from kvmesh.proto.block_hash import block_hashes, namespace_hash
 from tests.vllm.vllm_server import (
     CPU_BLOCK_SIZE,
     VllmServer,
@@ -90,8 +89,7 @@ def complete(kvmesh: Deployment, prompt: list[int], max_tokens: int = 2) -> dict
 
 def kvmesh_hashes(kvmesh: Deployment, prompt: list[int]) -> list[int]:
     assert kvmesh.coordinator is not None
-    root = namespace_hash(kvmesh.coordinator.fingerprint)
-    return [int(h) for h in block_hashes(prompt, BS, root)]
+    return [int(h) for h in kvmesh.coordinator.chain(prompt, "")]
 
 
 def indexed(kvmesh: Deployment, worker: str) -> set[int]:

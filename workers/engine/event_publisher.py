@@ -15,7 +15,7 @@ from typing import Any
 import redis
 
 from kvmesh.proto import redis_schema as schema
-from kvmesh.proto.events import AllCleared, BlockRemoved, BlockStored, EventBatch, encode_batch
+from kvmesh.proto.events import AllCleared, BlockStored, EventBatch, encode_batch
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +39,11 @@ def batch_to_argv(ns: str, batch: EventBatch, maxlen: int) -> list[str | bytes |
         if isinstance(e, AllCleared):
             argv.append("C")
             continue
-        kind = "S" if isinstance(e, BlockStored) else "R"
-        assert isinstance(e, BlockStored | BlockRemoved)
-        argv += [kind, str(e.tier), "".join([schema.hash_hex(h) for h in e.hashes])]
+        blob = "".join([schema.hash_hex(h) for h in e.hashes])
+        if isinstance(e, BlockStored):
+            argv += ["S", str(e.tier), blob, schema.hash_hex(e.parent_hash), e.depth]
+        else:
+            argv += ["R", str(e.tier), blob]
     return argv
 
 
@@ -88,6 +90,14 @@ class EventPublisher:
             self.lost_events = True  # purged, or Redis restarted empty: re-publish in full
         self.connected = True
         return True
+
+    def cache_epoch(self) -> int | None:
+        """The namespace's cache epoch in Redis (0 if never bumped), or None if unreachable."""
+        try:
+            raw = self._client.get(schema.epoch_key(self.ns))
+        except redis.RedisError:
+            return None
+        return int(raw) if raw is not None else 0
 
     def close(self) -> None:
         self._client.close()

@@ -26,12 +26,20 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvmesh.proto.block_hash import BlockHash, namespace_hash, num_reusable_blocks
+from kvmesh.proto.block_hash import (
+    BlockHash,
+    adapter_root,
+    cache_root,
+    namespace_hash,
+    num_reusable_blocks,
+)
 from kvmesh.proto.events import TIER_HOST, AllCleared, BlockStored, EventBatch, KVEvent
 from kvmesh.workers.contract.replies import (
+    CacheStats,
     PrefillFacts,
     RequestOutput,
     SequenceFailure,
+    WorkerCounters,
     WorkerInfo,
 )
 from kvmesh.workers.contract.requests import PullSpec, WorkerRequest
@@ -87,6 +95,8 @@ class Worker:
         logits_sink: Callable[[str, torch.Tensor], None] | None = None,
         host_pool: HostPool | None = None,
         sessions: WarmSessionConfig | None = None,
+        prefix_cache: bool = True,
+        cache_epoch: int = 0,
     ) -> None:
         self.worker_id = worker_id
         self.runner = runner
@@ -94,6 +104,11 @@ class Worker:
         # Redis key namespace: one per model, shared by all its tenants (salts live in the hashes).
         self.namespace = f"{namespace_hash(model_fingerprint):016x}"
         self.device = device
+        self.prefix_cache = prefix_cache
+        """False (`--no-prefix-cache`): every request runs as if it asked for `bypass_cache`."""
+        self.cache_epoch = cache_epoch
+        """Part of every root hash; `clear_cache` moves it on (see `cache_root`)."""
+        self.kv_dtype = str(runner.kv_cache.dtype).removeprefix("torch.")
         self.node = socket.gethostname()
         """Where the worker runs; the Ray shell names its Ray node, so two raylets on one
         host are two nodes (pulls between them are priced as between nodes)."""
@@ -118,7 +133,8 @@ class Worker:
         self._logits_sink = logits_sink
 
     def root_hash(self, cache_salt: str = "") -> BlockHash:
-        return namespace_hash(self.model_fingerprint, "", cache_salt)
+        namespace_root = namespace_hash(self.model_fingerprint, "", cache_salt)
+        return cache_root(namespace_root, self.kv_dtype, self.cache_epoch)
 
     @property
     def has_work(self) -> bool:
@@ -139,14 +155,18 @@ class Worker:
             req.request_id,
             list(req.prompt_ids),
             req.sampling,
-            self.root_hash(req.cache_salt),
+            adapter_root(self.root_hash(req.cache_salt), req.adapter),
             self.clock(),
             session_id=req.session_id,
+            adapter=req.adapter,
+            bypass_cache=req.bypass_cache or not self.prefix_cache,
+            cache_salt=req.cache_salt,
         )
         self.scheduler.check_fits(seq)
         self._seqs[req.request_id] = seq
         self.tally.num_requests += 1
-        pending = self._reserve_pull(seq, req.pull) if req.pull is not None else None
+        pull = req.pull if not seq.bypass_cache else None
+        pending = self._reserve_pull(seq, pull) if pull is not None else None
         if pending is None:
             self.scheduler.add(seq)
         else:
@@ -160,6 +180,11 @@ class Worker:
         problem = req.sampling.problem()  # checked at the door too; a worker trusts no caller
         if problem is not None:
             raise ValueError(problem)
+        if req.adapter and req.adapter not in self.runner.adapters:
+            raise ValueError(
+                f"this worker does not serve adapter {req.adapter!r};"
+                f" it serves {sorted(self.runner.adapters)}"
+            )
         vocab = self.runner.config.vocab_size
         if not req.prompt_ids:
             raise ValueError("the prompt is empty")
@@ -249,7 +274,7 @@ class Worker:
             return []
         started = time.perf_counter()
         chunks = [
-            SeqChunk(seq.all_ids[start:], start, seq.block_table)
+            SeqChunk(seq.all_ids[start:], start, seq.block_table, adapter=seq.adapter)
             for seq, start in zip(step.seqs, step.start_positions, strict=True)
         ]
         results = self._forward_and_sample(step, chunks)
@@ -318,7 +343,7 @@ class Worker:
             if seq.first_token_s is None:
                 seq.first_token_s = now
                 facts = self._prefill_facts(seq)
-                self.tally.on_prefilled(facts)
+                self.tally.on_prefilled(facts, looked_up=not seq.bypass_cache)
             self.tally.generated_tokens += 1
             if finished:
                 self._seqs.pop(seq.request_id, None)
@@ -332,7 +357,7 @@ class Worker:
     def _keep_session(self, seq: Sequence) -> None:
         """Keep a finished turn's chain warm: the leading run of its blocks still registered
         (prompt and answer, so the next turn, which quotes both, matches all of it)."""
-        if seq.session_id and seq.finish_reason != "abort":
+        if seq.session_id and seq.finish_reason != "abort" and not seq.bypass_cache:
             chain = self.pool.match_prefix(seq.full_block_hashes(self.block_size))
             self.sessions.keep(seq.session_id, chain)
 
@@ -381,8 +406,15 @@ class Worker:
 
     # ---- cache state and events -----------------------------------------------------------------
 
-    def clear_cache(self) -> int:
-        """Forget every cached block not in use; starts a new generation."""
+    def clear_cache(self, cache_epoch: int | None = None) -> int:
+        """Forget every cached block not in use and move to a new cache epoch (`cache_epoch`,
+        else the next one): blocks still held by running requests keep their old-epoch hashes,
+        which no request hashed from now on can match, and requests not admitted yet are
+        re-hashed under the new epoch (letting go of what they pinned). Starts a new
+        generation."""
+        self.cache_epoch = max(self.cache_epoch + 1, cache_epoch or 0)
+        for seq in [*self.scheduler.waiting, *(p.seq for p in self._pulls.values())]:
+            self._reroot(seq)
         dropped = self.pool.evict_all_free()
         self.pool.drain_evicted()
         self.pool.drain_events()
@@ -392,6 +424,15 @@ class Worker:
             self.host_pool.drain_events()
         self.events.new_generation()
         return dropped
+
+    def _reroot(self, seq: Sequence) -> None:
+        """Hash a request that has not started under the current epoch: what it pinned (old
+        epoch) is let go, and a pull in flight registers blocks its new chain cannot match."""
+        if seq.pinned_blocks:
+            self.scheduler.unpin(seq)
+            seq.num_pulled_tokens = seq.num_host_tokens = 0
+        seq.root_hash = adapter_root(self.root_hash(seq.cache_salt), seq.adapter)
+        seq.block_hashes = []
 
     def drain_event_batch(self) -> EventBatch | None:
         events = self.pool.drain_events()
@@ -408,7 +449,7 @@ class Worker:
         if self.host_pool is not None:
             self.host_pool.drain_events()
             events.append(BlockStored(tuple(self.host_pool.cached_hashes()), TIER_HOST))
-        events.append(BlockStored(tuple(self.pool.cached_hashes())))
+        events += self.pool.stored_events()
         self.events.new_generation()
         return self.events.next_batch(events)
 
@@ -417,6 +458,13 @@ class Worker:
         return self.events.generation
 
     def info(self) -> WorkerInfo:
+        counters = self.tally.snapshot(
+            self.scheduler.num_preemptions,
+            self.host_pool.num_cached if self.host_pool else 0,
+            self.sessions.stats(),
+            self.pool.num_evicted,
+            self.host_pool.num_evicted if self.host_pool else 0,
+        )
         return WorkerInfo(
             worker_id=self.worker_id,
             pid=os.getpid(),
@@ -430,13 +478,30 @@ class Worker:
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting) + len(self._pulls),
             num_queued_prefill_tokens=self._num_queued_prefill_tokens,
+            adapters=tuple(sorted(self.runner.adapters)),
             generation=self.generation,
-            counters=self.tally.snapshot(
-                self.scheduler.num_preemptions,
-                self.host_pool.num_cached if self.host_pool else 0,
-                self.sessions.stats(),
-                self.pool.num_evicted,
-            ),
+            counters=counters,
+            cache=self._cache_stats(counters),
+        )
+
+    def _cache_stats(self, c: WorkerCounters) -> CacheStats:
+        return CacheStats(
+            enabled=self.prefix_cache,
+            block_size=self.block_size,
+            kv_dtype=self.kv_dtype,
+            cache_epoch=self.cache_epoch,
+            num_lookup_hits=c.num_lookup_hits,
+            num_lookup_misses=c.num_lookup_misses,
+            local_hit_tokens=c.cached_tokens,
+            host_hit_tokens=self.tally.prompt_host_tokens,
+            pulled_hit_tokens=c.pulled_tokens,
+            saved_prefill_tokens=c.cached_tokens + self.tally.prompt_host_tokens + c.pulled_tokens,
+            num_device_evictions=c.num_evicted_blocks,
+            num_host_evictions=c.num_host_evicted_blocks,
+            num_preemptions=c.num_preemptions,
+            num_device_entries=self.pool.num_cached,
+            num_host_entries=c.num_host_blocks,
+            num_bytes=(self.pool.num_cached + c.num_host_blocks) * self.block_num_bytes,
         )
 
     def _note_queue(self) -> None:
