@@ -201,12 +201,13 @@ def run_workers(args: argparse.Namespace) -> int:
 def render_workers(workers: list[WorkerInfo]) -> str:
     if not workers:
         return "no workers"
-    headers = ["worker", "alive", "device", "node", "pid", "blocks", "free", "indexed"]
+    headers = ["worker", "kind", "alive", "device", "node", "pid", "blocks", "free", "indexed"]
     headers += ["running", "waiting", "requests", "cached_tok", "computed_tok", "gen"]
     headers += ["hits", "misses", "saved_tok", "entries", "evicted", "kv_dtype", "epoch"]
     rows = [
         [
             w.worker_id,
+            w.kind or "kvmesh",  # a coordinator from before kinds sends none
             w.alive,
             w.device,
             w.node,

@@ -179,10 +179,28 @@ def _add_worker_options(
     """`default_workers` None lets the launcher size the fleet (one worker per GPU)."""
     parser.add_argument(
         "--workers",
-        type=_positive_int,
+        type=_non_negative_int,
         default=default_workers,
         metavar="N",
-        help="worker actors to start" + ("" if default_workers else " (default: one per GPU)"),
+        help="worker actors to start"
+        + ("" if default_workers else " (default: one per GPU)")
+        + "; 0 with --engine routes external engines only",
+    )
+    parser.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        metavar="ID,BASE_URL,EVENTS_ENDPOINT[,REPLAY_ENDPOINT[,KIND]]",
+        help="an external engine (vLLM, or SGLang with KIND sglang) to route to, fed by its KV"
+        " events; repeatable",
+    )
+    parser.add_argument(
+        "--engine-block-size",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="the engines' KV block size, also used as --block-size (default 16; vLLM's CPU"
+        " backend uses 128)",
     )
     parser.add_argument(
         "--num-blocks",

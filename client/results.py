@@ -220,6 +220,8 @@ class WorkerInfo:
     """This worker's prefix-cache figures."""
     adapters: tuple[str, ...] = ()
     """LoRA adapters the worker serves besides the base model."""
+    kind: str = "kvmesh"
+    """`kvmesh` for a kvmesh worker; an external engine's kind (`vllm`, `sglang`)."""
 
 
 @dataclass(frozen=True, slots=True)

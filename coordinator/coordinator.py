@@ -246,11 +246,16 @@ class Coordinator:
     ) -> list[BlockHash]:
         """The prompt's block hashes under the current cache epoch and KV dtype (the worker
         roots its sequences the same way: `Worker.root_hash`, then the adapter)."""
+        return block_hashes(
+            token_ids, self.config.block_size, self.root_hash(cache_salt, adapter), extra_keys
+        )
+
+    def root_hash(self, cache_salt: str = "", adapter: str = "") -> BlockHash:
+        """h_0 of a prompt's chain: namespace, KV dtype, cache epoch, then the adapter (also the
+        root of an external engine's announced blocks, `engines/chain_translator.py`)."""
         namespace_root = namespace_hash(self.fingerprint, "", cache_salt)
         root = cache_root(namespace_root, self.kv_dtype, self.cache_epoch())
-        return block_hashes(
-            token_ids, self.config.block_size, adapter_root(root, adapter), extra_keys
-        )
+        return adapter_root(root, adapter)
 
     def check_sampling(self, prompt: PreparedPrompt, sampling: SamplingConfig) -> None:
         vocab = self.model.vocab_size

@@ -301,7 +301,7 @@ class StatsResponse(_message.Message):
     def __init__(self, num_workers: _Optional[int] = ..., num_live_workers: _Optional[int] = ..., num_indexed_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_failed_requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., hit_rate: _Optional[float] = ..., policy: _Optional[str] = ..., redis_connected: _Optional[bool] = ..., num_events_applied: _Optional[int] = ..., num_resyncs: _Optional[int] = ..., block_size: _Optional[int] = ..., model: _Optional[str] = ..., pulled_tokens: _Optional[int] = ..., num_pulls: _Optional[int] = ..., num_failed_pulls: _Optional[int] = ..., num_migrations: _Optional[int] = ..., routing: _Optional[str] = ..., num_decode_errors: _Optional[int] = ..., num_drained_workers: _Optional[int] = ..., num_rejected_requests: _Optional[int] = ..., num_cancelled_requests: _Optional[int] = ..., num_slow_streams_cancelled: _Optional[int] = ..., num_warm_sessions: _Optional[int] = ..., warm_session_bytes: _Optional[int] = ..., num_sessions_evicted_ttl: _Optional[int] = ..., num_sessions_evicted_budget: _Optional[int] = ..., num_sessions_evicted_pressure: _Optional[int] = ..., num_session_turns_refused: _Optional[int] = ..., cache: _Optional[_Union[CacheStats, _Mapping]] = ..., num_tree_nodes: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "pid", "node", "device", "num_blocks", "num_free_blocks", "alive", "cached_tokens", "computed_tokens", "num_requests", "num_running", "num_waiting", "generation", "num_indexed_blocks", "drained", "num_warm_sessions", "warm_session_bytes", "cache", "adapters")
+    __slots__ = ("worker_id", "pid", "node", "device", "num_blocks", "num_free_blocks", "alive", "cached_tokens", "computed_tokens", "num_requests", "num_running", "num_waiting", "generation", "num_indexed_blocks", "drained", "num_warm_sessions", "warm_session_bytes", "cache", "adapters", "kind")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
@@ -321,6 +321,7 @@ class WorkerInfo(_message.Message):
     WARM_SESSION_BYTES_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     pid: int
     node: str
@@ -340,7 +341,8 @@ class WorkerInfo(_message.Message):
     warm_session_bytes: int
     cache: CacheStats
     adapters: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, worker_id: _Optional[str] = ..., pid: _Optional[int] = ..., node: _Optional[str] = ..., device: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., alive: _Optional[bool] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., generation: _Optional[int] = ..., num_indexed_blocks: _Optional[int] = ..., drained: _Optional[bool] = ..., num_warm_sessions: _Optional[int] = ..., warm_session_bytes: _Optional[int] = ..., cache: _Optional[_Union[CacheStats, _Mapping]] = ..., adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+    kind: str
+    def __init__(self, worker_id: _Optional[str] = ..., pid: _Optional[int] = ..., node: _Optional[str] = ..., device: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., alive: _Optional[bool] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., generation: _Optional[int] = ..., num_indexed_blocks: _Optional[int] = ..., drained: _Optional[bool] = ..., num_warm_sessions: _Optional[int] = ..., warm_session_bytes: _Optional[int] = ..., cache: _Optional[_Union[CacheStats, _Mapping]] = ..., adapters: _Optional[_Iterable[str]] = ..., kind: _Optional[str] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ()

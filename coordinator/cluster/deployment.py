@@ -25,7 +25,9 @@ from kvmesh.coordinator.cluster.redis_server import (
 )
 from kvmesh.coordinator.cluster.registry import WorkerRegistry
 from kvmesh.coordinator.config import CoordinatorConfig, HttpConfig
-from kvmesh.coordinator.coordinator import Coordinator
+from kvmesh.coordinator.coordinator import Coordinator, WorkerBackend
+from kvmesh.coordinator.engines.engine_backend import EngineBackend
+from kvmesh.coordinator.engines.engine_fleet import EngineFleet, EngineFleetConfig, EngineSpec
 from kvmesh.coordinator.index.follower import IndexFollower
 from kvmesh.coordinator.index.locked_mirror import LockedMirror
 from kvmesh.coordinator.index.store import IndexStore
@@ -43,7 +45,7 @@ from kvmesh.coordinator.telemetry.collector import MetricsCollector
 from kvmesh.coordinator.telemetry.exporter import MetricsExporter
 from kvmesh.coordinator.telemetry.request_log import RequestLog
 from kvmesh.coordinator.telemetry.request_metrics import RequestMetrics
-from kvmesh.proto.block_hash import namespace_hash
+from kvmesh.proto.block_hash import BlockHash, namespace_hash
 from kvmesh.workers.config import WorkerConfig
 from kvmesh.workers.contract.replies import RequestRejected
 from kvmesh.workers.model.model_config import load_model_config
@@ -79,6 +81,11 @@ class DeploymentConfig:
     """The OpenAI-compatible HTTP API; None serves gRPC only."""
     metrics_port: int | None = None
     """Prometheus endpoint (`GET /metrics`) on the gRPC host: None serves none, 0 a free port."""
+    engines: tuple[EngineSpec, ...] = ()
+    """External engines (a vLLM fleet) routed to alongside the workers, fed by their KV events;
+    their block size is `coordinator.block_size`. With engines, `num_workers=0` starts no worker."""
+    engine_health: EngineFleetConfig = field(default_factory=EngineFleetConfig)
+    """How the engines are health-checked (interval, misses before down, heartbeat TTL)."""
 
     def __post_init__(self) -> None:
         if self.num_workers < 0:
@@ -107,6 +114,16 @@ class Deployment:
         self.port = 0
         self.http_server: HttpServer | None = None
         self._started_ray = False
+        self.engines: EngineFleet | None = None
+
+    def _engine_root(self, lora_name: str, cache_salt: str) -> BlockHash:
+        """The coordinator's h_0 for an engine's blocks (its events arrive once it exists)."""
+        assert self.coordinator is not None
+        return self.coordinator.root_hash(cache_salt, lora_name)
+
+    def engine_ids(self) -> list[str]:
+        """The external engines' ids (empty without engines)."""
+        return sorted(self.engines.endpoints()) if self.engines is not None else []
 
     @property
     def http_url(self) -> str:
@@ -173,6 +190,18 @@ class Deployment:
             cc.block_size,
             nccl_members=cluster.nccl_members,
         )
+        backend: WorkerBackend = cluster
+        if cfg.engines:
+            self.engines = EngineFleet(
+                cfg.engines,
+                cfg.engine_health,
+                registry,
+                redis_url,
+                block_size=cc.block_size,
+                model_fingerprint=model.fingerprint(),
+                root=self._engine_root,
+            )
+            backend = EngineBackend(self.engines.endpoints(), cluster, self.engines.mark_down)
         mirror = LockedMirror()
         self.follower = follower = IndexFollower(
             store, mirror, ns=ns, on_lapsed=registry.report_lapsed
@@ -180,7 +209,7 @@ class Deployment:
         self.coordinator = coordinator = Coordinator(
             cc,
             model,
-            cluster,
+            backend,
             mirror,
             registry,
             tokenizer=load_tokenizer(cc.model),
@@ -203,6 +232,8 @@ class Deployment:
             self._adopt_nccl(transfers)
         self.cluster.set_on_info(coordinator.observe_worker)
         self.follower.start()
+        if self.engines is not None:
+            self.engines.start()
         self.cluster.start_monitor(cc.health_interval_s, cc.stall_timeout_s)
         fleet.start_watching(cfg.fleet_poll_s)
         prompt_limit = min(cc.max_prompt_tokens or model.max_position_embeddings,
@@ -215,9 +246,15 @@ class Deployment:
             mirror,
             fleet,
             bump_cache_epoch=follower.bump_cache_epoch,
+            external_pools=self.engines.announced if self.engines is not None else dict,
         )
         servicer = KVMeshServicer(
-            self.coordinator, self.cluster, self.follower, admin=admin, gate=gate
+            self.coordinator,
+            self.cluster,
+            self.follower,
+            admin=admin,
+            gate=gate,
+            worker_kind=self.engines.kind if self.engines is not None else None,
         )
         self.server, self.port, health = build_server(
             servicer,
@@ -251,6 +288,8 @@ class Deployment:
         if cfg.attach:
             fleet.attach()
             return
+        if cfg.engines and cfg.num_workers == 0:
+            return  # external engines only
         num_gpus = int(ray.cluster_resources().get("GPU", 0))
         num_workers = cfg.num_workers or max(num_gpus, 2 if not num_gpus else num_gpus)
         gpus_per_worker = cfg.gpus_per_worker
@@ -335,6 +374,9 @@ class Deployment:
         if self.gate is not None:
             self.gate.close()
             self.gate = None
+        if self.engines is not None:
+            self.engines.stop()
+            self.engines = None
         if self.follower is not None:
             self.follower.stop()
             self.follower = None

@@ -73,8 +73,11 @@ class Admin:
         mirror: LockedMirror,
         control: FleetControl | None = None,
         *,
+        external_pools: Callable[[], dict[str, list[int]]] = dict,
         bump_cache_epoch: Callable[[], int] | None = None,
     ) -> None:
+        self.external_pools = external_pools
+        """Block hashes each external engine announced (its "pool", as kvmesh knows it)."""
         self.cluster = fleet
         self.coordinator = coordinator
         self.mirror = mirror
@@ -115,6 +118,7 @@ class Admin:
         """Mirror and pool of every worker, read one right after the other (under traffic the
         two can differ for a few milliseconds: compare twice before calling it a fault)."""
         pools = self.cluster.call_all("cached_hashes")
+        pools.update(self.external_pools())
         mirror = self.mirror
         owned = set(self.registry.known())
         known = owned | set(mirror.workers())

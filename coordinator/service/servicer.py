@@ -83,7 +83,10 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
         *,
         admin: Admin | None = None,
         gate: GateInterceptor | None = None,
+        worker_kind: Callable[[str], str] | None = None,
     ) -> None:
+        self.worker_kind = worker_kind or (lambda _w: "kvmesh")
+        """`kvmesh` for kvmesh's own workers, an external engine's kind (`vllm`, ...)."""
         self.coordinator = coordinator
         self.cluster = cluster
         self.follower = follower
@@ -344,6 +347,7 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
                     alive=registry.is_alive(w),
                     num_indexed_blocks=self.coordinator.indexed_blocks_of(w),
                     drained=registry.is_drained(w),
+                    kind=self.worker_kind(w),
                     **report,
                 )
             )
