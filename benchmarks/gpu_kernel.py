@@ -142,3 +142,64 @@ def decode_kernel_report(num_sms: int, sweep: bool = True) -> dict[str, Any]:
     default = goal[0]
     best = max(goal, key=lambda r: r["gbps"])
     return {"goal_shape_default": default, "goal_shape_best": best, "sweep": goal, "others": others}
+
+
+def cached_prefill_attention_report(
+    num_sms: int, prefix_len: int = 7680, query_len: int = 512
+) -> dict[str, Any]:
+    """Attention of `query_len` new tokens behind a `prefix_len` cached prefix (Llama-3-8B heads,
+    bf16, 16-token pages): the paged Triton kernel and the prefix / causal-square split (the
+    split's time includes gathering the prefix's pages), in TFLOP/s of the attention's FLOPs."""
+    from kvmesh.workers.model.paged_attention import PREFILL_TILE
+    from kvmesh.workers.model.split_attention import cudnn_attention_usable, split_prefix_attention
+
+    page, kv_heads, group, dim = 16, 8, 4, 128
+    total = prefix_len + query_len
+    num_blocks = -(-total // page)
+    shape = (num_blocks, page, kv_heads, dim)
+    k = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(query_len, kv_heads * group, dim, device="cuda", dtype=torch.bfloat16)
+    order = random.Random(0).sample(range(num_blocks), num_blocks)
+    table = torch.tensor(order, device="cuda")
+    layout = build_paged_layout(
+        [PagedChunk(total, query_len, 0, order)],
+        block_size=page,
+        num_queries_per_kv=group,
+        tile=PREFILL_TILE,
+        device=torch.device("cuda"),
+    )
+    out = torch.empty_like(q)
+    paged_ms = median_ms(lambda: launch_paged_attention(q, k, v, out, layout, num_sms=num_sms))
+    num_prefix_blocks = -(-prefix_len // page)
+
+    split_out = torch.empty_like(q)
+
+    def split() -> torch.Tensor:
+        keys = k.index_select(0, table).flatten(0, 1)
+        values = v.index_select(0, table).flatten(0, 1)
+        prefix, new = slice(0, prefix_len), slice(prefix_len, total)
+        split_prefix_attention(q, keys[prefix], values[prefix], keys[new], values[new], split_out)
+        return split_out
+
+    def split_prefix_pages_only() -> tuple[torch.Tensor, torch.Tensor]:  # what the runner gathers
+        ids = table[:num_prefix_blocks]
+        return k.index_select(0, ids), v.index_select(0, ids)
+
+    split_ms = median_ms(split)
+    gather_ms = median_ms(split_prefix_pages_only)
+    ref = torch.full_like(q, float("nan"))
+    paged_attention_reference(q, k, v, ref, layout)
+    err = (split().double() - ref.double()).norm() / ref.double().norm()
+    flops = 4 * kv_heads * group * dim * sum(range(prefix_len + 1, total + 1))
+    return {
+        "prefix_len": prefix_len,
+        "query_len": query_len,
+        "cudnn": cudnn_attention_usable(q.device),
+        "paged_triton_ms": paged_ms,
+        "paged_triton_tflops": flops / paged_ms / 1e9,
+        "split_ms": split_ms,
+        "split_tflops": flops / split_ms / 1e9,
+        "split_gather_ms": gather_ms,
+        "split_rel_err_vs_reference": err.item(),
+    }

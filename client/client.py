@@ -29,6 +29,7 @@ from kvmesh.client.errors import DeadlineExceeded, from_rpc_error
 from kvmesh.client.results import (
     GenerateResult,
     IndexReport,
+    IndexTree,
     LookupResult,
     RouteResult,
     ScaleResult,
@@ -39,6 +40,7 @@ from kvmesh.client.results import (
 from kvmesh.client.stream_accumulator import StreamAccumulator
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
+from kvmesh.proto.block_hash import MediaItem
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 
@@ -90,6 +92,8 @@ class Client:
         self.ring = AddressRing([address] if isinstance(address, str) else list(address))
         self.timeout_s = timeout_s
         self._metadata = _auth_metadata(token)
+        self.last_cache_epoch = 0
+        """The cache epoch the last `clear_cache` moved the fleet to."""
         self._channels = []
         for a in self.ring.addresses:
             options = _channel_options(a, timeout_s, max_message_bytes)
@@ -150,6 +154,9 @@ class Client:
         cache_salt: str = "",
         worker_id: str = "",
         request_id: str = "",
+        bypass_cache: bool = False,
+        adapter: str = "",
+        media: Sequence[MediaItem] = (),
     ) -> GenerateResult:
         """Generate from a prompt (token ids or text, exactly one) and wait for the whole stream.
 
@@ -157,6 +164,7 @@ class Client:
         disable those filters; `seed` makes sampling reproducible. `worker_id` forces placement
         (empty: let the router choose). `turn_mode` ("concurrent", "refuse", "queue"): with a
         `session_id`, refuse (`SessionBusy`) or wait while another turn of it is in flight.
+        `bypass_cache` reuses no cached KV and leaves none behind (routed by load only).
         """
         request = wire.build_generate_request(**_generate_kwargs(locals()))
         start_s = time.perf_counter()
@@ -183,6 +191,9 @@ class Client:
         cache_salt: str = "",
         worker_id: str = "",
         request_id: str = "",
+        bypass_cache: bool = False,
+        adapter: str = "",
+        media: Sequence[MediaItem] = (),
     ) -> Iterator[StreamChunk]:
         """Like `generate`, but yield each chunk as it arrives. Arguments are checked at once;
         abandoning the iterator (break, close()) cancels the request on the server."""
@@ -196,10 +207,19 @@ class Client:
         prompt: str | None = None,
         session_id: str = "",
         cache_salt: str = "",
+        bypass_cache: bool = False,
+        adapter: str = "",
+        media: Sequence[MediaItem] = (),
     ) -> RouteResult:
         """The worker the router would choose for this prompt, without running it."""
         request = wire.build_route_request(
-            token_ids, prompt=prompt, session_id=session_id, cache_salt=cache_salt
+            token_ids,
+            prompt=prompt,
+            session_id=session_id,
+            cache_salt=cache_salt,
+            bypass_cache=bypass_cache,
+            adapter=adapter,
+            media=media,
         )
         return wire.route_from_proto(self._unary("Route", request))
 
@@ -209,9 +229,13 @@ class Client:
         *,
         prompt: str | None = None,
         cache_salt: str = "",
+        adapter: str = "",
+        media: Sequence[MediaItem] = (),
     ) -> LookupResult:
         """The prompt's block hashes and how many leading blocks each worker holds."""
-        request = wire.build_lookup_request(token_ids, prompt=prompt, cache_salt=cache_salt)
+        request = wire.build_lookup_request(
+            token_ids, prompt=prompt, cache_salt=cache_salt, adapter=adapter, media=media
+        )
         return wire.lookup_from_proto(self._unary("Lookup", request))
 
     def stats(self) -> Stats:
@@ -235,9 +259,17 @@ class Client:
         return wire.scale_from_proto(self._unary("Scale", request))
 
     def clear_cache(self) -> dict[str, int]:
-        """Every worker drops its cached (unreferenced) blocks; returns blocks freed per worker."""
+        """Reset the cache: every worker drops its cached (unreferenced) blocks and the fleet
+        moves to a new cache epoch (then in `last_cache_epoch`), so nothing computed before can
+        be matched; returns blocks freed per worker."""
         response = self._unary("ClearCache", pb.ClearCacheRequest())
+        self.last_cache_epoch = response.cache_epoch
         return {w.worker_id: w.num_freed_blocks for w in response.workers}
+
+    def index_tree(self, *, max_nodes: int = 0, hottest: bool = False) -> IndexTree:
+        """The coordinator's prefix tree (`kvmesh index tree`), or its most hit nodes."""
+        request = pb.IndexTreeRequest(max_nodes=max_nodes, hottest=hottest)
+        return wire.index_tree_from_proto(self._unary("IndexTree", request))
 
     def index_views(self) -> IndexReport:
         """Per worker, the coordinator's index mirror and the worker's pool (`kvmesh index
@@ -298,6 +330,8 @@ class AsyncClient:
         self.address = address
         self.timeout_s = timeout_s
         self._metadata = _auth_metadata(token)
+        self.last_cache_epoch = 0
+        """The cache epoch the last `clear_cache` moved the fleet to."""
         if credentials is None:
             self._channel = grpc.aio.insecure_channel(address, options=options)
         else:
@@ -340,6 +374,9 @@ class AsyncClient:
         cache_salt: str = "",
         worker_id: str = "",
         request_id: str = "",
+        bypass_cache: bool = False,
+        adapter: str = "",
+        media: Sequence[MediaItem] = (),
     ) -> GenerateResult:
         """See `Client.generate`."""
         request = wire.build_generate_request(**_generate_kwargs(locals()))
@@ -367,6 +404,9 @@ class AsyncClient:
         cache_salt: str = "",
         worker_id: str = "",
         request_id: str = "",
+        bypass_cache: bool = False,
+        adapter: str = "",
+        media: Sequence[MediaItem] = (),
     ) -> AsyncIterator[StreamChunk]:
         """See `Client.stream`; use with `async for`. Arguments are checked at once."""
         request = wire.build_generate_request(**_generate_kwargs(locals()))
@@ -379,9 +419,18 @@ class AsyncClient:
         prompt: str | None = None,
         session_id: str = "",
         cache_salt: str = "",
+        bypass_cache: bool = False,
+        adapter: str = "",
+        media: Sequence[MediaItem] = (),
     ) -> RouteResult:
         request = wire.build_route_request(
-            token_ids, prompt=prompt, session_id=session_id, cache_salt=cache_salt
+            token_ids,
+            prompt=prompt,
+            session_id=session_id,
+            cache_salt=cache_salt,
+            bypass_cache=bypass_cache,
+            adapter=adapter,
+            media=media,
         )
         return wire.route_from_proto(await self._unary(self._stub.Route, request))
 
@@ -391,8 +440,12 @@ class AsyncClient:
         *,
         prompt: str | None = None,
         cache_salt: str = "",
+        adapter: str = "",
+        media: Sequence[MediaItem] = (),
     ) -> LookupResult:
-        request = wire.build_lookup_request(token_ids, prompt=prompt, cache_salt=cache_salt)
+        request = wire.build_lookup_request(
+            token_ids, prompt=prompt, cache_salt=cache_salt, adapter=adapter, media=media
+        )
         return wire.lookup_from_proto(await self._unary(self._stub.Lookup, request))
 
     async def stats(self) -> Stats:
@@ -412,7 +465,12 @@ class AsyncClient:
 
     async def clear_cache(self) -> dict[str, int]:
         response = await self._unary(self._stub.ClearCache, pb.ClearCacheRequest())
+        self.last_cache_epoch = response.cache_epoch
         return {w.worker_id: w.num_freed_blocks for w in response.workers}
+
+    async def index_tree(self, *, max_nodes: int = 0, hottest: bool = False) -> IndexTree:
+        request = pb.IndexTreeRequest(max_nodes=max_nodes, hottest=hottest)
+        return wire.index_tree_from_proto(await self._unary(self._stub.IndexTree, request))
 
     async def index_views(self) -> IndexReport:
         response = await self._unary(self._stub.VerifyIndex, pb.VerifyIndexRequest())

@@ -41,10 +41,12 @@ def parse_token_ids(text: str, flag: str = "--tokens") -> list[int]:
 
 
 def _prompt_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """`token_ids` or `prompt` for a client call, from the --tokens / --prompt pair."""
+    """`token_ids` or `prompt` for a client call, from the --tokens / --prompt pair, with the
+    --adapter and --media options."""
+    extra = {"adapter": args.adapter, "media": tuple(args.media or ())}
     if args.tokens is not None:
-        return {"token_ids": parse_token_ids(args.tokens)}
-    return {"prompt": args.prompt}
+        return {"token_ids": parse_token_ids(args.tokens), **extra}
+    return {"prompt": args.prompt, **extra}
 
 
 def _client(args: argparse.Namespace) -> Client:
@@ -80,6 +82,7 @@ def run_generate(args: argparse.Namespace) -> int:
             session_id=args.session,
             cache_salt=args.cache_salt,
             worker_id=args.worker,
+            bypass_cache=args.bypass_cache,
         )
     if args.json:
         _print_json(asdict(result))
@@ -110,7 +113,10 @@ def render_generation(result: GenerateResult) -> str:
 def run_route(args: argparse.Namespace) -> int:
     with _client(args) as client:
         result = client.route(
-            **_prompt_kwargs(args), session_id=args.session, cache_salt=args.cache_salt
+            **_prompt_kwargs(args),
+            session_id=args.session,
+            cache_salt=args.cache_salt,
+            bypass_cache=args.bypass_cache,
         )
     if args.json:
         _print_json(asdict(result))
@@ -164,7 +170,10 @@ def run_stats(args: argparse.Namespace) -> int:
 
 
 def render_stats(stats: Stats) -> str:
-    return format_fields(list(asdict(stats).items()))
+    """One line per figure; the cache's as `cache.<name>`."""
+    items = [(k, v) for k, v in asdict(stats).items() if k != "cache"]
+    items += [(f"cache.{k}", v) for k, v in asdict(stats.cache).items()]
+    return format_fields(items)
 
 
 def run_scale(args: argparse.Namespace) -> int:
@@ -192,11 +201,13 @@ def run_workers(args: argparse.Namespace) -> int:
 def render_workers(workers: list[WorkerInfo]) -> str:
     if not workers:
         return "no workers"
-    headers = ["worker", "alive", "device", "node", "pid", "blocks", "free", "indexed"]
+    headers = ["worker", "kind", "alive", "device", "node", "pid", "blocks", "free", "indexed"]
     headers += ["running", "waiting", "requests", "cached_tok", "computed_tok", "gen"]
+    headers += ["hits", "misses", "saved_tok", "entries", "evicted", "kv_dtype", "epoch"]
     rows = [
         [
             w.worker_id,
+            w.kind or "kvmesh",  # a coordinator from before kinds sends none
             w.alive,
             w.device,
             w.node,
@@ -210,6 +221,13 @@ def render_workers(workers: list[WorkerInfo]) -> str:
             w.cached_tokens,
             w.computed_tokens,
             w.generation,
+            w.cache.num_lookup_hits,
+            w.cache.num_lookup_misses,
+            w.cache.saved_prefill_tokens,
+            w.cache.num_entries,
+            w.cache.num_device_evictions + w.cache.num_host_evictions,
+            w.cache.kv_dtype if w.cache.enabled else f"{w.cache.kv_dtype} (off)",
+            w.cache.cache_epoch,
         ]
         for w in workers
     ]

@@ -10,6 +10,9 @@ available for that worker:
 The pool is the reference when a queried coordinator runs the worker; otherwise Redis is. Under
 traffic the views legitimately differ for a few milliseconds (a step's events are in flight), so
 the comparison is repeated until it agrees or `--wait` runs out; only then is a difference real.
+Each mirror's radix tree is checked too, and with `--redis-url` the radix metadata in Redis (the
+tree a cold coordinator starts from): every block deeper than 1 must hang off a block some worker
+holds (else no prompt can reach it: an orphan), one level below it.
 Exit code 0: consistent; 1: differences (or a call failed).
 
 Reading Redis needs the coordinator's index store, imported only when `--redis-url` is given (the
@@ -57,10 +60,12 @@ class VerifyReport:
     """worker -> view -> number of blocks."""
     differences: list[Difference]
     notes: list[str]
+    link_problems: list[str] = field(default_factory=list)
+    """Broken parent links in a coordinator's radix tree (orphans, depths off by more than 1)."""
 
     @property
     def consistent(self) -> bool:
-        return not self.differences
+        return not self.differences and not self.link_problems
 
 
 def compare(
@@ -98,7 +103,26 @@ def compare(
         for address, r in reports.items()
         if not r.redis_connected
     ]
-    return VerifyReport(counts, differences, notes)
+    return VerifyReport(counts, differences, notes, _link_problems(reports))
+
+
+def _link_problems(reports: Mapping[str, IndexReport]) -> list[str]:
+    problems = []
+    for address, r in reports.items():
+        links = r.links
+        if links.num_orphans:
+            shown = [f"{h:016x}" for h in links.orphan_hashes[:_SHOWN_HASHES]]
+            problems.append(
+                f"mirror@{address}: {links.num_orphans} block(s) whose parent no worker holds"
+                f" {shown}"
+            )
+        if links.num_bad_depths:
+            shown = [f"{h:016x}" for h in links.bad_depth_hashes[:_SHOWN_HASHES]]
+            problems.append(
+                f"mirror@{address}: {links.num_bad_depths} block(s) not one level below their"
+                f" parent {shown}"
+            )
+    return problems
 
 
 def _difference(
@@ -118,40 +142,63 @@ def _difference(
     )
 
 
-def read_redis_sets(redis_url: str) -> dict[str, set[int]]:
-    """Every registered worker's block set in Redis."""
-    from kvmesh.coordinator.index.store import IndexStore  # server-side: only with --redis-url
+def read_redis_sets(redis_url: str) -> tuple[dict[str, set[int]], list[str]]:
+    """Every registered worker's block set in Redis, and what is wrong with the radix links
+    Redis keeps for those blocks."""
+    # Server-side modules: only with --redis-url.
+    from kvmesh.coordinator.index.radix_tree import RadixTree
+    from kvmesh.coordinator.index.store import IndexStore
 
     try:
         store = IndexStore(redis_url)
         try:
-            snapshots = [store.snapshot(w) for w in store.worker_ids()]
+            snapshots = [s for w in store.worker_ids() if (s := store.snapshot(w)) is not None]
+            ns = snapshots[0].info.get("ns", "") if snapshots else ""
+            held = sorted({h for s in snapshots for h, _tier in s.blocks})
+            links = store.node_links(ns, held) if held else []
         finally:
             store.close()
     except Exception as exc:  # redis-py's errors; the URL (it may hold a password) is not shown
         raise KVMeshError("UNAVAILABLE", f"cannot read the index from Redis: {exc}") from None
-    return {s.worker_id: {int(h) for h, _tier in s.blocks} for s in snapshots if s is not None}
+    tree = RadixTree()
+    for link in links:
+        tree.link((link.block_hash,), link.parent_hash, link.depth)
+    check = tree.check_links(_SHOWN_HASHES)
+    problems = []
+    if check.num_orphans:
+        shown = [f"{h:016x}" for h in check.orphans]
+        problems.append(f"redis: {check.num_orphans} block(s) whose parent no worker holds {shown}")
+    if check.num_bad_depths:
+        shown = [f"{h:016x}" for h in check.bad_depths]
+        problems.append(
+            f"redis: {check.num_bad_depths} block(s) not one level below their parent {shown}"
+        )
+    sets = {s.worker_id: {int(h) for h, _tier in s.blocks} for s in snapshots}
+    return sets, problems
 
 
-def verify(args: argparse.Namespace) -> tuple[VerifyReport, int]:
-    """The report of the last attempt and the number of attempts."""
+def verify(args: argparse.Namespace) -> tuple[VerifyReport, int, dict[str, IndexReport]]:
+    """The report of the last attempt, the number of attempts and the coordinators' views."""
     deadline = time.monotonic() + args.wait
     attempts = 0
     while True:
         attempts += 1
-        redis_sets = read_redis_sets(args.redis_url) if args.redis_url else None
+        redis_sets, redis_link_problems = (
+            read_redis_sets(args.redis_url) if args.redis_url else (None, [])
+        )
         reports = {}
         for address in args.address:
             with client_from_args(args, address) as client:
                 reports[address] = client.index_views()
         report = compare(reports, redis_sets)
+        report.link_problems.extend(redis_link_problems)
         if report.consistent or time.monotonic() >= deadline:
-            return report, attempts
+            return report, attempts, reports
         time.sleep(_RETRY_S)
 
 
 def run_index_verify(args: argparse.Namespace) -> int:
-    report, attempts = verify(args)
+    report, attempts, reports = verify(args)
     if args.json:
         document = {
             "consistent": report.consistent,
@@ -159,6 +206,8 @@ def run_index_verify(args: argparse.Namespace) -> int:
             "redis_compared": bool(args.redis_url),
             "counts": report.counts,
             "differences": [asdict(d) for d in report.differences],
+            "link_problems": report.link_problems,
+            "tree_nodes": {a: r.links.num_tree_nodes for a, r in reports.items()},
             "notes": report.notes,
         }
         json.dump(document, sys.stdout, indent=2)
@@ -180,7 +229,9 @@ def render(report: VerifyReport, attempts: int, *, redis_compared: bool) -> str:
             f"DIFFERENCE {d.worker_id}: {d.source} lacks {d.num_missing} block(s) {d.reference}"
             f" has {d.missing}, and has {d.num_extra} it lacks {d.extra}"
         )
-    verdict = "consistent" if report.consistent else f"{len(report.differences)} difference(s)"
+    lines += [f"LINKS {p}" for p in report.link_problems]
+    num_problems = len(report.differences) + len(report.link_problems)
+    verdict = "consistent" if report.consistent else f"{num_problems} difference(s)"
     lines.append(f"{verdict} after {attempts} attempt(s)")
     return "\n".join(lines)
 

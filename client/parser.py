@@ -11,9 +11,10 @@ import argparse
 from collections.abc import Callable, Sequence
 from importlib import metadata
 
-from kvmesh.client import commands, extension, index_verify
+from kvmesh.client import commands, extension, index_tree, index_verify
 from kvmesh.client.environment import LOG_LEVELS, CliEnvironment
 from kvmesh.client.extension import Extension, LoadedExtension
+from kvmesh.proto.block_hash import MediaItem
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -102,6 +103,24 @@ def _port(text: str) -> int:
     return value
 
 
+def _media_item(value: str) -> MediaItem:
+    parts = value.split(":")
+    try:
+        item_hash, offset, length = int(parts[0], 0), int(parts[1]), int(parts[2])
+    except (ValueError, IndexError):
+        raise argparse.ArgumentTypeError(f"expected HASH:OFFSET:LENGTH, got {value!r}") from None
+    if len(parts) != 3:
+        raise argparse.ArgumentTypeError(f"expected HASH:OFFSET:LENGTH, got {value!r}")
+    return MediaItem(item_hash, offset, length)
+
+
+def _lora_adapter(value: str) -> tuple[str, str]:
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {value!r}")
+    return name, path
+
+
 def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -160,10 +179,28 @@ def _add_worker_options(
     """`default_workers` None lets the launcher size the fleet (one worker per GPU)."""
     parser.add_argument(
         "--workers",
-        type=_positive_int,
+        type=_non_negative_int,
         default=default_workers,
         metavar="N",
-        help="worker actors to start" + ("" if default_workers else " (default: one per GPU)"),
+        help="worker actors to start"
+        + ("" if default_workers else " (default: one per GPU)")
+        + "; 0 with --engine routes external engines only",
+    )
+    parser.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        metavar="ID,BASE_URL,EVENTS_ENDPOINT[,REPLAY_ENDPOINT[,KIND]]",
+        help="an external engine (vLLM, or SGLang with KIND sglang) to route to, fed by its KV"
+        " events; repeatable",
+    )
+    parser.add_argument(
+        "--engine-block-size",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="the engines' KV block size, also used as --block-size (default 16; vLLM's CPU"
+        " backend uses 128)",
     )
     parser.add_argument(
         "--num-blocks",
@@ -178,6 +215,21 @@ def _add_worker_options(
         default=0.0,
         metavar="GB",
         help="pinned host-memory tier per worker for blocks evicted from the device (0: off)",
+    )
+    parser.add_argument(
+        "--lora",
+        type=_lora_adapter,
+        action="append",
+        default=None,
+        metavar="NAME=PATH",
+        help="serve the PEFT LoRA adapter in folder PATH as NAME on every worker (repeatable);"
+        " requests pick it with `adapter`",
+    )
+    parser.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="turn prefix caching off: every request computes its whole prompt, no block is"
+        " registered or indexed",
     )
     parser.add_argument(
         "--session-ttl-s",
@@ -319,8 +371,8 @@ def _add_security_options(parser: argparse.ArgumentParser, env: CliEnvironment) 
         "--admin-token",
         default=env.admin_token,
         metavar="TOKEN",
-        help="token for the admin calls Drain, ClearCache, VerifyIndex (env KVMESH_ADMIN_TOKEN;"
-        " default: none, and with --auth-token admin calls are refused)",
+        help="token for the admin calls Drain, ClearCache, VerifyIndex, IndexTree"
+        " (env KVMESH_ADMIN_TOKEN; default: none, and with --auth-token admin calls are refused)",
     )
     group.add_argument("--admin-token-file", metavar="PATH", help="admin tokens, one a line")
     group.add_argument("--tls-cert", metavar="PEM", help="server certificate chain: gRPC over TLS")
@@ -409,6 +461,16 @@ def _add_prompt_options(parser: argparse.ArgumentParser) -> None:
     prompt.add_argument("--tokens", metavar="IDS", help="prompt token ids, e.g. 1,2,3")
     prompt.add_argument("--prompt", metavar="TEXT", help="prompt text (needs a tokenizer)")
     parser.add_argument("--cache-salt", default="", metavar="S", help="tenant / cache salt")
+    parser.add_argument(
+        "--adapter", default="", metavar="NAME", help="LoRA adapter (default: the base model)"
+    )
+    parser.add_argument(
+        "--media",
+        type=_media_item,
+        action="append",
+        metavar="HASH:OFFSET:LENGTH",
+        help="a media item in the prompt (repeatable; hash in hex with 0x, or decimal)",
+    )
 
 
 def _add_generate(sub: argparse._SubParsersAction, env: CliEnvironment) -> None:
@@ -428,6 +490,7 @@ def _add_generate(sub: argparse._SubParsersAction, env: CliEnvironment) -> None:
     parser.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
     parser.add_argument("--worker", default="", metavar="ID", help="force this worker")
     parser.add_argument("--session", default="", metavar="ID", help="session id (soft affinity)")
+    _add_bypass_option(parser)
     parser.set_defaults(handler=commands.run_generate)
 
 
@@ -436,7 +499,16 @@ def _add_route(sub: argparse._SubParsersAction, env: CliEnvironment) -> None:
     _add_client_options(parser, env)
     _add_prompt_options(parser)
     parser.add_argument("--session", default="", metavar="ID", help="session id (soft affinity)")
+    _add_bypass_option(parser)
     parser.set_defaults(handler=commands.run_route)
+
+
+def _add_bypass_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--bypass-cache",
+        action="store_true",
+        help="reuse no cached KV and leave none behind (routed by load only)",
+    )
 
 
 def _add_lookup(sub: argparse._SubParsersAction, env: CliEnvironment) -> None:
@@ -472,6 +544,35 @@ def _add_index(sub: argparse._SubParsersAction, env: CliEnvironment) -> None:
         " reporting a difference",
     )
     verify.set_defaults(handler=index_verify.run_index_verify)
+    summary = "show a coordinator's prefix tree: depth, tokens, holders per tier, hits"
+    tree = actions.add_parser(
+        "tree", help=summary, description=summary + ".", formatter_class=_HelpFormatter
+    )
+    _add_client_options(tree, env)
+    tree.add_argument(
+        "--max-nodes",
+        type=_tree_size,
+        default=1000,
+        metavar="N",
+        help="show at most N blocks, in tree order (1..100000)",
+    )
+    tree.set_defaults(handler=index_tree.run_index_tree)
+    summary = "show the hottest prefixes (most lookups ended there) and who holds them"
+    top = actions.add_parser(
+        "top", help=summary, description=summary + ".", formatter_class=_HelpFormatter
+    )
+    _add_client_options(top, env)
+    top.add_argument(
+        "--limit", type=_tree_size, default=20, metavar="N", help="show N prefixes (1..100000)"
+    )
+    top.set_defaults(handler=index_tree.run_index_top)
+
+
+def _tree_size(text: str) -> int:
+    value = int(text) if text.strip().isdigit() else -1
+    if not 1 <= value <= 100_000:
+        raise argparse.ArgumentTypeError(f"must be an integer in [1, 100000], got {text!r}")
+    return value
 
 
 def _add_read_command(

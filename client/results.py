@@ -6,7 +6,7 @@ the one the server sent. Token counts are in tokens, times in milliseconds (`*_m
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +109,38 @@ class LookupResult:
 
 
 @dataclass(frozen=True, slots=True)
+class CacheStats:
+    """Prefix-cache figures of one worker, or of the cluster (the sum of its workers': the
+    per-worker figures add up to it). Token counts are counted at a request's first prefill."""
+
+    enabled: bool
+    """Prefix caching on (off: `--no-prefix-cache`); the cluster: on for every worker."""
+    block_size: int
+    kv_dtype: str
+    """KV dtype, part of the root hash; the cluster: every dtype its workers use, comma-joined."""
+    cache_epoch: int
+    """Bumped by ClearCache, part of the root hash; the cluster: the highest."""
+    num_lookup_hits: int
+    """Requests that reused at least one cached block (device, host or pulled)."""
+    num_lookup_misses: int
+    """Requests that reused nothing (`bypass_cache` requests count as neither)."""
+    local_hit_tokens: int
+    host_hit_tokens: int
+    pulled_hit_tokens: int
+    saved_prefill_tokens: int
+    """local + host + pulled hit tokens: prompt tokens not prefilled."""
+    num_device_evictions: int
+    num_host_evictions: int
+    num_preemptions: int
+    num_entries: int
+    """Matchable blocks held, device + host."""
+    num_device_entries: int
+    num_host_entries: int
+    num_bytes: int
+    """KV bytes those entries hold."""
+
+
+@dataclass(frozen=True, slots=True)
 class Stats:
     """Cluster-wide counters reported by a coordinator."""
 
@@ -154,6 +186,10 @@ class Stats:
     num_sessions_evicted_pressure: int
     num_session_turns_refused: int
     """Turns refused because another turn of their session was in flight."""
+    cache: CacheStats
+    """Prefix-cache figures summed over the workers' last reports."""
+    num_tree_nodes: int
+    """Blocks the coordinator's radix tree links to a parent."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +216,12 @@ class WorkerInfo:
     num_warm_sessions: int
     """Idle sessions whose chains this worker keeps warm."""
     warm_session_bytes: int
+    cache: CacheStats
+    """This worker's prefix-cache figures."""
+    adapters: tuple[str, ...] = ()
+    """LoRA adapters the worker serves besides the base model."""
+    kind: str = "kvmesh"
+    """`kvmesh` for a kvmesh worker; an external engine's kind (`vllm`, `sglang`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,11 +241,52 @@ class WorkerIndexView:
 
 
 @dataclass(frozen=True, slots=True)
+class LinkReport:
+    """The parent links of a coordinator's radix tree, as `kvmesh index verify` checks them."""
+
+    num_tree_nodes: int = 0
+    num_orphans: int = 0
+    """Blocks deeper than 1 whose parent no worker holds (no prompt can reach them)."""
+    num_bad_depths: int = 0
+    """Blocks whose depth is not their parent's + 1."""
+    num_unlinked: int = 0
+    """Indexed blocks stored without a parent (their link is unknown, not wrong)."""
+    orphan_hashes: list[int] = field(default_factory=list)
+    bad_depth_hashes: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
 class IndexReport:
     """A coordinator's view of the index, for `kvmesh index verify`."""
 
     workers: list[WorkerIndexView]
     redis_connected: bool
+    links: LinkReport = field(default_factory=LinkReport)
+
+
+@dataclass(frozen=True, slots=True)
+class TreeNode:
+    """One block of a coordinator's prefix tree."""
+
+    block_hash: int
+    parent_hash: int
+    """A namespace root (never indexed) for a block at depth 1."""
+    depth: int
+    """Blocks from the root through this one; 0 = unknown."""
+    num_tokens: int
+    """The prefix's length in tokens (depth x block size)."""
+    device_worker_ids: list[str]
+    host_worker_ids: list[str]
+    num_hits: int
+    """Lookups whose longest match ended on this block (on that coordinator)."""
+
+
+@dataclass(frozen=True, slots=True)
+class IndexTree:
+    nodes: list[TreeNode]
+    """Tree order (a parent before its children), or the most hit first."""
+    num_nodes: int
+    """Nodes in the whole tree (more than `nodes` when cut at max_nodes)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,18 +16,23 @@ from typing import Any
 
 from kvmesh.client.results import (
     CacheFacts,
+    CacheStats,
     IndexReport,
+    IndexTree,
+    LinkReport,
     LookupResult,
     RouteResult,
     ScaleResult,
     Stats,
     StreamChunk,
+    TreeNode,
     WorkerIndexView,
     WorkerInfo,
     WorkerMatch,
     WorkerScore,
 )
 from kvmesh.proto import kvmesh_pb2 as pb
+from kvmesh.proto.block_hash import MediaItem
 
 MAX_UINT32 = 2**32 - 1
 MAX_UINT64 = 2**64 - 1
@@ -80,6 +85,9 @@ def build_generate_request(
     cache_salt: str,
     worker_id: str,
     request_id: str,
+    adapter: str = "",
+    media: Sequence[MediaItem] = (),
+    bypass_cache: bool = False,
 ) -> pb.GenerateRequest:
     """A checked `GenerateRequest`; the arguments are those of `Client.generate`."""
     _check_range("max_tokens", max_tokens, 1, MAX_UINT32)
@@ -110,25 +118,57 @@ def build_generate_request(
         cache_salt=cache_salt,
         worker_id=worker_id,
         request_id=request_id,
+        bypass_cache=bypass_cache,
     )
     _set_prompt(request, token_ids, prompt)
+    _set_adapter_and_media(request, adapter, media)
     return request
 
 
 def build_route_request(
-    token_ids: Sequence[int] | None, *, prompt: str | None, session_id: str, cache_salt: str
+    token_ids: Sequence[int] | None,
+    *,
+    prompt: str | None,
+    session_id: str,
+    cache_salt: str,
+    adapter: str = "",
+    media: Sequence[MediaItem] = (),
+    bypass_cache: bool = False,
 ) -> pb.RouteRequest:
-    request = pb.RouteRequest(session_id=session_id, cache_salt=cache_salt)
+    request = pb.RouteRequest(
+        session_id=session_id, cache_salt=cache_salt, bypass_cache=bypass_cache
+    )
     _set_prompt(request, token_ids, prompt)
+    _set_adapter_and_media(request, adapter, media)
     return request
 
 
 def build_lookup_request(
-    token_ids: Sequence[int] | None, *, prompt: str | None, cache_salt: str
+    token_ids: Sequence[int] | None,
+    *,
+    prompt: str | None,
+    cache_salt: str,
+    adapter: str = "",
+    media: Sequence[MediaItem] = (),
 ) -> pb.LookupRequest:
     request = pb.LookupRequest(cache_salt=cache_salt)
     _set_prompt(request, token_ids, prompt)
+    _set_adapter_and_media(request, adapter, media)
     return request
+
+
+def _set_adapter_and_media(
+    request: pb.GenerateRequest | pb.RouteRequest | pb.LookupRequest,
+    adapter: str,
+    media: Sequence[MediaItem],
+) -> None:
+    """The LoRA adapter and the media items (hash, offset, length) of a prompt."""
+    request.adapter = adapter
+    for item in media:
+        _check_range("media hash", item.item_hash, 0, MAX_UINT64)
+        _check_range("media offset", item.offset, 0, MAX_UINT32)
+        _check_range("media length", item.length, 1, MAX_UINT32)
+        request.media.add(hash=item.item_hash, offset=item.offset, length=item.length)
 
 
 def cache_facts_from_proto(message: pb.CacheFacts) -> CacheFacts:
@@ -186,14 +226,38 @@ def lookup_from_proto(message: pb.LookupResponse) -> LookupResult:
     )
 
 
+def cache_stats_from_proto(message: pb.CacheStats) -> CacheStats:
+    # CacheStats mirrors the message field for field (a unit test pins this).
+    return CacheStats(**{f.name: getattr(message, f.name) for f in fields(CacheStats)})
+
+
 def stats_from_proto(message: pb.StatsResponse) -> Stats:
     # Stats mirrors StatsResponse field for field (a unit test pins this), so copy by name.
-    return Stats(**{f.name: getattr(message, f.name) for f in fields(Stats)})
+    values = {f.name: getattr(message, f.name) for f in fields(Stats)}
+    return Stats(**{**values, "cache": cache_stats_from_proto(message.cache)})
 
 
 def worker_from_proto(message: pb.WorkerInfo) -> WorkerInfo:
     # WorkerInfo mirrors the proto message field for field (a unit test pins this).
-    return WorkerInfo(**{f.name: getattr(message, f.name) for f in fields(WorkerInfo)})
+    values = {f.name: getattr(message, f.name) for f in fields(WorkerInfo)}
+    cache = cache_stats_from_proto(message.cache)
+    return WorkerInfo(**{**values, "cache": cache, "adapters": tuple(message.adapters)})
+
+
+def index_tree_from_proto(message: pb.IndexTreeResponse) -> IndexTree:
+    nodes = [
+        TreeNode(
+            block_hash=n.block_hash,
+            parent_hash=n.parent_hash,
+            depth=n.depth,
+            num_tokens=n.num_tokens,
+            device_worker_ids=list(n.device_worker_ids),
+            host_worker_ids=list(n.host_worker_ids),
+            num_hits=n.num_hits,
+        )
+        for n in message.nodes
+    ]
+    return IndexTree(nodes=nodes, num_nodes=message.num_nodes)
 
 
 def workers_from_proto(message: pb.ListWorkersResponse) -> list[WorkerInfo]:
@@ -213,7 +277,15 @@ def index_report_from_proto(message: pb.VerifyIndexResponse) -> IndexReport:
         )
         for w in message.workers
     ]
-    return IndexReport(workers=views, redis_connected=message.redis_connected)
+    links = LinkReport(
+        num_tree_nodes=message.num_tree_nodes,
+        num_orphans=message.num_orphans,
+        num_bad_depths=message.num_bad_depths,
+        num_unlinked=message.num_unlinked,
+        orphan_hashes=list(message.orphan_hashes),
+        bad_depth_hashes=list(message.bad_depth_hashes),
+    )
+    return IndexReport(workers=views, redis_connected=message.redis_connected, links=links)
 
 
 def scale_from_proto(message: pb.ScaleResponse) -> ScaleResult:

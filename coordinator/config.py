@@ -64,7 +64,8 @@ class CoordinatorConfig:
     auth_tokens: tuple[str, ...] = field(default=(), repr=False)
     """Bearer tokens accepted on every RPC; with these and admin_tokens empty, no auth."""
     admin_tokens: tuple[str, ...] = field(default=(), repr=False)
-    """Bearer tokens for the admin RPCs (Drain, ClearCache, VerifyIndex); valid for all RPCs."""
+    """Bearer tokens for the admin RPCs (Drain, ClearCache, VerifyIndex, IndexTree, Scale); valid
+    for all RPCs."""
     tls_cert_file: str = ""
     """PEM certificate chain of the gRPC server; with tls_key_file, the server speaks TLS only."""
     tls_key_file: str = ""

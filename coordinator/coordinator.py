@@ -17,7 +17,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, cast
 
@@ -40,7 +40,11 @@ from kvmesh.coordinator.session_turns import SessionTurns, TurnMode
 from kvmesh.coordinator.telemetry.request_record import RequestObserver, RequestRecord
 from kvmesh.proto.block_hash import (
     BlockHash,
+    MediaItem,
+    adapter_root,
     block_hashes,
+    cache_root,
+    media_extra_keys,
     namespace_hash,
     num_reusable_blocks,
     num_reusable_tokens,
@@ -97,6 +101,12 @@ class PreparedPrompt:
     token_ids: tuple[int, ...]
     block_hashes: tuple[BlockHash, ...]
     cache_salt: str
+    adapter: str = ""
+    """LoRA adapter the prompt runs with ("" = the base model); mixed into h_0."""
+    media: tuple[MediaItem, ...] = ()
+    """Multimodal items in the prompt; their hashes are the blocks' extra keys."""
+    bypass_cache: bool = False
+    """Match nothing, plan no pull; the worker reuses and registers nothing for it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +172,8 @@ class Coordinator:
         transfers: PullPricing | None = None,
         clock: Callable[[], float] = time.monotonic,
         observers: Sequence[RequestObserver] = (),
+        kv_dtype: str = "float32",
+        cache_epoch: Callable[[], int] = lambda: 0,
     ) -> None:
         self.config = config
         self.model = model
@@ -192,12 +204,26 @@ class Coordinator:
             self.policy.transfer_ms = transfers.price
             self.policy.transfer_ms_many = transfers.price_many
         self._clock = clock
+        self.kv_dtype = kv_dtype
+        """The workers' KV dtype, part of the root hash (a worker of another dtype still
+        serves correctly: it hashes with its own, the index just predicts no hits on it)."""
+        self.cache_epoch = cache_epoch
+        """The fleet's cache epoch now (ClearCache moves it on), part of the root hash."""
         self.observers = tuple(observers)
         """Told of every routing decision and every request's end (metrics, the request log)."""
 
     # ---- request preparation ------------------------------------------------------------------
 
-    def prepare(self, token_ids: Sequence[int], prompt: str, cache_salt: str) -> PreparedPrompt:
+    def prepare(
+        self,
+        token_ids: Sequence[int],
+        prompt: str,
+        cache_salt: str,
+        *,
+        bypass_cache: bool = False,
+        adapter: str = "",
+        media: Sequence[MediaItem] = (),
+    ) -> PreparedPrompt:
         if token_ids and prompt:
             raise InvalidRequest("give either token_ids or prompt, not both")
         if prompt:
@@ -216,9 +242,36 @@ class Coordinator:
         top = max(token_ids)
         if top >= vocab:
             raise InvalidRequest(f"token id {top} is outside the vocabulary [0, {vocab})")
-        root = namespace_hash(self.fingerprint, "", cache_salt)
-        hashes = block_hashes(token_ids, self.config.block_size, root)
-        return PreparedPrompt(tuple(token_ids), tuple(hashes), cache_salt)
+        extra_keys = _media_keys(media, len(token_ids), self.config.block_size)
+        hashes = self.chain(token_ids, cache_salt, adapter, extra_keys)
+        return PreparedPrompt(
+            tuple(token_ids),
+            tuple(hashes),
+            cache_salt,
+            adapter=adapter,
+            media=tuple(media),
+            bypass_cache=bypass_cache,
+        )
+
+    def chain(
+        self,
+        token_ids: Sequence[int],
+        cache_salt: str,
+        adapter: str = "",
+        extra_keys: Mapping[int, Sequence[int]] | None = None,
+    ) -> list[BlockHash]:
+        """The prompt's block hashes under the current cache epoch and KV dtype (the worker
+        roots its sequences the same way: `Worker.root_hash`, then the adapter)."""
+        return block_hashes(
+            token_ids, self.config.block_size, self.root_hash(cache_salt, adapter), extra_keys
+        )
+
+    def root_hash(self, cache_salt: str = "", adapter: str = "") -> BlockHash:
+        """h_0 of a prompt's chain: namespace, KV dtype, cache epoch, then the adapter (also the
+        root of an external engine's announced blocks, `engines/chain_translator.py`)."""
+        namespace_root = namespace_hash(self.fingerprint, "", cache_salt)
+        root = cache_root(namespace_root, self.kv_dtype, self.cache_epoch())
+        return adapter_root(root, adapter)
 
     def check_sampling(self, prompt: PreparedPrompt, sampling: SamplingConfig) -> None:
         vocab = self.model.vocab_size
@@ -239,6 +292,8 @@ class Coordinator:
     # ---- lookup and routing -------------------------------------------------------------------
 
     def match(self, prompt: PreparedPrompt) -> dict[WorkerId, PrefixMatch]:
+        if prompt.bypass_cache:
+            return {}
         if not self.index_connected():
             return {}  # a stale index must not steer traffic: route by load only
         return self.mirror.match(prompt.block_hashes)
@@ -282,9 +337,7 @@ class Coordinator:
     def route(
         self, prompt: PreparedPrompt, session_id: str = "", request_id: str = ""
     ) -> RouteDecision:
-        live = self.registry.routable_ids()
-        if not live:
-            raise NoLiveWorker("no live worker can take the request")
+        live = self._routable_for(prompt.adapter)
         query = RouteQuery(
             request_id or uuid.uuid4().hex,
             prompt.block_hashes,
@@ -322,6 +375,11 @@ class Coordinator:
         `SessionBusy`) another turn of the session in flight, and routes only then."""
         started = self._clock()
         self.check_sampling(prompt, sampling)
+        if prompt.media:
+            raise InvalidRequest(
+                "the built-in runner is text-only: Generate takes no media items"
+                " (Route and Lookup do, for external multimodal engines)"
+            )
         turn = _Turn(session_id, worker_id, request_id, allow_pull, label, started, True)
         if session_id and turn_mode is not TurnMode.CONCURRENT:
             return self._exclusive_turn(prompt, sampling, replace(turn, count=False), turn_mode)
@@ -360,7 +418,14 @@ class Coordinator:
             self.counters.num_requests += 1
         spec = self._pull_spec(pull, chosen, prompt) if pull is not None else None
         request = WorkerRequest(
-            request_id, prompt.token_ids, sampling, prompt.cache_salt, spec, session_id
+            request_id,
+            prompt.token_ids,
+            sampling,
+            prompt.cache_salt,
+            spec,
+            session_id,
+            bypass_cache=prompt.bypass_cache,
+            adapter=prompt.adapter,
         )
         # Handed to the backend now: a lazy backend (Ray) calls the worker on the first read, an
         # eager one (the simulator) queues the request at once.
@@ -391,9 +456,11 @@ class Coordinator:
         Returns the worker, its predicted prefill, the pull (if any) and its matched blocks."""
         if not self.registry.is_known(worker_id):
             raise InvalidRequest(f"unknown worker id {worker_id!r}")
-        live = self.registry.routable()
-        if worker_id not in live:
+        if worker_id not in self.registry.routable():
             raise NoLiveWorker(f"worker {worker_id!r} is not alive")
+        live = self._routable_for(prompt.adapter)
+        if worker_id not in live:
+            raise InvalidRequest(f"worker {worker_id!r} does not serve adapter {prompt.adapter!r}")
         views = self.views(prompt, live)
         target = next(v for v in views if v.worker_id == worker_id)
         query = RouteQuery("", prompt.block_hashes, len(prompt.token_ids), self.config.block_size)
@@ -401,6 +468,20 @@ class Coordinator:
         peer = best_peer(views) if allow_pull else None
         option = cheapest_prefill(query, target, peer, self.cost_model, price)
         return target.worker_id, option.prefill_ms, option.pull, target.matched_blocks
+
+    def _routable_for(self, adapter: str) -> tuple[str, ...]:
+        """Routable workers serving `adapter`. No worker at all: UNAVAILABLE; workers, but none
+        that serves the adapter: the adapter is unknown (INVALID_ARGUMENT)."""
+        live = self.registry.routable_for(adapter)
+        if live:
+            return live
+        if not adapter or not self.registry.routable():
+            raise NoLiveWorker("no live worker can take the request")
+        if adapter in self.registry.adapters():
+            raise NoLiveWorker(f"no routable worker serves adapter {adapter!r} now")
+        raise InvalidRequest(
+            f"no worker serves adapter {adapter!r}; served: {self.registry.adapters()}"
+        )
 
     def _uncached_tokens(self, prompt_len: int, matched_blocks: int) -> int:
         """Prompt tokens the worker must prefill (the last one always is)."""
@@ -509,7 +590,13 @@ class Coordinator:
         remaining = original.sampling.max_tokens - len(produced)
         if remaining < 1:
             raise WorkerDied(dead)  # nothing left to generate but the final message was lost
-        prompt = self.prepare(list(original.prompt_ids) + produced, "", original.cache_salt)
+        prompt = self.prepare(
+            list(original.prompt_ids) + produced,
+            "",
+            original.cache_salt,
+            bypass_cache=original.bypass_cache,
+            adapter=original.adapter,
+        )
         request_id = f"{original.request_id}.m{attempt}"
         # raises NoLiveWorker if none; the session's affinity moves with the turn
         decision = self.route(prompt, original.session_id, request_id)
@@ -525,6 +612,8 @@ class Coordinator:
             sampling,
             original.cache_salt,
             session_id=original.session_id,
+            bypass_cache=original.bypass_cache,
+            adapter=original.adapter,
         )
 
     def _on_prefilled(self, worker: WorkerId, request: WorkerRequest, facts: PrefillFacts) -> None:
@@ -572,6 +661,7 @@ class Coordinator:
         measured prefill cost, so prices follow the hardware (CPU and H100 differ by orders of
         magnitude)."""
         report = ReportedLoad(info.num_queued_prefill_tokens, info.num_running + info.num_waiting)
+        self.registry.set_adapters(worker_id, info.adapters)
         with self._lock:
             self.load.on_reported(WorkerId(worker_id), report)
         measured = info.counters.prefill_ms_per_token
@@ -583,6 +673,18 @@ class Coordinator:
 
     def indexed_blocks_of(self, worker_id: str) -> int:
         return self.mirror.num_worker_blocks(WorkerId(worker_id))
+
+
+def _media_keys(
+    media: Sequence[MediaItem], num_tokens: int, block_size: int
+) -> dict[int, list[int]] | None:
+    """Extra keys of the prompt's blocks; a misplaced item is the request's fault."""
+    if not media:
+        return None
+    try:
+        return media_extra_keys(media, num_tokens, block_size)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
 
 
 def _record(

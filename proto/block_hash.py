@@ -20,6 +20,7 @@ from __future__ import annotations
 import array
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import NewType
 
 import numpy as np
@@ -36,6 +37,61 @@ def namespace_hash(model_fingerprint: str, lora_name: str = "", cache_salt: str 
     """h_0: different models, adapters or tenants never share a block."""
     key = "\x1f".join((model_fingerprint, lora_name, cache_salt)).encode("utf-8")
     return BlockHash(xxhash.xxh3_64_intdigest(key))
+
+
+def adapter_root(root: BlockHash, adapter: str) -> BlockHash:
+    """h_0 of a LoRA adapter's requests: the base namespace's `root` with the adapter name mixed
+    in, so an adapter never shares a block with the base model or another adapter. The base
+    model (`adapter == ""`) keeps `root` itself, so its hashes are unchanged.
+    (`namespace_hash`'s `lora_name` stays "" everywhere; this function is the one place the
+    adapter enters.)"""
+    if not adapter:
+        return root
+    return BlockHash(xxhash.xxh3_64_intdigest(b"adapter\x1f" + adapter.encode("utf-8"), root))
+
+
+@dataclass(frozen=True, slots=True)
+class MediaItem:
+    """A multimodal item (image, audio, video) whose placeholder tokens sit in the prompt."""
+
+    item_hash: int
+    """64-bit content hash of the item, computed by the caller."""
+    offset: int
+    """First prompt token the item occupies."""
+    length: int
+    """Tokens it occupies (>= 1)."""
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+def media_extra_keys(
+    items: Sequence[MediaItem], num_prompt_tokens: int, block_size: int
+) -> dict[int, list[int]]:
+    """Extra keys per block index for `block_hashes`: every item overlapping a block adds its
+    hash and its offset (two identical images swapped in place still change the chain), in the
+    order of the items' offsets. Raises ValueError, with the numbers, for an item outside the
+    prompt, empty, or a hash that does not fit 64 bits.
+
+        tokens:  | block 0 | block 1 | block 2 | block 3 |
+        image:             [offset ........ end)
+        keys:              {1: [h, offset], 2: [h, offset]}
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    keys: dict[int, list[int]] = {}
+    for item in sorted(items, key=lambda m: (m.offset, m.length, m.item_hash)):
+        if item.length < 1 or item.offset < 0 or item.end > num_prompt_tokens:
+            raise ValueError(
+                f"media item at offset {item.offset} of length {item.length} does not lie"
+                f" within the prompt of {num_prompt_tokens} tokens"
+            )
+        if not 0 <= item.item_hash < 1 << 64:
+            raise ValueError(f"media item hash {item.item_hash} does not fit in 64 bits")
+        for block in range(item.offset // block_size, (item.end - 1) // block_size + 1):
+            keys.setdefault(block, []).extend((item.item_hash, item.offset))
+    return keys
 
 
 def num_reusable_blocks(num_prompt_tokens: int, block_size: int) -> int:
@@ -103,3 +159,16 @@ def _canonical_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
     if sys.byteorder != "little":
         packed.byteswap()
     return packed.tobytes()
+
+
+def cache_root(namespace_root: BlockHash, kv_dtype: str, cache_epoch: int) -> BlockHash:
+    """h_0 of the cache: the namespace's root with the KV dtype and the cache epoch mixed in.
+
+    KV written in another dtype is not the same KV, and `ClearCache` bumps the epoch, so no block
+    computed before a reset (a running request's included) can be matched after it. Kept apart
+    from `namespace_hash` so the namespace's own inputs can grow without touching this.
+    """
+    if cache_epoch < 0 or not kv_dtype:
+        raise ValueError(f"need a KV dtype and an epoch >= 0, got {kv_dtype!r}, {cache_epoch}")
+    key = f"kv_dtype={kv_dtype}\x1fepoch={cache_epoch}".encode()
+    return BlockHash(xxhash.xxh3_64_intdigest(key, int(namespace_root)))

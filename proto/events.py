@@ -4,14 +4,17 @@ A batch is one scheduler step's worth of events from one worker:
 
     {"v": 1, "w": worker_id, "g": generation, "s": seq, "t": unix_ms, "e": [event, ...]}
 
-    event = [KIND_STORED,  [hash, ...], tier, parent_hash]   blocks became matchable (chain order)
+    event = [KIND_STORED,  [hash, ...], tier, parent_hash, depth]   blocks became matchable
+                                                                    (chain order)
           | [KIND_REMOVED, [hash, ...], tier]                 blocks left the pool
           | [KIND_CLEARED]                                    the worker dropped everything
 
 `seq` counts batches per worker and generation, from 1, with no gaps: a follower that sees a gap
 (or a new generation) reloads that worker's full set. `generation` changes whenever the worker
 (re)starts or clears its cache. Hashes are uint64. `parent_hash` is the hash before the first stored
-block (0 for a chain that starts at h_0 of the namespace), kept as radix metadata.
+block (0 when unknown), `depth` the depth of the first stored block (1 for a prompt's first
+block, 0 when unknown; the others follow it in chain order): both are kept as radix metadata.
+A stored event without `depth` (four fields, as older writers send) has depth 0.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ class BlockStored:
     hashes: tuple[BlockHash, ...]
     tier: int = TIER_DEVICE
     parent_hash: BlockHash = BlockHash(0)
+    depth: int = 0
+    """Depth of hashes[0] (1: the first block after the root); 0 when unknown."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +81,8 @@ def encode_batch(batch: EventBatch) -> bytes:
     events: list[list[Any]] = []
     for e in batch.events:
         if isinstance(e, BlockStored):
-            events.append([KIND_STORED, [int(h) for h in e.hashes], e.tier, int(e.parent_hash)])
+            stored = [KIND_STORED, [int(h) for h in e.hashes], e.tier, int(e.parent_hash)]
+            events.append(stored + [e.depth] if e.depth else stored)  # v1's 4 fields if unknown
         elif isinstance(e, BlockRemoved):
             events.append([KIND_REMOVED, [int(h) for h in e.hashes], e.tier])
         else:
@@ -122,11 +128,14 @@ def _decode_event(raw: Any) -> KVEvent:
     kind = raw[0]
     if kind == KIND_CLEARED and len(raw) == 1:
         return AllCleared()
-    if kind == KIND_STORED and len(raw) == 4:
+    if kind == KIND_STORED and len(raw) in (4, 5):
         hashes, tier, parent = raw[1], raw[2], raw[3]
+        depth = raw[4] if len(raw) == 5 else 0
         if not _is_u64(parent):
             raise EventDecodeError("parent hash must be a uint64")
-        return BlockStored(_decode_hashes(hashes), _decode_tier(tier), BlockHash(parent))
+        if not _is_u64(depth):
+            raise EventDecodeError("depth must be a uint64")
+        return BlockStored(_decode_hashes(hashes), _decode_tier(tier), BlockHash(parent), depth)
     if kind == KIND_REMOVED and len(raw) == 3:
         return BlockRemoved(_decode_hashes(raw[1]), _decode_tier(raw[2]))
     raise EventDecodeError(f"unknown event {raw[:1]!r} with {len(raw)} fields")

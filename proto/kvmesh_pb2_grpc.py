@@ -79,6 +79,11 @@ class KVMeshStub:
                 request_serializer=kvmesh_dot_proto_dot_kvmesh__pb2.ScaleRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_proto_dot_kvmesh__pb2.ScaleResponse.FromString,
                 _registered_method=True)
+        self.IndexTree = channel.unary_unary(
+                '/kvmesh.v1.KVMesh/IndexTree',
+                request_serializer=kvmesh_dot_proto_dot_kvmesh__pb2.IndexTreeRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_proto_dot_kvmesh__pb2.IndexTreeResponse.FromString,
+                _registered_method=True)
 
 
 class KVMeshServicer:
@@ -139,6 +144,12 @@ class KVMeshServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def IndexTree(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVMeshServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -186,6 +197,11 @@ def add_KVMeshServicer_to_server(servicer, server):
                     servicer.Scale,
                     request_deserializer=kvmesh_dot_proto_dot_kvmesh__pb2.ScaleRequest.FromString,
                     response_serializer=kvmesh_dot_proto_dot_kvmesh__pb2.ScaleResponse.SerializeToString,
+            ),
+            'IndexTree': grpc.unary_unary_rpc_method_handler(
+                    servicer.IndexTree,
+                    request_deserializer=kvmesh_dot_proto_dot_kvmesh__pb2.IndexTreeRequest.FromString,
+                    response_serializer=kvmesh_dot_proto_dot_kvmesh__pb2.IndexTreeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -431,6 +447,33 @@ class KVMesh:
             '/kvmesh.v1.KVMesh/Scale',
             kvmesh_dot_proto_dot_kvmesh__pb2.ScaleRequest.SerializeToString,
             kvmesh_dot_proto_dot_kvmesh__pb2.ScaleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def IndexTree(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.KVMesh/IndexTree',
+            kvmesh_dot_proto_dot_kvmesh__pb2.IndexTreeRequest.SerializeToString,
+            kvmesh_dot_proto_dot_kvmesh__pb2.IndexTreeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -6,12 +6,16 @@ they all sit in one slot and one script call can change them atomically; the sha
 the cluster's masters. On a single Redis (the default) the tags are just part of the names.
 
     kvmesh:{sNN}:{ns}:blk:{hash}   HASH   worker_id -> tier        who (of shard NN) holds it
+    kvmesh:{sNN}:{ns}:node:{hash}  HASH   p, d, t                  radix metadata of a block held
+                                                                   in shard NN: parent hash,
+                                                                   depth, tokens
     kvmesh:{sNN}:worker:{id}       HASH   generation, seq, ns, model, node, device, pid, ...
     kvmesh:{sNN}:worker:{id}:blocks  HASH hash -> tier             the worker's blocks (resync)
     kvmesh:{sNN}:worker:{id}:alive STRING with TTL                 heartbeat
     kvmesh:{sNN}:workers           SET    ids of the shard's workers
     kvmesh:{sNN}:events            STREAM field "b" = msgpack EventBatch (proto/events.py),
                                           or field "p" = id of a purged worker
+    kvmesh:{ns}:epoch              STRING cache epoch (ClearCache bumps it; part of h_0)
     kvmesh:{fleet}:...             the service directory (one slot: claimed in transactions)
 
 (`{sNN}` is a literal hash tag; `{ns}`, `{hash}`, `{id}` stand for values.) A worker's shard is
@@ -21,7 +25,18 @@ ordered, and a worker's batches all go to its own shard's stream, so per-worker 
 mirror needs) holds. Hashes are written as 16 lowercase hex digits (Lua numbers cannot hold 64
 bits); `ns` is the namespace of the model (its fingerprint hash). Every batch is applied by one
 script call: readers never see half a batch, and a batch of a new generation first wipes the
-worker's previous blocks.
+worker's previous blocks. The epoch key is one per namespace, outside every shard: it is read
+and written on its own, never inside a script.
+
+Radix metadata (`node` keys) is kept per shard, beside the shard's block keys, so the script
+that changes a block's holders keeps its node in the same slot: a block held by workers of
+several shards has a node in each (they agree: the parent and depth follow from the hash chain),
+and a node lives exactly as long as some worker *of its shard* holds the block. Readers take any
+shard's node. A batch drops the node of a block it removed only at its end, once the shard has
+no holder left: a full re-publish (wipe, then store everything again) and a demotion to the host
+tier (removed from the device, stored on the host in the same batch) keep every link. A node is
+written from a stored event that names its parent (`d` = 0 and `t` = 0 when the writer did not
+know the depth and the parent has no node in the shard).
 """
 
 from __future__ import annotations
@@ -102,6 +117,25 @@ def shard_block_key(shard: int, ns: str, block_hash_hex: str) -> str:
     return f"{shard_prefix(shard)}{ns}:blk:{block_hash_hex}"
 
 
+def node_key(ns: str, block_hash_hex: str, worker_id: str) -> str:
+    """HASH of one block's radix metadata in `worker_id`'s shard: `p` parent (16 hex digits),
+    `d` depth, `t` tokens."""
+    return shard_node_key(index_shard(worker_id), ns, block_hash_hex)
+
+
+def shard_node_key(shard: int, ns: str, block_hash_hex: str) -> str:
+    """HASH of one block's radix metadata in `shard` (present while a worker of it holds it)."""
+    return f"{shard_prefix(shard)}{ns}:node:{block_hash_hex}"
+
+
+def epoch_key(ns: str) -> str:
+    """STRING: the namespace's cache epoch (absent: 0); one key for every shard."""
+    return f"{PREFIX}:{ns}:epoch"
+
+
+NO_PARENT_HEX = "0" * 16
+
+
 def worker_key(worker_id: str) -> str:
     return f"{_worker_prefix(worker_id)}worker:{worker_id}"
 
@@ -155,47 +189,91 @@ def cluster_url(url: str) -> tuple[str, bool]:
 
 
 # Drop every block of one worker. Shared by APPLY_BATCH (new generation, cleared) and PURGE_WORKER.
-# `prefix` is the worker's block-key prefix (shard tag + namespace), `wkey` its blocks HASH.
+# `prefix` is the worker's shard prefix and namespace (`kvmesh:{sNN}:{ns}:`), `wkey` its blocks
+# HASH. With `gone`, the dropped hashes are appended to it (their nodes are dropped at the
+# batch's end, see `_DROP_ORPHAN_NODES`); without, a node whose block has no holder left in the
+# shard goes at once.
 _WIPE = """
-local function wipe(prefix, wkey)
+local function wipe(prefix, wkey, gone)
   local owned = redis.call('HKEYS', wkey)
   for _, h in ipairs(owned) do
-    redis.call('HDEL', prefix .. h, ARGV[2])
+    local bkey = prefix .. 'blk:' .. h
+    redis.call('HDEL', bkey, ARGV[2])
+    if gone then
+      gone[#gone + 1] = h
+    elseif redis.call('EXISTS', bkey) == 0 then
+      redis.call('DEL', prefix .. 'node:' .. h)
+    end
   end
   redis.call('DEL', wkey)
   return #owned
 end
 """
 
+_DROP_ORPHAN_NODES = """
+local function drop_orphan_nodes(prefix, gone)
+  for _, h in ipairs(gone) do
+    if redis.call('EXISTS', prefix .. 'blk:' .. h) == 0 then
+      redis.call('DEL', prefix .. 'node:' .. h)
+    end
+  end
+end
+"""
+
 # KEYS: apply_batch_keys(worker). ARGV: ns, worker, generation, seq, payload, maxlen, shard
 # prefix, then groups of
-#   'S', tier, hashes    stored       'R', tier, hashes    removed       'C'    cleared
+#   'S', tier, hashes, parent, depth    stored     'R', tier, hashes    removed     'C'    cleared
 # where `hashes` is the concatenation of the blocks' 16-hex-digit names (one argument, not one
-# per block: per-argument overhead dominated the client's cost). Returns the number of block
-# events applied, or -1 for a stale / duplicate batch (not applied).
+# per block: per-argument overhead dominated the client's cost), `parent` the 16-hex-digit parent
+# of the first (NO_PARENT_HEX: unknown, no radix metadata written) and `depth` its depth (0:
+# unknown; then the parent's node in the shard, if any, gives it). The worker HASH's `block_size`
+# turns depths into tokens. Returns the number of block events applied, or -1 for a stale /
+# duplicate batch.
 APPLY_BATCH = (
     _WIPE
+    + _DROP_ORPHAN_NODES
     + """
 local ns, worker, gen, seq = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
 local info, wkey = KEYS[1], KEYS[2]
-local cur = redis.call('HMGET', info, 'generation', 'seq', 'ns')
+local cur = redis.call('HMGET', info, 'generation', 'seq', 'ns', 'block_size')
 if cur[1] == gen and cur[2] and tonumber(cur[2]) >= seq then
   return -1
 end
+local ns_prefix = ARGV[7] .. ns .. ':'
+local gone = {}
 if cur[1] ~= gen then
-  wipe(ARGV[7] .. (cur[3] or ns) .. ':blk:', wkey)
+  local old_ns = cur[3] or ns
+  if old_ns == ns then
+    wipe(ns_prefix, wkey, gone)
+  else
+    wipe(ARGV[7] .. old_ns .. ':', wkey, nil)  -- no block of another namespace comes back
+  end
 end
-local prefix = ARGV[7] .. ns .. ':blk:'
+local block_size = tonumber(cur[4]) or 0
+local prefix = ns_prefix .. 'blk:'
+local node_prefix = ns_prefix .. 'node:'
 local applied, i = 0, 8
 while i <= #ARGV do
   local kind = ARGV[i]
   if kind == 'C' then
-    wipe(prefix, wkey)
+    wipe(ns_prefix, wkey, gone)
     i = i + 1
   else
     local tier, blob = ARGV[i + 1], ARGV[i + 2]
     local n = #blob / 16
     local fields = {}
+    local parent, depth = nil, 0
+    if kind == 'S' then
+      parent, depth = ARGV[i + 3], tonumber(ARGV[i + 4])
+      if parent == string.rep('0', 16) then  -- NO_PARENT_HEX
+        parent = nil
+      elseif depth == 0 then
+        local parent_depth = tonumber(redis.call('HGET', node_prefix .. parent, 'd')) or 0
+        if parent_depth > 0 then
+          depth = parent_depth + 1
+        end
+      end
+    end
     for k = 0, n - 1 do
       local h = string.sub(blob, k * 16 + 1, k * 16 + 16)
       if kind == 'S' then
@@ -206,18 +284,28 @@ while i <= #ARGV do
           redis.call('HSET', wkey, unpack(fields))
           fields = {}
         end
+        if parent then
+          local d = depth > 0 and depth + k or 0
+          local nkey = node_prefix .. h
+          if d > 0 or redis.call('EXISTS', nkey) == 0 then
+            redis.call('HSET', nkey, 'p', parent, 'd', d, 't', d * block_size)
+          end
+          parent = h
+        end
       elseif redis.call('HGET', wkey, h) == tier then
         redis.call('HDEL', prefix .. h, worker)
         redis.call('HDEL', wkey, h)
+        gone[#gone + 1] = h
       end
     end
     if #fields > 0 then
       redis.call('HSET', wkey, unpack(fields))
     end
     applied = applied + n
-    i = i + 3
+    i = i + (kind == 'S' and 5 or 3)
   end
 end
+drop_orphan_nodes(ns_prefix, gone)
 redis.call('HSET', info, 'generation', gen, 'seq', seq, 'ns', ns)
 redis.call('SADD', KEYS[3], worker)
 redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[6], '*', 'b', ARGV[5])
@@ -232,7 +320,7 @@ PURGE_WORKER = (
     _WIPE
     + """
 local ns = redis.call('HGET', KEYS[1], 'ns') or ARGV[1]
-local n = wipe(ARGV[4] .. ns .. ':blk:', KEYS[2])
+local n = wipe(ARGV[4] .. ns .. ':', KEYS[2])
 redis.call('DEL', KEYS[1], KEYS[5])
 redis.call('SREM', KEYS[3], ARGV[2])
 redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[3], '*', 'p', ARGV[2])

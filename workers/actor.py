@@ -70,6 +70,9 @@ class WorkerActor:
             if config.redis_url
             else None
         )
+        if self._publisher is not None:
+            # A worker started after a ClearCache hashes under the epoch the fleet is at.
+            self.worker.cache_epoch = self._publisher.cache_epoch() or 0
         self._last_heartbeat = 0.0
         self._last_tick = time.monotonic()  # the engine loop's progress, read by info()
         self._peers: dict[str, Any] = {}
@@ -154,9 +157,9 @@ class WorkerActor:
     def ping(self) -> str:
         return self.config.worker_id
 
-    async def clear_cache(self) -> int:
+    async def clear_cache(self, cache_epoch: int | None = None) -> int:
         def clear() -> int:
-            dropped = self.worker.clear_cache()
+            dropped = self.worker.clear_cache(cache_epoch)
             self._publish(self.worker.full_state_batch())
             return dropped
 
@@ -198,6 +201,11 @@ class WorkerActor:
         self._nccl_link = NcclLink(rank, ranks)
         self._nccl = NcclTransport(self._peer, self.worker.runner, self._nccl_link)
         return rank
+
+    def nccl_group(self) -> dict[str, int]:
+        """The NCCL group this worker joined (worker id -> rank), empty if none: how a
+        coordinator that did not start the workers learns which pulls can go over NCCL."""
+        return dict(self._nccl_link.ranks) if self._nccl_link is not None else {}
 
     def nccl_warm_up(self) -> int:
         """Build the NCCL communicator with every peer now, not on the first pull (all ranks
@@ -327,6 +335,7 @@ class WorkerActor:
             "block_size": i.block_size,
             "num_blocks": i.num_blocks,
             "num_free_blocks": i.num_free_blocks,
+            "cache_epoch": i.cache.cache_epoch,
             "updated_ms": time.time_ns() // 1_000_000,
         }
 

@@ -44,6 +44,11 @@ class WorkerConfig:
     """A heartbeat older than this marks the worker dead."""
     sessions: WarmSessionConfig = field(default_factory=WarmSessionConfig)
     """How long and within what budget idle sessions' chains are kept warm."""
+    lora_adapters: tuple[tuple[str, str], ...] = ()
+    """(name, PEFT folder) of every LoRA adapter the worker serves besides the base model."""
+    prefix_cache: bool = True
+    """Reuse cached prefixes (False: `--no-prefix-cache`, every request computes its whole
+    prompt and no block is registered or announced)."""
 
     def __post_init__(self) -> None:
         if not self.worker_id:
@@ -62,6 +67,11 @@ class WorkerConfig:
             raise ValueError(f"host_cache_gb must be >= 0, got {self.host_cache_gb}")
         if not 0.0 < self.gpu_fraction <= 1.0:
             raise ValueError(f"gpu_fraction must be in (0, 1], got {self.gpu_fraction}")
+        # A config read back from JSON (a service record) has lists: keep it hashable.
+        object.__setattr__(self, "lora_adapters", tuple(tuple(p) for p in self.lora_adapters))
+        names = [name for name, _ in self.lora_adapters]
+        if len(set(names)) != len(names) or not all(names):
+            raise ValueError(f"LoRA adapter names must be unique and non-empty, got {names}")
         if self.heartbeat_ttl_s <= self.heartbeat_interval_s:
             raise ValueError(
                 f"heartbeat_ttl_s ({self.heartbeat_ttl_s}) must exceed the interval"

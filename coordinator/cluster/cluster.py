@@ -58,6 +58,8 @@ class Cluster:
                 raise ValueError(f"worker id {config.worker_id!r} already has an actor")
             self._handles[config.worker_id] = _Handle(config, actor)
         self.registry.add(config.worker_id)
+        # Known from its config before its first report, so its adapters route at once.
+        self.registry.set_adapters(config.worker_id, (name for name, _ in config.lora_adapters))
 
     def forget_actor(self, worker_id: str) -> Any:
         """Drop a worker's actor handle (scaled down or replaced); returns it."""
@@ -133,6 +135,19 @@ class Cluster:
         with self._lock:
             return frozenset(self._nccl_ranks)
 
+    def adopt_nccl(self, timeout_s: float = 10.0) -> bool:
+        """Take the NCCL group the live workers already share (formed by the coordinator that
+        started them), so a replica or a restarted coordinator plans GPU-to-GPU pulls over it
+        too. False when no two live workers report the same group."""
+        live = self.live_worker_ids()
+        groups = ray.get([self.actor(w).nccl_group.remote() for w in live], timeout=timeout_s)
+        members = agreed_nccl_group(dict(zip(live, groups, strict=True)))
+        if not members:
+            return False
+        with self._lock:
+            self._nccl_ranks = members
+        return True
+
     def setup_nccl(self, timeout_s: float = 120.0) -> bool:
         """Put every live CUDA worker on its own GPU into one NCCL group (GPU-to-GPU pulls)."""
         live = self.live_worker_ids()
@@ -193,9 +208,9 @@ class Cluster:
             self._latest_info[worker_id] = info
         return info
 
-    def call_all(self, method: str, timeout_s: float = 30.0) -> dict[str, Any]:
+    def call_all(self, method: str, *args: Any, timeout_s: float = 30.0) -> dict[str, Any]:
         live = self._live_actors()
-        refs = {w: getattr(a, method).remote() for w, a in live.items()}
+        refs = {w: getattr(a, method).remote(*args) for w, a in live.items()}
         return {w: ray.get(r, timeout=timeout_s) for w, r in refs.items()}
 
     def mark_dead(self, worker_id: str) -> None:
@@ -263,3 +278,18 @@ def kill_actor(actor: Any) -> None:
     except Exception:  # already dead or stuck: kill below either way
         pass
     ray.kill(actor, no_restart=True)
+
+
+def agreed_nccl_group(reports: dict[str, dict[str, int]]) -> dict[str, int]:
+    """The members (worker id -> rank) of the NCCL group that most live workers report being in,
+    counting only workers that report that very group; empty unless at least two do. A worker
+    that joined later (a replacement) or left is simply not a member."""
+    counts: dict[tuple[tuple[str, int], ...], list[str]] = {}
+    for worker_id, group in reports.items():
+        if group.get(worker_id) is not None:
+            counts.setdefault(tuple(sorted(group.items())), []).append(worker_id)
+    if not counts:
+        return {}
+    group_key, members = max(counts.items(), key=lambda kv: (len(kv[1]), kv[0]))
+    ranks = dict(group_key)
+    return {w: ranks[w] for w in sorted(members)} if len(members) >= 2 else {}

@@ -25,7 +25,9 @@ from kvmesh.coordinator.cluster.redis_server import (
 )
 from kvmesh.coordinator.cluster.registry import WorkerRegistry
 from kvmesh.coordinator.config import CoordinatorConfig, HttpConfig
-from kvmesh.coordinator.coordinator import Coordinator
+from kvmesh.coordinator.coordinator import Coordinator, WorkerBackend
+from kvmesh.coordinator.engines.engine_backend import EngineBackend
+from kvmesh.coordinator.engines.engine_fleet import EngineFleet, EngineFleetConfig, EngineSpec
 from kvmesh.coordinator.index.follower import IndexFollower
 from kvmesh.coordinator.index.locked_mirror import LockedMirror
 from kvmesh.coordinator.index.store import IndexStore
@@ -43,7 +45,7 @@ from kvmesh.coordinator.telemetry.collector import MetricsCollector
 from kvmesh.coordinator.telemetry.exporter import MetricsExporter
 from kvmesh.coordinator.telemetry.request_log import RequestLog
 from kvmesh.coordinator.telemetry.request_metrics import RequestMetrics
-from kvmesh.proto.block_hash import namespace_hash
+from kvmesh.proto.block_hash import BlockHash, namespace_hash
 from kvmesh.workers.config import WorkerConfig
 from kvmesh.workers.contract.replies import RequestRejected
 from kvmesh.workers.model.model_config import load_model_config
@@ -79,6 +81,11 @@ class DeploymentConfig:
     """The OpenAI-compatible HTTP API; None serves gRPC only."""
     metrics_port: int | None = None
     """Prometheus endpoint (`GET /metrics`) on the gRPC host: None serves none, 0 a free port."""
+    engines: tuple[EngineSpec, ...] = ()
+    """External engines (a vLLM fleet) routed to alongside the workers, fed by their KV events;
+    their block size is `coordinator.block_size`. With engines, `num_workers=0` starts no worker."""
+    engine_health: EngineFleetConfig = field(default_factory=EngineFleetConfig)
+    """How the engines are health-checked (interval, misses before down, heartbeat TTL)."""
 
     def __post_init__(self) -> None:
         if self.num_workers < 0:
@@ -107,6 +114,16 @@ class Deployment:
         self.port = 0
         self.http_server: HttpServer | None = None
         self._started_ray = False
+        self.engines: EngineFleet | None = None
+
+    def _engine_root(self, lora_name: str, cache_salt: str) -> BlockHash:
+        """The coordinator's h_0 for an engine's blocks (its events arrive once it exists)."""
+        assert self.coordinator is not None
+        return self.coordinator.root_hash(cache_salt, lora_name)
+
+    def engine_ids(self) -> list[str]:
+        """The external engines' ids (empty without engines)."""
+        return sorted(self.engines.endpoints()) if self.engines is not None else []
 
     @property
     def http_url(self) -> str:
@@ -154,7 +171,7 @@ class Deployment:
                     configure_logging=False,
                 )
             self._started_ray = True
-        ns = f"{namespace_hash(model.fingerprint()):016x}"
+        ns = f"{namespace_hash(model.fingerprint()):016x}"  # shared by every KV dtype and epoch
         registry = WorkerRegistry()
         self.cluster = cluster = Cluster(registry)
         store = IndexStore(redis_url)
@@ -173,6 +190,18 @@ class Deployment:
             cc.block_size,
             nccl_members=cluster.nccl_members,
         )
+        backend: WorkerBackend = cluster
+        if cfg.engines:
+            self.engines = EngineFleet(
+                cfg.engines,
+                cfg.engine_health,
+                registry,
+                redis_url,
+                block_size=cc.block_size,
+                model_fingerprint=model.fingerprint(),
+                root=self._engine_root,
+            )
+            backend = EngineBackend(self.engines.endpoints(), cluster, self.engines.mark_down)
         mirror = LockedMirror()
         self.follower = follower = IndexFollower(
             store, mirror, ns=ns, on_lapsed=registry.report_lapsed
@@ -180,7 +209,7 @@ class Deployment:
         self.coordinator = coordinator = Coordinator(
             cc,
             model,
-            cluster,
+            backend,
             mirror,
             registry,
             tokenizer=load_tokenizer(cc.model),
@@ -188,6 +217,8 @@ class Deployment:
             worker_free_blocks=lambda w: _free_blocks(cluster, w),
             transfers=transfers,
             observers=(self.request_metrics, RequestLog()),
+            kv_dtype=first.cache.kv_dtype if first is not None else "float32",
+            cache_epoch=lambda: follower.cache_epoch,
         )
         # One judge of liveness, fanned out to everything that keeps per-worker state.
         registry.on_dead(coordinator.forget_worker)
@@ -197,17 +228,33 @@ class Deployment:
             registry.on_dead(fleet.replace_dead)
         if not cfg.attach:
             self._calibrate_links(transfers)
+        else:
+            self._adopt_nccl(transfers)
         self.cluster.set_on_info(coordinator.observe_worker)
         self.follower.start()
+        if self.engines is not None:
+            self.engines.start()
         self.cluster.start_monitor(cc.health_interval_s, cc.stall_timeout_s)
         fleet.start_watching(cfg.fleet_poll_s)
         prompt_limit = min(cc.max_prompt_tokens or model.max_position_embeddings,
                            model.max_position_embeddings)  # fmt: skip
         gate = gate_from_config(cc, FieldLimits(max_prompt_tokens=prompt_limit))
         self.gate = gate
-        admin = Admin(self.cluster, self.coordinator, mirror, fleet)
+        admin = Admin(
+            self.cluster,
+            self.coordinator,
+            mirror,
+            fleet,
+            bump_cache_epoch=follower.bump_cache_epoch,
+            external_pools=self.engines.announced if self.engines is not None else dict,
+        )
         servicer = KVMeshServicer(
-            self.coordinator, self.cluster, self.follower, admin=admin, gate=gate
+            self.coordinator,
+            self.cluster,
+            self.follower,
+            admin=admin,
+            gate=gate,
+            worker_kind=self.engines.kind if self.engines is not None else None,
         )
         self.server, self.port, health = build_server(
             servicer,
@@ -241,6 +288,8 @@ class Deployment:
         if cfg.attach:
             fleet.attach()
             return
+        if cfg.engines and cfg.num_workers == 0:
+            return  # external engines only
         num_gpus = int(ray.cluster_resources().get("GPU", 0))
         num_workers = cfg.num_workers or max(num_gpus, 2 if not num_gpus else num_gpus)
         gpus_per_worker = cfg.gpus_per_worker
@@ -280,12 +329,21 @@ class Deployment:
         )
         self.http_server.start()
 
+    def _adopt_nccl(self, transfers: TransferPlanner) -> None:
+        """An attached coordinator plans NCCL pulls between workers that already share a group."""
+        assert self.cluster is not None
+        try:
+            if self.cluster.adopt_nccl():
+                transfers.links.set(LinkType.SAME_NODE, 5e7, 2.0)
+        except Exception as exc:  # an unreachable worker: pulls use the object store
+            log.warning("could not read the workers' NCCL group (%s)", exc)
+
     def _calibrate_links(self, transfers: TransferPlanner) -> None:
         """Measure one worker-to-worker link so the first pulls are priced from reality."""
         assert self.cluster is not None
         live = self.cluster.live_worker_ids()
         try:
-            if self.cluster.setup_nccl():
+            if self.cluster.adopt_nccl() or self.cluster.setup_nccl():
                 # GPU-to-GPU pulls go over NCCL: start from an NVLink-class guess (50 GB/s, 2 ms)
                 # and let the observed pulls correct it.
                 transfers.links.set(LinkType.SAME_NODE, 5e7, 2.0)
@@ -316,6 +374,9 @@ class Deployment:
         if self.gate is not None:
             self.gate.close()
             self.gate = None
+        if self.engines is not None:
+            self.engines.stop()
+            self.engines = None
         if self.follower is not None:
             self.follower.stop()
             self.follower = None

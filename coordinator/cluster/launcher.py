@@ -17,6 +17,7 @@ from typing import Any
 from kvmesh.coordinator.cluster.deployment import Deployment, DeploymentConfig
 from kvmesh.coordinator.cluster.reaper import start_reaper
 from kvmesh.coordinator.config import CoordinatorConfig, HttpConfig
+from kvmesh.coordinator.engines.engine_fleet import EngineSpec
 from kvmesh.coordinator.service.auth import read_token_file
 from kvmesh.coordinator.telemetry.log_format import LogConfig, configure_logging
 from kvmesh.workers.config import WorkerConfig
@@ -30,10 +31,17 @@ def _opt(args: argparse.Namespace, name: str, default: Any) -> Any:
 
 def deployment_config(args: argparse.Namespace, *, embedded_redis: bool) -> DeploymentConfig:
     redis_url = _opt(args, "redis_url", "")  # the CLI already merged KVMESH_REDIS_URL
+    engines = tuple(EngineSpec.parse(text) for text in _opt(args, "engine", None) or ())
+    block_size = int(_opt(args, "block_size", 16))
+    if engines:  # one chain for every worker: the engines' block size is the coordinator's
+        block_size = int(_opt(args, "engine_block_size", None) or 16)
+    num_workers = int(_opt(args, "workers", 0 if not embedded_redis else 2))
+    if num_workers == 0 and _opt(args, "workers", None) == 0 and not engines:
+        raise ValueError("--workers 0 starts no worker: give at least one --engine")
     coordinator = CoordinatorConfig(
         model=_opt(args, "model", "tiny-random"),
         seed=int(_opt(args, "seed", 0)),
-        block_size=int(_opt(args, "block_size", 16)),
+        block_size=block_size,
         policy=_opt(args, "policy", "kvmesh"),
         redis_url=redis_url,
         host=_opt(args, "host", "127.0.0.1"),
@@ -60,6 +68,8 @@ def deployment_config(args: argparse.Namespace, *, embedded_redis: bool) -> Depl
         host_cache_gb=float(_opt(args, "host_cache_gb", 0.0)),
         device=_opt(args, "device", "auto"),
         sessions=sessions,
+        lora_adapters=tuple(_opt(args, "lora", ())),
+        prefix_cache=not _opt(args, "no_prefix_cache", False),
     )
     http_port = _opt(args, "http_port", None)
     http = None
@@ -68,7 +78,8 @@ def deployment_config(args: argparse.Namespace, *, embedded_redis: bool) -> Depl
     return DeploymentConfig(
         http=http,
         coordinator=coordinator,
-        num_workers=int(_opt(args, "workers", 0 if not embedded_redis else 2)),
+        num_workers=num_workers,
+        engines=engines,
         worker=worker,
         gpus_per_worker=float(_opt(args, "gpus_per_worker", -1.0)),
         ray_address=_opt(args, "ray_address", ""),
@@ -100,7 +111,7 @@ def run_deployment(config: DeploymentConfig, logs: LogConfig | None = None) -> i
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
         assert deployment.cluster is not None
-        workers = ", ".join(deployment.cluster.worker_ids())
+        workers = ", ".join(deployment.cluster.worker_ids() + deployment.engine_ids())
         cc = config.coordinator
         security = ("TLS" if cc.tls_cert_file else "plaintext") + (
             ", token auth" if cc.auth_tokens or cc.admin_tokens else ""

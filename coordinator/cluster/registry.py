@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,7 @@ class WorkerRegistry:
         self._on_dead: list[Listener] = []
         self._on_lapsed: list[Listener] = []
         self._on_changed: list[Callable[[], None]] = []
+        self._adapters: dict[str, frozenset[str]] = {}
 
     # ---- listeners ----------------------------------------------------------------------------
 
@@ -96,6 +97,27 @@ class WorkerRegistry:
             self._routable = None
         self._changed()
 
+    def set_adapters(self, worker_id: str, adapters: Iterable[str]) -> None:
+        """What a worker reports serving besides the base model (its info, each health check)."""
+        with self._lock:
+            if worker_id in self._known:
+                self._adapters[worker_id] = frozenset(adapters)
+
+    def routable_for(self, adapter: str) -> tuple[str, ...]:
+        """Routable workers that serve `adapter` ("" is the base model: every worker, as the
+        cached `routable_ids()` tuple)."""
+        routable = self.routable_ids()
+        if not adapter:
+            return routable
+        with self._lock:
+            return tuple(w for w in routable if adapter in self._adapters.get(w, ()))
+
+    def adapters(self) -> list[str]:
+        """Every adapter some live worker reports serving."""
+        with self._lock:
+            live = [a for w, a in self._adapters.items() if w not in self._dead]
+        return sorted(set().union(*live))
+
     # ---- reads --------------------------------------------------------------------------------
 
     def known(self) -> list[str]:
@@ -142,3 +164,4 @@ class WorkerRegistry:
             unroutable = self._dead | self._drained
             routable = tuple(sorted(w for w in self._known if w not in unroutable))
             assert self._routable is None or self._routable == routable, "stale routable cache"
+            assert set(self._adapters) <= set(self._known)

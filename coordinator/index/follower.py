@@ -15,12 +15,15 @@ from collections.abc import Callable
 from kvmesh.coordinator.index.locked_mirror import LockedMirror
 from kvmesh.coordinator.index.mirror import ApplyResult, WorkerId
 from kvmesh.coordinator.index.store import IndexStore, StoreError
+from kvmesh.proto.block_hash import BlockHash
+from kvmesh.proto.redis_schema import index_shard
 
 log = logging.getLogger(__name__)
 
 _READ_BLOCK_MS = 100
 _RETRY_S = 0.2
 _SWEEP_S = 1.0
+_LINKS_PER_POLL = 20_000
 
 
 class IndexFollower:
@@ -47,6 +50,10 @@ class IndexFollower:
         before the first entry."""
         self._last_ids: dict[str, str] = {}
         """Per shard stream, the last entry handled (a stream missing: none yet)."""
+        self._links_pending: dict[WorkerId, list[BlockHash]] = {}
+        self.cache_epoch = 0
+        """The namespace's cache epoch, as last read from Redis (or bumped here); never goes
+        back. Part of every root hash (`cache_root`)."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvmesh-index", daemon=True)
         self._last_sweep = 0.0
@@ -71,6 +78,7 @@ class IndexFollower:
         for worker in self.store.worker_ids():
             loaded += self.resync(worker)
         self._last_ids = last_ids
+        self._read_epoch()
         self.connected = True
         return loaded
 
@@ -80,8 +88,45 @@ class IndexFollower:
             self.mirror.remove_worker(WorkerId(worker))
             return 0
         self.mirror.load_worker(WorkerId(worker), snap.generation, snap.seq, snap.blocks)
+        unlinked = self.mirror.unlinked(WorkerId(worker))
+        if unlinked:
+            self._links_pending[WorkerId(worker)] = unlinked
         self.num_resyncs += 1
         return len(snap.blocks)
+
+    def load_links(self, max_blocks: int | None = None) -> int:
+        """Fetch from Redis the radix links a resync left the tree without (a cold mirror, or
+        blocks only a snapshot brought), at most `max_blocks` of them (None: all); returns how
+        many were asked for. The follower thread calls it between polls: the tree is not on the
+        routing path, so a cold coordinator serves before its tree is whole."""
+        num_asked = 0
+        while self._links_pending and (max_blocks is None or num_asked < max_blocks):
+            worker, pending = next(iter(self._links_pending.items()))
+            num = len(pending) if max_blocks is None else min(len(pending), max_blocks - num_asked)
+            chunk, self._links_pending[worker] = pending[:num], pending[num:]
+            if not self._links_pending[worker]:
+                del self._links_pending[worker]
+            # The worker's own shard has the nodes of its blocks, unless it never named a parent.
+            links = self.store.node_links(self.ns, chunk, first_shard=index_shard(worker))
+            self.mirror.link((x.block_hash, x.parent_hash, x.depth) for x in links)
+            num_asked += len(chunk)
+        return num_asked
+
+    def _read_epoch(self) -> None:
+        known = self.store.cache_epoch(self.ns)
+        if self.cache_epoch > known:  # Redis lost it: put it back for workers starting later
+            self.store.raise_cache_epoch(self.ns, self.cache_epoch)
+        self.cache_epoch = max(self.cache_epoch, known)
+
+    def bump_cache_epoch(self) -> int:
+        """A cache reset: the next epoch, agreed through Redis (this coordinator's own count
+        when Redis is away)."""
+        try:
+            self.cache_epoch = self.store.bump_cache_epoch(self.ns, self.cache_epoch + 1)
+        except StoreError as exc:
+            log.warning("index: cache epoch bumped without Redis (%s)", exc)
+            self.cache_epoch += 1
+        return self.cache_epoch
 
     def poll_once(self, block_ms: int | None = _READ_BLOCK_MS) -> int:
         """Apply what the shard streams have after the last entries seen; returns entries
@@ -107,6 +152,7 @@ class IndexFollower:
                     self.rebuild()
                     log.info("index: Redis is back; mirror rebuilt")
                 self.poll_once()
+                self.load_links(_LINKS_PER_POLL)
                 self._sweep_expired()
             except StoreError as exc:
                 if self.connected:
@@ -128,6 +174,7 @@ class IndexFollower:
         if now - self._last_sweep < _SWEEP_S:
             return
         self._last_sweep = now
+        self._read_epoch()  # another coordinator's ClearCache reaches this one here
         for worker in self.store.worker_ids():
             if not self.store.is_alive(worker):
                 log.warning("index: heartbeat of %s lapsed; purging its blocks", worker)

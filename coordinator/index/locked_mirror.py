@@ -10,10 +10,20 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 from kvmesh.coordinator.index.mirror import ApplyResult, IndexMirror, PrefixMatch, WorkerId
+from kvmesh.coordinator.index.radix_tree import LinkCheck, TreeNode
 from kvmesh.proto.block_hash import BlockHash
 from kvmesh.proto.events import EventBatch
+
+
+class NodeView(NamedTuple):
+    """One tree node with who holds its block, read under one lock."""
+
+    node: TreeNode
+    holders: dict[WorkerId, int]
+    """worker -> tier"""
 
 
 class LockedMirror:
@@ -39,11 +49,52 @@ class LockedMirror:
         with self._lock:
             return self._mirror.remove_worker(worker)
 
+    def unlinked(self, worker: WorkerId) -> list[BlockHash]:
+        """The worker's blocks the tree has no link for (after a resync: fetch from Redis)."""
+        with self._lock:
+            m = self._mirror
+            return m.tree.unlinked(m.worker_hashes(worker))
+
+    def link(self, links: Iterable[tuple[BlockHash, BlockHash, int]]) -> None:
+        """(hash, parent, depth) links read from Redis, for blocks still indexed."""
+        links = list(links)
+        with self._lock:
+            m = self._mirror
+            held = m.indexed([h for h, _, _ in links])
+            for (h, parent, depth), is_held in zip(links, held, strict=True):
+                if is_held:
+                    m.tree.link((h,), parent, depth)
+
     # ---- reads ----------------------------------------------------------------------------------
 
     def match(self, hashes: Sequence[BlockHash]) -> dict[WorkerId, PrefixMatch]:
+        """Per worker, the leading blocks held; counts a hit on the deepest block matched."""
         with self._lock:
-            return self._mirror.match(hashes)
+            matches = self._mirror.match(hashes)
+            if matches:
+                deepest = max(m.num_blocks for m in matches.values())
+                self._mirror.tree.note_hit(hashes[deepest - 1])
+            return matches
+
+    def tree_nodes(self, limit: int, *, hottest: bool = False) -> tuple[list[NodeView], int]:
+        """At most `limit` nodes, in tree order or the most hit first; and how many there are.
+        The tree is walked on a copy, so routing never waits for a walk of the whole index."""
+        with self._lock:
+            tree = self._mirror.tree.copy()
+        nodes = tree.top(limit) if hottest else tree.nodes(limit)
+        with self._lock:
+            views = [NodeView(n, self._mirror.holders(n.block_hash)) for n in nodes]
+        return views, tree.num_nodes
+
+    @property
+    def num_tree_nodes(self) -> int:
+        with self._lock:
+            return self._mirror.tree.num_nodes
+
+    def check_links(self) -> LinkCheck:
+        with self._lock:
+            tree = self._mirror.tree.copy()
+        return tree.check_links()
 
     @property
     def num_blocks(self) -> int:

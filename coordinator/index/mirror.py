@@ -20,6 +20,7 @@ from typing import NewType
 
 import numpy as np
 
+from kvmesh.coordinator.index.radix_tree import RadixTree
 from kvmesh.proto.block_hash import BlockHash
 from kvmesh.proto.events import TIER_DEVICE, AllCleared, BlockRemoved, BlockStored, EventBatch
 
@@ -73,12 +74,15 @@ class IndexMirror:
                 0: no holder left); merged in, and the index rebuilt, when it outgrows 1/8 of them
 
     `match` looks a chain up at once and walks only the positions where the holder set changes.
+    The radix tree of the indexed blocks (`self.tree`, `radix_tree.py`) is fed from here but
+    kept apart: its links cost their own memory, and only for blocks whose parent was announced.
 
     Invariants (checked by `check_invariants`):
       * refs[s] == number of blocks whose current set is s (s != 0); an interned set has refs > 0
       * bit(w) is in any(s) of a block's set s iff w holds it; in device(s) iff on the device tier
       * num_worker_blocks(w) == blocks whose set has bit(w); num_blocks == blocks with a set != 0
       * every worker with blocks has a cursor and a bit
+      * the radix tree links only indexed hashes (a hash leaves it when it leaves the index)
     """
 
     def __init__(self) -> None:
@@ -98,6 +102,8 @@ class IndexMirror:
         self._bit_of: dict[WorkerId, int] = {}
         self._worker_of_bit: dict[int, WorkerId] = {}
         self.num_events_applied = 0
+        self.tree = RadixTree()
+        """Parent and depth of the indexed blocks, from the stored events (`radix_tree.py`)."""
 
     @property
     def num_blocks(self) -> int:
@@ -120,6 +126,22 @@ class IndexMirror:
         tiers = np.where(on_device[np.searchsorted(held, self._sets[rows])], TIER_DEVICE, 1)
         return dict(zip(self._keys[rows].tolist(), tiers.tolist(), strict=True))
 
+    def holders(self, h: BlockHash) -> dict[WorkerId, int]:
+        """worker -> tier of every worker holding block `h`."""
+        s = int(self._lookup((h,))[0])
+        mask, device, out = self._set_any[s], self._set_device[s], {}
+        while mask:
+            low = mask & -mask
+            out[self._worker_of_bit[low]] = TIER_DEVICE if device & low else 1
+            mask ^= low
+        return out
+
+    def indexed(self, hashes: Sequence[BlockHash]) -> list[bool]:
+        """Whether some worker holds each of `hashes` (one vectorised lookup)."""
+        if not hashes:
+            return []
+        return (self._lookup(hashes) != _NOBODY).tolist()
+
     def cursor(self, worker: WorkerId) -> tuple[int, int] | None:
         c = self._cursors.get(worker)
         return None if c is None else (c.generation, c.seq)
@@ -135,13 +157,18 @@ class IndexMirror:
             return ApplyResult.DUPLICATE
         if batch.seq > cursor.seq + 1:
             return ApplyResult.NEEDS_RESYNC
+        removed: list[BlockHash] = []
         for event in batch.events:
             if isinstance(event, BlockStored):
                 self._add(worker, event.hashes, event.tier)
+                self.tree.link(event.hashes, event.parent_hash, event.depth)
             elif isinstance(event, BlockRemoved):
-                self._remove(worker, event.hashes, event.tier)
+                removed += self._remove(worker, event.hashes, event.tier)
             elif isinstance(event, AllCleared):
-                self._drop_worker_blocks(worker)
+                removed += self._drop_worker_blocks(worker)
+        # At the batch's end, as Redis does: a block demoted to the host tier, or re-published
+        # after a clear, keeps its link.
+        self._unlink_unindexed(removed)
         cursor.seq = batch.seq
         self.num_events_applied += batch.num_block_events
         self._maybe_merge()
@@ -150,25 +177,42 @@ class IndexMirror:
     def load_worker(
         self, worker: WorkerId, generation: int, seq: int, blocks: Iterable[tuple[BlockHash, int]]
     ) -> None:
-        """Replace everything known about `worker` with a full snapshot (resync)."""
-        self.remove_worker(worker)
+        """Replace everything known about `worker` with a full snapshot (resync). The links of
+        blocks it still holds stay in the tree."""
+        before = self._drop_worker(worker)
         self._cursors[worker] = _WorkerCursor(generation, seq)
         by_tier: dict[int, list[BlockHash]] = {}
         for h, tier in blocks:
             by_tier.setdefault(tier, []).append(h)
         for tier, hashes in by_tier.items():
             self._add(worker, hashes, tier)
+        self._unlink_unindexed(before)
         self._maybe_merge()
 
     def remove_worker(self, worker: WorkerId) -> int:
         """Purge a worker (dead or restarting); returns how many of its blocks were dropped."""
-        dropped = self._drop_worker_blocks(worker)
+        num_held = self._num_blocks_of.get(worker, 0)
+        self._unlink_unindexed(self._drop_worker(worker))
+        return num_held
+
+    def _drop_worker(self, worker: WorkerId) -> list[BlockHash]:
+        """Forget the worker (blocks, bit, cursor); returns the blocks nobody holds any more."""
+        orphaned = self._drop_worker_blocks(worker)
         bit = self._bit_of.pop(worker, 0)
         if bit:
             del self._worker_of_bit[bit]
         self._cursors.pop(worker, None)
         self._num_blocks_of.pop(worker, None)
-        return dropped
+        return orphaned
+
+    def _unlink_unindexed(self, hashes: Sequence[BlockHash]) -> None:
+        """Unlink those of `hashes` that no worker holds (any more) from the tree."""
+        tree = self.tree
+        if not hashes or not tree.num_nodes:
+            return
+        for h, held in zip(hashes, self.indexed(hashes), strict=True):
+            if not held:
+                tree.unlink(h)
 
     def match(self, hashes: Sequence[BlockHash]) -> dict[WorkerId, PrefixMatch]:
         """Per worker, how many leading blocks of `hashes` it holds (workers with none omitted)."""
@@ -343,13 +387,14 @@ class IndexMirror:
         if added:
             self._num_blocks_of[worker] = self._num_blocks_of.get(worker, 0) + added
 
-    def _remove(self, worker: WorkerId, hashes: Sequence[BlockHash], tier: int) -> None:
+    def _remove(self, worker: WorkerId, hashes: Sequence[BlockHash], tier: int) -> list[BlockHash]:
+        """Drop the worker's hold on `hashes`; returns those it held."""
         bit = self._bit_of.get(worker)
         if not bit or not self._num_blocks_of.get(worker) or not hashes:
-            return  # nothing indexed (a worker gets its bit with its first block)
+            return []  # nothing indexed (a worker gets its bit with its first block)
         current = self._lookup(hashes).tolist()
         set_any, set_device, delta = self._set_any, self._set_device, self._delta
-        removed = 0
+        removed: list[BlockHash] = []
         for h, s in zip(hashes, current, strict=True):
             s = delta.get(h, s)
             if not set_any[s] & bit:
@@ -358,16 +403,16 @@ class IndexMirror:
             if held != tier:
                 continue  # a removal from another tier than the one indexed: keep ours
             self._move(h, s, self._intern(set_any[s] & ~bit, set_device[s] & ~bit))
-            removed += 1
-        self._num_blocks_of[worker] -= removed
+            removed.append(h)
+        self._num_blocks_of[worker] -= len(removed)
+        return removed
 
-    def _drop_worker_blocks(self, worker: WorkerId) -> int:
+    def _drop_worker_blocks(self, worker: WorkerId) -> list[BlockHash]:
         """Take the worker's bit out of every block (one pass over the arrays, no per-block
-        Python); returns how many blocks it held."""
+        Python); returns the blocks nobody holds any more (their links may have to go)."""
         bit = self._bit_of.get(worker)
-        num_held = self._num_blocks_of.get(worker, 0)
-        if not bit or not num_held:
-            return 0
+        if not bit or not self._num_blocks_of.get(worker, 0):
+            return []
         self._merge()
         refs = self._set_refs
         remap = np.arange(len(self._set_any), dtype=np.uint32)
@@ -388,7 +433,10 @@ class IndexMirror:
         self._num_blocks -= int(counts_new[_NOBODY])
         self._sets = new
         self._num_blocks_of[worker] = 0
-        return num_held
+        if not self.tree.num_nodes:
+            return []
+        orphaned: list[BlockHash] = self._keys[changed & (new == _NOBODY)].tolist()
+        return orphaned
 
     def _maybe_merge(self) -> None:
         if len(self._delta) > max(_MIN_DELTA, len(self._keys) >> 3):
@@ -440,3 +488,4 @@ class IndexMirror:
             assert self.num_worker_blocks(w) == int(counts[held].sum()), f"{w}'s count drifted"
         for w, n in self._num_blocks_of.items():
             assert not n or (w in self._cursors and w in self._bit_of), f"{w} has blocks only"
+        self.tree.check_invariants(set(self._keys[sets != _NOBODY].tolist()))

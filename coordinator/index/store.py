@@ -46,6 +46,46 @@ return {redis.call('HGETALL', KEYS[1]), table.concat(keys), tiers}
 """
 
 
+# Radix links of many blocks at once, from one shard: KEYS[1] a key of the shard (it routes the
+# call to the shard's node on a cluster), ARGV the shard's node-key prefix
+# (`kvmesh:{sNN}:{ns}:node:`), then the blocks' 16-hex-digit names concatenated; returns the
+# parents concatenated (16 zeros: no node in this shard) and the depths joined by commas.
+_NODE_LINKS = """
+local prefix = ARGV[1]
+local blob = ARGV[2]
+local parents, depths = {}, {}
+for k = 0, #blob / 16 - 1 do
+  local h = string.sub(blob, k * 16 + 1, k * 16 + 16)
+  local node = redis.call('HMGET', prefix .. h, 'p', 'd')
+  parents[#parents + 1] = node[1] or string.rep('0', 16)  -- NO_PARENT_HEX
+  depths[#depths + 1] = node[2] or '0'
+end
+return {table.concat(parents), table.concat(depths, ',')}
+"""
+_LINKS_PER_CALL = 20_000
+
+# KEYS[1] the epoch key; ARGV[1] an epoch. Raises the key to it if lower; returns the key's value.
+_RAISE_EPOCH = """
+local current = tonumber(redis.call('GET', KEYS[1]) or '0')
+local wanted = tonumber(ARGV[1])
+if current < wanted then
+  redis.call('SET', KEYS[1], wanted)
+  return wanted
+end
+return current
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeLink:
+    """One block's radix metadata in Redis."""
+
+    block_hash: BlockHash
+    parent_hash: BlockHash
+    """0: Redis has no node for the block."""
+    depth: int
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerSnapshot:
     worker_id: str
@@ -93,6 +133,8 @@ class IndexStore:
         )
         self._purge = self._client.register_script(schema.PURGE_WORKER)
         self._snapshot = self._client.register_script(_SNAPSHOT)
+        self._node_links = self._client.register_script(_NODE_LINKS)
+        self._raise_epoch = self._client.register_script(_RAISE_EPOCH)
         self.num_decode_errors = 0
 
     def ping(self) -> bool:
@@ -146,6 +188,77 @@ class IndexStore:
         for shard in range(schema.NUM_INDEX_SHARDS):
             pipe.hgetall(schema.shard_block_key(shard, ns, hex_hash))
         return {k.decode(): int(v) for raw in pipe.execute() for k, v in raw.items()}
+
+    def node_links(
+        self, ns: str, hashes: list[BlockHash], *, first_shard: int | None = None
+    ) -> list[NodeLink]:
+        """The radix metadata Redis keeps for `hashes` (a cold mirror's tree comes from here).
+        Each shard keeps the nodes of the blocks its workers hold, and those agree: a hash is
+        looked up in `first_shard` (if given) and then, while it has no node yet, in the next
+        shards; a hash with no node anywhere comes back with parent 0."""
+        shards = list(range(schema.NUM_INDEX_SHARDS))
+        if first_shard is not None:
+            shards.remove(first_shard)
+            shards.insert(0, first_shard)
+        out: list[NodeLink] = []
+        for start in range(0, len(hashes), _LINKS_PER_CALL):
+            chunk = hashes[start : start + _LINKS_PER_CALL]
+            parents = np.zeros(len(chunk), dtype=np.uint64)
+            depths = np.zeros(len(chunk), dtype=np.int64)
+            missing = np.arange(len(chunk))
+            wanted = np.asarray(chunk, dtype=">u8")
+            for shard in shards:
+                found_parents, found_depths = self._shard_node_links(shard, ns, wanted[missing])
+                found = found_parents != 0
+                parents[missing[found]] = found_parents[found]
+                depths[missing[found]] = found_depths[found]
+                missing = missing[~found]
+                if not len(missing):
+                    break
+            for h, parent, depth in zip(chunk, parents.tolist(), depths.tolist(), strict=True):
+                out.append(NodeLink(h, BlockHash(parent), depth))
+        return out
+
+    def _shard_node_links(
+        self, shard: int, ns: str, hashes: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Parents (0: no node) and depths of big-endian `hashes` in one shard (one call)."""
+        prefix = schema.shard_node_key(shard, ns, "")
+        keys = [schema.workers_key(shard)]
+        parents_hex, depths = self._node_links(keys=keys, args=[prefix, hashes.tobytes().hex()])
+        parents = np.frombuffer(bytes.fromhex(parents_hex.decode()), dtype=">u8").astype(np.uint64)
+        return parents, np.array(depths.split(b","), dtype=np.int64)
+
+    def node(self, ns: str, block_hash: BlockHash) -> dict[str, str]:
+        """One block's radix metadata: the first shard's node that has it ({}: none)."""
+        hex_hash = schema.hash_hex(block_hash)
+        pipe = self._client.pipeline(transaction=False)
+        for shard in range(schema.NUM_INDEX_SHARDS):
+            pipe.hgetall(schema.shard_node_key(shard, ns, hex_hash))
+        for raw in pipe.execute():
+            if raw:
+                return {k.decode(): v.decode() for k, v in raw.items()}
+        return {}
+
+    def cache_epoch(self, ns: str) -> int:
+        """The fleet's cache epoch: the epoch key, or the highest epoch a worker reports if
+        that is higher (Redis restarted empty while the workers lived on)."""
+        pipe = self._client.pipeline(transaction=False)
+        pipe.get(schema.epoch_key(ns))
+        for w in self.worker_ids():
+            pipe.hget(schema.worker_key(w), "cache_epoch")
+        raw, *reported = pipe.execute()
+        return max([int(raw or 0), *(int(r) for r in reported if r is not None)])
+
+    def raise_cache_epoch(self, ns: str, epoch: int) -> int:
+        """Set the namespace's cache epoch to `epoch` unless it is higher already; returns it
+        (so a worker starting now hashes under what the fleet uses)."""
+        return int(self._raise_epoch(keys=[schema.epoch_key(ns)], args=[epoch]))
+
+    def bump_cache_epoch(self, ns: str, at_least: int) -> int:
+        """Move the namespace's cache epoch on (to `at_least` if that is higher); returns it."""
+        epoch = int(self._client.incr(schema.epoch_key(ns)))
+        return self.raise_cache_epoch(ns, at_least) if epoch < at_least else epoch
 
     def num_block_keys(self, ns: str) -> int:
         """Block keys of `ns` over every shard (a SCAN: for tests and operators, not serving)."""

@@ -7,12 +7,14 @@ a fact told to the worker registry: a drained worker is not routable, while its 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvmesh.coordinator.cluster.registry import WorkerRegistry
-from kvmesh.coordinator.index.locked_mirror import LockedMirror
+from kvmesh.coordinator.index.locked_mirror import LockedMirror, NodeView
 from kvmesh.coordinator.index.mirror import WorkerId
+from kvmesh.coordinator.index.radix_tree import LinkCheck
 from kvmesh.workers.contract.replies import WorkerInfo
 
 if TYPE_CHECKING:
@@ -32,7 +34,7 @@ class Fleet(Protocol):
 
     def infos(self, timeout_s: float = 2.0) -> dict[str, WorkerInfo]: ...
     def latest_info(self, worker_id: str) -> WorkerInfo | None: ...
-    def call_all(self, method: str, timeout_s: float = 30.0) -> dict[str, Any]: ...
+    def call_all(self, method: str, *args: Any, timeout_s: float = 30.0) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +52,19 @@ class IndexView:
     coordinator's worker, known here only through Redis)."""
 
 
+@dataclass(frozen=True, slots=True)
+class CacheReset:
+    """What ClearCache did."""
+
+    cache_epoch: int
+    """The epoch every worker and this coordinator now hash under."""
+    num_freed_blocks: dict[str, int]
+    """worker -> cached blocks dropped."""
+
+
+MAX_TREE_NODES = 100_000
+
+
 class Admin:
     def __init__(
         self,
@@ -57,12 +72,18 @@ class Admin:
         coordinator: Coordinator,
         mirror: LockedMirror,
         control: FleetControl | None = None,
+        *,
+        external_pools: Callable[[], dict[str, list[int]]] = dict,
+        bump_cache_epoch: Callable[[], int] | None = None,
     ) -> None:
+        self.external_pools = external_pools
+        """Block hashes each external engine announced (its "pool", as kvmesh knows it)."""
         self.cluster = fleet
         self.coordinator = coordinator
         self.mirror = mirror
         self.registry = fleet.registry
         self.control = control
+        self._bump_cache_epoch = bump_cache_epoch or (lambda: coordinator.cache_epoch() + 1)
 
     def scale(self, num_workers: int, drain_timeout_s: float) -> tuple[list[str], list[str]]:
         """Grow or shrink the fleet; returns (started, stopped) worker ids."""
@@ -75,15 +96,29 @@ class Admin:
         self.registry.set_drained(worker_id, not undrain)
         return self.registry.drained()
 
-    def clear_cache(self) -> dict[str, int]:
-        """Every live worker drops its unreferenced cached blocks (and re-publishes its pool
-        under a new generation, so every mirror reloads it); returns blocks freed per worker."""
-        return {w: int(n) for w, n in self.cluster.call_all("clear_cache").items()}
+    def clear_cache(self) -> CacheReset:
+        """A true reset: the fleet moves to a new cache epoch (in Redis, so every coordinator
+        hashes under it), every live worker drops its unreferenced cached blocks, moves to the
+        epoch and re-publishes its pool under a new generation. Blocks running requests still
+        hold keep their old-epoch hashes, which nothing hashed from now on can match."""
+        epoch = self._bump_cache_epoch()
+        freed = self.cluster.call_all("clear_cache", epoch)
+        return CacheReset(epoch, {w: int(n) for w, n in freed.items()})
+
+    def tree(self, max_nodes: int, *, hottest: bool = False) -> tuple[list[NodeView], int]:
+        """The mirror's prefix tree (tree order, or most hit first) and its size."""
+        if not 0 <= max_nodes <= MAX_TREE_NODES:
+            raise ValueError(f"max_nodes must be in [0, {MAX_TREE_NODES}], got {max_nodes}")
+        return self.mirror.tree_nodes(max_nodes or 1000, hottest=hottest)
+
+    def check_links(self) -> LinkCheck:
+        return self.mirror.check_links()
 
     def index_views(self) -> list[IndexView]:
         """Mirror and pool of every worker, read one right after the other (under traffic the
         two can differ for a few milliseconds: compare twice before calling it a fault)."""
         pools = self.cluster.call_all("cached_hashes")
+        pools.update(self.external_pools())
         mirror = self.mirror
         owned = set(self.registry.known())
         known = owned | set(mirror.workers())

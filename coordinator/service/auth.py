@@ -28,6 +28,7 @@ ADMIN_METHODS = frozenset(
         "/kvmesh.v1.KVMesh/ClearCache",
         "/kvmesh.v1.KVMesh/Scale",
         "/kvmesh.v1.KVMesh/VerifyIndex",
+        "/kvmesh.v1.KVMesh/IndexTree",
     }
 )
 _SCHEME = "bearer "

@@ -96,7 +96,10 @@ class OpenAIFrontend:
     # ---- read-only endpoints ------------------------------------------------------------------
 
     def models(self) -> Body:
-        return models_body(self.model_name, self.created)
+        """The base model, then each LoRA adapter a live worker serves (`parent`: the base)."""
+        return models_body(
+            self.model_name, self.created, adapters=self.coordinator.registry.adapters()
+        )
 
     def health(self, worker_id: str = "") -> tuple[int, Body]:
         """(status, body): 200 while a worker (or the given one) can serve, else 503."""
@@ -132,22 +135,22 @@ class OpenAIFrontend:
 
     def completion(self, body: Any, worker_id: str = "") -> Body | Iterator[Body]:
         request = parse_completion(body)
-        self._check_model(request.model)
+        adapter = self._check_model(request.model)
         if isinstance(request.prompt, str):
             ids = self.tokenizer.encode(request.prompt)
         else:
             ids = list(request.prompt)
-        return self._respond(False, ids, request.params, worker_id)
+        return self._respond(False, ids, request.params, worker_id, adapter)
 
     def chat(self, body: Any, worker_id: str = "") -> Body | Iterator[Body]:
         request = parse_chat(body)
-        self._check_model(request.model)
+        adapter = self._check_model(request.model)
         try:
             prompt = self.chat_template.render(request.messages)
         except ValueError as exc:
             raise OpenAIError(400, str(exc), "messages") from None
         ids = self.tokenizer.encode(prompt.text, add_special_tokens=prompt.add_special_tokens)
-        return self._respond(True, ids, request.params, worker_id)
+        return self._respond(True, ids, request.params, worker_id, adapter)
 
     def tokenize(self, body: Any) -> Body:
         """vLLM's /tokenize, which cache-aware routers call to hash what the engine will see."""
@@ -177,20 +180,27 @@ class OpenAIFrontend:
             return OpenAIError(503, str(exc) or "no worker can serve the request")
         return OpenAIError(500, f"internal error: {type(exc).__name__}")
 
-    def _check_model(self, model: str) -> None:
-        if model not in self._names:
-            raise OpenAIError(
-                404, f"model {model!r} is not served here; this server serves {self.model_name!r}",
-                "model", code="model_not_found",
-            )  # fmt: skip
+    def _check_model(self, model: str) -> str:
+        """The LoRA adapter `model` names ("" for the base model); 404 for neither (as vLLM,
+        adapters are served as models of their own)."""
+        if model in self._names:
+            return ""
+        adapters = self.coordinator.registry.adapters()
+        if model in adapters:
+            return model
+        served = [self.model_name, *adapters]
+        raise OpenAIError(
+            404, f"model {model!r} is not served here; this server serves {served}",
+            "model", code="model_not_found",
+        )  # fmt: skip
 
     def _respond(
-        self, chat: bool, ids: list[int], params: GenerationParams, worker_id: str
+        self, chat: bool, ids: list[int], params: GenerationParams, worker_id: str, adapter: str
     ) -> Body | Iterator[Body]:
         if worker_id:
             self.check_worker(worker_id)
         try:
-            prompt = self._prepare(ids, params.cache_salt)
+            prompt = self._prepare(ids, params.cache_salt, adapter)
             sampling = self._sampling(prompt, params)
             events = self.coordinator.generate(
                 prompt,
@@ -208,11 +218,11 @@ class OpenAIFrontend:
             return self._chunks(chat, request_id, created, pieces, prompt, params.include_usage)
         return self._whole(chat, request_id, created, pieces, prompt)
 
-    def _prepare(self, ids: list[int], cache_salt: str) -> PreparedPrompt:
+    def _prepare(self, ids: list[int], cache_salt: str, adapter: str = "") -> PreparedPrompt:
         limit = self.coordinator.config.max_prompt_tokens
         if limit and len(ids) > limit:
             raise InvalidRequest(f"prompt of {len(ids)} tokens is over this server's limit {limit}")
-        return self.coordinator.prepare(ids, "", cache_salt)
+        return self.coordinator.prepare(ids, "", cache_salt, adapter=adapter)
 
     def _sampling(self, prompt: PreparedPrompt, params: GenerationParams) -> SamplingConfig:
         max_tokens = params.max_tokens
@@ -266,6 +276,7 @@ class OpenAIFrontend:
         prompt: PreparedPrompt,
     ) -> Body:  # fmt: skip
         texts, facts, last = [], None, None
+        model = prompt.adapter or self.model_name  # an adapter answers under its own name
         try:
             for piece in pieces:
                 texts.append(piece.text)
@@ -276,9 +287,7 @@ class OpenAIFrontend:
         assert last is not None and last.finish_reason is not None
         usage = _usage(prompt, last.num_output_tokens, facts)
         make = chat_body if chat else completion_body
-        return make(
-            request_id, created, self.model_name, "".join(texts), last.finish_reason, usage, facts
-        )
+        return make(request_id, created, model, "".join(texts), last.finish_reason, usage, facts)
 
     def _chunks(
         self, chat: bool, request_id: str, created: int, pieces: Iterator[Piece],
@@ -286,13 +295,14 @@ class OpenAIFrontend:
     ) -> Iterator[Body]:  # fmt: skip
         """Chunk bodies; a failure mid-stream ends it with an error body (`{"error": ...}`)."""
         first, facts = True, None
+        model = prompt.adapter or self.model_name
         try:
             for piece in pieces:
                 facts = facts or piece.facts
                 if not piece.text and piece.finish_reason is None and not first:
                     continue
                 chunk = chunk_body(
-                    chat, request_id, created, self.model_name, piece.text, piece.finish_reason,
+                    chat, request_id, created, model, piece.text, piece.finish_reason,
                     first=first,
                 )  # fmt: skip
                 first = False
@@ -301,7 +311,7 @@ class OpenAIFrontend:
                         chunk["kvmesh"] = facts.body()
                     yield chunk
                     if include_usage:
-                        tail = chunk_body(chat, request_id, created, self.model_name, None, None)
+                        tail = chunk_body(chat, request_id, created, model, None, None)
                         tail["usage"] = _usage(prompt, piece.num_output_tokens, facts).body()
                         yield tail
                     return

@@ -3,6 +3,7 @@ models, and the usage / kvmesh cache facts they carry. Pure: dicts ready for JSO
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,9 +113,12 @@ def chunk_body(
     }
 
 
-def models_body(model: str, created: int, owner: str = "kvmesh") -> dict[str, Any]:
+def models_body(
+    model: str, created: int, owner: str = "kvmesh", adapters: Sequence[str] = ()
+) -> dict[str, Any]:
     entry = {"id": model, "object": "model", "created": created, "owned_by": owner}
-    return {"object": "list", "data": [entry]}
+    loras = [{**entry, "id": name, "parent": model} for name in adapters]
+    return {"object": "list", "data": [entry, *loras]}
 
 
 def _with_facts(body: dict[str, Any], facts: CacheFacts | None) -> dict[str, Any]:

@@ -10,7 +10,7 @@ stop the server:
 Oversized messages are refused by gRPC itself with RESOURCE_EXHAUSTED (max_receive_message_length).
 Authentication, rate and stream limits, field sizes and unparsable bytes are answered before a
 call gets here, by the interceptor (`service/interceptor.py`). The admin RPCs (Drain, ClearCache,
-VerifyIndex) delegate to `coordinator/service/admin.py`.
+VerifyIndex, IndexTree) delegate to `coordinator/service/admin.py`.
 """
 
 from __future__ import annotations
@@ -37,13 +37,19 @@ from kvmesh.coordinator.coordinator import (
 )
 from kvmesh.coordinator.index.follower import IndexFollower
 from kvmesh.coordinator.service.admin import Admin, Fleet
+from kvmesh.coordinator.service.cache_messages import (
+    cache_stats_message,
+    link_check_fields,
+    tree_message,
+)
 from kvmesh.coordinator.service.detokenizer import IncrementalDetokenizer
 from kvmesh.coordinator.service.interceptor import GateInterceptor
 from kvmesh.coordinator.service.tls import ServerTls
 from kvmesh.coordinator.session_turns import SessionBusy, TurnMode
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
-from kvmesh.workers.contract.replies import RequestRejected
+from kvmesh.proto.block_hash import MediaItem
+from kvmesh.workers.contract.replies import CacheStats, RequestRejected
 from kvmesh.workers.contract.requests import SamplingConfig
 
 log = logging.getLogger(__name__)
@@ -77,7 +83,10 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
         *,
         admin: Admin | None = None,
         gate: GateInterceptor | None = None,
+        worker_kind: Callable[[str], str] | None = None,
     ) -> None:
+        self.worker_kind = worker_kind or (lambda _w: "kvmesh")
+        """`kvmesh` for kvmesh's own workers, an external engine's kind (`vllm`, ...)."""
         self.coordinator = coordinator
         self.cluster = cluster
         self.follower = follower
@@ -154,7 +163,7 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
 
     def _try_generate(self, request: pb.GenerateRequest, label: str) -> Iterator[Any]:
         c = self.coordinator
-        prompt = self._prepare(request.token_ids, request.prompt, request.cache_salt)
+        prompt = self._prepare(request.token_ids, request.prompt, request.cache_salt, request)
         s = request.sampling
         if not request.HasField("sampling") or s.max_tokens == 0:
             raise InvalidRequest("sampling.max_tokens must be >= 1")
@@ -180,13 +189,24 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
             label=label,
         )
 
-    def _prepare(self, token_ids: Any, prompt: str, cache_salt: str) -> PreparedPrompt:
+    def _prepare(
+        self, token_ids: Any, prompt: str, cache_salt: str, request: Any = None
+    ) -> PreparedPrompt:
         """`Coordinator.prepare` within `max_prompt_tokens` (checked before hashing, and again
-        after tokenizing a text prompt)."""
+        after tokenizing a text prompt), with the request's adapter, media items and
+        `bypass_cache` (Generate and Route have one)."""
         limit = self.coordinator.config.max_prompt_tokens
         prepared = None
         if not limit or len(token_ids) <= limit:
-            prepared = self.coordinator.prepare(list(token_ids), prompt, cache_salt)
+            adapter, media = adapter_and_media(request)
+            prepared = self.coordinator.prepare(
+                list(token_ids),
+                prompt,
+                cache_salt,
+                adapter=adapter,
+                media=media,
+                bypass_cache=bool(getattr(request, "bypass_cache", False)),
+            )
             if not limit or len(prepared.token_ids) <= limit:
                 return prepared
         n = len(token_ids) if prepared is None else len(prepared.token_ids)
@@ -197,7 +217,7 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
     def Route(self, request: pb.RouteRequest, context: grpc.ServicerContext) -> pb.RouteResponse:
         def run() -> pb.RouteResponse:
             c = self.coordinator
-            prompt = self._prepare(request.token_ids, request.prompt, request.cache_salt)
+            prompt = self._prepare(request.token_ids, request.prompt, request.cache_salt, request)
             d = c.route(prompt, request.session_id)
             return pb.RouteResponse(
                 worker_id=d.worker_id,
@@ -220,7 +240,7 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
     def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
         def run() -> pb.LookupResponse:
             c = self.coordinator
-            prompt = self._prepare(request.token_ids, request.prompt, request.cache_salt)
+            prompt = self._prepare(request.token_ids, request.prompt, request.cache_salt, request)
             matches = c.match(prompt)
             bs = c.config.block_size
             return pb.LookupResponse(
@@ -259,9 +279,16 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
                 num_failed_pulls=c.transfers.num_failed_pulls if c.transfers is not None else 0,
                 **self._session_totals(),
                 **s,
+                cache=cache_stats_message(self._cache_totals()),
+                num_tree_nodes=self.follower.mirror.num_tree_nodes if self.follower else 0,
             )
 
         return self._guard(context, run)
+
+    def _cache_totals(self) -> CacheStats:
+        """The workers' last cache reports, summed (so ListWorkers' figures add up to it)."""
+        reports = [self.cluster.latest_info(w) for w in self.cluster.registry.known()]
+        return CacheStats.total(i.cache for i in reports if i is not None)
 
     def _session_totals(self) -> dict[str, int]:
         """Warm-session counters summed over the workers' last reports (the health watcher's:
@@ -311,6 +338,8 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
                     "generation": i.generation,
                     "num_warm_sessions": i.counters.num_warm_sessions,
                     "warm_session_bytes": i.counters.warm_session_bytes,
+                    "cache": cache_stats_message(i.cache),
+                    "adapters": list(i.adapters),
                 }
             out.append(
                 pb.WorkerInfo(
@@ -318,6 +347,7 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
                     alive=registry.is_alive(w),
                     num_indexed_blocks=self.coordinator.indexed_blocks_of(w),
                     drained=registry.is_drained(w),
+                    kind=self.worker_kind(w),
                     **report,
                 )
             )
@@ -353,9 +383,10 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
         self, request: pb.ClearCacheRequest, context: grpc.ServicerContext
     ) -> pb.ClearCacheResponse:
         def run() -> pb.ClearCacheResponse:
-            freed = sorted(self._admin().clear_cache().items())
+            reset = self._admin().clear_cache()
+            freed = sorted(reset.num_freed_blocks.items())
             cleared = [pb.WorkerCleared(worker_id=w, num_freed_blocks=n) for w, n in freed]
-            return pb.ClearCacheResponse(workers=cleared)
+            return pb.ClearCacheResponse(workers=cleared, cache_epoch=reset.cache_epoch)
 
         return self._guard(context, run)
 
@@ -363,11 +394,30 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
         self, request: pb.VerifyIndexRequest, context: grpc.ServicerContext
     ) -> pb.VerifyIndexResponse:
         def run() -> pb.VerifyIndexResponse:
-            views = [pb.WorkerIndexView(**asdict(v)) for v in self._admin().index_views()]
+            admin = self._admin()
+            views = [pb.WorkerIndexView(**asdict(v)) for v in admin.index_views()]
             connected = self.follower is not None and self.follower.connected
-            return pb.VerifyIndexResponse(workers=views, redis_connected=connected)
+            links = link_check_fields(admin.check_links())
+            return pb.VerifyIndexResponse(workers=views, redis_connected=connected, **links)
 
         return self._guard(context, run)
+
+    def IndexTree(
+        self, request: pb.IndexTreeRequest, context: grpc.ServicerContext
+    ) -> pb.IndexTreeResponse:
+        def run() -> pb.IndexTreeResponse:
+            views, num_nodes = self._admin().tree(request.max_nodes, hottest=request.hottest)
+            return tree_message(views, num_nodes, self.coordinator.config.block_size)
+
+        return self._guard(context, run)
+
+
+def adapter_and_media(request: Any) -> tuple[str, tuple[MediaItem, ...]]:
+    """The adapter name and media items of a Generate / Route / Lookup request (none: base)."""
+    if request is None:
+        return "", ()
+    media = tuple(MediaItem(m.hash, m.offset, m.length) for m in request.media)
+    return request.adapter, media
 
 
 def build_server(

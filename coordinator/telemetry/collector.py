@@ -77,6 +77,36 @@ _WORKER_COUNTERS = (
     ),
 )
 
+# (CacheStats field, metric name, kind, help): the worker's prefix-cache figures (`kvmesh stats`).
+_CACHE_FIELDS = (
+    (
+        "saved_prefill_tokens",
+        "kvmesh_worker_saved_prefill_tokens_total",
+        MetricKind.COUNTER,
+        "Prompt tokens not prefilled thanks to the cache (device, host or pulled).",
+    ),
+    (
+        "num_host_evictions",
+        "kvmesh_worker_host_evicted_blocks_total",
+        MetricKind.COUNTER,
+        "Host-tier blocks dropped to make room.",
+    ),
+    ("num_bytes", "kvmesh_worker_cache_bytes", MetricKind.GAUGE, "KV bytes of matchable blocks."),
+    (
+        "cache_epoch",
+        "kvmesh_worker_cache_epoch",
+        MetricKind.GAUGE,
+        "Cache epoch the worker hashes under (ClearCache moves it on).",
+    ),
+)
+
+# (reason label, counters field) of kvmesh_worker_sessions_evicted_total
+_SESSION_EVICTIONS = (
+    ("ttl", "num_sessions_evicted_ttl"),
+    ("budget", "num_sessions_evicted_budget"),
+    ("pressure", "num_sessions_evicted_pressure"),
+)
+
 
 class MetricsCollector:
     def __init__(
@@ -263,13 +293,59 @@ class MetricsCollector:
                 lambda i: i.counters.num_host_blocks,
             ),
             per_worker(
+                "kvmesh_worker_warm_sessions",
+                MetricKind.GAUGE,
+                "Idle sessions whose chains the worker keeps warm now.",
+                lambda i: i.counters.num_warm_sessions,
+            ),
+            per_worker(
+                "kvmesh_worker_warm_session_bytes",
+                MetricKind.GAUGE,
+                "Device KV bytes the warm sessions' chains hold.",
+                lambda i: i.counters.warm_session_bytes,
+            ),
+            MetricFamily(
+                "kvmesh_worker_sessions_evicted_total",
+                MetricKind.COUNTER,
+                "Sessions no longer kept warm, by reason: idle past the TTL, over the byte "
+                "budget (LRU), or device pressure (the pool reused the whole chain).",
+                ("worker", "reason"),
+                tuple(
+                    Sample((("worker", w), ("reason", reason)), float(getattr(i.counters, field)))
+                    for w, i in sorted(infos.items())
+                    for reason, field in _SESSION_EVICTIONS
+                ),
+            ),
+            MetricFamily(
+                "kvmesh_worker_cache_lookups_total",
+                MetricKind.COUNTER,
+                "Requests that reused at least one cached block (hit) or none (miss).",
+                ("worker", "result"),
+                tuple(
+                    Sample((("worker", w), ("result", result)), float(n))
+                    for w, i in sorted(infos.items())
+                    for result, n in (
+                        ("hit", i.cache.num_lookup_hits),
+                        ("miss", i.cache.num_lookup_misses),
+                    )
+                ),
+            ),
+            per_worker(
                 "kvmesh_worker_prefill_seconds_per_token",
                 MetricKind.GAUGE,
                 "Measured prefill cost per token (the router's cost model follows it).",
                 lambda i: i.counters.prefill_ms_per_token / 1e3,
             ),
         ]
+        families += [
+            per_worker(name, kind, text, _cache_field(field))
+            for field, name, kind, text in _CACHE_FIELDS
+        ]
         return families
+
+
+def _cache_field(name: str) -> Callable[[WorkerInfo], float]:
+    return lambda info: float(getattr(info.cache, name))
 
 
 def _single(name: str, kind: MetricKind, text: str, value: float) -> MetricFamily:

@@ -132,8 +132,11 @@ def small_config() -> ModelConfig:
     [
         AttentionMode(paged_decode=True, paged_prefill=True, explicit_masks=False),
         AttentionMode(paged_decode=False, paged_prefill=False, explicit_masks=False),
+        AttentionMode(
+            paged_decode=True, paged_prefill=False, explicit_masks=False, split_prefill=True
+        ),
     ],
-    ids=["triton", "gather+flash"],
+    ids=["triton", "gather+flash", "split"],
 )
 def test_runner_gpu_paths_match_the_explicit_mask_path(
     mode: AttentionMode, dtype: torch.dtype
@@ -161,3 +164,34 @@ def test_runner_gpu_paths_match_the_explicit_mask_path(
         assert (got - want).abs().max().item() < 0.08 * want.abs().max().item()
         cosine = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)
         assert cosine.item() > 0.999
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("prefix_len", "query_len"), [(7680, 512), (1500, 37), (5, 300), (1, 2)])
+def test_split_prefix_attention_matches_float64_reference(
+    dtype: torch.dtype, prefix_len: int, query_len: int
+) -> None:
+    """The fused parts (cuDNN on Hopper, else flash) and their merge vs one float64 softmax."""
+    from kvmesh.workers.model.split_attention import split_prefix_attention
+
+    gen = torch.Generator(device="cuda").manual_seed(prefix_len + query_len)
+    heads, kv_heads, dim = 32, 8, 128
+    total = prefix_len + query_len
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, device="cuda", generator=gen).to(dtype)
+
+    q, k, v = randn(query_len, heads, dim), randn(total, kv_heads, dim), randn(total, kv_heads, dim)
+    rows = torch.full((query_len + 6, heads, dim), float("nan"), device="cuda", dtype=dtype)
+    got = rows[3 : 3 + query_len]  # rows around it belong to nobody: they must stay untouched
+    split_prefix_attention(q, k[:prefix_len], v[:prefix_len], k[prefix_len:], v[prefix_len:], got)
+    assert rows[:3].isnan().all() and rows[3 + query_len :].isnan().all()
+    keys, values = (x.double().repeat_interleave(heads // kv_heads, dim=1) for x in (k, v))
+    scores = torch.einsum("qhd,khd->hqk", q.double(), keys) / dim**0.5
+    query_pos = torch.arange(prefix_len, total, device="cuda")
+    hidden = torch.arange(total, device="cuda")[None, :] > query_pos[:, None]
+    want = torch.einsum(
+        "hqk,khd->qhd", scores.masked_fill(hidden, float("-inf")).softmax(-1), values
+    )
+    error = (got.double() - want).norm() / want.norm()
+    assert error.item() < TOLERANCE[dtype], error.item()

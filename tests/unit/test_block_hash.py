@@ -62,3 +62,15 @@ def test_the_block_of_the_last_prompt_token_is_never_reused() -> None:
     assert num_reusable_tokens(32, 5, 16) == 16 and num_reusable_tokens(100, 1, 16) == 16
     with pytest.raises(ValueError):
         num_reusable_blocks(0, 16)
+
+
+def test_cache_root_is_pinned_and_moves_with_epoch_and_kv_dtype() -> None:
+    from kvmesh.proto.block_hash import cache_root
+
+    ns = namespace_hash("m", "", "tenant-a")
+    assert cache_root(ns, "float32", 0) == 0x94814D3470090E6A
+    assert cache_root(ns, "bfloat16", 3) == 0x1328D4D61E61248E
+    roots = {cache_root(ns, d, e) for d in ("float32", "bfloat16") for e in (0, 1, 2)}
+    assert len(roots) == 6 and ns not in roots
+    with pytest.raises(ValueError):
+        cache_root(ns, "float32", -1)

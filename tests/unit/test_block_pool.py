@@ -185,3 +185,49 @@ class PoolMachine(RuleBasedStateMachine):
 
 PoolMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestPoolMachine = PoolMachine.TestCase
+
+
+def test_stored_events_republish_every_block_with_its_parent_and_depth() -> None:
+    pool = make_pool(8)
+    root = BlockHash(7)
+    blocks = pool.allocate(5)
+    assert blocks is not None
+    a, b, c, d, e = blocks
+    pool.register(a, H(0), root, depth=1)
+    pool.register(b, H(1), H(0), depth=2)
+    pool.register(c, H(2), H(1), depth=3)
+    pool.register(d, H(3), H(0), depth=2)  # a sibling of H(1)
+    pool.register(e, H(9), BlockHash(0))  # link unknown
+    pool.drain_events()
+    events = pool.stored_events()
+    links = {}
+    for ev in events:
+        parent, depth = ev.parent_hash, ev.depth
+        for h in ev.hashes:
+            links[h] = (parent, depth)
+            parent, depth = h, depth + 1 if depth else 0
+    assert links == {
+        H(0): (root, 1),
+        H(1): (H(0), 2),
+        H(2): (H(1), 3),
+        H(3): (H(0), 2),
+        H(9): (BlockHash(0), 0),
+    }
+    assert len(events) == 3  # [H0 H1 H2], [H3], [H9]: chains stay whole
+    seen: set[BlockHash] = set()
+    for ev in events:  # a parent is stored before its children
+        assert ev.parent_hash in seen or ev.parent_hash not in links
+        seen.update(ev.hashes)
+
+
+def test_registration_events_carry_the_depth_of_their_first_block() -> None:
+    pool = make_pool(4)
+    blocks = pool.allocate(3)
+    assert blocks is not None
+    pool.register(blocks[0], H(0), BlockHash(7), depth=1)
+    pool.register(blocks[1], H(1), H(0), depth=2)
+    pool.register(blocks[2], H(5), H(4), depth=6)
+    assert pool.drain_events() == [
+        BlockStored((H(0), H(1)), 0, BlockHash(7), 1),
+        BlockStored((H(5),), 0, H(4), 6),
+    ]

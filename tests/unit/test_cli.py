@@ -288,7 +288,7 @@ def test_bad_tokens_give_one_line_and_exit_2(
 @pytest.mark.parametrize(
     "argv",
     [
-        ["up", "--workers", "0"],
+        ["up", "--workers", "-1"],
         ["up", "--port", "70000"],
         ["serve", "--redis-url", "redis://h", "--gpus-per-worker", "0"],
         ["generate", "--tokens", "1", "--max-tokens", "0"],
@@ -454,7 +454,7 @@ def test_cli_stats_and_workers_json(address: str, capsys: pytest.CaptureFixture[
 def test_cli_human_output_is_aligned_text(address: str, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run_cli(capsys, "workers", "--address", address)
     lines = out.splitlines()
-    assert code == 0 and lines[0].split()[:3] == ["worker", "alive", "device"]
+    assert code == 0 and lines[0].split()[:3] == ["worker", "kind", "alive"]
     assert len({len(line) for line in lines}) == 1  # every row as wide as the header
     for command in ("generate", "route", "lookup"):
         code, out, _ = run_cli(capsys, command, "--address", address, "--tokens", "1,2")

@@ -90,3 +90,17 @@ events = st.one_of(
 def test_round_trip(worker: str, generation: int, seq: int, evs: list) -> None:
     batch = EventBatch(worker, generation, seq, tuple(evs), 0)
     assert decode_batch(encode_batch(batch)) == batch
+
+
+def test_stored_depth_round_trips_and_four_field_stored_events_have_depth_zero() -> None:
+    with_depth = EventBatch("w0", 1, 1, (BlockStored((BlockHash(3),), 0, BlockHash(2), 4),))
+    assert decode_batch(encode_batch(with_depth)) == with_depth
+    old = msgpack.packb(
+        {"v": 1, "w": "w0", "g": 1, "s": 1, "t": 0, "e": [[0, [3], 0, 2]]}, use_bin_type=True
+    )
+    assert decode_batch(old).events == (BlockStored((BlockHash(3),), 0, BlockHash(2), 0),)
+    bad = msgpack.packb(
+        {"v": 1, "w": "w0", "g": 1, "s": 1, "t": 0, "e": [[0, [3], 0, 2, -1]]}, use_bin_type=True
+    )
+    with pytest.raises(EventDecodeError, match="depth"):
+        decode_batch(bad)

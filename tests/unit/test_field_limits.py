@@ -37,7 +37,10 @@ def _message_with(descriptor: Descriptor, path: tuple[str, ...], size: int) -> M
     for name in path[:-1]:
         target = getattr(target, name)
     field = target.DESCRIPTOR.fields_by_name[path[-1]]
-    if field.is_repeated:
+    if field.is_repeated and field.type == FieldDescriptor.TYPE_MESSAGE:
+        for _ in range(size):
+            getattr(target, path[-1]).add()
+    elif field.is_repeated:
         getattr(target, path[-1]).extend([1] * size)
     elif field.type == FieldDescriptor.TYPE_BYTES:
         setattr(target, path[-1], b"x" * size)

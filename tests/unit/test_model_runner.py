@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvmesh.workers.model.batch_plan import AttentionMode
 from kvmesh.workers.model.model_config import ModelConfig, RopeScaling, load_model_config, preset
 from kvmesh.workers.model.runner import ModelRunner, SeqChunk, rope_inv_freq
 from kvmesh.workers.model.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
@@ -185,6 +186,22 @@ def test_chunked_prefill_into_shuffled_blocks_matches_one_shot(tiny: ModelRunner
     torch.testing.assert_close(chunked, one_shot, atol=1e-5, rtol=0)
 
 
+def test_split_prefix_attention_gives_the_masked_paths_logits(tiny: ModelRunner) -> None:
+    """The prefix / causal-square split with its log-sum-exp merge (the math fallback of the
+    fused kernels) equals the one-call masked path, for prefixes ending mid-block and on one."""
+    ids = prompt(45, seed=11)
+    table = shuffled_table(12, seed=12)
+    expected = fresh_runner(tiny).forward_all_logits([SeqChunk(ids, 0, list(range(12)))])[0]
+    for cached in (1, 10, 16, 44):
+        runner = fresh_runner(tiny)
+        runner.attention_mode = AttentionMode(
+            paged_decode=False, paged_prefill=False, explicit_masks=True, split_prefill=True
+        )
+        runner.forward([SeqChunk(ids[:cached], 0, table)])
+        got = runner.forward_all_logits([SeqChunk(ids[cached:], cached, table)])[0]
+        torch.testing.assert_close(got, expected[cached:], atol=1e-5, rtol=0)
+
+
 def test_decode_steps_match_full_prompt_logits(tiny: ModelRunner) -> None:
     ids = prompt(21, seed=6)
     expected = fresh_runner(tiny).forward_all_logits([SeqChunk(ids, 0, list(range(6)))])[0]
@@ -346,8 +363,8 @@ def test_hf_dict_reading_handles_v4_layout_windows_and_unsupported_rope() -> Non
     mistral = {**v4, "architectures": ["MistralForCausalLM"], "rope_scaling": None}
     mistral |= {"sliding_window": 4096, "max_position_embeddings": 32768}
     assert ModelConfig.from_hf_dict(mistral).max_position_embeddings == 4096
-    with pytest.raises(ValueError, match="rope_type 'yarn' is not supported"):
-        ModelConfig.from_hf_dict({**v4, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
+    with pytest.raises(ValueError, match="rope_type 'longrope' is not supported"):
+        ModelConfig.from_hf_dict({**v4, "rope_scaling": {"rope_type": "longrope", "factor": 2.0}})
     with pytest.raises(
         ValueError, match=r"num_heads \(4\) must be a multiple of num_kv_heads \(3\)"
     ):

@@ -1,12 +1,14 @@
 """The NCCL transport's claims: a worker is in one transfer at a time, waits without holding a
 claim, and gives up (object-store fallback) when the peer stays busy. No GPU needed: the peer is
-a stand-in with the actor's call shape."""
+a stand-in with the actor's call shape. Also: which group a coordinator that did not form it
+adopts."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
 
+from kvmesh.coordinator.cluster.cluster import agreed_nccl_group
 from kvmesh.workers.transfer.nccl import NcclLink, NcclTransport
 
 
@@ -65,3 +67,19 @@ def test_a_peer_that_stays_busy_means_fallback_with_no_claim_left() -> None:
     theirs.busy = True
     assert asyncio.run(t._claim_both("b", (1,))) is None  # type: ignore[arg-type]
     assert not ours.busy and theirs.busy
+
+
+def test_an_attached_coordinator_adopts_the_group_most_live_workers_share() -> None:
+    group = {"w0": 0, "w1": 1, "w2": 2}
+    reports = {"w0": group, "w1": group, "w2": group, "w3": {}}  # w3 replaced a dead worker
+    assert agreed_nccl_group(reports) == group
+    # w2 died and is gone from the reports: the survivors still share the group.
+    assert agreed_nccl_group({"w0": group, "w1": group}) == {"w0": 0, "w1": 1}
+    # A worker that claims a group without itself in it, or a lone member, forms none.
+    assert agreed_nccl_group({"w0": {"w1": 0}, "w1": {}}) == {}
+    assert agreed_nccl_group({"w0": group, "w1": {}}) == {}
+    assert agreed_nccl_group({}) == {}
+    # Two groups (a re-formed fleet beside stale members): the larger wins, members only.
+    new = {"w3": 0, "w4": 1, "w5": 2}
+    mixed = {"w0": {"w0": 0, "w1": 1}, "w1": {"w0": 0, "w1": 1}, "w3": new, "w4": new, "w5": new}
+    assert agreed_nccl_group(mixed) == new

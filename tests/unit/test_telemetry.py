@@ -26,7 +26,7 @@ from kvmesh.coordinator.telemetry.metric_family import MetricFamily, MetricKind,
 from kvmesh.coordinator.telemetry.request_log import RequestLog
 from kvmesh.coordinator.telemetry.request_metrics import RequestMetrics
 from kvmesh.coordinator.telemetry.request_record import OUTCOMES, RequestRecord
-from kvmesh.workers.contract.replies import WorkerCounters, WorkerInfo
+from kvmesh.workers.contract.replies import CacheStats, WorkerCounters, WorkerInfo
 from kvmesh.workers.contract.requests import SamplingConfig
 from kvmesh.workers.model.model_config import preset
 from tests.unit.test_coordinator import BS, Clock, FakeBackend
@@ -55,8 +55,21 @@ class FakeIndex:
 
 
 def worker_info(worker_id: str, *, num_free: int = 60, evicted: int = 0) -> WorkerInfo:
-    counters = WorkerCounters(num_requests=2, num_preemptions=1, num_evicted_blocks=evicted)
-    return WorkerInfo(worker_id, 1, "node", "cpu", "m", BS, 100, num_free, 30, 2, 1, 1, counters)
+    counters = WorkerCounters(
+        num_requests=2,
+        num_preemptions=1,
+        num_evicted_blocks=evicted,
+        num_warm_sessions=3,
+        warm_session_bytes=4096,
+        num_sessions_evicted_ttl=7,
+        num_sessions_evicted_budget=2,
+    )
+    cache = CacheStats(
+        num_lookup_hits=4, num_lookup_misses=6, saved_prefill_tokens=640, cache_epoch=2
+    )
+    return WorkerInfo(
+        worker_id, 1, "node", "cpu", "m", BS, 100, num_free, 30, 2, 1, 1, counters, cache=cache
+    )
 
 
 def make(step_s: float = 0.001):  # type: ignore[no-untyped-def]
@@ -183,8 +196,18 @@ def test_worker_families_read_each_live_workers_last_report() -> None:
     assert fams["kvmesh_worker_preemptions_total"].value(worker="w1") == 1
     assert fams["kvmesh_worker_running_requests"].value(worker="w0") == 2
     assert fams["kvmesh_worker_waiting_requests"].value(worker="w0") == 1
+    assert fams["kvmesh_worker_warm_sessions"].value(worker="w0") == 3
+    assert fams["kvmesh_worker_warm_session_bytes"].value(worker="w1") == 4096
+    evicted = fams["kvmesh_worker_sessions_evicted_total"]
+    assert evicted.value(worker="w0", reason="ttl") == 7
+    assert evicted.value(worker="w0", reason="budget") == 2
+    assert evicted.value(worker="w1", reason="pressure") == 0
     assert fams["kvmesh_workers"].value(state="routable") == 1
     assert fams["kvmesh_workers"].value(state="drained") == 1
+    assert fams["kvmesh_worker_cache_lookups_total"].value(worker="w0", result="hit") == 4
+    assert fams["kvmesh_worker_cache_lookups_total"].value(worker="w0", result="miss") == 6
+    assert fams["kvmesh_worker_saved_prefill_tokens_total"].value(worker="w0") == 640
+    assert fams["kvmesh_worker_cache_epoch"].value(worker="w1") == 2
     registry.mark_dead("w0", "test")
     fams = families(collector)
     assert fams["kvmesh_worker_up"].value(worker="w0") == 0

@@ -17,6 +17,7 @@ SMALL = {
     "rag": {"num_requests": 40, "corpus_docs": 16, "doc_len": 32},
     "agentic": {"num_agents": 3, "steps_per_agent": 4, "system_prompt_len": 64},
     "hot_prefix": {"num_requests": 40, "prefix_len": 64, "question_len": 32},
+    "chat_beside_batch": {"num_sessions": 3, "turns_per_session": 3, "num_documents": 12},
 }
 
 
@@ -45,6 +46,16 @@ def test_shared_prefix_has_one_request_per_user_each_led_by_its_group_prompt() -
     heads = {r.token_ids[:64].tobytes() for r in reqs}
     assert len(heads) == 3
     assert all(r.prompt_len == 64 + 8 for r in reqs)
+
+
+def test_chat_beside_batch_mixes_whole_chats_with_one_off_documents() -> None:
+    reqs = workloads.generate("chat_beside_batch", 0, SMALL["chat_beside_batch"])
+    chats = [r for r in reqs if r.session_id]
+    documents = [r for r in reqs if not r.session_id]
+    assert len(chats) == 3 * 3 and len(documents) == 12
+    assert len({r.session_id for r in chats}) == 3
+    assert all(r.prompt_len == 2048 for r in documents)
+    assert len({r.token_ids.tobytes() for r in documents}) == 12  # nobody sends one twice
 
 
 def test_multi_turn_prompt_quotes_the_previous_prompt_and_answer() -> None:

@@ -6,7 +6,8 @@ the first output carries is `None` on the others.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
 
 
 class RequestRejected(ValueError):
@@ -91,6 +92,10 @@ class WorkerCounters:
     num_host_blocks: int = 0
     num_evicted_blocks: int = 0
     """Registered blocks the device pool reused for new KV (their prefix left the pool)."""
+    num_lookup_hits: int = 0
+    """Requests whose first prefill reused a cached block (see `CacheStats`)."""
+    num_lookup_misses: int = 0
+    num_host_evicted_blocks: int = 0
     prefill_ms_per_token: float = 0.0
     """Measured prefill cost (the router's cost model follows it)."""
     num_warm_sessions: int = 0
@@ -103,6 +108,63 @@ class WorkerCounters:
     """Sessions let go (least recently used first) to stay within the byte budget."""
     num_sessions_evicted_pressure: int = 0
     """Sessions whose whole chain the device pool had to reuse (nothing else was free)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    """One worker's prefix cache (or a cluster's: `CacheStats.total`). Token counts are per
+    request's first prefill, so `saved_prefill_tokens == local + host + pulled hit tokens`."""
+
+    enabled: bool = True
+    """Prefix caching on (`--no-prefix-cache` turns it off: nothing is reused or registered)."""
+    block_size: int = 0
+    kv_dtype: str = ""
+    """Dtype of the KV blocks (part of every root hash); a cluster of several: comma-joined."""
+    cache_epoch: int = 0
+    """Bumped by ClearCache; a cluster: the highest of its workers'."""
+    num_lookup_hits: int = 0
+    """Requests whose prompt reused at least one cached block (any tier, or pulled)."""
+    num_lookup_misses: int = 0
+    """Requests that looked and reused nothing (requests with `bypass_cache` do not look)."""
+    local_hit_tokens: int = 0
+    """Prompt tokens reused from the device pool."""
+    host_hit_tokens: int = 0
+    """Prompt tokens promoted from the host tier."""
+    pulled_hit_tokens: int = 0
+    """Prompt tokens fetched from a peer."""
+    saved_prefill_tokens: int = 0
+    """Prompt tokens not prefilled thanks to the cache: local + host + pulled."""
+    num_device_evictions: int = 0
+    """Registered device blocks reused for new KV (their hash dropped)."""
+    num_host_evictions: int = 0
+    """Host-tier blocks dropped to make room."""
+    num_preemptions: int = 0
+    num_device_entries: int = 0
+    """Registered (matchable) blocks in the device pool."""
+    num_host_entries: int = 0
+    num_bytes: int = 0
+    """KV bytes those entries hold (device + host)."""
+
+    @property
+    def num_entries(self) -> int:
+        return self.num_device_entries + self.num_host_entries
+
+    @staticmethod
+    def total(parts: Iterable[CacheStats]) -> CacheStats:
+        """The cluster's figures: every count summed, so they add up to the workers' own."""
+        parts = list(parts)
+        sums = {
+            f.name: sum(getattr(p, f.name) for p in parts)
+            for f in fields(CacheStats)
+            if f.name.startswith("num_") or f.name.endswith("_tokens")
+        }
+        return CacheStats(
+            enabled=bool(parts) and all(p.enabled for p in parts),
+            block_size=max((p.block_size for p in parts), default=0),
+            kv_dtype=",".join(sorted({p.kv_dtype for p in parts if p.kv_dtype})),
+            cache_epoch=max((p.cache_epoch for p in parts), default=0),
+            **sums,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,3 +188,8 @@ class WorkerInfo:
     num_queued_prefill_tokens: int = 0
     """Prompt tokens accepted and not yet prefilled, whichever coordinator sent them: the load
     every coordinator replica sees alike (a waiting prompt counts whole, before cache matching)."""
+    adapters: tuple[str, ...] = ()
+    """LoRA adapters the worker serves besides the base model; routers send an adapter's
+    requests only to workers that list it."""
+    cache: CacheStats = CacheStats()
+    """The worker's prefix-cache figures (`kvmesh stats`, ListWorkers)."""

@@ -122,3 +122,8 @@ class WorkerRequest:
     session_id: str = ""
     """Conversation the request is a turn of (empty: none). The worker keeps the session's chain
     warm after the turn (`workers/kv/warm_sessions.py`); a migrated turn keeps it."""
+    adapter: str = ""
+    """LoRA adapter to run the request with (empty: the base model); part of its namespace, so
+    its blocks are never shared with the base model's or another adapter's."""
+    bypass_cache: bool = False
+    """Reuse no cached KV (local, host or pulled) and register none of what it computes."""

@@ -16,7 +16,7 @@ import numpy as np
 import redis
 
 from kvmesh.proto import redis_schema as schema
-from kvmesh.proto.events import AllCleared, BlockRemoved, BlockStored, EventBatch, encode_batch
+from kvmesh.proto.events import AllCleared, BlockStored, EventBatch, encode_batch
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +42,12 @@ def batch_to_argv(ns: str, batch: EventBatch, maxlen: int) -> list[str | bytes |
         if isinstance(e, AllCleared):
             argv.append("C")
             continue
-        kind = "S" if isinstance(e, BlockStored) else "R"
-        assert isinstance(e, BlockStored | BlockRemoved)
         # Big-endian bytes in hex: `schema.hash_hex` of each hash, concatenated, in one call.
-        argv += [kind, str(e.tier), np.array(e.hashes, dtype=">u8").tobytes().hex()]
+        blob = np.array(e.hashes, dtype=">u8").tobytes().hex()
+        if isinstance(e, BlockStored):
+            argv += ["S", str(e.tier), blob, schema.hash_hex(e.parent_hash), e.depth]
+        else:
+            argv += ["R", str(e.tier), blob]
     return argv
 
 
@@ -102,6 +104,14 @@ class EventPublisher:
             self.lost_events = True  # purged, or Redis restarted empty: re-publish in full
         self.connected = True
         return True
+
+    def cache_epoch(self) -> int | None:
+        """The namespace's cache epoch in Redis (0 if never bumped), or None if unreachable."""
+        try:
+            raw = self._client.get(schema.epoch_key(self.ns))
+        except redis.RedisError:
+            return None
+        return int(raw) if raw is not None else 0
 
     def close(self) -> None:
         self._client.close()

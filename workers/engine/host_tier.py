@@ -49,6 +49,8 @@ class HostTier:
 
     def _promote_one(self, seq: Sequence, unpin: Callable[[Sequence], None]) -> int:
         assert self.host_pool is not None
+        if seq.bypass_cache:
+            return 0
         bs = self.block_size
         chain = seq.full_block_hashes(bs)[: num_reusable_blocks(seq.num_tokens, bs)]
         k = len(self.pool.match_prefix(chain))

@@ -112,7 +112,7 @@ class Scheduler:
         while self.waiting and len(self.running) + len(admitted) < self.config.max_num_seqs:
             seq = self.waiting[0]
             hashes = seq.full_block_hashes(bs)[: num_reusable_blocks(seq.num_tokens, bs)]
-            matched = self.pool.match_prefix(hashes)
+            matched = [] if seq.bypass_cache else self.pool.match_prefix(hashes)
             num_new_tokens = seq.num_tokens - len(matched) * bs
             if admitted and num_new_tokens > budget:
                 break
@@ -194,7 +194,9 @@ class Scheduler:
             seq.num_computed_tokens = seq.num_tokens
             hashes = seq.full_block_hashes(bs)
             for i in range(seq.num_registered_blocks, seq.num_computed_tokens // bs):
-                self.pool.register(seq.block_table[i], hashes[i], seq.parent_hash(i))
+                if seq.bypass_cache:
+                    break
+                self.pool.register(seq.block_table[i], hashes[i], seq.parent_hash(i), depth=i + 1)
             seq.num_registered_blocks = seq.num_computed_tokens // bs
             seq.output_ids.append(token)
             cfg = seq.sampling

@@ -49,6 +49,10 @@ class Sequence:
     first_token_s: float | None = None
     finish_reason: str = ""
     session_id: str = ""  # the conversation this is a turn of; its chain is kept warm after
+    adapter: str = ""  # LoRA adapter it runs with ("" = the base model); also in root_hash
+    bypass_cache: bool = False
+    """Reuse no cached KV and register none of its own (a request that leaves no trace)."""
+    cache_salt: str = ""  # the tenant part of root_hash (a cache reset re-roots waiting requests)
 
     @property
     def num_tokens(self) -> int:

@@ -26,8 +26,14 @@ class WorkerTally:
     num_failed_pulls: int = 0
     prefill_ms_total: float = 0.0
     prefill_tokens_total: int = 0
+    num_lookup_hits: int = 0
+    num_lookup_misses: int = 0
 
-    def on_prefilled(self, facts: PrefillFacts) -> None:
+    def on_prefilled(self, facts: PrefillFacts, *, looked_up: bool = True) -> None:
+        """Count a request's first prefill; `looked_up` False: it bypassed the cache."""
+        if looked_up:
+            self.num_lookup_hits += facts.cached_tokens > 0
+            self.num_lookup_misses += facts.cached_tokens == 0
         self.prompt_tokens += facts.prompt_tokens
         self.cached_tokens += facts.local_tokens
         self.prompt_host_tokens += facts.host_tokens
@@ -40,6 +46,7 @@ class WorkerTally:
         num_host_blocks: int,
         sessions: WarmSessionStats,
         num_evicted_blocks: int = 0,
+        num_host_evicted_blocks: int = 0,
     ) -> WorkerCounters:
         return WorkerCounters(
             num_requests=self.num_requests,
@@ -56,6 +63,9 @@ class WorkerTally:
             num_preemptions=num_preemptions,
             num_host_blocks=num_host_blocks,
             num_evicted_blocks=num_evicted_blocks,
+            num_lookup_hits=self.num_lookup_hits,
+            num_lookup_misses=self.num_lookup_misses,
+            num_host_evicted_blocks=num_host_evicted_blocks,
             prefill_ms_per_token=self.prefill_ms_total / max(1, self.prefill_tokens_total),
             num_warm_sessions=sessions.num_sessions,
             warm_session_bytes=sessions.num_bytes,

@@ -5,8 +5,8 @@ the scheduler and the model runner, and is driven by `step()` and by calls the s
 engine thread. Time comes from the injected clock. What crosses to the coordinator is the
 contract (`kvmesh.workers.contract`).
 
-A request with a pull plan is accepted in two calls, so the worker owns the pulled KV from the
-first moment:
+A request with a pull plan is accepted in steps (`pull_admission` holds it meanwhile), so the
+worker owns the pulled KV from the first moment:
 
     add_request(req)  -> PullReservation   local prefix pinned, blocks for the rest allocated
     write_pull(id, fill)                     the transport writes the reserved blocks
@@ -22,27 +22,35 @@ import socket
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
-from kvmesh.proto.block_hash import BlockHash, namespace_hash, num_reusable_blocks
+from kvmesh.proto.block_hash import (
+    BlockHash,
+    adapter_root,
+    cache_root,
+    namespace_hash,
+    num_reusable_blocks,
+)
 from kvmesh.proto.events import TIER_HOST, AllCleared, BlockStored, EventBatch, KVEvent
 from kvmesh.workers.contract.replies import (
+    CacheStats,
     PrefillFacts,
     RequestOutput,
     SequenceFailure,
+    WorkerCounters,
     WorkerInfo,
 )
-from kvmesh.workers.contract.requests import PullSpec, WorkerRequest
+from kvmesh.workers.contract.requests import WorkerRequest
 from kvmesh.workers.engine.event_log import EventLog
 from kvmesh.workers.engine.failure import forward_isolated
 from kvmesh.workers.engine.host_tier import HostTier
+from kvmesh.workers.engine.pull_admission import BlockWriter, PullAdmission
 from kvmesh.workers.engine.sampler import sample_isolated
 from kvmesh.workers.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig, StepKind
 from kvmesh.workers.engine.sequence import SeqStatus, Sequence
 from kvmesh.workers.engine.tally import WorkerTally
-from kvmesh.workers.kv import pull_reservation
 from kvmesh.workers.kv.block_pool import BlockId, BlockPool
 from kvmesh.workers.kv.host_pool import HostPool
 from kvmesh.workers.kv.pull_reservation import PullReservation
@@ -50,17 +58,7 @@ from kvmesh.workers.kv.warm_sessions import WarmSessionConfig, WarmSessions
 from kvmesh.workers.model.runner import ModelRunner, SeqChunk
 from kvmesh.workers.transfer.block_export import BlockExport
 
-BlockWriter = Callable[[list[BlockId]], int]
-"""Fills the given reserved blocks (possibly none: the request went away) and returns how many
-of the leading ones it wrote."""
-
-
-@dataclass(frozen=True, slots=True)
-class _PendingPull:
-    seq: Sequence
-    reservation: PullReservation
-    end_block: int
-
+__all__ = ["BlockWriter", "Worker"]
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +85,8 @@ class Worker:
         logits_sink: Callable[[str, torch.Tensor], None] | None = None,
         host_pool: HostPool | None = None,
         sessions: WarmSessionConfig | None = None,
+        prefix_cache: bool = True,
+        cache_epoch: int = 0,
     ) -> None:
         self.worker_id = worker_id
         self.runner = runner
@@ -94,6 +94,11 @@ class Worker:
         # Redis key namespace: one per model, shared by all its tenants (salts live in the hashes).
         self.namespace = f"{namespace_hash(model_fingerprint):016x}"
         self.device = device
+        self.prefix_cache = prefix_cache
+        """False (`--no-prefix-cache`): every request runs as if it asked for `bypass_cache`."""
+        self.cache_epoch = cache_epoch
+        """Part of every root hash; `clear_cache` moves it on (see `cache_root`)."""
+        self.kv_dtype = str(runner.kv_cache.dtype).removeprefix("torch.")
         self.node = socket.gethostname()
         """Where the worker runs; the Ray shell names its Ray node, so two raylets on one
         host are two nodes (pulls between them are priced as between nodes)."""
@@ -110,7 +115,7 @@ class Worker:
         self.eos_token_ids = tuple(eos_token_ids)
         self.events = EventLog(worker_id)
         self._seqs: dict[str, Sequence] = {}
-        self._pulls: dict[str, _PendingPull] = {}
+        self.pulls = PullAdmission(self.pool, self.host_tier, self.block_size)
         self._peer_pins: list[BlockId] = []
         self._num_queued_prefill_tokens = 0  # see _note_queue
         self.tally = WorkerTally()
@@ -118,7 +123,8 @@ class Worker:
         self._logits_sink = logits_sink
 
     def root_hash(self, cache_salt: str = "") -> BlockHash:
-        return namespace_hash(self.model_fingerprint, "", cache_salt)
+        namespace_root = namespace_hash(self.model_fingerprint, "", cache_salt)
+        return cache_root(namespace_root, self.kv_dtype, self.cache_epoch)
 
     @property
     def has_work(self) -> bool:
@@ -139,20 +145,22 @@ class Worker:
             req.request_id,
             list(req.prompt_ids),
             req.sampling,
-            self.root_hash(req.cache_salt),
+            adapter_root(self.root_hash(req.cache_salt), req.adapter),
             self.clock(),
             session_id=req.session_id,
+            adapter=req.adapter,
+            bypass_cache=req.bypass_cache or not self.prefix_cache,
+            cache_salt=req.cache_salt,
         )
         self.scheduler.check_fits(seq)
         self._seqs[req.request_id] = seq
         self.tally.num_requests += 1
-        pending = self._reserve_pull(seq, req.pull) if req.pull is not None else None
-        if pending is None:
+        pull = req.pull if not seq.bypass_cache else None
+        reservation = self.pulls.reserve(seq, pull) if pull is not None else None
+        if reservation is None:  # no plan, or one this prompt cannot use: recompute
             self.scheduler.add(seq)
-        else:
-            self._pulls[req.request_id] = pending
         self._note_queue()
-        return pending.reservation if pending is not None else None
+        return reservation
 
     def _validate(self, req: WorkerRequest) -> None:
         if req.request_id in self._seqs:
@@ -160,6 +168,11 @@ class Worker:
         problem = req.sampling.problem()  # checked at the door too; a worker trusts no caller
         if problem is not None:
             raise ValueError(problem)
+        if req.adapter and req.adapter not in self.runner.adapters:
+            raise ValueError(
+                f"this worker does not serve adapter {req.adapter!r};"
+                f" it serves {sorted(self.runner.adapters)}"
+            )
         vocab = self.runner.config.vocab_size
         if not req.prompt_ids:
             raise ValueError("the prompt is empty")
@@ -178,53 +191,23 @@ class Worker:
         seq = self._seqs.pop(request_id, None)
         if seq is None:
             return False
-        pending = self._pulls.pop(request_id, None)
-        if pending is not None:
-            pull_reservation.release(self.pool, pending.reservation)
-        else:
+        if not self.pulls.release(request_id):
             self.scheduler.abort(request_id)
         self._note_queue()
         return True
 
     # ---- pulls (target side) --------------------------------------------------------------------
 
-    def _reserve_pull(self, seq: Sequence, spec: PullSpec) -> _PendingPull | None:
-        bs = self.block_size
-        chain = seq.full_block_hashes(bs)
-        end = min(spec.end_block, num_reusable_blocks(len(seq.prompt_ids), bs))
-        if (
-            end <= spec.from_block
-            or tuple(chain[spec.from_block : end]) != spec.hashes[: end - spec.from_block]
-        ):
-            return None  # a plan that does not fit this prompt's chain: recompute instead
-        headroom = -(-seq.num_tokens // bs) - end  # the prompt's own blocks after the pulled run
-        reservation = pull_reservation.reserve(self.pool, chain, end, seq.root_hash, headroom)
-        self.host_tier.demote_evicted()  # before the transport overwrites reallocated blocks
-        if reservation is None:
-            return None
-        return _PendingPull(seq, reservation, end)
-
     def write_pull(self, request_id: str, fill: BlockWriter) -> int:
-        """Run a transport's writer over the request's reserved blocks (none if it went away:
-        a writer that must consume what a peer sends still runs)."""
-        pending = self._pulls.get(request_id)
-        targets = list(pending.reservation.targets) if pending is not None else []
-        return fill(targets)
+        """Run a transport's writer over the request's reserved blocks (see `PullAdmission`)."""
+        return self.pulls.write(request_id, fill)
 
     def finish_pull(self, request_id: str, num_written: int, elapsed_ms: float) -> int:
         """Register what the transport wrote and queue the request; returns pulled blocks."""
-        pending = self._pulls.pop(request_id, None)
-        if pending is None:
+        finished = self.pulls.finish(request_id, num_written, elapsed_ms, self.block_num_bytes)
+        if finished is None:
             return 0  # aborted while pulling: abort released the reservation
-        seq = pending.seq
-        chain = seq.full_block_hashes(self.block_size)[: pending.end_block]
-        pinned, num_pulled = pull_reservation.commit(
-            self.pool, pending.reservation, num_written, chain
-        )
-        seq.pinned_blocks = pinned
-        seq.num_pulled_tokens = num_pulled * self.block_size
-        seq.pull_ms = elapsed_ms
-        seq.pull_bytes = num_written * self.block_num_bytes
+        seq, num_pulled = finished
         self.tally.num_pulls += 1
         self.tally.num_failed_pulls += num_pulled == 0
         self.scheduler.add(seq)
@@ -249,7 +232,7 @@ class Worker:
             return []
         started = time.perf_counter()
         chunks = [
-            SeqChunk(seq.all_ids[start:], start, seq.block_table)
+            SeqChunk(seq.all_ids[start:], start, seq.block_table, adapter=seq.adapter)
             for seq, start in zip(step.seqs, step.start_positions, strict=True)
         ]
         results = self._forward_and_sample(step, chunks)
@@ -318,7 +301,7 @@ class Worker:
             if seq.first_token_s is None:
                 seq.first_token_s = now
                 facts = self._prefill_facts(seq)
-                self.tally.on_prefilled(facts)
+                self.tally.on_prefilled(facts, looked_up=not seq.bypass_cache)
             self.tally.generated_tokens += 1
             if finished:
                 self._seqs.pop(seq.request_id, None)
@@ -332,7 +315,7 @@ class Worker:
     def _keep_session(self, seq: Sequence) -> None:
         """Keep a finished turn's chain warm: the leading run of its blocks still registered
         (prompt and answer, so the next turn, which quotes both, matches all of it)."""
-        if seq.session_id and seq.finish_reason != "abort":
+        if seq.session_id and seq.finish_reason != "abort" and not seq.bypass_cache:
             chain = self.pool.match_prefix(seq.full_block_hashes(self.block_size))
             self.sessions.keep(seq.session_id, chain)
 
@@ -381,8 +364,15 @@ class Worker:
 
     # ---- cache state and events -----------------------------------------------------------------
 
-    def clear_cache(self) -> int:
-        """Forget every cached block not in use; starts a new generation."""
+    def clear_cache(self, cache_epoch: int | None = None) -> int:
+        """Forget every cached block not in use and move to a new cache epoch (`cache_epoch`,
+        else the next one): blocks still held by running requests keep their old-epoch hashes,
+        which no request hashed from now on can match, and requests not admitted yet are
+        re-hashed under the new epoch (letting go of what they pinned). Starts a new
+        generation."""
+        self.cache_epoch = max(self.cache_epoch + 1, cache_epoch or 0)
+        for seq in [*self.scheduler.waiting, *self.pulls.sequences()]:
+            self._reroot(seq)
         dropped = self.pool.evict_all_free()
         self.pool.drain_evicted()
         self.pool.drain_events()
@@ -392,6 +382,15 @@ class Worker:
             self.host_pool.drain_events()
         self.events.new_generation()
         return dropped
+
+    def _reroot(self, seq: Sequence) -> None:
+        """Hash a request that has not started under the current epoch: what it pinned (old
+        epoch) is let go, and a pull in flight registers blocks its new chain cannot match."""
+        if seq.pinned_blocks:
+            self.scheduler.unpin(seq)
+            seq.num_pulled_tokens = seq.num_host_tokens = 0
+        seq.root_hash = adapter_root(self.root_hash(seq.cache_salt), seq.adapter)
+        seq.block_hashes = []
 
     def drain_event_batch(self) -> EventBatch | None:
         events = self.pool.drain_events()
@@ -408,7 +407,7 @@ class Worker:
         if self.host_pool is not None:
             self.host_pool.drain_events()
             events.append(BlockStored(tuple(self.host_pool.cached_hashes()), TIER_HOST))
-        events.append(BlockStored(tuple(self.pool.cached_hashes())))
+        events += self.pool.stored_events()
         self.events.new_generation()
         return self.events.next_batch(events)
 
@@ -417,6 +416,13 @@ class Worker:
         return self.events.generation
 
     def info(self) -> WorkerInfo:
+        counters = self.tally.snapshot(
+            self.scheduler.num_preemptions,
+            self.host_pool.num_cached if self.host_pool else 0,
+            self.sessions.stats(),
+            self.pool.num_evicted,
+            self.host_pool.num_evicted if self.host_pool else 0,
+        )
         return WorkerInfo(
             worker_id=self.worker_id,
             pid=os.getpid(),
@@ -428,15 +434,32 @@ class Worker:
             num_free_blocks=self.pool.num_free,
             num_cached_blocks=self.pool.num_cached,
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting) + len(self._pulls),
+            num_waiting=len(self.scheduler.waiting) + len(self.pulls),
             num_queued_prefill_tokens=self._num_queued_prefill_tokens,
+            adapters=tuple(sorted(self.runner.adapters)),
             generation=self.generation,
-            counters=self.tally.snapshot(
-                self.scheduler.num_preemptions,
-                self.host_pool.num_cached if self.host_pool else 0,
-                self.sessions.stats(),
-                self.pool.num_evicted,
-            ),
+            counters=counters,
+            cache=self._cache_stats(counters),
+        )
+
+    def _cache_stats(self, c: WorkerCounters) -> CacheStats:
+        return CacheStats(
+            enabled=self.prefix_cache,
+            block_size=self.block_size,
+            kv_dtype=self.kv_dtype,
+            cache_epoch=self.cache_epoch,
+            num_lookup_hits=c.num_lookup_hits,
+            num_lookup_misses=c.num_lookup_misses,
+            local_hit_tokens=c.cached_tokens,
+            host_hit_tokens=self.tally.prompt_host_tokens,
+            pulled_hit_tokens=c.pulled_tokens,
+            saved_prefill_tokens=c.cached_tokens + self.tally.prompt_host_tokens + c.pulled_tokens,
+            num_device_evictions=c.num_evicted_blocks,
+            num_host_evictions=c.num_host_evicted_blocks,
+            num_preemptions=c.num_preemptions,
+            num_device_entries=self.pool.num_cached,
+            num_host_entries=c.num_host_blocks,
+            num_bytes=(self.pool.num_cached + c.num_host_blocks) * self.block_num_bytes,
         )
 
     def _note_queue(self) -> None:
@@ -448,7 +471,7 @@ class Worker:
         """Prompt tokens still to prefill: a waiting prompt less the prefix its pool holds now."""
         bs = self.block_size
         queued = 0
-        for s in [*self.scheduler.waiting, *(p.seq for p in self._pulls.values())]:
+        for s in [*self.scheduler.waiting, *self.pulls.sequences()]:
             chain = s.full_block_hashes(bs)[: num_reusable_blocks(s.num_tokens, bs)]
             queued += s.num_tokens - len(self.pool.match_prefix(chain)) * bs
         return queued + sum(
@@ -456,9 +479,7 @@ class Worker:
         )
 
     def check_invariants(self) -> None:
-        held: list[BlockId] = list(self._peer_pins)
-        for pending in self._pulls.values():
-            held += [*pending.reservation.local, *pending.reservation.targets]
+        held: list[BlockId] = [*self._peer_pins, *self.pulls.held_blocks()]
         self.scheduler.check_invariants(held)
         self.sessions.sync()
         self.sessions.check_invariants()

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import NewType
 
 from kvmesh.proto.block_hash import BlockHash
-from kvmesh.proto.events import BlockRemoved, BlockStored, KVEvent
+from kvmesh.proto.events import TIER_DEVICE, BlockRemoved, BlockStored, KVEvent
 
 BlockId = NewType("BlockId", int)
 
@@ -58,6 +58,9 @@ class BlockPool:
         self._clock = clock
         self._ref_count = [0] * num_blocks
         self._block_hash: list[BlockHash | None] = [None] * num_blocks
+        # Radix links of registered blocks (parent hash, depth; 0 = unknown), re-published whole.
+        self._block_parent: list[BlockHash] = [BlockHash(0)] * num_blocks
+        self._block_depth = [0] * num_blocks
         self._last_use = [0.0] * num_blocks
         self._hash_to_block: dict[BlockHash, BlockId] = {}
         # Insertion order is eviction order: the first key is handed out first.
@@ -161,8 +164,11 @@ class BlockPool:
             self._pending_events.append(BlockRemoved(tuple(evicted)))
         return blocks
 
-    def register(self, block: BlockId, block_hash: BlockHash, parent: BlockHash) -> bool:
-        """Make a fully written, referenced block matchable; False if the hash is already held."""
+    def register(
+        self, block: BlockId, block_hash: BlockHash, parent: BlockHash, *, depth: int = 0
+    ) -> bool:
+        """Make a fully written, referenced block matchable; False if the hash is already held.
+        `parent` and `depth` (1: first block after the root; 0: unknown) are its radix link."""
         if self._ref_count[block] == 0:
             raise ValueError(f"block {block} is free; register it before freeing it")
         current = self._block_hash[block]
@@ -174,7 +180,9 @@ class BlockPool:
             return False
         self._block_hash[block] = block_hash
         self._hash_to_block[block_hash] = block
-        self._append_stored(block_hash, parent)
+        self._block_parent[block] = parent
+        self._block_depth[block] = depth
+        self._append_stored(block_hash, parent, depth)
         return True
 
     def free(self, blocks: Sequence[BlockId]) -> None:
@@ -264,15 +272,44 @@ class BlockPool:
         events, self._pending_events = self._pending_events, []
         return events
 
-    def _append_stored(self, block_hash: BlockHash, parent: BlockHash) -> None:
+    def stored_events(self) -> list[BlockStored]:
+        """Every registered block as `stored` events with its radix link, a chain per event
+        where it can (a full re-publish): each event's blocks follow one another, and a block
+        whose parent is registered comes after it.
+
+            registered:  a <- b <- c          events:  [a, b, c] (parent root)
+                              ^-- d                    [d] (parent b)
+        """
+        links = {
+            h: (self._block_parent[b], self._block_depth[b]) for h, b in self._hash_to_block.items()
+        }
+        children: dict[BlockHash, list[BlockHash]] = {}
+        starts: list[BlockHash] = []
+        for h, (parent, _depth) in links.items():
+            if parent in links and parent != h:
+                children.setdefault(parent, []).append(h)
+            else:
+                starts.append(h)
+        events: list[BlockStored] = []
+        pending = list(reversed(starts))
+        while pending:
+            run = [pending.pop()]
+            while kids := children.get(run[-1]):
+                pending.extend(reversed(kids[1:]))
+                run.append(kids[0])
+            parent, depth = links[run[0]]
+            events.append(BlockStored(tuple(run), TIER_DEVICE, parent, depth))
+        return events
+
+    def _append_stored(self, block_hash: BlockHash, parent: BlockHash, depth: int) -> None:
         # Coalesce consecutive registrations of one chain into a single event.
         last = self._pending_events[-1] if self._pending_events else None
         if isinstance(last, BlockStored) and last.hashes[-1] == parent:
             self._pending_events[-1] = BlockStored(
-                last.hashes + (block_hash,), last.tier, last.parent_hash
+                last.hashes + (block_hash,), last.tier, last.parent_hash, last.depth
             )
         else:
-            self._pending_events.append(BlockStored((block_hash,), parent_hash=parent))
+            self._pending_events.append(BlockStored((block_hash,), TIER_DEVICE, parent, depth))
 
     def check_invariants(self) -> None:
         num_used = 0

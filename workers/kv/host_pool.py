@@ -33,6 +33,8 @@ class HostPool:
         self._hash_to_slot: OrderedDict[BlockHash, int] = OrderedDict()
         self._free_slots = list(range(num_slots - 1, -1, -1))
         self._pending_events: list[KVEvent] = []
+        self.num_evicted = 0
+        """Blocks dropped (least recently used first) to make room for others, since start."""
 
     @staticmethod
     def slots_for_bytes(num_bytes: int, block_shape: Sequence[int], dtype: torch.dtype) -> int:
@@ -109,6 +111,7 @@ class HostPool:
         if self._free_slots:
             return self._free_slots.pop()
         victim, slot = self._hash_to_slot.popitem(last=False)
+        self.num_evicted += 1
         self._pending_events.append(BlockRemoved((victim,), TIER_HOST))
         return slot
 

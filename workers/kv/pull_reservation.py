@@ -66,9 +66,10 @@ def commit(
             f"{num_written} blocks written into a reservation of {len(reservation.targets)}"
         )
     parent = reservation.parent
+    depth = len(reservation.local) + 1  # hashes[0] follows the local run
     for block, h in zip(reservation.targets[:num_written], reservation.hashes, strict=False):
-        pool.register(block, h, parent)
-        parent = h
+        pool.register(block, h, parent, depth=depth)
+        parent, depth = h, depth + 1
     pinned = pool.match_prefix(chain)
     pool.acquire(pinned)
     release(pool, reservation)

@@ -51,6 +51,8 @@ class SeqChunk:
     """Tokens of this sequence already in the cache; the new tokens take positions from here."""
     block_table: Sequence[int]
     """Block ids holding positions [0, start_pos + len(token_ids)); extra trailing ids are fine."""
+    adapter: str = ""
+    """LoRA adapter the sequence runs with ("" = the base model)."""
 
     def __post_init__(self) -> None:
         if len(self.token_ids) < 1:
@@ -74,6 +76,10 @@ class AttentionMode:
     """Chunked prefills through the paged Triton kernel (else gathered blocks + SDPA per chunk)."""
     explicit_masks: bool
     """SDPA paths take boolean masks (CPU); else a lower-right causal bias (CUDA flash kernels)."""
+    split_prefill: bool = False
+    """Chunked prefills not on the paged kernel split into the unmasked prefix (one fused call
+    with its log-sum-exp) and the causal square of the new tokens, merged exactly
+    (`split_attention`); else one SDPA call under a shifted causal mask."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +89,7 @@ class CachedChunk:
     rows: slice
     end_pos: int
     block_ids: torch.Tensor  # [ceil(end_pos / block_size)] blocks holding positions 0..end_pos-1
+    start_pos: int  # cached prefix length: the new tokens are positions [start_pos, end_pos)
     mask: torch.Tensor | None  # [num_queries_per_kv * num_new, end_pos]; True = may attend
 
 
@@ -252,14 +259,14 @@ def _cached_chunk(
 ) -> CachedChunk:
     num_blocks = -(-chunk.end_pos // block_size)
     block_ids = torch.tensor(chunk.block_table[:num_blocks], dtype=torch.int64).to(device)
-    if not mode.explicit_masks:
-        return CachedChunk(rows, chunk.end_pos, block_ids, None)
+    if not mode.explicit_masks or mode.split_prefill:
+        return CachedChunk(rows, chunk.end_pos, block_ids, chunk.start_pos, None)
     query_pos = torch.arange(chunk.start_pos, chunk.end_pos, device=device)
     key_pos = torch.arange(chunk.end_pos, device=device)
     causal = key_pos[None, :] <= query_pos[:, None]  # [num_new, end_pos]
     # Rows are (g, i): query head g of a KV group, token i. So the causal block repeats g times.
     mask = causal.repeat(num_queries_per_kv, 1)
-    return CachedChunk(rows, chunk.end_pos, block_ids, mask)
+    return CachedChunk(rows, chunk.end_pos, block_ids, chunk.start_pos, mask)
 
 
 def _decode_group(

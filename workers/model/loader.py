@@ -78,6 +78,8 @@ def build_worker(config: WorkerConfig) -> Worker:
         weights_path=weights_path,
         seed=config.seed,
     )
+    for name, folder in config.lora_adapters:
+        runner.load_adapter(name, folder)
     scheduler_config = SchedulerConfig(
         block_size=config.block_size,
         max_num_seqs=config.max_num_seqs,
@@ -97,4 +99,5 @@ def build_worker(config: WorkerConfig) -> Worker:
         device=device,
         host_pool=host_pool,
         sessions=config.sessions,
+        prefix_cache=config.prefix_cache,
     )

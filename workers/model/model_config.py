@@ -14,6 +14,12 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from kvmesh.workers.model.rope_scaling import (
+    ContextScaling,
+    read_context_scaling,
+    scaled_context_len,
+)
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 RANDOM_SOURCE_PREFIX = "random:seed="
 CHECKPOINT_SOURCE_PREFIX = "hf:"
@@ -21,7 +27,7 @@ CHECKPOINT_SOURCE_PREFIX = "hf:"
 
 @dataclass(frozen=True, slots=True)
 class RopeScaling:
-    """Llama-3 ("llama3" rope_type) frequency scaling; the only scaling kvmesh implements."""
+    """Llama-3 ("llama3" rope_type) frequency scaling (`rope_scaling.py` has the others)."""
 
     factor: float
     """How much longer the extended context is than the original one (8 for Llama 3.1)."""
@@ -75,8 +81,8 @@ class ModelConfig:
     """Epsilon inside every RMSNorm."""
     rope_theta: float
     """RoPE base frequency."""
-    rope_scaling: RopeScaling | None
-    """Llama-3 frequency scaling, or None for plain RoPE."""
+    rope_scaling: RopeScaling | ContextScaling | None
+    """Llama-3 frequency scaling, linear / dynamic / yarn, or None for plain RoPE."""
     qkv_bias: bool
     """Whether q/k/v projections carry a bias (Qwen2 does)."""
     tie_word_embeddings: bool
@@ -171,8 +177,10 @@ class ModelConfig:
         hidden_size = int(d["hidden_size"])
         eos = d.get("eos_token_id")
         eos_token_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
-        rope_theta, rope_scaling = _read_rope(d)
         context_len = int(d.get("max_position_embeddings", 2048))
+        rope_theta, rope_scaling = _read_rope(d, context_len)
+        if rope_scaling is not None and not isinstance(rope_scaling, RopeScaling):
+            context_len = scaled_context_len(rope_scaling, context_len)
         window = _sliding_window(d, architecture)
         if window is not None:
             context_len = min(context_len, window)
@@ -223,15 +231,22 @@ def checkpoint_source(model_dir: str) -> str:
     return f"{CHECKPOINT_SOURCE_PREFIX}{h.hexdigest()[:16]}"
 
 
-def _read_rope(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+def _read_rope(
+    d: dict[str, Any], max_position_embeddings: int
+) -> tuple[float, RopeScaling | ContextScaling | None]:
     """(theta, scaling) from transformers 5 `rope_parameters` or 4.x `rope_theta`/`rope_scaling`."""
     params = d.get("rope_parameters") or d.get("rope_scaling") or {}
     theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         return theta, None
+    if rope_type in ("linear", "dynamic", "yarn"):
+        return theta, read_context_scaling(rope_type, params, max_position_embeddings)
     if rope_type != "llama3":
-        raise ValueError(f"rope_type {rope_type!r} is not supported (only 'default' and 'llama3')")
+        raise ValueError(
+            f"rope_type {rope_type!r} is not supported "
+            "(only 'default', 'llama3', 'linear', 'dynamic' and 'yarn')"
+        )
     scaling = RopeScaling(
         factor=float(params["factor"]),
         low_freq_factor=float(params["low_freq_factor"]),

@@ -3,7 +3,8 @@
 All chunks' tokens go through the matmuls as one flattened token dimension; attention is the only
 per-sequence step, grouped as `batch_plan` describes. On CUDA, attention over cached K/V (decode
 and chunked prefill) reads the cache through block tables in the paged Triton kernel
-(`paged_attention`); fresh prompts use flash SDPA on their own new K/V. On CPU (the reference
+(`paged_attention`; `split_attention` is an opt-in alternative for chunked prefill); fresh prompts
+use flash SDPA on their own new K/V. On CPU (the reference
 path, matched against transformers in the unit tests) cached K/V is gathered into contiguous
 buffers for SDPA, and GQA is folded into the query length (a KV head's query heads become extra
 query rows), so no K/V is copied per query head.
@@ -12,7 +13,6 @@ query rows), so no K/V is copied per query head.
 from __future__ import annotations
 
 import importlib.util
-import math
 from collections.abc import Sequence
 
 import torch
@@ -27,61 +27,19 @@ from kvmesh.workers.model.batch_plan import (
     plan_batch,
     validate_batch,
 )
+from kvmesh.workers.model.lora import LoraAdapter, LoraBatch, load_peft_adapter
 from kvmesh.workers.model.model_config import ModelConfig, checkpoint_source
 from kvmesh.workers.model.paged_attention import paged_attention
+from kvmesh.workers.model.rope import Rope, apply_rope, rope_inv_freq, rope_tables
+from kvmesh.workers.model.split_attention import split_prefix_attention
 from kvmesh.workers.model.weights import LayerWeights, ModelWeights, load_checkpoint, random_weights
 
 __all__ = ["ModelRunner", "SeqChunk", "apply_rope", "rms_norm", "rope_inv_freq", "rope_tables"]
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """[head_dim / 2] float32 RoPE inverse frequencies, with Llama-3 scaling when configured.
-
-    Llama 3 leaves short wavelengths (local detail) alone, stretches long ones by `factor`, and
-    blends linearly in between so no frequency jumps.
-    """
-    exponents = torch.arange(0, config.head_dim, 2, dtype=torch.int64).float() / config.head_dim
-    inv_freq = 1.0 / (config.rope_theta**exponents)
-    s = config.rope_scaling
-    if s is None:
-        return inv_freq
-    context = s.original_max_position_embeddings
-    wavelen = 2 * math.pi / inv_freq
-    smooth = (context / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
-    blended = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
-    scaled = torch.where(wavelen > context / s.low_freq_factor, inv_freq / s.factor, blended)
-    return torch.where(wavelen < context / s.high_freq_factor, inv_freq, scaled)
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm; torch's fused kernel accumulates in float32 even for bf16 inputs."""
     return F.rms_norm(x, weight.shape, weight, eps)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate [num_tokens, num_heads, head_dim] by per-token angles (half-split pairing, as
-    Hugging Face Llama): x = [a, b] becomes [a cos - b sin, b cos + a sin].
-
-    cos/signed_sin are [num_tokens, 1, head_dim] with each frequency twice and the sine's first
-    half negated (see `rope_tables`), so the rotation is one roll and one fused multiply-add:
-    three kernels a layer instead of four (negation is exact, so the result is bit-identical).
-    """
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
-
-
-def rope_tables(
-    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, signed_sin) for `apply_rope`, [num_tokens, 1, head_dim] in `dtype`.
-
-    Angles are computed in float32 (positions reach 128K) and applied in the model dtype, like the
-    reference implementation.
-    """
-    angles = positions[:, None].float() * inv_freq[None, :]
-    cos = torch.cat((angles, angles), dim=-1).cos()
-    sin = angles.sin()
-    signed_sin = torch.cat((-sin, sin), dim=-1)
-    return cos.to(dtype)[:, None, :], signed_sin.to(dtype)[:, None, :]
 
 
 class ModelRunner:
@@ -92,7 +50,8 @@ class ModelRunner:
         `dtype`; kv_cache[l, 0] holds keys (post-RoPE) and kv_cache[l, 1] values of layer l
       * a forward writes exactly the slots of its new tokens and reads only slots of positions
         < end_pos of each chunk; which blocks a sequence owns is the block pool's business
-      * the weights never change after construction
+      * the weights never change after construction; adapters are only added (`load_adapter`),
+        and a chunk names only loaded ones
     """
 
     def __init__(
@@ -128,9 +87,15 @@ class ModelRunner:
             device=self.device,
             dtype=self.dtype,
         )
-        self.inv_freq = rope_inv_freq(config).to(self.device)
+        self.rope = Rope(config, self.device)
+        self.adapters: dict[str, LoraAdapter] = {}
+        """LoRA adapters by name (see `lora.py`); a chunk's `adapter` picks one."""
         on_gpu = self.device.type == "cuda" and importlib.util.find_spec("triton") is not None
         # Benchmarks and tests may switch paths on a live runner; results must not change.
+        # Chunked prefill stays on the paged kernel: the prefix / causal-square split on cuDNN
+        # is ~10% faster per forward at a fixed shape, but cuDNN builds an execution plan for
+        # every new (prefix, chunk) length, ~120 ms each on an H100, and serving sees new
+        # lengths all the time (docs/benchmarks.md). `split_prefill` remains an opt-in mode.
         self.attention_mode = AttentionMode(
             paged_decode=on_gpu, paged_prefill=on_gpu, explicit_masks=self.device.type != "cuda"
         )
@@ -160,6 +125,12 @@ class ModelRunner:
             )
         return random_weights(config, config.random_seed, self.device, self.dtype)
 
+    def load_adapter(self, name: str, folder: str) -> None:
+        """Load a PEFT LoRA folder as adapter `name` (ValueError if it does not fit)."""
+        if name in self.adapters:
+            raise ValueError(f"adapter {name!r} is already loaded")
+        self.adapters[name] = load_peft_adapter(name, folder, self.config, self.device, self.dtype)
+
     @property
     def fingerprint(self) -> str:
         """The model's block-hash namespace id (see ModelConfig.fingerprint)."""
@@ -187,30 +158,43 @@ class ModelRunner:
         """Run the chunks and write their K/V; float32 logits of each chunk's last token,
         [len(batch), vocab]."""
         plan = self._plan(batch)
-        hidden = self._run_layers(plan)
+        hidden = self._run_layers(plan, self._lora_batch(batch, plan))
         return self._logits(hidden[plan.last_rows])
 
     @torch.inference_mode()
     def forward_all_logits(self, batch: Sequence[SeqChunk]) -> list[torch.Tensor]:
         """Like `forward`, but logits of every new token: one [len(token_ids), vocab] per chunk."""
         plan = self._plan(batch)
-        hidden = self._run_layers(plan)
+        hidden = self._run_layers(plan, self._lora_batch(batch, plan))
         return list(self._logits(hidden).split(plan.chunk_lens))
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         normed = rms_norm(hidden, self.weights.norm, self.config.rms_norm_eps)
         return F.linear(normed, self.weights.lm_head).float()
 
-    def _run_layers(self, plan: BatchPlan) -> torch.Tensor:
+    def _lora_batch(self, batch: Sequence[SeqChunk], plan: BatchPlan) -> LoraBatch | None:
+        if not any(c.adapter for c in batch):
+            return None
+        names = [c.adapter for c in batch]
+        return LoraBatch(self.adapters, names, plan.chunk_lens, self.device)
+
+    def _run_layers(self, plan: BatchPlan, lora: LoraBatch | None = None) -> torch.Tensor:
         eps = self.config.rms_norm_eps
-        cos, sin = rope_tables(plan.positions, self.inv_freq, self.dtype)
+        cos, sin = self.rope.tables(plan.positions, self.dtype)
         x = F.embedding(plan.token_ids, self.weights.embed_tokens)
         for layer_index, layer in enumerate(self.weights.layers):
             h = rms_norm(x, layer.input_norm, eps)
-            x = x + self._attention_block(layer_index, layer, h, cos, sin, plan)
+            x = x + self._attention_block(layer_index, layer, h, cos, sin, plan, lora)
             h = rms_norm(x, layer.post_attention_norm, eps)
-            gate, up = F.linear(h, layer.gate_up_proj).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down_proj)
+            gate_up = F.linear(h, layer.gate_up_proj)
+            if lora is not None:
+                lora.add(gate_up, h, layer_index, "gate_up")
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+            down = F.linear(act, layer.down_proj)
+            if lora is not None:
+                lora.add(down, act, layer_index, "down")
+            x = x + down
         return x
 
     def _attention_block(
@@ -221,10 +205,13 @@ class ModelRunner:
         cos: torch.Tensor,
         sin: torch.Tensor,
         plan: BatchPlan,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
         c = self.config
         num_tokens, num_qk_heads = h.shape[0], c.num_heads + c.num_kv_heads
         qkv = F.linear(h, layer.qkv_proj, layer.qkv_bias)
+        if lora is not None:
+            lora.add(qkv, h, layer_index, "qkv")
         qk = apply_rope(
             qkv[:, : num_qk_heads * c.head_dim].view(num_tokens, -1, c.head_dim), cos, sin
         )
@@ -233,8 +220,9 @@ class ModelRunner:
         kv_blocks = self.kv_cache[layer_index]  # [2, num_blocks, block_size, kv_heads, dim]
         kv_blocks[0].view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, plan.write_slots, k)
         kv_blocks[1].view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, plan.write_slots, v)
-        out = self._attend(q, k, v, kv_blocks, plan)
-        return F.linear(out.view(num_tokens, -1), layer.o_proj)
+        out = self._attend(q, k, v, kv_blocks, plan).view(num_tokens, -1)
+        projected = F.linear(out, layer.o_proj)
+        return lora.add(projected, out, layer_index, "o") if lora is not None else projected
 
     def _attend(
         self,
@@ -254,7 +242,10 @@ class ModelRunner:
             attn = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
             out[rows] = attn.squeeze(0).transpose(0, 1)
         for chunk in plan.cached:
-            out[chunk.rows] = self._attend_cached(q, kv_blocks, chunk)
+            if self.attention_mode.split_prefill:
+                self._attend_split(q, k, v, kv_blocks, chunk, out)
+            else:
+                out[chunk.rows] = self._attend_cached(q, kv_blocks, chunk)
         if plan.decode is not None:
             d = plan.decode
             keys, values = self._gather(kv_blocks, d.block_ids, len(d.rows))
@@ -279,6 +270,24 @@ class ModelRunner:
         bias = causal_lower_right(qt.shape[2], kt.shape[2])
         attn = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=bias, enable_gqa=True)
         return attn.squeeze(0).transpose(0, 1)
+
+    def _attend_split(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_blocks: torch.Tensor,
+        chunk: CachedChunk,
+        out: torch.Tensor,
+    ) -> None:
+        """One chunked prefill as prefix part + causal square (see `split_attention`), into its
+        rows of out; the new tokens' own K/V comes straight from this step, only the prefix
+        from the cache."""
+        num_prefix_blocks = -(-chunk.start_pos // self.block_size)
+        keys, values = self._gather(kv_blocks, chunk.block_ids[:num_prefix_blocks], 1)
+        prefix_k, prefix_v = keys[0, : chunk.start_pos], values[0, : chunk.start_pos]
+        rows = chunk.rows
+        split_prefix_attention(q[rows], prefix_k, prefix_v, k[rows], v[rows], out[rows])
 
     def _gather(
         self, kv_blocks: torch.Tensor, block_ids: torch.Tensor, num_seqs: int
@@ -323,6 +332,12 @@ class ModelRunner:
 
     def _plan(self, batch: Sequence[SeqChunk]) -> BatchPlan:
         self.validate_batch(batch)
+        for i, chunk in enumerate(batch):
+            if chunk.adapter and chunk.adapter not in self.adapters:
+                raise ValueError(
+                    f"chunk {i}: adapter {chunk.adapter!r} is not loaded;"
+                    f" loaded: {sorted(self.adapters)}"
+                )
         return plan_batch(
             batch,
             block_size=self.block_size,

@@ -1,0 +1,1 @@
+"""External engines (a vLLM or SGLang fleet) as workers: their KV events, their HTTP API."""

@@ -1,0 +1,101 @@
+"""Feeds one external engine's KV events into kvmesh's index, as if the engine were a worker.
+
+    engine batch ─> ChainTranslator ─> kvmesh EventBatch(worker=engine id, generation, seq)
+                                   ─> EventPublisher (the same Redis script a worker uses)
+
+So the Redis keys, the event stream, every coordinator's mirror, replicas and `kvmesh index
+verify` treat the engine like any worker. `seq` counts kvmesh batches from 1 per generation;
+a new generation (start, a reset of the engine's stream, Redis losing the engine's entries)
+makes every follower reload the engine's set.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from kvmesh.coordinator.engines.chain_translator import ChainTranslator
+from kvmesh.coordinator.engines.engine_events import EngineEventBatch
+from kvmesh.proto.events import AllCleared, EventBatch, KVEvent
+from kvmesh.workers.engine.event_publisher import EventPublisher
+
+log = logging.getLogger(__name__)
+
+
+class EngineIndexFeed:
+    """Invariant: `seq` is the last batch published in `generation` (0: none yet)."""
+
+    def __init__(
+        self,
+        engine_id: str,
+        translator: ChainTranslator,
+        publisher: EventPublisher,
+        *,
+        clock_ms: Callable[[], int] = lambda: int(time.time() * 1000),
+    ) -> None:
+        self.engine_id = engine_id
+        self.translator = translator
+        self.publisher = publisher
+        self._clock_ms = clock_ms
+        self._lock = threading.Lock()
+        self.generation = clock_ms()  # unique across this engine's feeds (restarts included)
+        self.seq = 0
+        self.closed = False
+        self.num_batches = 0
+        self.num_events = 0
+
+    def on_batch(self, batch: EngineEventBatch) -> None:
+        """An engine batch in, at most one kvmesh batch out (nothing when no block changed)."""
+        with self._lock:
+            if self.closed:
+                return
+            events = [e for e in map(self.translator.translate, batch.events) if e is not None]
+            self.num_batches += 1
+            self.num_events += len(batch.events)
+            if events:
+                self._publish(events)
+
+    def on_reset(self, reason: str) -> None:
+        """The engine's state is unknown: drop its entries (a new generation wipes them)."""
+        with self._lock:
+            if self.closed:
+                return
+            self.translator.clear()
+            self.generation = max(self.generation + 1, self._clock_ms())
+            self.seq = 0
+            self._publish([AllCleared()])
+
+    def republish_if_lost(self) -> None:
+        """After Redis lost this engine's entries (restarted empty, or purged while the engine
+        lived on), publish everything the translator knows under a new generation."""
+        with self._lock:
+            if self.closed or not self.publisher.lost_events:
+                return
+            self.generation = max(self.generation + 1, self._clock_ms())
+            self.seq = 0
+            events: list[KVEvent] = [AllCleared(), *self.translator.held()]
+            if self._publish(events):
+                self.publisher.lost_events = False
+
+    def held_hashes(self) -> list[int]:
+        """The kvmesh hashes of every block the engine holds, as far as its events said."""
+        with self._lock:
+            return sorted({int(h) for e in self.translator.held() for h in e.hashes})
+
+    def close(self) -> None:
+        """No more publishing (the engine is gone and about to be purged)."""
+        with self._lock:
+            self.closed = True
+
+    def _publish(self, events: list[KVEvent]) -> bool:
+        self.seq += 1
+        batch = EventBatch(
+            self.engine_id, self.generation, self.seq, tuple(events), self._clock_ms()
+        )
+        result = self.publisher.publish(batch)
+        if not result.ok:
+            # Redis is away: the next heartbeat that finds it back re-publishes in full.
+            self.seq -= 1
+        return result.ok

@@ -1,0 +1,173 @@
+"""Radix metadata and the cache epoch in a real Redis (no Ray): the event script keeps one node
+per held block and index shard (parent, depth, tokens), through demotions, full re-publishes and
+purges; a cold coordinator's mirror gets its tree from Redis; the epoch is agreed through Redis."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from kvmesh.coordinator.cluster.redis_server import RedisServer, start_redis_server
+from kvmesh.coordinator.index.follower import IndexFollower
+from kvmesh.coordinator.index.locked_mirror import LockedMirror
+from kvmesh.coordinator.index.store import IndexStore
+from kvmesh.proto import redis_schema as schema
+from kvmesh.proto.block_hash import BlockHash
+from kvmesh.proto.events import TIER_HOST, AllCleared, BlockRemoved, BlockStored, EventBatch
+from kvmesh.workers.engine.event_publisher import EventPublisher
+
+pytestmark = [pytest.mark.redis]
+
+NS = "00000000000000bb"
+BS = 16
+ROOT = BlockHash(0x77)
+A, B, C, D = (BlockHash(0xA000 + i) for i in range(4))
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RedisServer]:
+    s = start_redis_server()
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def url(server: RedisServer) -> str:
+    redis.Redis.from_url(server.url).flushall()
+    return server.url
+
+
+class Writer:
+    """One worker's publisher, numbering its batches."""
+
+    def __init__(self, url: str, worker: str) -> None:
+        self.publisher = EventPublisher(url, NS, worker)
+        self.publisher.heartbeat({"block_size": BS}, 10_000)
+        self.worker, self.generation, self.seq = worker, 1, 0
+
+    def send(self, *events: object, new_generation: bool = False) -> None:
+        if new_generation:
+            self.generation, self.seq = self.generation + 1, 0
+        self.seq += 1
+        batch = EventBatch(self.worker, self.generation, self.seq, tuple(events))  # type: ignore[arg-type]
+        assert self.publisher.publish(batch).ok
+
+
+def node(url: str, h: int) -> dict[str, str]:
+    """The block's node in any shard (they agree), as readers see it."""
+    return IndexStore(url).node(NS, BlockHash(h))
+
+
+def shard_node(url: str, h: int, worker: str) -> dict[str, str]:
+    """The block's node in `worker`'s shard only."""
+    raw = redis.Redis.from_url(url).hgetall(schema.node_key(NS, schema.hash_hex(h), worker))
+    return {k.decode(): v.decode() for k, v in raw.items()}
+
+
+def link(parent: int, depth: int) -> dict[str, str]:
+    return {"p": schema.hash_hex(BlockHash(parent)), "d": str(depth), "t": str(depth * BS)}
+
+
+def test_stored_chain_gets_parent_depth_and_tokens(url: str) -> None:
+    w = Writer(url, "w0")
+    w.send(BlockStored((A, B, C), parent_hash=ROOT, depth=1))
+    assert [node(url, h) for h in (A, B, C)] == [link(ROOT, 1), link(A, 2), link(B, 3)]
+    w.send(BlockStored((D,), parent_hash=A))  # depth unknown to the writer: from the parent
+    assert node(url, D) == link(A, 2)
+
+
+def test_node_lives_as_long_as_some_worker_holds_the_block(url: str) -> None:
+    w0, w1 = Writer(url, "w0"), Writer(url, "w1")
+    w0.send(BlockStored((A, B), parent_hash=ROOT, depth=1))
+    w1.send(BlockStored((A,), parent_hash=ROOT, depth=1))
+    w0.send(BlockRemoved((A, B)))
+    assert node(url, A) == link(ROOT, 1) and node(url, B) == {}
+    IndexStore(url).purge_worker(NS, "w1")
+    assert node(url, A) == {}
+
+
+def test_each_shard_keeps_the_nodes_of_the_blocks_its_workers_hold(url: str) -> None:
+    assert schema.index_shard("w0") != schema.index_shard("w1")
+    w0, w1 = Writer(url, "w0"), Writer(url, "w1")
+    w0.send(BlockStored((A, B), parent_hash=ROOT, depth=1))
+    w1.send(BlockStored((A,), parent_hash=ROOT, depth=1))
+    assert shard_node(url, A, "w0") == shard_node(url, A, "w1") == link(ROOT, 1)
+    assert shard_node(url, B, "w0") == link(A, 2) and shard_node(url, B, "w1") == {}
+    w1.send(BlockStored((B,), parent_hash=A))  # depth from the parent's node in w1's shard
+    assert shard_node(url, B, "w1") == link(A, 2)
+    w0.send(BlockRemoved((A, B)))  # w0's shard has no holder left; w1's keeps its nodes
+    assert shard_node(url, A, "w0") == shard_node(url, B, "w0") == {}
+    assert node(url, A) == link(ROOT, 1) and node(url, B) == link(A, 2)
+    links = IndexStore(url).node_links(NS, [A, B, C], first_shard=schema.index_shard("w0"))
+    assert [(x.parent_hash, x.depth) for x in links] == [(ROOT, 1), (A, 2), (0, 0)]
+
+
+def test_demotion_and_full_republish_keep_the_links(url: str) -> None:
+    w = Writer(url, "w0")
+    w.send(BlockStored((A, B), parent_hash=ROOT, depth=1))
+    w.send(BlockRemoved((B,)), BlockStored((B,), TIER_HOST))  # evicted to the host tier
+    assert node(url, B) == link(A, 2)
+    # The worker lost its events and re-publishes everything under a new generation.
+    w.send(
+        AllCleared(),
+        BlockStored((B,), TIER_HOST),
+        BlockStored((A,), parent_hash=ROOT, depth=1),
+        new_generation=True,
+    )
+    assert node(url, A) == link(ROOT, 1) and node(url, B) == link(A, 2)
+    # Redis restarted empty: the re-publish alone brings the device links back.
+    redis.Redis.from_url(url).flushall()
+    w.publisher.heartbeat({"block_size": BS}, 10_000)
+    w.send(AllCleared(), BlockStored((A, B), parent_hash=ROOT, depth=1), new_generation=True)
+    assert node(url, B) == link(A, 2)
+
+
+def test_a_cold_coordinator_reads_the_tree_from_redis(url: str) -> None:
+    w = Writer(url, "w0")
+    w.send(BlockStored((A, B, C), parent_hash=ROOT, depth=1))
+    w.send(BlockStored((D,), parent_hash=A, depth=2))
+    store = IndexStore(url)
+    redis.Redis.from_url(url).delete(*schema.EVENTS_STREAMS)  # nothing to replay: keys only
+    mirror = LockedMirror()
+    follower = IndexFollower(store, mirror, ns=NS)
+    assert follower.rebuild() == 4
+    assert mirror.num_tree_nodes == 0  # serving already: the tree is filled in after
+    assert follower.load_links(max_blocks=3) == 3
+    assert follower.load_links() == 1
+    views, num_nodes = mirror.tree_nodes(10)
+    assert num_nodes == 4
+    assert {(v.node.block_hash, v.node.parent_hash, v.node.depth) for v in views} == {
+        (A, ROOT, 1),
+        (B, A, 2),
+        (C, B, 3),
+        (D, A, 2),
+    }
+    assert mirror.check_links().ok
+    mirror.check_invariants()
+
+
+def test_the_cache_epoch_is_agreed_through_redis(url: str) -> None:
+    store = IndexStore(url)
+    first, second = (IndexFollower(store, LockedMirror(), ns=NS) for _ in range(2))
+    first.rebuild()
+    second.rebuild()
+    assert first.bump_cache_epoch() == 1
+    assert EventPublisher(url, NS, "w9").cache_epoch() == 1  # what a worker starting now reads
+    second.rebuild()
+    assert second.cache_epoch == 1
+    assert second.bump_cache_epoch() == 2
+    assert store.bump_cache_epoch(NS, at_least=10) == 10  # a coordinator that knew a higher one
+
+
+def test_the_epoch_outlives_a_redis_that_lost_it(url: str) -> None:
+    w = Writer(url, "w0")
+    w.publisher.heartbeat({"block_size": BS, "cache_epoch": 3}, 10_000)  # reset 3 times before
+    follower = IndexFollower(IndexStore(url), LockedMirror(), ns=NS)
+    follower.rebuild()
+    assert follower.cache_epoch == 3  # from the worker's report: the epoch key was never set
+    redis.Redis.from_url(url).flushall()  # Redis restarted empty
+    follower.rebuild()
+    assert follower.cache_epoch == 3
+    assert EventPublisher(url, NS, "w9").cache_epoch() == 3  # put back for workers starting now
