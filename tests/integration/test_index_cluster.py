@@ -168,3 +168,34 @@ def test_publishers_in_several_processes_fill_the_cluster_and_the_mirror(url: st
         assert snap is not None and len(snap.blocks) == 2000
         assert follower.mirror.cursor(WorkerId(f"w{i}")) == (GEN, 20)
     follower.mirror.check_invariants()
+
+
+def test_radix_nodes_live_in_each_holders_shard_and_a_cold_follower_links_them(url: str) -> None:
+    client = _client(url)
+    root, chain = BlockHash(0x77), [BlockHash(0xA000 + i) for i in range(3)]
+    workers = ["w0", "w1", "w2"]  # three different shards
+    assert len({schema.index_shard(w) for w in workers}) == 3
+    for w in workers:
+        pub = EventPublisher(url, NS, w)
+        assert pub.heartbeat({"block_size": 16}, 10_000)
+        assert pub.publish(EventBatch(w, GEN, 1, (BlockStored(tuple(chain), 0, root, 1),))).ok
+    for w in workers:
+        keys = [schema.node_key(NS, schema.hash_hex(h), w) for h in chain]
+        assert {client.keyslot(k) for k in keys} == {client.keyslot(schema.worker_key(w))}
+        node = client.hgetall(keys[2])
+        assert node == {b"p": schema.hash_hex(chain[1]).encode(), b"d": b"3", b"t": b"48"}
+    store = IndexStore(url)
+    for w in workers[:2]:
+        store.purge_worker(NS, w)
+        assert not client.exists(schema.node_key(NS, schema.hash_hex(chain[0]), w))
+    assert store.node(NS, chain[0]) == {"p": schema.hash_hex(root), "d": "1", "t": "16"}
+    follower = follower_for(url)  # cold: links come from w2's shard
+    assert follower.load_links() == 3
+    views, num_nodes = follower.mirror.tree_nodes(10)
+    assert num_nodes == 3 and follower.mirror.check_links().ok
+    assert [(v.node.parent_hash, v.node.depth) for v in views] == [
+        (root, 1),
+        (chain[0], 2),
+        (chain[1], 3),
+    ]
+    follower.mirror.check_invariants()

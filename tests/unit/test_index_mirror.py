@@ -104,7 +104,8 @@ def _expected_match(
 def test_random_events_keep_the_mirror_equal_to_a_plain_model() -> None:
     """Thousands of stores, removals, clears, resyncs and purges over shared chains, past several
     merges of the mirror's delta into its arrays: matches, per-worker hashes and counts stay
-    those of a dict-of-dicts model, and the invariants hold throughout."""
+    those of a dict-of-dicts model, the radix tree links exactly the indexed blocks that were
+    stored with a parent, and the invariants hold throughout."""
     import random
 
     rng = random.Random(7)
@@ -113,7 +114,15 @@ def test_random_events_keep_the_mirror_equal_to_a_plain_model() -> None:
     chains.append([BlockHash((1 << 64) - 1 - i) for i in range(50)])  # the top of the range
     m = IndexMirror()
     model: dict[WorkerId, dict[BlockHash, int]] = {}
+    links: dict[BlockHash, tuple[BlockHash, int]] = {}  # hash -> (parent, depth)
+    root = BlockHash(0x5EED)
     seq = dict.fromkeys(workers, 0)
+
+    def unlink_unheld() -> None:
+        held = set().union(*model.values())
+        for h in [h for h in links if h not in held]:
+            del links[h]
+
     for w in workers:
         m.load_worker(w, 1, 0, [])
         model[w] = {}
@@ -126,8 +135,15 @@ def test_random_events_keep_the_mirror_equal_to_a_plain_model() -> None:
         kind = rng.random()
         seq[w] += 1
         if kind < 0.6:
-            event: BlockStored | BlockRemoved | AllCleared = BlockStored(tuple(hashes), tier)
+            # Device stores name their parent (as workers do); host stores do not.
+            parent = (chain[lo - 1] if lo else root) if tier == 0 else BlockHash(0)
+            event: BlockStored | BlockRemoved | AllCleared = BlockStored(
+                tuple(hashes), tier, parent, lo + 1 if parent else 0
+            )
             model[w].update(dict.fromkeys(hashes, tier))
+            if parent:
+                for i, h in enumerate(hashes):
+                    links[h] = (hashes[i - 1] if i else parent, lo + 1 + i)
         elif kind < 0.93:
             event = BlockRemoved(tuple(hashes), tier)
             for h in hashes:
@@ -140,14 +156,22 @@ def test_random_events_keep_the_mirror_equal_to_a_plain_model() -> None:
             snapshot = [(h, t) for h, t in model[w].items() if rng.random() < 0.7]
             m.load_worker(w, 1, seq[w], snapshot)
             model[w] = dict(snapshot)
+            unlink_unheld()
             continue
         assert m.apply(EventBatch(w, 1, seq[w], (event,))) is ApplyResult.APPLIED
+        unlink_unheld()
         if step % 100 == 0:
             m.check_invariants()
+            assert m.tree.num_nodes == len(links)
+            assert all(
+                m.tree.parent(h) == p and m.tree.depth(h) == d for h, (p, d) in links.items()
+            )
         probe = rng.choice(chains)
         assert m.match(probe) == _expected_match(model, probe)
     victim = workers[3]
     assert m.remove_worker(victim) == len(model.pop(victim))
+    unlink_unheld()
+    assert m.tree.num_nodes == len(links)
     for w in model:
         assert m.worker_hashes(w) == model[w]
         assert m.num_worker_blocks(w) == len(model[w])
