@@ -1,4 +1,5 @@
-"""Shared fixtures: one local Ray per test session, a fresh Redis server per deployment."""
+"""Shared fixtures: one local Ray per test session, a fresh Redis server per deployment, one
+torch thread for the model tests."""
 
 from __future__ import annotations
 
@@ -19,3 +20,15 @@ def ray_session() -> Iterator[None]:
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield
     ray.shutdown()
+
+
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """The CI box has 2 cores shared with other suites; tiny matmuls gain nothing from more
+    threads (model tests use it with `pytest.mark.usefixtures`)."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

@@ -13,14 +13,13 @@ import pytest
 import redis
 
 from kvmesh.coordinator.cluster.redis_server import RedisClusterServers, start_redis_cluster
-from kvmesh.coordinator.index.follower import IndexFollower
-from kvmesh.coordinator.index.locked_mirror import LockedMirror
 from kvmesh.coordinator.index.mirror import WorkerId
 from kvmesh.coordinator.index.store import IndexStore
 from kvmesh.proto import redis_schema as schema
 from kvmesh.proto.block_hash import BlockHash
 from kvmesh.proto.events import AllCleared, BlockRemoved, BlockStored, EventBatch
 from kvmesh.workers.engine.event_publisher import EventPublisher
+from tests.integration.index_helpers import drain, follower_for, stored
 
 pytestmark = [pytest.mark.redis]
 
@@ -48,21 +47,6 @@ def _client(url: str) -> Any:
     plain, is_cluster = schema.cluster_url(url)
     assert is_cluster
     return redis.RedisCluster.from_url(plain)
-
-
-def stored(*hashes: int) -> BlockStored:
-    return BlockStored(tuple(BlockHash(h) for h in hashes))
-
-
-def follower_for(url: str) -> IndexFollower:
-    follower = IndexFollower(IndexStore(url), LockedMirror(), ns=NS)
-    follower.rebuild()
-    return follower
-
-
-def drain(follower: IndexFollower) -> None:
-    while follower.poll_once(block_ms=None):
-        pass
 
 
 def test_every_key_of_a_worker_sits_in_its_shards_slot_and_the_shards_spread(url: str) -> None:
@@ -108,9 +92,9 @@ def test_followers_rebuild_follow_resync_and_purge_across_shards(url: str) -> No
     pubs = {w: EventPublisher(url, NS, w) for w in WORKERS}
     for i, (w, pub) in enumerate(pubs.items()):
         pub.publish(EventBatch(w, GEN, 1, (stored(1000 * i + 1, 1000 * i + 2),)))
-    follower = follower_for(url)
+    follower = follower_for(url, NS)
     assert follower.mirror.num_blocks == 2 * len(WORKERS)
-    late = follower_for(url)
+    late = follower_for(url, NS)
     for i, (w, pub) in enumerate(pubs.items()):
         pub.publish(EventBatch(w, GEN, 2, (stored(1000 * i + 3),)))
     drain(follower)
@@ -151,7 +135,7 @@ def _publish(url: str, worker: str, num_batches: int, batch_blocks: int) -> None
 
 @pytest.mark.slow
 def test_publishers_in_several_processes_fill_the_cluster_and_the_mirror(url: str) -> None:
-    follower = follower_for(url)
+    follower = follower_for(url, NS)
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_publish, args=(url, f"w{i}", 20, 100)) for i in range(4)]
     for p in procs:
@@ -189,7 +173,7 @@ def test_radix_nodes_live_in_each_holders_shard_and_a_cold_follower_links_them(u
         store.purge_worker(NS, w)
         assert not client.exists(schema.node_key(NS, schema.hash_hex(chain[0]), w))
     assert store.node(NS, chain[0]) == {"p": schema.hash_hex(root), "d": "1", "t": "16"}
-    follower = follower_for(url)  # cold: links come from w2's shard
+    follower = follower_for(url, NS)  # cold: links come from w2's shard
     assert follower.load_links() == 3
     views, num_nodes = follower.mirror.tree_nodes(10)
     assert num_nodes == 3 and follower.mirror.check_links().ok

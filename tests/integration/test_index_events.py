@@ -29,6 +29,7 @@ from kvmesh.proto.events import (
     encode_batch,
 )
 from kvmesh.workers.engine.event_publisher import EventPublisher
+from tests.integration.index_helpers import drain, follower_for, stored
 
 pytestmark = [pytest.mark.redis]
 
@@ -50,21 +51,6 @@ def url(server: RedisServer) -> str:
     return server.url
 
 
-def stored(*hashes: int) -> BlockStored:
-    return BlockStored(tuple(BlockHash(h) for h in hashes))
-
-
-def follower_for(url: str) -> IndexFollower:
-    follower = IndexFollower(IndexStore(url), LockedMirror(), ns=NS)
-    follower.rebuild()
-    return follower
-
-
-def drain(follower: IndexFollower) -> None:
-    while follower.poll_once(block_ms=None):
-        pass
-
-
 def redis_blocks(url: str, worker: str) -> dict[BlockHash, int]:
     snap = IndexStore(url).snapshot(worker)
     return dict(snap.blocks) if snap is not None else {}
@@ -76,7 +62,7 @@ def last_entry_id(client: redis.Redis) -> bytes:
 
 def test_a_lost_event_is_a_gap_that_triggers_a_resync(url: str) -> None:
     pub, client = EventPublisher(url, NS, "w0"), redis.Redis.from_url(url)
-    follower = follower_for(url)
+    follower = follower_for(url, NS)
     pub.publish(EventBatch("w0", GEN, 1, (stored(1, 2, 3),)))
     pub.publish(EventBatch("w0", GEN, 2, (BlockRemoved((BlockHash(3),)),)))
     drain(follower)
@@ -96,7 +82,7 @@ def test_a_lost_event_is_a_gap_that_triggers_a_resync(url: str) -> None:
 def test_reordered_events_resync_once_then_the_late_one_is_a_duplicate(url: str) -> None:
     pub, client = EventPublisher(url, NS, "w0"), redis.Redis.from_url(url)
     pub.publish(EventBatch("w0", GEN, 1, (stored(1),)))
-    follower = follower_for(url)
+    follower = follower_for(url, NS)
     late = EventBatch("w0", GEN, 2, (stored(2),))
     early = EventBatch("w0", GEN, 3, (stored(3),))
     pub.publish(late)
@@ -115,7 +101,7 @@ def test_reordered_events_resync_once_then_the_late_one_is_a_duplicate(url: str)
 def test_a_stale_generation_is_ignored_and_a_new_one_reloads(url: str) -> None:
     pub, client = EventPublisher(url, NS, "w0"), redis.Redis.from_url(url)
     pub.publish(EventBatch("w0", GEN, 1, (stored(1, 2),)))
-    follower = follower_for(url)
+    follower = follower_for(url, NS)
     stale = EventBatch("w0", GEN - 1, 99, (stored(66), BlockRemoved((BlockHash(1),))))
     client.xadd(W0_EVENTS, {"b": encode_batch(stale)})  # e.g. a zombie's late write
     pub.publish(EventBatch("w0", GEN, 2, (stored(3),)))
@@ -166,7 +152,7 @@ def _undecodable(payload: bytes) -> bool:
 def test_malformed_batches_are_rejected_counted_and_never_applied(url: str) -> None:
     pub, client = EventPublisher(url, NS, "w0"), redis.Redis.from_url(url)
     pub.publish(EventBatch("w0", GEN, 1, (stored(1, 2),)))
-    follower = follower_for(url)
+    follower = follower_for(url, NS)
     seq = [1]
 
     @settings(
@@ -198,7 +184,7 @@ def test_malformed_batches_are_rejected_counted_and_never_applied(url: str) -> N
 def test_two_followers_started_at_different_times_agree_with_redis(url: str) -> None:
     """Two coordinators on one Redis, the second one started (or restarted) mid-stream."""
     pubs = {w: EventPublisher(url, NS, w) for w in ("w0", "w1", "w2")}
-    first = follower_for(url)
+    first = follower_for(url, NS)
     second = None
     for step in range(1, 41):
         for i, (w, pub) in enumerate(pubs.items()):
@@ -208,7 +194,7 @@ def test_two_followers_started_at_different_times_agree_with_redis(url: str) -> 
                 events += (BlockRemoved((BlockHash(base + step - 1),)),)
             pub.publish(EventBatch(w, GEN, step, events))
         if step == 20:
-            second = follower_for(url)  # rebuilt from Redis, then follows the stream
+            second = follower_for(url, NS)  # rebuilt from Redis, then follows the stream
         drain(first)
     assert second is not None
     drain(second)
@@ -250,7 +236,7 @@ def test_a_least_privilege_acl_user_runs_the_whole_index(url: str, server: Redis
     pub = EventPublisher(acl_url, NS, "w0")
     assert pub.publish(EventBatch("w0", GEN, 1, (stored(1, 2),))).ok
     assert pub.heartbeat({"node": "n"}, 3000)
-    follower = follower_for(acl_url)
+    follower = follower_for(acl_url, NS)
     pub.publish(EventBatch("w0", GEN, 2, (stored(3),)))
     drain(follower)
     assert follower.mirror.worker_hashes(WorkerId("w0")) == {1: 0, 2: 0, 3: 0}

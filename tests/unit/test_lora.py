@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import json
 import random
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +18,7 @@ NUM_BLOCKS = 64
 BLOCK_SIZE = 4
 
 
-@pytest.fixture(autouse=True)
-def _few_threads() -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _prompt(length: int, seed: int) -> list[int]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,13 +19,7 @@ NUM_BLOCKS = 64
 BLOCK_SIZE = 4
 
 
-@pytest.fixture(autouse=True)
-def _few_threads() -> Iterator[None]:
-    # The CI box has 2 cores shared with other suites; tiny matmuls gain nothing from more threads.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +22,7 @@ NUM_BLOCKS = 32
 BLOCK_SIZE = 4
 
 
-@pytest.fixture(autouse=True)
-def _few_threads() -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _hf_model(tmp_path: Path, rope: dict[str, Any], max_position_embeddings: int) -> Any:
