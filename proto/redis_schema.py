@@ -12,6 +12,8 @@ the cluster's masters. On a single Redis (the default) the tags are just part of
     kvmesh:{sNN}:worker:{id}       HASH   generation, seq, ns, model, node, device, pid, ...
     kvmesh:{sNN}:worker:{id}:blocks  HASH hash -> tier             the worker's blocks (resync)
     kvmesh:{sNN}:worker:{id}:alive STRING with TTL                 heartbeat
+    kvmesh:{sNN}:worker:{id}:feeder STRING with TTL                the coordinator that feeds an
+                                                                   external engine's events
     kvmesh:{sNN}:workers           SET    ids of the shard's workers
     kvmesh:{sNN}:events            STREAM field "b" = msgpack EventBatch (proto/events.py),
                                           or field "p" = id of a purged worker
@@ -142,6 +144,12 @@ def worker_key(worker_id: str) -> str:
 
 def worker_blocks_key(worker_id: str) -> str:
     return f"{_worker_prefix(worker_id)}worker:{worker_id}:blocks"
+
+
+def feeder_key(worker_id: str) -> str:
+    """STRING with TTL: which coordinator publishes an external engine's events (one at a time:
+    two feeds of one engine would wipe each other's generations)."""
+    return f"{_worker_prefix(worker_id)}worker:{worker_id}:feeder"
 
 
 def worker_alive_key(worker_id: str) -> str:
@@ -327,3 +335,27 @@ redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[3], '*', 'p', ARGV[2])
 return n
 """
 )
+
+# KEYS: feeder_key(engine). ARGV: owner, ttl_ms. Take the claim if free, renew it if ours;
+# returns 1 when `owner` holds it now, 0 when another coordinator does.
+CLAIM_FEED = """
+local cur = redis.call('GET', KEYS[1])
+if cur == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+if not cur then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 1
+end
+return 0
+"""
+
+# KEYS: feeder_key(engine). ARGV: owner. Let go of the claim if ours (a clean stop hands the
+# engine to another coordinator at once, not after the TTL).
+RELEASE_FEED = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""

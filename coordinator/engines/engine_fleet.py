@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import http.client
 import logging
+import os
+import socket
 import threading
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -133,13 +136,15 @@ class EngineFleet:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # Which coordinator feeds an engine's events (one at a time, see `index_feed`).
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         for spec in specs:
             self._engines[spec.engine_id] = self._make(spec, redis_url)
 
     def _make(self, spec: EngineSpec, redis_url: str) -> _Engine:
         translator = ChainTranslator(self.block_size, self._root)
         publisher = EventPublisher(redis_url, self.ns, spec.engine_id)
-        feed = EngineIndexFeed(spec.engine_id, translator, publisher)
+        feed = EngineIndexFeed(spec.engine_id, translator, publisher, feeding=False)
         subscriber = EngineEventSubscriber(
             SubscriberConfig(spec.events_endpoint, spec.replay_endpoint, spec.topic),
             DECODERS[spec.kind],
@@ -221,7 +226,7 @@ class EngineFleet:
         }
         ttl_ms = int(self.config.heartbeat_ttl_s * 1000)
         if engine.feed.publisher.heartbeat(info, ttl_ms):
-            engine.feed.republish_if_lost()
+            engine.feed.keep_claim(self.owner, ttl_ms)
 
     def _watch(self) -> None:
         while not self._stop.wait(self.config.health_interval_s):
@@ -237,6 +242,7 @@ class EngineFleet:
         for engine in self._engines.values():
             engine.feed.close()
             engine.subscriber.stop()
+            engine.feed.publisher.release_feed(self.owner)  # another coordinator takes over
             engine.feed.publisher.close()
 
 

@@ -7,6 +7,12 @@ So the Redis keys, the event stream, every coordinator's mirror, replicas and `k
 verify` treat the engine like any worker. `seq` counts kvmesh batches from 1 per generation;
 a new generation (start, a reset of the engine's stream, Redis losing the engine's entries)
 makes every follower reload the engine's set.
+
+Several coordinators may subscribe to one engine, but only one *feeds* it at a time (two
+feeders would wipe each other's generations): each keeps its translator current, and the one
+holding the engine's claim in Redis publishes (`keep_claim`, renewed with every heartbeat). A
+coordinator that takes the claim over publishes everything its translator holds under a new
+generation first.
 """
 
 from __future__ import annotations
@@ -34,7 +40,9 @@ class EngineIndexFeed:
         publisher: EventPublisher,
         *,
         clock_ms: Callable[[], int] = lambda: int(time.time() * 1000),
+        feeding: bool = True,
     ) -> None:
+        """`feeding` False: translate but publish nothing until `keep_claim` wins the claim."""
         self.engine_id = engine_id
         self.translator = translator
         self.publisher = publisher
@@ -43,6 +51,7 @@ class EngineIndexFeed:
         self.generation = clock_ms()  # unique across this engine's feeds (restarts included)
         self.seq = 0
         self.closed = False
+        self.feeding = feeding
         self.num_batches = 0
         self.num_events = 0
 
@@ -54,7 +63,7 @@ class EngineIndexFeed:
             events = [e for e in map(self.translator.translate, batch.events) if e is not None]
             self.num_batches += 1
             self.num_events += len(batch.events)
-            if events:
+            if events and self.feeding:
                 self._publish(events)
 
     def on_reset(self, reason: str) -> None:
@@ -63,21 +72,43 @@ class EngineIndexFeed:
             if self.closed:
                 return
             self.translator.clear()
-            self.generation = max(self.generation + 1, self._clock_ms())
-            self.seq = 0
-            self._publish([AllCleared()])
+            if self.feeding:
+                self.generation = max(self.generation + 1, self._clock_ms())
+                self.seq = 0
+                self._publish([AllCleared()])
 
     def republish_if_lost(self) -> None:
         """After Redis lost this engine's entries (restarted empty, or purged while the engine
         lived on), publish everything the translator knows under a new generation."""
         with self._lock:
-            if self.closed or not self.publisher.lost_events:
+            if self.closed or not self.feeding or not self.publisher.lost_events:
                 return
-            self.generation = max(self.generation + 1, self._clock_ms())
-            self.seq = 0
-            events: list[KVEvent] = [AllCleared(), *self.translator.held()]
-            if self._publish(events):
-                self.publisher.lost_events = False
+            self._publish_all()
+
+    def keep_claim(self, owner: str, ttl_ms: int) -> bool:
+        """Take or renew this engine's claim for `owner` (one coordinator feeds an engine);
+        returns whether this feed publishes now. Winning the claim publishes the whole state
+        under a new generation; losing it stops publishing."""
+        won = self.publisher.claim_feed(owner, ttl_ms)
+        with self._lock:
+            if self.closed:
+                return False
+            if won and not self.feeding:
+                self.feeding = True
+                self._publish_all()
+            elif not won and self.feeding and self.publisher.connected:
+                self.feeding = False  # another coordinator holds the claim
+        self.republish_if_lost()
+        return won
+
+    def _publish_all(self) -> None:
+        self.generation = max(self.generation + 1, self._clock_ms())
+        self.seq = 0
+        events: list[KVEvent] = [AllCleared(), *self.translator.held()]
+        if self._publish(events):
+            self.publisher.lost_events = False
+        else:
+            self.publisher.lost_events = True
 
     def held_hashes(self) -> list[int]:
         """The kvmesh hashes of every block the engine holds, as far as its events said."""

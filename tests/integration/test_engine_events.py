@@ -1,6 +1,7 @@
 """An engine's KV events over real ZMQ into the real Redis index: in-order batches, gaps
 replayed through the ROUTER socket, gaps nobody can replay and engine restarts clearing the
-engine's entries, malformed payloads skipped."""
+engine's entries, malformed payloads skipped, and one feeder among coordinators sharing an
+engine."""
 
 from __future__ import annotations
 
@@ -40,11 +41,18 @@ def wait_for(check: Callable[[], bool], what: str, timeout_s: float = 20.0) -> N
 
 
 class Rig:
-    def __init__(self, redis: RedisServer, engine: StandInEngine, *, replay: bool = True) -> None:
+    def __init__(
+        self,
+        redis: RedisServer,
+        engine: StandInEngine,
+        *,
+        replay: bool = True,
+        feeding: bool = True,
+    ) -> None:
         self.engine = engine
         self.store = IndexStore(redis.url)
         publisher = EventPublisher(redis.url, NS, ENGINE)
-        self.feed = EngineIndexFeed(ENGINE, ChainTranslator(BS, _root), publisher)
+        self.feed = EngineIndexFeed(ENGINE, ChainTranslator(BS, _root), publisher, feeding=feeding)
         config = SubscriberConfig(
             engine.events_endpoint, engine.replay_endpoint if replay else "", "kv"
         )
@@ -146,3 +154,42 @@ def test_blocks_published_before_the_subscriber_came_are_replayed(
         wait_for(lambda: late.redis_blocks() == set(CHAIN), "the replayed blocks")
     finally:
         late.close()
+
+
+def _generation(store: IndexStore) -> int | None:
+    snapshot = store.snapshot(ENGINE)
+    return snapshot.generation if snapshot is not None else None
+
+
+def test_two_coordinators_on_one_engine_feed_it_one_at_a_time(
+    redis: RedisServer, engine: StandInEngine
+) -> None:
+    """Both subscribe; the claim holder alone publishes (no generation war); when it stops,
+    the other takes the claim and publishes the whole state it kept, under a new generation."""
+    first = Rig(redis, engine, feeding=False)
+    second = Rig(redis, engine, feeding=False)
+    try:
+        assert first.feed.keep_claim("coordinator-a", 10_000)
+        assert not second.feed.keep_claim("coordinator-b", 10_000)
+        engine.publish([stored([11, 12], None, TOKENS[: 2 * BS], BS)])
+        wait_for(lambda: first.redis_blocks() == set(CHAIN[:2]), "the first two blocks")
+        wait_for(lambda: second.feed.held_hashes() == sorted(CHAIN[:2]), "the second's copy")
+        generation = _generation(first.store)
+        engine.publish([stored([13], 12, TOKENS[2 * BS :], BS)])
+        wait_for(lambda: first.redis_blocks() == set(CHAIN), "the third block")
+        wait_for(lambda: second.feed.held_hashes() == sorted(CHAIN), "the second's third")
+        assert first.feed.keep_claim("coordinator-a", 10_000)  # renewed, still the feeder
+        assert not second.feed.keep_claim("coordinator-b", 10_000)
+        assert _generation(first.store) == generation  # nobody wiped the feeder's state
+        assert second.feed.seq == 0  # the other published nothing
+
+        first.feed.close()
+        first.feed.publisher.release_feed("coordinator-a")  # a clean stop
+        assert second.feed.keep_claim("coordinator-b", 10_000)
+        assert second.feed.feeding and _generation(second.store) != generation
+        assert second.redis_blocks() == set(CHAIN)  # the whole state, from its own copy
+        engine.publish([removed([11, 12, 13])])
+        wait_for(lambda: second.redis_blocks() == set(), "the removal, fed by the second")
+    finally:
+        first.close()
+        second.close()

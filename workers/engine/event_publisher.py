@@ -105,6 +105,21 @@ class EventPublisher:
         self.connected = True
         return True
 
+    def claim_feed(self, owner: str, ttl_ms: int) -> bool:
+        """Take or renew the right to publish for this (external engine's) id; False when
+        another owner holds it or Redis is away."""
+        try:
+            key = schema.feeder_key(self.worker_id)
+            return bool(self._client.eval(schema.CLAIM_FEED, 1, key, owner, ttl_ms))
+        except redis.RedisError:
+            return False
+
+    def release_feed(self, owner: str) -> None:
+        try:
+            self._client.eval(schema.RELEASE_FEED, 1, schema.feeder_key(self.worker_id), owner)
+        except redis.RedisError:
+            pass  # the claim lapses with its TTL
+
     def cache_epoch(self) -> int | None:
         """The namespace's cache epoch in Redis (0 if never bumped), or None if unreachable."""
         try:
