@@ -63,7 +63,10 @@ class EngineIndexFeed:
             events = [e for e in map(self.translator.translate, batch.events) if e is not None]
             self.num_batches += 1
             self.num_events += len(batch.events)
-            if events and self.feeding:
+            # After a failed publish, nothing more until a heartbeat has re-checked the claim and
+            # re-published in full: a feeder that lost its claim while Redis was away must not
+            # wipe its successor's state with a batch of its old generation.
+            if events and self.feeding and not self.publisher.lost_events:
                 self._publish(events)
 
     def on_reset(self, reason: str) -> None:
@@ -72,7 +75,7 @@ class EngineIndexFeed:
             if self.closed:
                 return
             self.translator.clear()
-            if self.feeding:
+            if self.feeding and not self.publisher.lost_events:
                 self.generation = max(self.generation + 1, self._clock_ms())
                 self.seq = 0
                 self._publish([AllCleared()])
