@@ -279,6 +279,7 @@ class Deployment:
                 self.request_metrics,
                 index=follower,
                 num_gate_rejections=lambda: gate.num_rejected,
+                engine_streams=self.engines.stream_counts if self.engines is not None else None,
             )
             self.metrics.serve(collector)
         return self.address

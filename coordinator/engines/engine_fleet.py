@@ -107,6 +107,16 @@ class _Engine:
     down: bool = False
 
 
+_STREAM_COUNTERS = (
+    "num_batches",
+    "num_replayed_batches",
+    "num_gaps",
+    "num_resets",
+    "num_undecodable",
+    "num_skipped_events",
+)
+
+
 class EngineFleet:
     """Invariant: every engine here is known to the registry; a down engine's feed is closed."""
 
@@ -173,6 +183,17 @@ class EngineFleet:
 
     def subscriber(self, engine_id: str) -> EngineEventSubscriber:
         return self._engines[engine_id].subscriber
+
+    def stream_counts(self) -> dict[str, dict[str, int]]:
+        """Per engine, what its event stream brought: batches, replayed batches, gaps, resets,
+        undecodable payloads, skipped events (the subscriber's counters, by name)."""
+        return {
+            engine_id: {
+                name.removeprefix("num_"): int(getattr(engine.subscriber.counters, name))
+                for name in _STREAM_COUNTERS
+            }
+            for engine_id, engine in self._engines.items()
+        }
 
     def announced(self) -> dict[str, list[int]]:
         """Per live engine, the kvmesh hashes of the blocks it announced and still holds."""

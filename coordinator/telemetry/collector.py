@@ -118,13 +118,17 @@ class MetricsCollector:
         *,
         index: IndexSource | None = None,
         num_gate_rejections: Callable[[], int] | None = None,
+        engine_streams: Callable[[], Mapping[str, Mapping[str, int]]] | None = None,
     ) -> None:
+        """`engine_streams`: per external engine, its KV-event stream's counts by name
+        (`EngineFleet.stream_counts`); None without engines."""
         self.coordinator = coordinator
         self.registry = registry
         self.latest_info = latest_info
         self.requests = requests
         self.index = index
         self.num_gate_rejections = num_gate_rejections
+        self.engine_streams = engine_streams
 
     def collect(self) -> list[MetricFamily]:
         stats = self.coordinator.stats()
@@ -134,6 +138,26 @@ class MetricsCollector:
             *self._index_families(stats),
             *self._fleet_families(),
             *self._worker_families(),
+            *self._engine_families(),
+        ]
+
+    def _engine_families(self) -> list[MetricFamily]:
+        if self.engine_streams is None:
+            return []
+        streams = self.engine_streams()
+        samples = tuple(
+            Sample((("engine", engine), ("what", what)), float(count))
+            for engine, counts in sorted(streams.items())
+            for what, count in sorted(counts.items())
+        )
+        text = (
+            "What each external engine's KV-event stream brought: batches, replayed_batches, "
+            "gaps, resets, undecodable (payloads) and skipped_events (unknown or malformed)."
+        )
+        return [
+            MetricFamily(
+                "kvmesh_engine_stream_total", MetricKind.COUNTER, text, ("engine", "what"), samples
+            )
         ]
 
     def _request_families(self) -> list[MetricFamily]:

@@ -78,6 +78,10 @@ def test_a_shared_prefix_goes_back_to_the_engine_that_announced_it(kvmesh: Deplo
         assert again["kvmesh"]["worker_id"] == holder
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 8 * BS
         assert again["kvmesh"]["cached_tokens"] == 8 * BS
+    assert kvmesh.engines is not None
+    streams = kvmesh.engines.stream_counts()  # what kvmesh_engine_stream_total exports
+    assert set(streams) == {"a", "b"} and sum(c["batches"] for c in streams.values()) >= 6
+    assert all(c["undecodable"] == 0 and c["resets"] == 0 for c in streams.values())
 
 
 def test_index_verify_compares_the_mirror_with_what_each_engine_announced(

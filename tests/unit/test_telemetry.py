@@ -334,3 +334,18 @@ def test_bad_metrics_and_log_variables_are_named_in_the_error(name: str, value: 
 
     with pytest.raises(ValueError, match=name):
         read_environment({name: value})
+
+
+def test_engine_streams_are_exported_per_engine_and_only_with_engines() -> None:
+    coordinator, registry, metrics, collector, index = make()
+    assert "kvmesh_engine_stream_total" not in families(collector)
+    counts = {"a": {"batches": 7, "gaps": 1}, "b": {"batches": 2, "gaps": 0}}
+    with_engines = MetricsCollector(
+        coordinator, registry, lambda w: None, metrics, index=index, engine_streams=lambda: counts
+    )
+    stream = families(with_engines)["kvmesh_engine_stream_total"]
+    assert stream.value(engine="a", what="batches") == 7
+    assert stream.value(engine="a", what="gaps") == 1
+    assert stream.value(engine="b", what="batches") == 2
+    counts["a"]["gaps"] = 3  # read at every scrape, not copied once
+    assert families(with_engines)["kvmesh_engine_stream_total"].value(engine="a", what="gaps") == 3
