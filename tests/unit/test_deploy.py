@@ -262,7 +262,7 @@ def exported_metric_names(*, with_histogram_families: bool = False) -> set[str]:
     `with_histogram_families` the histograms' own names, which prose may name."""
     from tests.unit.test_telemetry import families, make
 
-    *_, collector, _ = make()
+    *_, collector, _ = make(engine_streams=lambda: {"e0": {"batches": 1}})  # with an engine
     exported: set[str] = set()
     for name, family in families(collector).items():
         suffixes = ("_bucket", "_count", "_sum") if family.histogram is not None else ("",)

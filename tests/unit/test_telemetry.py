@@ -72,7 +72,7 @@ def worker_info(worker_id: str, *, num_free: int = 60, evicted: int = 0) -> Work
     )
 
 
-def make(step_s: float = 0.001):  # type: ignore[no-untyped-def]
+def make(step_s: float = 0.001, engine_streams=None):  # type: ignore[no-untyped-def]
     registry, mirror = WorkerRegistry(), LockedMirror()
     for w in ("w0", "w1"):
         registry.add(w)
@@ -90,7 +90,13 @@ def make(step_s: float = 0.001):  # type: ignore[no-untyped-def]
     infos = {"w0": worker_info("w0", evicted=5), "w1": worker_info("w1", num_free=100)}
     index = FakeIndex()
     collector = MetricsCollector(
-        coordinator, registry, infos.get, metrics, index=index, num_gate_rejections=lambda: 4
+        coordinator,
+        registry,
+        infos.get,
+        metrics,
+        index=index,
+        num_gate_rejections=lambda: 4,
+        engine_streams=engine_streams,
     )
     return coordinator, registry, metrics, collector, index
 
