@@ -229,7 +229,7 @@ class Deployment:
         if not cfg.attach:
             self._calibrate_links(transfers)
         else:
-            self._adopt_nccl(transfers)
+            self._join_nccl(transfers, may_form=False)
         self.cluster.set_on_info(coordinator.observe_worker)
         self.follower.start()
         if self.engines is not None:
@@ -330,27 +330,26 @@ class Deployment:
         )
         self.http_server.start()
 
-    def _adopt_nccl(self, transfers: TransferPlanner) -> None:
-        """An attached coordinator plans NCCL pulls between workers that already share a group."""
+    def _join_nccl(self, transfers: TransferPlanner, *, may_form: bool) -> bool:
+        """Plan GPU-to-GPU pulls over the NCCL group the workers already share, else (when
+        `may_form`: this coordinator started them) over one formed now; False without one."""
         assert self.cluster is not None
         try:
-            if self.cluster.adopt_nccl():
-                transfers.links.set(LinkType.SAME_NODE, 5e7, 2.0)
-        except Exception as exc:  # an unreachable worker: pulls use the object store
-            log.warning("could not read the workers' NCCL group (%s)", exc)
+            if not (self.cluster.adopt_nccl() or (may_form and self.cluster.setup_nccl())):
+                return False
+        except Exception as exc:  # no NCCL: pulls between GPUs use the object store
+            log.warning("NCCL group not available (%s); GPU-to-GPU pulls use the object store", exc)
+            return False
+        # Start from an NVLink-class guess (50 GB/s, 2 ms); the observed pulls correct it.
+        transfers.links.set(LinkType.SAME_NODE, 5e7, 2.0)
+        return True
 
     def _calibrate_links(self, transfers: TransferPlanner) -> None:
         """Measure one worker-to-worker link so the first pulls are priced from reality."""
         assert self.cluster is not None
         live = self.cluster.live_worker_ids()
-        try:
-            if self.cluster.adopt_nccl() or self.cluster.setup_nccl():
-                # GPU-to-GPU pulls go over NCCL: start from an NVLink-class guess (50 GB/s, 2 ms)
-                # and let the observed pulls correct it.
-                transfers.links.set(LinkType.SAME_NODE, 5e7, 2.0)
-                return
-        except Exception as exc:  # no NCCL: pulls between GPUs use the object store
-            log.warning("NCCL group not available (%s); GPU-to-GPU pulls use the object store", exc)
+        if self._join_nccl(transfers, may_form=True):
+            return
         if len(live) < 2 or transfers.link(live[0], live[1]) is LinkType.SAME_DEVICE:
             return  # same-GPU pulls copy in place (CUDA IPC): observed pulls price that link
         try:

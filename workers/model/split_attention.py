@@ -22,6 +22,7 @@ shape, ~120 ms each on an H100, which a server meeting new prompt lengths pays a
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -46,11 +47,14 @@ class AttentionPart(NamedTuple):
 
 def cudnn_attention_usable(device: torch.device) -> bool:
     """cuDNN's fused attention with log-sum-exp: CUDA, cuDNN present, Hopper or newer."""
-    return (
-        device.type == "cuda"
-        and torch.backends.cudnn.is_available()
-        and torch.cuda.get_device_capability(device)[0] >= 9
-    )
+    return device.type == "cuda" and _cudnn_on_hopper(device.index)
+
+
+@functools.cache
+def _cudnn_on_hopper(device_index: int | None) -> bool:
+    """Asked once per device, not once per layer."""
+    capability = torch.cuda.get_device_capability(device_index)
+    return torch.backends.cudnn.is_available() and capability[0] >= 9
 
 
 def attention_part(
