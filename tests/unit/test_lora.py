@@ -13,6 +13,7 @@ import torch
 
 from kvmesh.workers.model.model_config import ModelConfig
 from kvmesh.workers.model.runner import ModelRunner, SeqChunk
+from tests.unit.tiny_llama import tiny_llama_config
 
 NUM_BLOCKS = 64
 BLOCK_SIZE = 4
@@ -33,19 +34,10 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, dict[str,
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
     root = tmp_path_factory.mktemp("lora")
-    hf_config = transformers.LlamaConfig(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
+    hf_config = tiny_llama_config(
+        transformers,
         max_position_embeddings=256,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        initializer_range=0.15,
-        tie_word_embeddings=False,
-        attn_implementation="eager",
     )
     torch.manual_seed(0)
     base = transformers.LlamaForCausalLM(hf_config).eval()

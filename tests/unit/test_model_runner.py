@@ -14,6 +14,7 @@ from kvmesh.workers.model.model_config import ModelConfig, RopeScaling, load_mod
 from kvmesh.workers.model.runner import ModelRunner, SeqChunk, rope_inv_freq
 from kvmesh.workers.model.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from kvmesh.workers.model.weights import hashed_uniform, hf_param_shapes, random_weights
+from tests.unit.tiny_llama import tiny_llama_config
 
 NUM_BLOCKS = 64
 BLOCK_SIZE = 4
@@ -77,16 +78,9 @@ def _check_against_hf(model: torch.nn.Module, model_dir: Path) -> None:
 
 def test_logits_match_transformers_llama_with_llama3_rope(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
-    hf_config = transformers.LlamaConfig(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
+    hf_config = tiny_llama_config(
+        transformers,
         max_position_embeddings=1024,
-        rms_norm_eps=1e-5,
         rope_parameters={
             "rope_type": "llama3",
             "rope_theta": 10000.0,
@@ -95,11 +89,9 @@ def test_logits_match_transformers_llama_with_llama3_rope(tmp_path: Path) -> Non
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 256,
         },
-        initializer_range=0.15,
-        tie_word_embeddings=False,
+        rms_norm_eps=1e-5,
         bos_token_id=256,
         eos_token_id=[257, 258],
-        attn_implementation="eager",
     )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(hf_config).eval()

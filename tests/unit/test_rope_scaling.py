@@ -17,6 +17,7 @@ from kvmesh.workers.model.rope_scaling import (
     YarnRopeScaling,
 )
 from kvmesh.workers.model.runner import ModelRunner, SeqChunk
+from tests.unit.tiny_llama import tiny_llama_config
 
 NUM_BLOCKS = 32
 BLOCK_SIZE = 4
@@ -27,20 +28,11 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 def _hf_model(tmp_path: Path, rope: dict[str, Any], max_position_embeddings: int) -> Any:
     transformers = pytest.importorskip("transformers")
-    hf_config = transformers.LlamaConfig(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
+    hf_config = tiny_llama_config(
+        transformers,
         max_position_embeddings=max_position_embeddings,
-        rms_norm_eps=1e-5,
         rope_parameters={"rope_theta": 10000.0, **rope},
-        initializer_range=0.15,
-        tie_word_embeddings=False,
-        attn_implementation="eager",
+        rms_norm_eps=1e-5,
     )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(hf_config).eval()
