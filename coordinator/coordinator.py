@@ -41,13 +41,11 @@ from kvmesh.coordinator.telemetry.request_record import RequestObserver, Request
 from kvmesh.proto.block_hash import (
     BlockHash,
     MediaItem,
-    adapter_root,
     block_hashes,
-    cache_root,
     media_extra_keys,
-    namespace_hash,
     num_reusable_blocks,
     num_reusable_tokens,
+    prompt_root,
 )
 from kvmesh.workers.contract.replies import (
     PrefillFacts,
@@ -269,9 +267,7 @@ class Coordinator:
     def root_hash(self, cache_salt: str = "", adapter: str = "") -> BlockHash:
         """h_0 of a prompt's chain: namespace, KV dtype, cache epoch, then the adapter (also the
         root of an external engine's announced blocks, `engines/chain_translator.py`)."""
-        namespace_root = namespace_hash(self.fingerprint, "", cache_salt)
-        root = cache_root(namespace_root, self.kv_dtype, self.cache_epoch())
-        return adapter_root(root, adapter)
+        return prompt_root(self.fingerprint, cache_salt, self.kv_dtype, self.cache_epoch(), adapter)
 
     def check_sampling(self, prompt: PreparedPrompt, sampling: SamplingConfig) -> None:
         vocab = self.model.vocab_size

@@ -172,3 +172,12 @@ def cache_root(namespace_root: BlockHash, kv_dtype: str, cache_epoch: int) -> Bl
         raise ValueError(f"need a KV dtype and an epoch >= 0, got {kv_dtype!r}, {cache_epoch}")
     key = f"kv_dtype={kv_dtype}\x1fepoch={cache_epoch}".encode()
     return BlockHash(xxhash.xxh3_64_intdigest(key, int(namespace_root)))
+
+
+def prompt_root(
+    model_fingerprint: str, cache_salt: str, kv_dtype: str, cache_epoch: int, adapter: str = ""
+) -> BlockHash:
+    """h_0 of a prompt's chain, as the coordinator and the worker both compute it: the model's
+    namespace with the tenant's salt, then the KV dtype and cache epoch, then the adapter."""
+    namespace_root = namespace_hash(model_fingerprint, "", cache_salt)
+    return adapter_root(cache_root(namespace_root, kv_dtype, cache_epoch), adapter)

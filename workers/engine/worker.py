@@ -28,10 +28,9 @@ import torch
 
 from kvmesh.proto.block_hash import (
     BlockHash,
-    adapter_root,
-    cache_root,
     namespace_hash,
     num_reusable_blocks,
+    prompt_root,
 )
 from kvmesh.proto.events import TIER_HOST, AllCleared, BlockStored, EventBatch, KVEvent
 from kvmesh.workers.contract.replies import (
@@ -122,9 +121,10 @@ class Worker:
         # Debug / test hook: receives (request_id, logits row) for every sampled token.
         self._logits_sink = logits_sink
 
-    def root_hash(self, cache_salt: str = "") -> BlockHash:
-        namespace_root = namespace_hash(self.model_fingerprint, "", cache_salt)
-        return cache_root(namespace_root, self.kv_dtype, self.cache_epoch)
+    def root_hash(self, cache_salt: str = "", adapter: str = "") -> BlockHash:
+        return prompt_root(
+            self.model_fingerprint, cache_salt, self.kv_dtype, self.cache_epoch, adapter
+        )
 
     @property
     def has_work(self) -> bool:
@@ -145,7 +145,7 @@ class Worker:
             req.request_id,
             list(req.prompt_ids),
             req.sampling,
-            adapter_root(self.root_hash(req.cache_salt), req.adapter),
+            self.root_hash(req.cache_salt, req.adapter),
             self.clock(),
             session_id=req.session_id,
             adapter=req.adapter,
@@ -389,7 +389,7 @@ class Worker:
         if seq.pinned_blocks:
             self.scheduler.unpin(seq)
             seq.num_pulled_tokens = seq.num_host_tokens = 0
-        seq.root_hash = adapter_root(self.root_hash(seq.cache_salt), seq.adapter)
+        seq.root_hash = self.root_hash(seq.cache_salt, seq.adapter)
         seq.block_hashes = []
 
     def drain_event_batch(self) -> EventBatch | None:
