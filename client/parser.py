@@ -226,6 +226,12 @@ def _add_worker_options(
         " requests pick it with `adapter`",
     )
     parser.add_argument(
+        "--no-cuda-graphs",
+        action="store_true",
+        help="on GPU workers, launch every decode step's kernels one by one instead of replaying"
+        " a captured CUDA graph",
+    )
+    parser.add_argument(
         "--no-prefix-cache",
         action="store_true",
         help="turn prefix caching off: every request computes its whole prompt, no block is"

@@ -42,10 +42,16 @@ class WorkerConfig:
     """How often the worker refreshes its heartbeat and info in Redis."""
     heartbeat_ttl_s: float = 3.0
     """A heartbeat older than this marks the worker dead."""
+    stall_limit_s: float = 60.0
+    """An engine iteration may run this long (a kernel compile, a large pull) before the worker
+    stops keeping its heartbeat alive and lets it lapse."""
     sessions: WarmSessionConfig = field(default_factory=WarmSessionConfig)
     """How long and within what budget idle sessions' chains are kept warm."""
     lora_adapters: tuple[tuple[str, str], ...] = ()
     """(name, PEFT folder) of every LoRA adapter the worker serves besides the base model."""
+    cuda_graphs: bool = True
+    """Replay decode-only steps as CUDA graphs on a GPU (False: `--no-cuda-graphs`, every step
+    launches its kernels one by one)."""
     prefix_cache: bool = True
     """Reuse cached prefixes (False: `--no-prefix-cache`, every request computes its whole
     prompt and no block is registered or announced)."""

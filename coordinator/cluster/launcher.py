@@ -70,6 +70,7 @@ def deployment_config(args: argparse.Namespace, *, embedded_redis: bool) -> Depl
         sessions=sessions,
         lora_adapters=tuple(_opt(args, "lora", ())),
         prefix_cache=not _opt(args, "no_prefix_cache", False),
+        cuda_graphs=not _opt(args, "no_cuda_graphs", False),
     )
     http_port = _opt(args, "http_port", None)
     http = None

@@ -78,6 +78,7 @@ def build_worker(config: WorkerConfig) -> Worker:
         weights_path=weights_path,
         seed=config.seed,
     )
+    runner.cuda_graphs = runner.cuda_graphs and config.cuda_graphs
     for name, folder in config.lora_adapters:
         runner.load_adapter(name, folder)
     scheduler_config = SchedulerConfig(

@@ -4,10 +4,10 @@ All chunks' tokens go through the matmuls as one flattened token dimension; atte
 per-sequence step, grouped as `batch_plan` describes. On CUDA, attention over cached K/V (decode
 and chunked prefill) reads the cache through block tables in the paged Triton kernel
 (`paged_attention`; `split_attention` is an opt-in alternative for chunked prefill); fresh prompts
-use flash SDPA on their own new K/V. On CPU (the reference
-path, matched against transformers in the unit tests) cached K/V is gathered into contiguous
-buffers for SDPA, and GQA is folded into the query length (a KV head's query heads become extra
-query rows), so no K/V is copied per query head.
+use flash SDPA on their own new K/V; decode-only steps replay CUDA graphs (`decode_graphs`). On
+CPU (the reference path, matched against transformers in the unit tests) cached K/V is gathered
+into contiguous buffers for SDPA, and GQA is folded into the query length (a KV head's query heads
+become extra query rows), so no K/V is copied per query head.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from kvmesh.workers.model.batch_plan import (
     plan_batch,
     validate_batch,
 )
+from kvmesh.workers.model.decode_graphs import DecodeGraphs
 from kvmesh.workers.model.lora import LoraAdapter, LoraBatch, load_peft_adapter
 from kvmesh.workers.model.model_config import ModelConfig, checkpoint_source
 from kvmesh.workers.model.paged_attention import paged_attention
@@ -102,6 +103,20 @@ class ModelRunner:
         self._num_sms = (
             torch.cuda.get_device_properties(self.device).multi_processor_count if on_gpu else 0
         )
+        # Dynamic RoPE picks its frequencies from the longest position on the host: not capturable.
+        self.cuda_graphs = on_gpu and self.rope.dynamic is None
+        """Decode-only batches replay CUDA graphs (`decode_graphs`) while the paged decode kernel
+        serves them; benchmarks and tests may switch it on a live runner."""
+        self._decode_graphs = (
+            DecodeGraphs(
+                self._run_layers,
+                device=self.device,
+                block_size=block_size,
+                num_queries_per_kv=config.num_queries_per_kv,
+            )
+            if self.cuda_graphs
+            else None
+        )
         self.check_invariants()
 
     def _load_weights(self, weights_path: str | None, seed: int | None) -> ModelWeights:
@@ -157,6 +172,15 @@ class ModelRunner:
     def forward(self, batch: Sequence[SeqChunk]) -> torch.Tensor:
         """Run the chunks and write their K/V; float32 logits of each chunk's last token,
         [len(batch), vocab]."""
+        graphs = self._decode_graphs
+        if (
+            graphs is not None
+            and self.cuda_graphs
+            and self.attention_mode.paged_decode
+            and graphs.serves(batch)
+        ):
+            self.validate_batch(batch)
+            return self._logits(graphs.run(batch))
         plan = self._plan(batch)
         hidden = self._run_layers(plan, self._lora_batch(batch, plan))
         return self._logits(hidden[plan.last_rows])
