@@ -41,6 +41,7 @@ from kvmesh.workers.transfer.block_export import BlockExport
 from kvmesh.workers.transfer.cuda_ipc import CudaIpcTransport
 from kvmesh.workers.transfer.nccl import NcclLink, NcclTransport
 from kvmesh.workers.transfer.object_store import ObjectStoreTransport
+from kvmesh.workers.transfer.transport import fetch_planned
 
 log = logging.getLogger(__name__)
 
@@ -132,12 +133,8 @@ class WorkerActor:
 
     async def _fetch(self, spec: PullSpec, hashes: tuple[BlockHash, ...], write: Any) -> int:
         transports = {Transport.CUDA_IPC: self._cuda_ipc, Transport.NCCL: self._nccl}
-        chosen = transports.get(spec.transport)
-        if chosen is not None:
-            written = await chosen.fetch(spec.source, hashes, write)
-            if written is not None:
-                return written
-        return await self._object_store.fetch(spec.source, hashes, write) or 0
+        planned = transports.get(spec.transport)
+        return await fetch_planned(planned, self._object_store, spec.source, hashes, write)
 
     def _peer(self, worker_id: str) -> Any:
         return self._peers[worker_id]

@@ -28,6 +28,24 @@ class Transport(Protocol):
         self, source: str, hashes: tuple[BlockHash, ...], write: WriteOnEngine
     ) -> int | None:
         """Move the leading run of `hashes` that `source` holds into the reserved blocks.
-        Returns the blocks written, or None when this transport cannot run right now (the
-        caller then falls back to the object store)."""
+        Returns the blocks written, or None when this transport cannot run right now."""
         ...
+
+
+async def fetch_planned(
+    planned: Transport | None,
+    object_store: Transport,
+    source: str,
+    hashes: tuple[BlockHash, ...],
+    write: WriteOnEngine,
+) -> int:
+    """Blocks written by the transport the coordinator planned (None: the object store).
+
+    A device link (NCCL, CUDA IPC) that cannot run right now means recompute, never the object
+    store: the pull was priced at the link's speed, and an 8B model's 7.5K-token prefix is ~1 GB
+    that the store would move through host memory in seconds, stalling both engines meanwhile
+    (seen on two H100s: heartbeats lapsed under load), where recomputing it takes ~0.25 s.
+    """
+    if planned is not None:
+        return await planned.fetch(source, hashes, write) or 0
+    return await object_store.fetch(source, hashes, write) or 0
