@@ -84,6 +84,10 @@ class WorkerActor:
         self._heartbeat()
         self._thread = threading.Thread(target=self._engine_loop, name="kvmesh-engine", daemon=True)
         self._thread.start()
+        self._keepalive = threading.Thread(
+            target=self._keep_alive, name="kvmesh-keepalive", daemon=True
+        )
+        self._keepalive.start()
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -250,6 +254,7 @@ class WorkerActor:
         self._stopped.set()
         self._wakeup.set()
         self._thread.join(timeout=5)
+        self._keepalive.join(timeout=5)
         if self._publisher is not None:
             self._publisher.close()
 
@@ -274,6 +279,7 @@ class WorkerActor:
 
     def _engine_loop(self) -> None:
         while not self._stopped.is_set():
+            self._warn_if_slow(self._last_tick)
             self._last_tick = time.monotonic()
             try:
                 self._drain_inbox()
@@ -289,6 +295,29 @@ class WorkerActor:
             except Exception as exc:  # keep serving: fail the running requests, not the worker
                 log.exception("engine step failed")
                 self._fail_all(exc)
+
+    def _keep_alive(self) -> None:
+        """Keep the liveness key fresh while one engine iteration runs long: heartbeats (with
+        the worker's info and the purge check) go out between iterations, and a kernel compile
+        or a large pull can hold one for seconds, which must not get the worker purged. An
+        engine stuck past `stall_limit_s` is let go: its key lapses and the fleet moves on."""
+        interval = self.config.heartbeat_interval_s
+        while not self._stopped.wait(interval):
+            publisher = self._publisher
+            stalled = time.monotonic() - self._last_tick
+            if publisher is not None and interval <= stalled < self.config.stall_limit_s:
+                publisher.keep_alive(self._ttl_ms())
+
+    def _warn_if_slow(self, started: float) -> None:
+        """Heartbeats go out between iterations: say so when one took half their TTL."""
+        took = time.monotonic() - started
+        if took > self.config.heartbeat_ttl_s / 2:
+            log.warning(
+                "engine iteration took %.2f s (heartbeat TTL %.1f s): a long step or pull delays"
+                " this worker's heartbeat",
+                took,
+                self.config.heartbeat_ttl_s,
+            )
 
     def _drain_inbox(self) -> None:
         while True:

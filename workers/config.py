@@ -78,6 +78,11 @@ class WorkerConfig:
         names = [name for name, _ in self.lora_adapters]
         if len(set(names)) != len(names) or not all(names):
             raise ValueError(f"LoRA adapter names must be unique and non-empty, got {names}")
+        if self.stall_limit_s < self.heartbeat_ttl_s:
+            raise ValueError(
+                f"stall_limit_s ({self.stall_limit_s}) must be at least heartbeat_ttl_s"
+                f" ({self.heartbeat_ttl_s})"
+            )
         if self.heartbeat_ttl_s <= self.heartbeat_interval_s:
             raise ValueError(
                 f"heartbeat_ttl_s ({self.heartbeat_ttl_s}) must exceed the interval"

@@ -105,6 +105,15 @@ class EventPublisher:
         self.connected = True
         return True
 
+    def keep_alive(self, ttl_ms: int) -> bool:
+        """Refresh only the liveness key (safe from another thread than `heartbeat`'s); False
+        when Redis is away."""
+        try:
+            self._client.set(schema.worker_alive_key(self.worker_id), "1", px=ttl_ms)
+        except redis.RedisError:
+            return False
+        return True
+
     def claim_feed(self, owner: str, ttl_ms: int) -> bool:
         """Take or renew the right to publish for this (external engine's) id; False when
         another owner holds it or Redis is away."""
