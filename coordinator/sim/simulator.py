@@ -358,6 +358,11 @@ class ClusterSimulation:
             time.perf_counter() - start_s,
         )
 
+    def request_times(self) -> list[tuple[float, float, float]]:
+        """(TTFT, TPOT, end-to-end) in ms of every request, in workload order, after `run`
+        (TPOT is NaN for a one-token answer)."""
+        return list(zip(self._ttft, self._tpot, self._e2e, strict=True))
+
     def _on_arrival(self, request: SimRequest) -> None:
         ids = request.prompt_ids
         tokens = tuple(ids.tolist()) if ids is not None else (0,) * request.prompt_len

@@ -1,0 +1,151 @@
+"""The simulator against a real GPU run: the same requests at the same send times, TTFT and TPOT.
+
+`gpu_e2e.py` sends one shared-prefix request stream to a real deployment, one rate after
+another (each rate a slice of the stream, caches carried over). This replays exactly those
+requests at exactly those send times (each slice starting when the last one's answers were in,
+as the real sweep did, estimated from its duration plus the slice's slowest request) through
+`kvmesh simulate`'s engine, the same policy, worker count and pool size, and compares TTFT and
+TPOT per rate with what the real run measured. The simulator's cost model is Llama-3-8B bf16 on
+an H100, the shape and card of the real run.
+
+Usage: python benchmarks/sim_vs_real.py docs/data/gpu_e2e_8b_2gpu_h100.json \
+           [--json FILE] [--tolerance 0.2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvmesh.client.bench import send_times
+from kvmesh.client.workloads import SharedPrefixConfig, shared_prefix
+from kvmesh.coordinator.sim.simulator import ClusterSimulation, SimConfig, prepare_requests
+
+DRAIN_S = 1.0
+"""Between slices the real sweep waits for the slowest answer, then sets up the next rate."""
+
+
+@dataclass(frozen=True, slots=True)
+class Timed:
+    """A workload request at the time the real sweep sent it."""
+
+    arrival_ms: float
+    token_ids: np.ndarray
+    output_len: int
+    session_id: str = ""
+    completion_ids: np.ndarray | None = None
+
+
+def real_schedule(
+    config: dict[str, Any], rows: list[dict[str, Any]]
+) -> tuple[list[Timed], list[int]]:
+    """The real sweep's requests and send times, and the slice (rate index) of each."""
+    rates = config["rates"]
+    needed = sum(int(r * config["duration_s"] * 1.3) + 8 for r in rates)
+    spec = SharedPrefixConfig(
+        num_groups=config["groups"],
+        users_per_group=-(-needed // config["groups"]),
+        system_prompt_len=config["system_len"],
+        question_len=config["question_len"],
+        output_len=config["output_len"],
+        vocab_size=config["vocab_size"],
+    )
+    requests = shared_prefix(spec, config["seed"])
+    out: list[Timed] = []
+    slices: list[int] = []
+    offset, start_s = 0, 0.0
+    for i, row in enumerate(rows):
+        schedule = send_times(requests[offset:], rates[i], config["duration_s"], config["seed"] + i)
+        offset += len(schedule)
+        for at_s, request in schedule:
+            out.append(Timed((start_s + at_s) * 1e3, request.token_ids, config["output_len"]))
+            slices.append(i)
+        last_s = schedule[-1][0] if schedule else 0.0
+        start_s += max(config["duration_s"], last_s + row["e2e_p99_ms"] / 1e3) + DRAIN_S
+    return out, slices
+
+
+def percentile(values: list[float], q: int) -> float:
+    finite = [v for v in values if not math.isnan(v)]
+    return float(np.percentile(finite, q)) if finite else math.nan
+
+
+def compare(report: dict[str, Any], tolerance: float) -> dict[str, Any]:
+    config = report["config"]
+    out: dict[str, Any] = {}
+    for policy, rows in report["results"].items():
+        arrivals, slices = real_schedule(config, rows)
+        requests = prepare_requests(arrivals, 16)
+        sim_config = SimConfig(
+            num_workers=config["num_workers"],
+            capacity_tokens=config["num_blocks"] * 16,
+            seed=config["seed"],
+        )
+        simulation = ClusterSimulation(sim_config, policy, requests)
+        simulation.run()
+        times = simulation.request_times()
+        per_rate = []
+        for i, row in enumerate(rows):
+            mine = [t for t, s in zip(times, slices, strict=True) if s == i]
+            sim = {
+                "ttft_p50_ms": percentile([t[0] for t in mine], 50),
+                "ttft_p90_ms": percentile([t[0] for t in mine], 90),
+                "tpot_p50_ms": percentile([t[1] for t in mine], 50),
+                "tpot_p90_ms": percentile([t[1] for t in mine], 90),
+            }
+            entry: dict[str, Any] = {"rate_rps": row["rate_rps"], "num_requests": len(mine)}
+            for key, value in sim.items():
+                entry[key] = {"real": row[key], "sim": value, "sim_over_real": value / row[key]}
+            entry["within_tolerance"] = all(
+                abs(entry[k]["sim_over_real"] - 1.0) <= tolerance for k in sim
+            )
+            per_rate.append(entry)
+        out[policy] = per_rate
+    return out
+
+
+def print_table(result: dict[str, Any]) -> None:
+    keys = ("ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms")
+    print("policy        rate  " + "  ".join(f"{k:>26}" for k in keys) + "  within")
+    for policy, rows in result.items():
+        for r in rows:
+            cells = [
+                f"{r[k]['real']:8.1f} / {r[k]['sim']:8.1f} ({r[k]['sim_over_real']:4.2f})"
+                for k in keys
+            ]
+            print(
+                f"{policy:12s} {r['rate_rps']:5.0f}  "
+                + "  ".join(cells)
+                + f"  {r['within_tolerance']}"
+            )
+    print("(real / simulated (simulated over real); times in ms)")
+
+
+def main() -> None:  # noqa: D103
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("real", type=Path, help="gpu_e2e.py's JSON report")
+    parser.add_argument("--json", type=Path, help="write the comparison here")
+    parser.add_argument("--tolerance", type=float, default=0.2)
+    args = parser.parse_args()
+    try:
+        report = json.loads(args.real.read_text())
+    except (OSError, ValueError) as exc:
+        sys.exit(f"sim_vs_real: cannot read {args.real}: {exc}")
+    result = compare(report, args.tolerance)
+    print_table(result)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"tolerance": args.tolerance, "results": result}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
