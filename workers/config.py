@@ -42,9 +42,10 @@ class WorkerConfig:
     """How often the worker refreshes its heartbeat and info in Redis."""
     heartbeat_ttl_s: float = 3.0
     """A heartbeat older than this marks the worker dead."""
-    stall_limit_s: float = 60.0
+    stall_limit_s: float = 15.0
     """An engine iteration may run this long (a kernel compile, a large pull) before the worker
-    stops keeping its heartbeat alive and lets it lapse."""
+    stops keeping its heartbeat alive and lets it lapse (the coordinator's `stall_timeout_s`
+    ends such a worker after the same 15 s by default)."""
     sessions: WarmSessionConfig = field(default_factory=WarmSessionConfig)
     """How long and within what budget idle sessions' chains are kept warm."""
     lora_adapters: tuple[tuple[str, str], ...] = ()
