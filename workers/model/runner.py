@@ -4,9 +4,10 @@ All chunks' tokens go through the matmuls as one flattened token dimension; atte
 per-sequence step, grouped as `batch_plan` describes. On CUDA, attention over cached K/V (decode
 and chunked prefill) reads the cache through block tables in the paged Triton kernel
 (`paged_attention`; `split_attention` is an opt-in alternative for chunked prefill); fresh prompts
-use flash SDPA on their own new K/V; decode-only steps replay CUDA graphs (`decode_graphs`). On
-CPU (the reference path, matched against transformers in the unit tests) cached K/V is gathered
-into contiguous buffers for SDPA, and GQA is folded into the query length (a KV head's query heads
+use flash SDPA on their own new K/V; RoPE and SiLU x up are single Triton kernels
+(`elementwise_kernels`); decode-only steps replay CUDA graphs (`decode_graphs`). On CPU (the
+reference path, matched against transformers in the unit tests) cached K/V is gathered into
+contiguous buffers for SDPA, and GQA is folded into the query length (a KV head's query heads
 become extra query rows), so no K/V is copied per query head.
 """
 
@@ -103,6 +104,9 @@ class ModelRunner:
         self._num_sms = (
             torch.cuda.get_device_properties(self.device).multi_processor_count if on_gpu else 0
         )
+        self.fused_elementwise = on_gpu
+        """RoPE and SiLU x up run as single Triton kernels (`elementwise_kernels`) instead of
+        several torch ops; benchmarks may switch it."""
         # Dynamic RoPE picks its frequencies from the longest position on the host: not capturable.
         self.cuda_graphs = on_gpu and self.rope.dynamic is None
         """Decode-only batches replay CUDA graphs (`decode_graphs`) while the paged decode kernel
@@ -213,8 +217,7 @@ class ModelRunner:
             gate_up = F.linear(h, layer.gate_up_proj)
             if lora is not None:
                 lora.add(gate_up, h, layer_index, "gate_up")
-            gate, up = gate_up.chunk(2, dim=-1)
-            act = F.silu(gate) * up
+            act = self._silu_mul(gate_up)
             down = F.linear(act, layer.down_proj)
             if lora is not None:
                 lora.add(down, act, layer_index, "down")
@@ -236,9 +239,7 @@ class ModelRunner:
         qkv = F.linear(h, layer.qkv_proj, layer.qkv_bias)
         if lora is not None:
             lora.add(qkv, h, layer_index, "qkv")
-        qk = apply_rope(
-            qkv[:, : num_qk_heads * c.head_dim].view(num_tokens, -1, c.head_dim), cos, sin
-        )
+        qk = self._rope(qkv, cos, sin, num_qk_heads)
         q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
         v = qkv[:, num_qk_heads * c.head_dim :].view(num_tokens, c.num_kv_heads, c.head_dim)
         kv_blocks = self.kv_cache[layer_index]  # [2, num_blocks, block_size, kv_heads, dim]
@@ -247,6 +248,25 @@ class ModelRunner:
         out = self._attend(q, k, v, kv_blocks, plan).view(num_tokens, -1)
         projected = F.linear(out, layer.o_proj)
         return lora.add(projected, out, layer_index, "o") if lora is not None else projected
+
+    def _rope(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_qk_heads: int
+    ) -> torch.Tensor:
+        """RoPE of the query and key heads of qkv: [num_tokens, num_qk_heads, head_dim]."""
+        dim = self.config.head_dim
+        if self.fused_elementwise and not dim & (dim - 1):
+            from kvmesh.workers.model.elementwise_kernels import rope_qk
+
+            return rope_qk(qkv, cos, sin, num_qk_heads)
+        return apply_rope(qkv[:, : num_qk_heads * dim].view(qkv.shape[0], -1, dim), cos, sin)
+
+    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.fused_elementwise:
+            from kvmesh.workers.model.elementwise_kernels import silu_mul
+
+            return silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
     def _attend(
         self,

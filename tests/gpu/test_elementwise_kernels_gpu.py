@@ -1,0 +1,75 @@
+"""The fused elementwise kernels equal the torch expressions they replace (RoPE, SiLU x up).
+
+On a GPU machine as part of tests/gpu; on CPU under Triton's interpreter with
+`TRITON_INTERPRET=1 KVMESH_KERNEL_DEVICE=cpu` (float32 only: the interpreter's bfloat16
+conversions do not round like the GPU's, 1-2 ulp apart)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvmesh.workers.model.model_config import preset
+from kvmesh.workers.model.rope import Rope, apply_rope
+
+DEVICE = os.environ.get("KVMESH_KERNEL_DEVICE", "cuda")
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs CUDA (or the interpreter)"
+    ),
+]
+
+
+def tolerance(dtype: torch.dtype) -> dict[str, float]:
+    if dtype != torch.float32 and os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the interpreter's bfloat16 conversions do not round like the GPU's")
+    # One float32 multiply-add may round differently (fused or not): about one ulp of the dtype
+    # at the values' scale (inputs here are ~N(0, 1)), also where a sum cancels to near zero.
+    return {"atol": 1e-6, "rtol": 2e-6} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 8e-3}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 7, 300])
+def test_rope_qk_equals_apply_rope(dtype: torch.dtype, num_tokens: int) -> None:
+    from kvmesh.workers.model.elementwise_kernels import rope_qk
+
+    within = tolerance(dtype)
+    config = preset("tiny-random")
+    heads, kv_heads, dim = 12, 4, 64  # 16 q + k heads: two head blocks, the second partial
+    gen = torch.Generator().manual_seed(num_tokens)
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(DEVICE, dtype)
+    positions = torch.randint(0, 4000, (num_tokens,), generator=gen).to(DEVICE)
+    rope = Rope(dataclasses.replace(config, head_dim=dim), torch.device(DEVICE))
+    cos, sin = rope.tables(positions, dtype)
+    got = rope_qk(qkv, cos, sin, heads + kv_heads)
+    want = apply_rope(qkv[:, : (heads + kv_heads) * dim].view(num_tokens, -1, dim), cos, sin)
+    assert got.shape == want.shape and got.dtype == dtype
+    torch.testing.assert_close(got, want, **within)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 64), (5, 1000), (64, 2304)])
+def test_silu_mul_equals_torch(dtype: torch.dtype, shape: tuple[int, int]) -> None:
+    from kvmesh.workers.model.elementwise_kernels import silu_mul
+
+    within = tolerance(dtype)
+    tokens, size = shape
+    gen = torch.Generator().manual_seed(size)
+    gate_up = (4 * torch.randn(tokens, 2 * size, generator=gen)).to(DEVICE, dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(silu_mul(gate_up), F.silu(gate) * up, **within)
+
+
+def test_rows_with_a_stride_are_read_through_it() -> None:
+    from kvmesh.workers.model.elementwise_kernels import silu_mul
+
+    wide = torch.randn(6, 300).to(DEVICE)
+    gate_up = wide[:, :200]  # rows 300 apart, 200 wide
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(silu_mul(gate_up), F.silu(gate) * up, **tolerance(torch.float32))

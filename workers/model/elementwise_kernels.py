@@ -1,0 +1,119 @@
+"""Triton kernels for a layer's elementwise work on CUDA: one pass where torch takes several.
+
+  * `rope_qk`: RoPE on the query and key heads straight out of the fused qkv projection, into one
+    new [tokens, q + k heads, dim] tensor (torch: a multiply, a roll and a multiply-add, each a
+    full pass over q and k).
+  * `silu_mul`: SiLU(gate) x up from the fused gate/up projection (torch: a SiLU pass, then a
+    multiply reading both halves again).
+
+Both round where the torch expressions they replace round (`apply_rope`: x * cos to the model
+dtype, then the multiply-add; SiLU to the model dtype, then the product), so results equal
+torch's up to the last bit of a float32 multiply-add. Imported only on CUDA (and by the tests
+under Triton's interpreter).
+
+    rope_qk   grid (tokens, ceil(q + k heads / BLOCK_H))
+    silu_mul  grid (tokens, ceil(intermediate / BLOCK_I))
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_BLOCK_H = 8
+_BLOCK_I = 1024
+
+
+@triton.jit
+def _rope_kernel(
+    qkv_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    num_heads,
+    stride_qkv_t,
+    stride_cos_t,
+    stride_out_t,
+    DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, DIM)
+    rolled = (dims + DIM // 2) % DIM  # x.roll(DIM // 2): element i reads i + DIM / 2
+    ok = (heads < num_heads)[:, None]
+    row = qkv_ptr + token * stride_qkv_t + heads[:, None] * DIM
+    x = tl.load(row + dims[None, :], mask=ok, other=0.0)
+    x_rolled = tl.load(row + rolled[None, :], mask=ok, other=0.0)
+    cos = tl.load(cos_ptr + token * stride_cos_t + dims)
+    sin = tl.load(sin_ptr + token * stride_cos_t + dims)
+    scaled = (x.to(tl.float32) * cos.to(tl.float32)[None, :]).to(x.dtype)
+    out = scaled.to(tl.float32) + x_rolled.to(tl.float32) * sin.to(tl.float32)[None, :]
+    dest = out_ptr + token * stride_out_t + heads[:, None] * DIM + dims[None, :]
+    tl.store(dest, out.to(x.dtype), mask=ok)
+
+
+@triton.jit
+def _silu_mul_kernel(
+    gate_up_ptr,
+    out_ptr,
+    size,
+    stride_in_t,
+    stride_out_t,
+    BLOCK_I: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    ok = cols < size
+    gate = tl.load(gate_up_ptr + token * stride_in_t + cols, mask=ok, other=0.0)
+    up = tl.load(gate_up_ptr + token * stride_in_t + size + cols, mask=ok, other=0.0)
+    g = gate.to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+    out = silu.to(tl.float32) * up.to(tl.float32)
+    tl.store(out_ptr + token * stride_out_t + cols, out.to(gate.dtype), mask=ok)
+
+
+def rope_qk(
+    qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, num_qk_heads: int
+) -> torch.Tensor:
+    """`apply_rope` of qkv's first `num_qk_heads` heads: [tokens, num_qk_heads, head_dim].
+
+    qkv [tokens, >= num_qk_heads * head_dim] with contiguous rows; cos / signed_sin
+    [tokens, 1, head_dim] as `rope_tables` makes them. head_dim must be a power of two.
+    """
+    num_tokens, dim = qkv.shape[0], cos.shape[-1]
+    if qkv.stride(1) != 1 or cos.stride(-1) != 1 or signed_sin.stride() != cos.stride():
+        raise ValueError("rope_qk needs rows with a contiguous last dimension")
+    if dim & (dim - 1):
+        raise ValueError(f"rope_qk needs a power-of-two head_dim, got {dim}")
+    out = torch.empty((num_tokens, num_qk_heads, dim), device=qkv.device, dtype=qkv.dtype)
+    if num_tokens:
+        grid = (num_tokens, triton.cdiv(num_qk_heads, _BLOCK_H))
+        _rope_kernel[grid](
+            qkv,
+            cos,
+            signed_sin,
+            out,
+            num_qk_heads,
+            qkv.stride(0),
+            cos.stride(0),
+            out.stride(0),
+            DIM=dim,
+            BLOCK_H=_BLOCK_H,
+        )
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up of a fused [tokens, 2 x intermediate] projection: [tokens, intermediate]."""
+    num_tokens, size = gate_up.shape[0], gate_up.shape[1] // 2
+    if gate_up.stride(1) != 1:
+        raise ValueError("silu_mul needs rows with a contiguous last dimension")
+    out = torch.empty((num_tokens, size), device=gate_up.device, dtype=gate_up.dtype)
+    if num_tokens:
+        grid = (num_tokens, triton.cdiv(size, _BLOCK_I))
+        _silu_mul_kernel[grid](
+            gate_up, out, size, gate_up.stride(0), out.stride(0), BLOCK_I=_BLOCK_I
+        )
+    return out
