@@ -203,3 +203,73 @@ def cached_prefill_attention_report(
         "split_gather_ms": gather_ms,
         "split_rel_err_vs_reference": err.item(),
     }
+
+
+def prefill_tile_sweep(
+    num_sms: int, prefix_len: int = 7680, query_len: int = 512
+) -> list[dict[str, Any]]:
+    """The paged kernel on a chunked prefill (`query_len` new tokens behind `prefix_len` cached,
+    Llama-3-8B heads) for a grid of tile shapes and key splits, each checked against the float64
+    reference; TFLOP/s of the attention's FLOPs, fastest first."""
+    page, kv_heads, group, dim = 16, 8, 4, 128
+    total = prefix_len + query_len
+    num_blocks = -(-total // page)
+    shape = (num_blocks, page, kv_heads, dim)
+    k = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(query_len, kv_heads * group, dim, device="cuda", dtype=torch.bfloat16)
+    order = random.Random(0).sample(range(num_blocks), num_blocks)
+    chunks = [PagedChunk(total, query_len, 0, order)]
+    flops = 4 * kv_heads * group * dim * sum(range(prefix_len + 1, total + 1))
+    ref: torch.Tensor | None = None
+    rows: list[dict[str, Any]] = []
+    for block_m in (64, 128):
+        for block_n in (32, 64, 128):
+            for warps in (4, 8):
+                for stages in (2, 3, 4):
+                    tile = TileShape(block_m, block_n, warps, stages, 1024)
+                    layout = build_paged_layout(
+                        chunks, block_size=page, num_queries_per_kv=group, tile=tile,
+                        device=torch.device("cuda"),
+                    )  # fmt: skip
+                    if ref is None:
+                        ref = torch.full_like(q, float("nan"))
+                        paged_attention_reference(q, k, v, ref, layout)
+                    for splits in (1, 2, 4):
+                        out = torch.full_like(q, float("nan"))
+
+                        def run(
+                            layout: Any = layout, out: torch.Tensor = out, n: int = splits
+                        ) -> None:
+                            launch_paged_attention(q, k, v, out, layout, num_sms=num_sms,
+                                                   num_splits=n)  # fmt: skip
+
+                        try:
+                            ms = median_ms(run)
+                        except Exception as exc:  # a tile the compiler cannot fit (shared memory)
+                            rows.append({"tile": [block_m, block_n, warps, stages],
+                                         "splits": splits, "error": str(exc)[:80]})  # fmt: skip
+                            continue
+                        err = (out.double() - ref.double()).norm() / ref.double().norm()
+                        rows.append({
+                            "tile": [block_m, block_n, warps, stages], "splits": splits,
+                            "us": ms * 1e3, "tflops": flops / ms / 1e9,
+                            "rel_err_vs_reference": err.item(),
+                        })  # fmt: skip
+    return sorted(rows, key=lambda r: -r.get("tflops", 0.0))
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    props = torch.cuda.get_device_properties(0)
+    result = {
+        "device": props.name,
+        "prefill_tile_sweep": prefill_tile_sweep(props.multi_processor_count),
+    }
+    for row in result["prefill_tile_sweep"][:12]:
+        print(json.dumps(row), flush=True)
+    if len(sys.argv) > 1:
+        with open(sys.argv[1], "w") as f:
+            json.dump(result, f, indent=2)
