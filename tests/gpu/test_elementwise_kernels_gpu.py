@@ -73,3 +73,20 @@ def test_rows_with_a_stride_are_read_through_it() -> None:
     gate_up = wide[:, :200]  # rows 300 apart, 200 wide
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(silu_mul(gate_up), F.silu(gate) * up, **tolerance(torch.float32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 64), (9, 1000), (33, 4096)])
+def test_add_rms_norm_equals_torch(dtype: torch.dtype, shape: tuple[int, int]) -> None:
+    from kvmesh.workers.model.elementwise_kernels import add_rms_norm
+
+    within = tolerance(dtype)
+    tokens, size = shape
+    gen = torch.Generator().manual_seed(size + tokens)
+    x, delta = (torch.randn(tokens, size, generator=gen).to(DEVICE, dtype) for _ in range(2))
+    weight = (1 + 0.1 * torch.randn(size, generator=gen)).to(DEVICE, dtype)
+    total, normed = add_rms_norm(x, delta, weight, 1e-5)
+    want_total = x + delta
+    torch.testing.assert_close(total, want_total, atol=0.0, rtol=0.0)
+    want = F.rms_norm(want_total, weight.shape, weight, 1e-5)
+    torch.testing.assert_close(normed, want, **within)

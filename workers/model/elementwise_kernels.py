@@ -5,14 +5,17 @@
     full pass over q and k).
   * `silu_mul`: SiLU(gate) x up from the fused gate/up projection (torch: a SiLU pass, then a
     multiply reading both halves again).
+  * `add_rms_norm`: the residual add and the next block's RMSNorm in one pass over the row (torch:
+    the add, then the norm reading the sum back).
 
 Both round where the torch expressions they replace round (`apply_rope`: x * cos to the model
 dtype, then the multiply-add; SiLU to the model dtype, then the product), so results equal
 torch's up to the last bit of a float32 multiply-add. Imported only on CUDA (and by the tests
 under Triton's interpreter).
 
-    rope_qk   grid (tokens, ceil(q + k heads / BLOCK_H))
-    silu_mul  grid (tokens, ceil(intermediate / BLOCK_I))
+    rope_qk       grid (tokens, ceil(q + k heads / BLOCK_H))
+    silu_mul      grid (tokens, ceil(intermediate / BLOCK_I))
+    add_rms_norm  grid (tokens,): one program a row
 """
 
 from __future__ import annotations
@@ -74,6 +77,34 @@ def _silu_mul_kernel(
     tl.store(out_ptr + token * stride_out_t + cols, out.to(gate.dtype), mask=ok)
 
 
+@triton.jit
+def _add_rms_norm_kernel(
+    x_ptr,
+    delta_ptr,
+    weight_ptr,
+    sum_ptr,
+    normed_ptr,
+    size,
+    eps,
+    stride_x_t,
+    stride_delta_t,
+    BLOCK: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < size
+    x = tl.load(x_ptr + token * stride_x_t + cols, mask=ok, other=0.0)
+    delta = tl.load(delta_ptr + token * stride_delta_t + cols, mask=ok, other=0.0)
+    total = (x.to(tl.float32) + delta.to(tl.float32)).to(
+        x.dtype
+    )  # the residual, as torch rounds it
+    tl.store(sum_ptr + token * size + cols, total, mask=ok)
+    t = total.to(tl.float32)
+    scale = 1.0 / tl.sqrt(tl.sum(t * t, 0) / size + eps)
+    weight = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(normed_ptr + token * size + cols, (t * scale * weight).to(x.dtype), mask=ok)
+
+
 def rope_qk(
     qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, num_qk_heads: int
 ) -> torch.Tensor:
@@ -117,3 +148,29 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
             gate_up, out, size, gate_up.stride(0), out.stride(0), BLOCK_I=_BLOCK_I
         )
     return out
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, RMSNorm(x + delta) * weight), both [tokens, hidden] in x's dtype, the norm
+    accumulated in float32."""
+    num_tokens, size = x.shape
+    if x.stride(1) != 1 or delta.stride(1) != 1 or weight.stride(0) != 1:
+        raise ValueError("add_rms_norm needs rows with a contiguous last dimension")
+    total, normed = torch.empty_like(x), torch.empty_like(x)
+    if num_tokens:
+        _add_rms_norm_kernel[(num_tokens,)](
+            x,
+            delta,
+            weight,
+            total,
+            normed,
+            size,
+            eps,
+            x.stride(0),
+            delta.stride(0),
+            BLOCK=triton.next_power_of_2(size),
+            num_warps=8 if size >= 2048 else 4,
+        )
+    return total, normed

@@ -4,7 +4,7 @@ All chunks' tokens go through the matmuls as one flattened token dimension; atte
 per-sequence step, grouped as `batch_plan` describes. On CUDA, attention over cached K/V (decode
 and chunked prefill) reads the cache through block tables in the paged Triton kernel
 (`paged_attention`; `split_attention` is an opt-in alternative for chunked prefill); fresh prompts
-use flash SDPA on their own new K/V; RoPE and SiLU x up are single Triton kernels
+use flash SDPA on their own new K/V; RoPE, SiLU x up and add + RMSNorm are single Triton kernels
 (`elementwise_kernels`); decode-only steps replay CUDA graphs (`decode_graphs`). On CPU (the
 reference path, matched against transformers in the unit tests) cached K/V is gathered into
 contiguous buffers for SDPA, and GQA is folded into the query length (a KV head's query heads
@@ -105,8 +105,8 @@ class ModelRunner:
             torch.cuda.get_device_properties(self.device).multi_processor_count if on_gpu else 0
         )
         self.fused_elementwise = on_gpu
-        """RoPE and SiLU x up run as single Triton kernels (`elementwise_kernels`) instead of
-        several torch ops; benchmarks may switch it."""
+        """RoPE, SiLU x up and residual add + RMSNorm run as single Triton kernels
+        (`elementwise_kernels`) instead of several torch ops; benchmarks may switch it."""
         # Dynamic RoPE picks its frequencies from the longest position on the host: not capturable.
         self.cuda_graphs = on_gpu and self.rope.dynamic is None
         """Decode-only batches replay CUDA graphs (`decode_graphs`) while the paged decode kernel
@@ -209,11 +209,12 @@ class ModelRunner:
     def _run_layers(self, plan: BatchPlan, lora: LoraBatch | None = None) -> torch.Tensor:
         eps = self.config.rms_norm_eps
         cos, sin = self.rope.tables(plan.positions, self.dtype)
+        layers = self.weights.layers
         x = F.embedding(plan.token_ids, self.weights.embed_tokens)
-        for layer_index, layer in enumerate(self.weights.layers):
-            h = rms_norm(x, layer.input_norm, eps)
-            x = x + self._attention_block(layer_index, layer, h, cos, sin, plan, lora)
-            h = rms_norm(x, layer.post_attention_norm, eps)
+        h = rms_norm(x, layers[0].input_norm, eps)
+        for layer_index, layer in enumerate(layers):
+            attended = self._attention_block(layer_index, layer, h, cos, sin, plan, lora)
+            x, h = self._add_norm(x, attended, layer.post_attention_norm)
             gate_up = F.linear(h, layer.gate_up_proj)
             if lora is not None:
                 lora.add(gate_up, h, layer_index, "gate_up")
@@ -221,8 +222,21 @@ class ModelRunner:
             down = F.linear(act, layer.down_proj)
             if lora is not None:
                 lora.add(down, act, layer_index, "down")
-            x = x + down
-        return x
+            if layer_index + 1 == len(layers):
+                return x + down
+            x, h = self._add_norm(x, down, layers[layer_index + 1].input_norm)
+        raise AssertionError("a model has at least one layer")
+
+    def _add_norm(
+        self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, RMSNorm of it): the residual stream and the next block's input."""
+        if self.fused_elementwise:
+            from kvmesh.workers.model.elementwise_kernels import add_rms_norm
+
+            return add_rms_norm(x, delta, weight, self.config.rms_norm_eps)
+        x = x + delta
+        return x, rms_norm(x, weight, self.config.rms_norm_eps)
 
     def _attention_block(
         self,
