@@ -146,17 +146,8 @@ async def _one(client: AsyncClient, prompt: list[int], max_tokens: int, **pin: s
     try:
         r = await client.generate(prompt, max_tokens=max_tokens, ignore_eos=True, **pin)
     except KVMeshError as err:
-        return BenchSample(False, "", len(prompt), 0, 0, None, f"{err.code}: {err.details}")
-    return BenchSample(
-        True,
-        r.worker_id,
-        r.prompt_tokens,
-        r.cached_tokens,
-        r.pulled_tokens,
-        r.ttft_ms,
-        e2e_ms=r.total_ms,
-        num_output_tokens=len(r.tokens),
-    )
+        return BenchSample.of_error(len(prompt), err)
+    return BenchSample.of_result(r)
 
 
 async def warm_up(client: AsyncClient, config: E2EConfig, worker_ids: list[str]) -> None:

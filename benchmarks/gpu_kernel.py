@@ -144,6 +144,23 @@ def decode_kernel_report(num_sms: int, sweep: bool = True) -> dict[str, Any]:
     return {"goal_shape_default": default, "goal_shape_best": best, "sweep": goal, "others": others}
 
 
+def _prefill_case(
+    prefix_len: int, query_len: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int], float]:
+    """Random bf16 queries of `query_len` new tokens behind `prefix_len` cached ones in a shuffled
+    paged cache (Llama-3-8B heads, 16-token pages): q, k, v, the block order, attention FLOPs."""
+    page, kv_heads, group, dim = 16, 8, 4, 128
+    total = prefix_len + query_len
+    num_blocks = -(-total // page)
+    shape = (num_blocks, page, kv_heads, dim)
+    k = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(query_len, kv_heads * group, dim, device="cuda", dtype=torch.bfloat16)
+    order = random.Random(0).sample(range(num_blocks), num_blocks)
+    flops = 4 * kv_heads * group * dim * sum(range(prefix_len + 1, total + 1))
+    return q, k, v, order, flops
+
+
 def cached_prefill_attention_report(
     num_sms: int, prefix_len: int = 7680, query_len: int = 512
 ) -> dict[str, Any]:
@@ -153,14 +170,9 @@ def cached_prefill_attention_report(
     from kvmesh.workers.model.paged_attention import PREFILL_TILE
     from kvmesh.workers.model.split_attention import cudnn_attention_usable, split_prefix_attention
 
-    page, kv_heads, group, dim = 16, 8, 4, 128
+    page, group = 16, 4
     total = prefix_len + query_len
-    num_blocks = -(-total // page)
-    shape = (num_blocks, page, kv_heads, dim)
-    k = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
-    q = torch.randn(query_len, kv_heads * group, dim, device="cuda", dtype=torch.bfloat16)
-    order = random.Random(0).sample(range(num_blocks), num_blocks)
+    q, k, v, order, flops = _prefill_case(prefix_len, query_len)
     table = torch.tensor(order, device="cuda")
     layout = build_paged_layout(
         [PagedChunk(total, query_len, 0, order)],
@@ -191,7 +203,6 @@ def cached_prefill_attention_report(
     ref = torch.full_like(q, float("nan"))
     paged_attention_reference(q, k, v, ref, layout)
     err = (split().double() - ref.double()).norm() / ref.double().norm()
-    flops = 4 * kv_heads * group * dim * sum(range(prefix_len + 1, total + 1))
     return {
         "prefix_len": prefix_len,
         "query_len": query_len,
@@ -211,16 +222,9 @@ def prefill_tile_sweep(
     """The paged kernel on a chunked prefill (`query_len` new tokens behind `prefix_len` cached,
     Llama-3-8B heads) for a grid of tile shapes and key splits, each checked against the float64
     reference; TFLOP/s of the attention's FLOPs, fastest first."""
-    page, kv_heads, group, dim = 16, 8, 4, 128
-    total = prefix_len + query_len
-    num_blocks = -(-total // page)
-    shape = (num_blocks, page, kv_heads, dim)
-    k = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
-    q = torch.randn(query_len, kv_heads * group, dim, device="cuda", dtype=torch.bfloat16)
-    order = random.Random(0).sample(range(num_blocks), num_blocks)
-    chunks = [PagedChunk(total, query_len, 0, order)]
-    flops = 4 * kv_heads * group * dim * sum(range(prefix_len + 1, total + 1))
+    page, group = 16, 4
+    q, k, v, order, flops = _prefill_case(prefix_len, query_len)
+    chunks = [PagedChunk(prefix_len + query_len, query_len, 0, order)]
     ref: torch.Tensor | None = None
     rows: list[dict[str, Any]] = []
     for block_m in (64, 128):

@@ -18,34 +18,23 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from kvmesh.client.bench import send_times
-from kvmesh.client.workloads import SharedPrefixConfig, shared_prefix
+from kvmesh.client.workloads import SharedPrefixConfig, WorkloadRequest, shared_prefix
 from kvmesh.coordinator.sim.simulator import ClusterSimulation, SimConfig, prepare_requests
 
 DRAIN_S = 1.0
 """Between slices the real sweep waits for the slowest answer, then sets up the next rate."""
 
 
-@dataclass(frozen=True, slots=True)
-class Timed:
-    """A workload request at the time the real sweep sent it."""
-
-    arrival_ms: float
-    token_ids: np.ndarray
-    output_len: int
-    session_id: str = ""
-    completion_ids: np.ndarray | None = None
-
-
 def real_schedule(
     config: dict[str, Any], rows: list[dict[str, Any]]
-) -> tuple[list[Timed], list[int]]:
+) -> tuple[list[WorkloadRequest], list[int]]:
     """The real sweep's requests and send times, and the slice (rate index) of each."""
     rates = config["rates"]
     needed = sum(int(r * config["duration_s"] * 1.3) + 8 for r in rates)
@@ -58,14 +47,14 @@ def real_schedule(
         vocab_size=config["vocab_size"],
     )
     requests = shared_prefix(spec, config["seed"])
-    out: list[Timed] = []
+    out: list[WorkloadRequest] = []
     slices: list[int] = []
     offset, start_s = 0, 0.0
     for i, row in enumerate(rows):
         schedule = send_times(requests[offset:], rates[i], config["duration_s"], config["seed"] + i)
         offset += len(schedule)
         for at_s, request in schedule:
-            out.append(Timed((start_s + at_s) * 1e3, request.token_ids, config["output_len"]))
+            out.append(replace(request, arrival_ms=(start_s + at_s) * 1e3))
             slices.append(i)
         last_s = schedule[-1][0] if schedule else 0.0
         start_s += max(config["duration_s"], last_s + row["e2e_p99_ms"] / 1e3) + DRAIN_S

@@ -29,6 +29,7 @@ import numpy as np
 from kvmesh.client.client import AsyncClient
 from kvmesh.client.environment import read_environment
 from kvmesh.client.errors import KVMeshError
+from kvmesh.client.results import GenerateResult
 from kvmesh.client.table import format_fields
 from kvmesh.client.workload_options import (
     DEFAULT_SLO_TPOT_MS,
@@ -59,6 +60,24 @@ class BenchSample:
     e2e_ms: float | None = None
     """Client-side time from sending to the end of the stream."""
     num_output_tokens: int = 0
+
+    @classmethod
+    def of_result(cls, r: GenerateResult) -> BenchSample:
+        """A request that streamed to the end."""
+        return cls(
+            True,
+            r.worker_id,
+            r.prompt_tokens,
+            r.cached_tokens,
+            r.pulled_tokens,
+            r.ttft_ms,
+            e2e_ms=r.total_ms,
+            num_output_tokens=len(r.tokens),
+        )
+
+    @classmethod
+    def of_error(cls, prompt_len: int, err: KVMeshError) -> BenchSample:
+        return cls(False, "", prompt_len, 0, 0, None, f"{err.code}: {err.details}")
 
     @property
     def tpot_ms(self) -> float | None:
@@ -198,17 +217,8 @@ async def _one(
             session_id=request.session_id,
         )
     except KVMeshError as err:
-        return BenchSample(False, "", request.prompt_len, 0, 0, None, f"{err.code}: {err.details}")
-    return BenchSample(
-        True,
-        r.worker_id,
-        r.prompt_tokens,
-        r.cached_tokens,
-        r.pulled_tokens,
-        r.ttft_ms,
-        e2e_ms=r.total_ms,
-        num_output_tokens=len(r.tokens),
-    )
+        return BenchSample.of_error(request.prompt_len, err)
+    return BenchSample.of_result(r)
 
 
 async def _drive(

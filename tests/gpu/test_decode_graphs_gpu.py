@@ -3,16 +3,15 @@ writes outside the batch's blocks."""
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
 import pytest
 import torch
 
 from kvmesh.workers.model.decode_graphs import DecodeBucket
-from kvmesh.workers.model.model_config import ModelConfig, preset
 from kvmesh.workers.model.runner import ModelRunner, SeqChunk
 from kvmesh.workers.model.weights import random_weights
+from tests.gpu.small_model import small_config
 
 pytestmark = [
     pytest.mark.gpu,
@@ -21,18 +20,6 @@ pytestmark = [
 
 NUM_BLOCKS = 1024
 BS = 16
-
-
-def small_config() -> ModelConfig:
-    return dataclasses.replace(
-        preset("tiny-random"),
-        hidden_size=512,
-        intermediate_size=1024,
-        num_layers=4,
-        num_heads=8,
-        num_kv_heads=2,
-        head_dim=64,
-    )
 
 
 def pair(dtype: torch.dtype) -> tuple[ModelRunner, ModelRunner]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
 import pytest
@@ -11,6 +10,7 @@ import torch
 from kvmesh.workers.model.model_config import ModelConfig, preset
 from kvmesh.workers.model.runner import ModelRunner, SeqChunk
 from kvmesh.workers.model.weights import random_weights
+from tests.gpu.small_model import small_config
 
 pytestmark = [
     pytest.mark.gpu,
@@ -19,19 +19,6 @@ pytestmark = [
 
 NUM_BLOCKS = 256
 BLOCK_SIZE = 16
-
-
-def small_config() -> ModelConfig:
-    """Big enough for the flash / efficient SDPA kernels (head_dim 64), small enough to be quick."""
-    return dataclasses.replace(
-        preset("tiny-random"),
-        hidden_size=512,
-        intermediate_size=1024,
-        num_layers=4,
-        num_heads=8,
-        num_kv_heads=2,
-        head_dim=64,
-    )
 
 
 def runner(config: ModelConfig, dtype: torch.dtype) -> ModelRunner:
