@@ -9,7 +9,7 @@ TPOT per rate with what the real run measured. The simulator's cost model is Lla
 an H100, the shape and card of the real run.
 
 Usage: python benchmarks/sim_vs_real.py docs/data/gpu_e2e_8b_2gpu_h100.json \
-           [--json FILE] [--tolerance 0.2]
+           [--cost-model docs/data/sim_cost_h100_measured.json] [--json FILE] [--tolerance 0.2]
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import numpy as np
 
 from kvmesh.client.bench import send_times
 from kvmesh.client.workloads import SharedPrefixConfig, WorkloadRequest, shared_prefix
+from kvmesh.coordinator.sim.cost_model import SimCostModel
 from kvmesh.coordinator.sim.simulator import ClusterSimulation, SimConfig, prepare_requests
 
 DRAIN_S = 1.0
@@ -66,7 +67,9 @@ def percentile(values: list[float], q: int) -> float:
     return float(np.percentile(finite, q)) if finite else math.nan
 
 
-def compare(report: dict[str, Any], tolerance: float) -> dict[str, Any]:
+def compare(
+    report: dict[str, Any], tolerance: float, cost: SimCostModel | None = None
+) -> dict[str, Any]:
     config = report["config"]
     out: dict[str, Any] = {}
     for policy, rows in report["results"].items():
@@ -76,6 +79,7 @@ def compare(report: dict[str, Any], tolerance: float) -> dict[str, Any]:
             num_workers=config["num_workers"],
             capacity_tokens=config["num_blocks"] * 16,
             seed=config["seed"],
+            cost=cost or SimCostModel(),
         )
         simulation = ClusterSimulation(sim_config, policy, requests)
         simulation.run()
@@ -124,16 +128,24 @@ def main() -> None:  # noqa: D103
     parser.add_argument("real", type=Path, help="gpu_e2e.py's JSON report")
     parser.add_argument("--json", type=Path, help="write the comparison here")
     parser.add_argument("--tolerance", type=float, default=0.2)
+    parser.add_argument(
+        "--cost-model", type=Path, help="JSON object of cost-model fields (default: the defaults)"
+    )
     args = parser.parse_args()
     try:
         report = json.loads(args.real.read_text())
     except (OSError, ValueError) as exc:
         sys.exit(f"sim_vs_real: cannot read {args.real}: {exc}")
-    result = compare(report, args.tolerance)
+    try:
+        cost = SimCostModel.from_json(args.cost_model) if args.cost_model else None
+    except (OSError, ValueError) as exc:
+        sys.exit(f"sim_vs_real: cannot use {args.cost_model}: {exc}")
+    result = compare(report, args.tolerance, cost)
     print_table(result)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"tolerance": args.tolerance, "results": result}, indent=2))
+        out = {"tolerance": args.tolerance, "cost_model": (cost or SimCostModel()).as_dict()}
+        args.json.write_text(json.dumps({**out, "results": result}, indent=2))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ matmul 790 TFLOP/s, pinned PCIe 55 GB/s, 2026-11-26) and the model's shape (32 l
   * decode_per_seq_ms 0.02: per-sequence sampling and bookkeeping (engine-typical).
   * chunk_tokens 8192: the chunked-prefill budget vLLM and SGLang use on an H100; running decodes
     ride along each prefill chunk, so a chunk costs one decode step more.
+  * service_latency_ms 0: compute alone. Measured through kvmesh on an H100 (gRPC + Ray, local
+    hit of 7.5K of 8K cached): 15-17 ms over the runner's forward (`docs/benchmarks.md`).
   * transfer_per_token_ms 0.0024: "moving its KV over PCIe 2.4 us" per token, measured (55 GB/s
     pinned host<->device); a 400 Gb/s NIC moves it at about the same rate. transfer_fixed_ms 1.0:
     one round trip of control messages plus registration (engine-typical).
@@ -64,6 +66,10 @@ class SimCostModel:
     """Set-up of one peer-to-peer KV pull (request, registration, completion)."""
     transfer_per_token_ms: float = 0.0024
     """Moving one token's KV (128 KiB) between workers."""
+    service_latency_ms: float = 0.0
+    """What a request's first (and last) token spends outside the worker's compute: the client,
+    gRPC, the coordinator, Ray's actor call and stream. It delays TTFT and end-to-end time but
+    takes no worker time, so it changes no routing; 0 models the compute alone."""
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -397,7 +397,8 @@ class ClusterSimulation:
         outcome = worker.advance(self.now_ms)
         if outcome.prefilled is not None:
             request = outcome.prefilled.request
-            self._ttft[request.index] = self.now_ms - request.arrival_ms
+            latency = self.config.cost.service_latency_ms
+            self._ttft[request.index] = self.now_ms - request.arrival_ms + latency
             self.backend.first_token(outcome.prefilled)
             next(self._streams[request.request_id])  # the coordinator sees the first token
         for seq in outcome.finished:
@@ -410,7 +411,8 @@ class ClusterSimulation:
 
     def _finish(self, seq: SimSequence) -> None:
         request = seq.request
-        self._e2e[request.index] = self.now_ms - request.arrival_ms
+        latency = self.config.cost.service_latency_ms
+        self._e2e[request.index] = self.now_ms - request.arrival_ms + latency
         if request.output_len > 1:  # one token has no time *per output token*
             decode_ms = self.now_ms - seq.first_token_ms
             self._tpot[request.index] = decode_ms / (request.output_len - 1)

@@ -206,3 +206,21 @@ def test_warm_sessions_and_a_host_tier_run_on_the_real_classes() -> None:
         assert w.sessions is not None and w.host is not None
     assert sum(w.sessions.stats().num_sessions for w in sim.workers if w.sessions) > 0
     assert result.cached_tokens + result.pulled_tokens >= plain.cached_tokens + plain.pulled_tokens
+
+
+def test_service_latency_delays_first_and_last_tokens_and_changes_no_routing(
+    shared_prefix: list[SimRequest],
+) -> None:
+    runs = []
+    for latency in (0.0, 16.0):
+        config = small_config(seed=2, cost=SimCostModel(service_latency_ms=latency))
+        simulation = ClusterSimulation(config, "kvmesh", shared_prefix)
+        result = simulation.run()
+        runs.append((result, simulation.request_times()))
+    (plain, plain_times), (late, late_times) = runs
+    assert late.requests_per_worker == plain.requests_per_worker
+    assert (late.cached_tokens, late.pulled_tokens) == (plain.cached_tokens, plain.pulled_tokens)
+    for (ttft, tpot, e2e), (ttft2, tpot2, e2e2) in zip(plain_times, late_times, strict=True):
+        assert ttft2 == pytest.approx(ttft + 16.0)
+        assert e2e2 == pytest.approx(e2e + 16.0)
+        assert tpot2 == pytest.approx(tpot)
