@@ -17,6 +17,7 @@ import redis
 
 from kvmesh.proto import redis_schema as schema
 from kvmesh.proto.events import AllCleared, BlockStored, EventBatch, encode_batch
+from kvmesh.proto.request_notes import NoteBatch, encode_notes
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ class EventPublisher:
         self._client: Any = connect(redis_url, socket_timeout_s)
         self._apply = self._client.register_script(schema.APPLY_BATCH)
         self._keys = schema.apply_batch_keys(worker_id)
+        self._notes_stream = schema.worker_events_key(worker_id)
         self.lost_events = False  # a batch failed: the next success must be a full re-publish
         self.connected = True
         self.published_once = False
@@ -87,6 +89,20 @@ class EventPublisher:
         self.connected = True
         self.published_once = True
         return PublishResult(True, max(n, 0))
+
+    def publish_notes(self, batch: NoteBatch) -> bool:
+        """Append request notes to the worker's shard stream (no index keys change). Best
+        effort: a note lost while Redis is away only leaves other replicas less informed."""
+        try:
+            self._client.xadd(
+                self._notes_stream,
+                {"r": encode_notes(batch)},
+                maxlen=schema.EVENTS_STREAM_MAXLEN,
+                approximate=True,
+            )
+        except redis.RedisError:
+            return False
+        return True
 
     def heartbeat(self, info: dict[str, str | int], ttl_ms: int) -> bool:
         try:

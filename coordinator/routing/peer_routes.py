@@ -1,0 +1,127 @@
+"""Requests the other coordinator replicas routed, as the workers that took them tell of them.
+
+A replica knows at once what it routed itself; what the others routed it learns from the
+workers' request notes (`proto/request_notes.py`), a step plus a stream read later. Each note of
+a peer's request is replayed into this replica's routing state as if it had routed the request:
+
+    taken      -> load tracker: queued prefill (priced here), one more request on the worker
+                  policy: recent placement and running context (`RoutingPolicy.on_request_seen`)
+    prefilled  -> load tracker: its prefill leaves the queue
+    finished   -> load tracker and policy let go of it
+
+so every replica's load terms and placement balance see the whole fleet's traffic, not its own
+1/K share. The replica's own requests come back in the notes too; `origin` tells them apart.
+A request is noted taken twice, by the coordinator that routed it (at once) and by its worker
+(a step later); the second is ignored, and so is a routing note that comes after the request's
+end (the last `max_entries` ended ids are remembered). A peer request whose end is never heard
+of (a lost note, a replica started mid-request) is let go after `ttl_s`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from kvmesh.coordinator.index.mirror import WorkerId
+from kvmesh.coordinator.routing.cost_model import CostModel
+from kvmesh.coordinator.routing.load_tracker import LoadTracker
+from kvmesh.coordinator.routing.policy import RoutingPolicy
+from kvmesh.proto.request_notes import NoteBatch, RequestFinished, RequestPrefilled, RequestTaken
+
+
+@dataclass(frozen=True, slots=True)
+class _Seen:
+    worker: WorkerId
+    seen_s: float
+
+
+class PeerRoutes:
+    """Invariants: every id kept was taken by a peer's note and not yet finished or expired,
+    and is pending in the load tracker; ids are kept in the order they were seen (so expiry
+    reads the front); len <= max_entries; no id is both kept and ended."""
+
+    def __init__(
+        self,
+        origin: str,
+        load: LoadTracker,
+        policy: RoutingPolicy,
+        ttl_s: float = 600.0,
+        max_entries: int = 100_000,
+    ) -> None:
+        if not origin:
+            raise ValueError("a replica needs a non-empty origin id")
+        if not ttl_s > 0 or max_entries < 1:
+            raise ValueError(f"need ttl_s > 0 and max_entries >= 1, got {ttl_s}, {max_entries}")
+        self.origin = origin
+        self.load = load
+        self.policy = policy
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self._seen: OrderedDict[str, _Seen] = OrderedDict()
+        self._ended: OrderedDict[str, None] = OrderedDict()
+        self.num_taken = 0
+        """Peer requests replayed so far."""
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def apply(self, batch: NoteBatch, cost_model: CostModel, now_s: float) -> None:
+        """Replay one worker's notes; `cost_model` prices a peer request's prefill."""
+        worker = WorkerId(batch.worker_id)
+        for note in batch.notes:
+            if isinstance(note, RequestTaken):
+                self._taken(worker, note, cost_model, now_s)
+            elif note.request_id not in self._seen:
+                continue  # ours, or a peer's we never saw taken
+            elif isinstance(note, RequestPrefilled):
+                self.load.on_prefilled(note.request_id)
+            else:
+                assert isinstance(note, RequestFinished)
+                self._let_go(note.request_id)
+        self.expire(now_s)
+
+    def _taken(
+        self, worker: WorkerId, note: RequestTaken, cost_model: CostModel, now_s: float
+    ) -> None:
+        rid = note.request_id
+        if note.origin == self.origin or rid in self._seen or rid in self._ended:
+            return  # ours (counted when routed), noted twice, or noted after its end
+        if self.load.is_pending(rid):
+            return  # an id this replica routed too (ids come from clients): count it once
+        cached = note.prompt_len - note.uncached_len
+        prefill_ms = cost_model.prefill_ms(note.uncached_len, cached)
+        self.load.on_routed(rid, worker, prefill_ms, note.uncached_len)
+        self.policy.on_request_seen(rid, worker, note.prompt_len, prefill_ms)
+        self._seen[rid] = _Seen(worker, now_s)
+        self.num_taken += 1
+        if len(self._seen) > self.max_entries:
+            self._let_go(next(iter(self._seen)))
+
+    def _let_go(self, request_id: str) -> None:
+        del self._seen[request_id]
+        self._ended[request_id] = None
+        if len(self._ended) > self.max_entries:
+            self._ended.popitem(last=False)
+        self.load.on_finished(request_id)
+        self.policy.on_request_done(request_id)
+
+    def expire(self, now_s: float) -> None:
+        while self._seen:
+            rid, seen = next(iter(self._seen.items()))
+            if now_s - seen.seen_s < self.ttl_s:
+                return
+            self._let_go(rid)
+
+    def forget_worker(self, worker: WorkerId) -> None:
+        """A worker left (its load and the policy's state of it are dropped by their owners)."""
+        for rid in [r for r, s in self._seen.items() if s.worker == worker]:
+            del self._seen[rid]
+
+    def check_invariants(self) -> None:
+        assert len(self._seen) <= self.max_entries
+        times = [s.seen_s for s in self._seen.values()]
+        assert times == sorted(times), "ids are not in the order they were seen"
+        for rid in self._seen:
+            assert self.load.is_pending(rid), rid
+            assert rid not in self._ended, rid
+        assert len(self._ended) <= self.max_entries
