@@ -43,8 +43,8 @@ from kvmesh.coordinator.sim.decode_run import BOUNDARY_EPSILON_MS, DecodeRun
 from kvmesh.coordinator.sim.host_tier import SimHostTier
 from kvmesh.proto.block_hash import BlockHash, num_reusable_tokens
 from kvmesh.proto.events import KVEvent
-from kvmesh.workers.kv.block_pool import BlockId, BlockPool
 from kvmesh.workers.engine.note_log import NoteLog
+from kvmesh.workers.kv.block_pool import BlockId, BlockPool
 from kvmesh.workers.kv.warm_sessions import WarmSessionConfig, WarmSessions
 
 KV_BYTES_PER_TOKEN = 128 << 10

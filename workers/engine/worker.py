@@ -47,8 +47,8 @@ from kvmesh.workers.contract.requests import PullSpec, WorkerRequest
 from kvmesh.workers.engine.event_log import EventLog
 from kvmesh.workers.engine.failure import forward_isolated
 from kvmesh.workers.engine.host_tier import HostTier
-from kvmesh.workers.engine.pull_admission import BlockWriter, PullAdmission
 from kvmesh.workers.engine.note_log import NoteLog
+from kvmesh.workers.engine.pull_admission import BlockWriter, PullAdmission
 from kvmesh.workers.engine.sampler import sample_isolated
 from kvmesh.workers.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig, StepKind
 from kvmesh.workers.engine.sequence import SeqStatus, Sequence
@@ -164,9 +164,7 @@ class Worker:
         if reservation is None:  # no plan, or one this prompt cannot use: recompute
             self.scheduler.add(seq)
         self._note_queue()
-        self.notes.taken(
-            req.request_id, req.origin, seq.num_tokens, self._uncached_len(seq, pull)
-        )
+        self.notes.taken(req.request_id, req.origin, seq.num_tokens, self._uncached_len(seq, pull))
         return reservation
 
     def _uncached_len(self, seq: Sequence, pull: PullSpec | None) -> int:
