@@ -4,7 +4,7 @@
 
 Each run starts a fresh Redis, two `tiny-random` CPU workers as long-lived services (as
 `kvmesh serve --workers 2` does) behind one coordinator and, for K=2, a second coordinator
-attached to them (`kvmesh serve --attach`); `kvmesh bench --address A,B` replays one
+attached to them (`kvmesh serve --attach`); `kvmesh bench --address A,B --deal` replays one
 shared-prefix workload, scaled to the CPU, with its requests dealt to the coordinators in turn.
 Printed per run: reuse (hit and pulled shares of the prompt tokens, as the workers report them)
 and TTFT (client side). Each replica hears the other's routes through the request notes; the
@@ -58,7 +58,7 @@ def one_run(num_coordinators: int, seed: int, duration_s: float) -> dict[str, An
     try:
         coordinators += [deployment(redis.url, attach=True) for _ in range(num_coordinators - 1)]
         cmd = [sys.executable, "-m", "kvmesh.client.cli", "bench", "--address"]
-        cmd += [",".join(d.address for d in coordinators), "--workload", "shared_prefix"]
+        cmd += [",".join(d.address for d in coordinators), "--deal", "--workload", "shared_prefix"]
         cmd += ["--seed", str(seed), "--duration", str(duration_s), "--json"]
         for key, value in WORKLOAD_ARGS.items():
             cmd += ["--workload-arg", f"{key}={value}"]

@@ -75,8 +75,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--address",
         default=env.address,
         metavar="HOST:PORT",
-        help="coordinator address; several, comma-separated, are coordinator replicas of one"
-        " fleet: requests are dealt to them in turn",
+        help="coordinator address (several, comma-separated, with --deal)",
+    )
+    parser.add_argument(
+        "--deal",
+        action="store_true",
+        help="--address names coordinator replicas of one fleet: deal the requests to them in turn",
     )
     add_workload_arguments(parser)
     add_slo_arguments(parser)
@@ -222,6 +226,8 @@ async def _drive(
     from tqdm import tqdm
 
     addresses = [a.strip() for a in args.address.split(",") if a.strip()]
+    if len(addresses) > 1 and not getattr(args, "deal", False):
+        raise ValueError(f"bench sends to one coordinator; --deal sends to {len(addresses)}")
     async with contextlib.AsyncExitStack() as stack:
         clients = [
             await stack.enter_async_context(AsyncClient(a, timeout_s=args.timeout))
