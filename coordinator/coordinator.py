@@ -198,7 +198,7 @@ class Coordinator:
         self.load = LoadTracker()
         self.origin = uuid.uuid4().hex[:16]
         """This replica's id in the requests it sends (`WorkerRequest.origin`)."""
-        self.peer_routes = PeerRoutes(self.origin, self.load, self.policy)
+        self.peer_routes = PeerRoutes(self.origin, self.load)
         self.note_sink: Callable[[NoteBatch], None] | None = None
         """Where each routing decision goes as a `RequestTaken` note for the other replicas
         (the deployment's `NoteSender`; None: peers hear of it from the worker only)."""

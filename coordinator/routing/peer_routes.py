@@ -1,16 +1,20 @@
-"""Requests the other coordinator replicas routed, as the workers that took them tell of them.
+"""Requests the other coordinator replicas routed, as their notes tell of them.
 
-A replica knows at once what it routed itself; what the others routed it learns from the
-workers' request notes (`proto/request_notes.py`), a step plus a stream read later. Each note of
-a peer's request is replayed into this replica's routing state as if it had routed the request:
+A replica knows at once what it routed itself; what the others routed it learns from request
+notes (`proto/request_notes.py`): the routing coordinator's, a stream trip after the route, and
+the worker's, after the step that took, prefilled or finished the request. Each note of a peer's
+request is replayed into this replica's load tracker as if it had routed the request:
 
-    taken      -> load tracker: queued prefill (priced here), one more request on the worker
-                  policy: recent placement and running context (`RoutingPolicy.on_request_seen`)
-    prefilled  -> load tracker: its prefill leaves the queue
-    finished   -> load tracker and policy let go of it
+    taken      -> queued prefill (priced here), one more request on the worker
+    prefilled  -> its prefill leaves the queue
+    finished   -> it leaves the worker
 
-so every replica's load terms and placement balance see the whole fleet's traffic, not its own
-1/K share. The replica's own requests come back in the notes too; `origin` tells them apart.
+so every replica's queue term (and the running count its decode step is priced from) sees the
+whole fleet's in-flight work, not its own 1/K share. Only the load tracker: replaying peers' requests into the kvmesh policy's recent
+placements and running context as well brings replicas closer to one coordinator when notes
+arrive at once, but with a realistic trip (1 ms) it makes replicas that route the same burst
+share one view and choose alike, which cost more p90 TTFT than it saved (docs/reliability.md).
+The replica's own requests come back in the notes too; `origin` tells them apart.
 A request is noted taken twice, by the coordinator that routed it (at once) and by its worker
 (a step later); the second is ignored, and so is a routing note that comes after the request's
 end (the last `max_entries` ended ids are remembered). A peer request whose end is never heard
@@ -25,7 +29,6 @@ from dataclasses import dataclass
 from kvmesh.coordinator.index.mirror import WorkerId
 from kvmesh.coordinator.routing.cost_model import CostModel
 from kvmesh.coordinator.routing.load_tracker import LoadTracker
-from kvmesh.coordinator.routing.policy import RoutingPolicy
 from kvmesh.proto.request_notes import NoteBatch, RequestFinished, RequestPrefilled, RequestTaken
 
 
@@ -44,7 +47,6 @@ class PeerRoutes:
         self,
         origin: str,
         load: LoadTracker,
-        policy: RoutingPolicy,
         ttl_s: float = 600.0,
         max_entries: int = 100_000,
     ) -> None:
@@ -54,7 +56,6 @@ class PeerRoutes:
             raise ValueError(f"need ttl_s > 0 and max_entries >= 1, got {ttl_s}, {max_entries}")
         self.origin = origin
         self.load = load
-        self.policy = policy
         self.ttl_s = ttl_s
         self.max_entries = max_entries
         self._seen: OrderedDict[str, _Seen] = OrderedDict()
@@ -91,7 +92,6 @@ class PeerRoutes:
         cached = note.prompt_len - note.uncached_len
         prefill_ms = cost_model.prefill_ms(note.uncached_len, cached)
         self.load.on_routed(rid, worker, prefill_ms, note.uncached_len)
-        self.policy.on_request_seen(rid, worker, note.prompt_len, prefill_ms)
         self._seen[rid] = _Seen(worker, now_s)
         self.num_taken += 1
         if len(self._seen) > self.max_entries:
@@ -103,7 +103,6 @@ class PeerRoutes:
         if len(self._ended) > self.max_entries:
             self._ended.popitem(last=False)
         self.load.on_finished(request_id)
-        self.policy.on_request_done(request_id)
 
     def expire(self, now_s: float) -> None:
         while self._seen:
@@ -113,7 +112,7 @@ class PeerRoutes:
             self._let_go(rid)
 
     def forget_worker(self, worker: WorkerId) -> None:
-        """A worker left (its load and the policy's state of it are dropped by their owners)."""
+        """A worker left (its load tracker drops its requests itself)."""
         for rid in [r for r, s in self._seen.items() if s.worker == worker]:
             del self._seen[rid]
 

@@ -262,13 +262,6 @@ class RoutingPolicy(ABC):
     def on_request_done(self, request_id: str) -> None:  # noqa: B027 - optional hook
         """A routed request finished (or failed); policies that track active work release it."""
 
-    def on_request_seen(  # noqa: B027 - optional hook
-        self, request_id: str, worker_id: WorkerId, prompt_len: int, prefill_ms: float
-    ) -> None:
-        """Another coordinator replica routed this request to `worker_id` (its worker says so:
-        `PeerRoutes`); policies that remember what they placed count it as their own.
-        `on_request_done` follows when it ends."""
-
     def _pick_lowest(
         self, query: RouteQuery, workers: Sequence[WorkerView], costs: Sequence[float]
     ) -> RouteDecision:

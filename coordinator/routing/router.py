@@ -395,15 +395,6 @@ class KvmeshPolicy(RoutingPolicy):
         self._routed.discard(request_id)
         self._running.discard(request_id)
 
-    def on_request_seen(
-        self, request_id: str, worker_id: WorkerId, prompt_len: int, prefill_ms: float
-    ) -> None:
-        """A peer replica's request: its placement and its running context count here too (its
-        prefix is not remembered: the index learns it when the worker prefills it)."""
-        now = self.clock()
-        self._recent.add(worker_id, prefill_ms, now)
-        self._running.add(request_id, worker_id, prompt_len, now)
-
     def on_worker_removed(self, worker_id: WorkerId) -> None:
         self._sessions.forget_worker(worker_id)
         self._routed.forget_worker(worker_id)

@@ -1,9 +1,7 @@
 """Peer routes: another replica's requests, as workers and coordinators note them, count in
-this replica's load tracker and kvmesh policy as if it had routed them."""
+this replica's load tracker as if it had routed them."""
 
 from __future__ import annotations
-
-import random
 
 import pytest
 
@@ -11,7 +9,6 @@ from kvmesh.coordinator.index.mirror import WorkerId
 from kvmesh.coordinator.routing.cost_model import CostModel
 from kvmesh.coordinator.routing.load_tracker import LoadTracker
 from kvmesh.coordinator.routing.peer_routes import PeerRoutes
-from kvmesh.coordinator.routing.router import KvmeshPolicy
 from kvmesh.proto.request_notes import NoteBatch, RequestFinished, RequestPrefilled, RequestTaken
 
 CM = CostModel()
@@ -22,36 +19,25 @@ class Replica:
     def __init__(self, origin: str = "me", ttl_s: float = 600.0, max_entries: int = 100) -> None:
         self.now_s = 0.0
         self.load = LoadTracker()
-        self.policy = KvmeshPolicy(CM, random.Random(0), lambda: self.now_s)
-        self.peers = PeerRoutes(origin, self.load, self.policy, ttl_s, max_entries)
+        self.peers = PeerRoutes(origin, self.load, ttl_s, max_entries)
 
     def note(self, *notes: RequestTaken | RequestPrefilled | RequestFinished) -> None:
         self.peers.apply(NoteBatch(W, notes), CM, self.now_s)
         self.peers.check_invariants()
         self.load.check_invariants()
 
-    def recent_work_ms(self) -> float:
-        return self.policy._recent.work_ms(W, self.now_s)
 
-    def running_tokens(self) -> int:
-        return self.policy._running.tokens(W)
-
-
-def test_a_peer_request_counts_in_load_and_policy_until_it_finishes() -> None:
+def test_a_peer_request_counts_in_the_load_until_it_finishes() -> None:
     r = Replica()
     r.note(RequestTaken("r1", "peer", 1000, 600))
     assert r.load.queued_prefill_tokens(W) == 600
     assert r.load.queued_prefill_ms(W) == pytest.approx(CM.prefill_ms(600, 400))
     assert r.load.num_running(W) == 1
-    assert r.recent_work_ms() == pytest.approx(CM.prefill_ms(600, 400))
-    assert r.running_tokens() == 1000
     r.note(RequestPrefilled("r1"))
     assert r.load.queued_prefill_tokens(W) == 0
     assert r.load.num_running(W) == 1
     r.note(RequestFinished("r1"))
     assert r.load.num_running(W) == 0
-    assert r.running_tokens() == 0
-    assert r.recent_work_ms() > 0  # what was placed lately still counts (it decays)
     assert len(r.peers) == 0
 
 
@@ -94,7 +80,7 @@ def test_a_peer_request_whose_end_is_lost_expires() -> None:
     assert r.load.num_running(W) == 1
     r.now_s = 10.0
     r.peers.expire(r.now_s)
-    assert r.load.num_running(W) == 0 and r.running_tokens() == 0 and len(r.peers) == 0
+    assert r.load.num_running(W) == 0 and len(r.peers) == 0
 
 
 def test_memory_is_bounded_by_max_entries() -> None:
@@ -108,7 +94,6 @@ def test_a_worker_that_leaves_takes_its_peer_requests_along() -> None:
     r = Replica()
     r.note(RequestTaken("r1", "peer", 100, 100))
     r.load.forget_worker(W)
-    r.policy.on_worker_removed(W)
     r.peers.forget_worker(W)
     r.peers.check_invariants()
     assert len(r.peers) == 0
@@ -116,4 +101,4 @@ def test_a_worker_that_leaves_takes_its_peer_requests_along() -> None:
 
 def test_a_replica_needs_an_origin() -> None:
     with pytest.raises(ValueError, match="origin"):
-        PeerRoutes("", LoadTracker(), KvmeshPolicy(CM, random.Random(0)))
+        PeerRoutes("", LoadTracker())
