@@ -10,10 +10,11 @@ request is replayed into this replica's load tracker as if it had routed the req
     finished   -> it leaves the worker
 
 so every replica's queue term (and the running count its decode step is priced from) sees the
-whole fleet's in-flight work, not its own 1/K share. Only the load tracker: replaying peers' requests into the kvmesh policy's recent
-placements and running context as well brings replicas closer to one coordinator when notes
-arrive at once, but with a realistic trip (1 ms) it makes replicas that route the same burst
-share one view and choose alike, which cost more p90 TTFT than it saved (docs/reliability.md).
+whole fleet's in-flight work, not its own 1/K share. Only the load tracker: replaying peers'
+requests into the kvmesh policy's recent placements and running context as well brings replicas
+closer to one coordinator when notes arrive at once, but with a realistic trip (1 ms) it makes
+replicas that route the same burst share one view and choose alike, which cost more p90 TTFT
+than it saved (docs/reliability.md).
 The replica's own requests come back in the notes too; `origin` tells them apart.
 A request is noted taken twice, by the coordinator that routed it (at once) and by its worker
 (a step later); the second is ignored, and so is a routing note that comes after the request's
