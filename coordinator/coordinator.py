@@ -683,8 +683,8 @@ class Coordinator:
             self.policy.cost_model = self.cost_model
 
     def observe_notes(self, batch: NoteBatch) -> None:
-        """Take a worker's request notes: the requests other replicas routed to it count in
-        this replica's load and placement terms from now on (`PeerRoutes`)."""
+        """Take request notes about one worker: the requests other replicas routed to it count
+        in this replica's load tracker from now on (`PeerRoutes`)."""
         if not self.registry.is_known(batch.worker_id):
             return
         with self._lock:

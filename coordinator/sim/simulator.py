@@ -92,7 +92,7 @@ class SimConfig:
     num_coordinators: int = 1
     """Coordinator replicas over the one fleet; arrivals go to them in turn, each routes with its
     own load tracker and policy state, all read one mirror, the workers' load reports and the
-    workers' request notes."""
+    request notes (each coordinator's of its routes, each worker's of its prefills and ends)."""
     report_interval_ms: float = 500.0
     """How often workers' own load reports reach the coordinators (the live health interval)."""
     note_delay_ms: float = 1.0
