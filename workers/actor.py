@@ -316,8 +316,8 @@ class WorkerActor:
             return
         batch = self.worker.drain_event_batch()
         if batch is not None:
-            self._publish(batch)
-        if notes is not None and self._publisher.connected:
+            self._publisher.publish(batch, notes)  # one round trip for both
+        elif notes is not None and self._publisher.connected:
             self._publisher.publish_notes(notes)
 
     def _publish(self, batch: Any) -> None:
