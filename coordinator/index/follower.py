@@ -29,9 +29,9 @@ _LINKS_PER_POLL = 20_000
 
 class IndexFollower:
     """Owns the mirror's writes. A worker whose heartbeat lapsed is reported to `on_lapsed`
-    (the worker registry, which fans it out; by default it is purged here directly). Workers'
-    request notes, which ride the same streams, go to `on_notes` (the coordinator's routing
-    state; by default nowhere)."""
+    (the worker registry, which fans it out; by default it is purged here directly). Request
+    notes (coordinators' and workers'), which ride the same streams, go to `on_notes` (the
+    coordinator's load tracker; by default nowhere)."""
 
     def __init__(
         self,

@@ -103,7 +103,7 @@ class StreamEntry:
     entry_id: str
     batch: EventBatch | None = None  # an event batch, or
     purged_worker: str | None = None  # a worker that was purged, or
-    notes: NoteBatch | None = None  # a worker's request notes, or none (undecodable)
+    notes: NoteBatch | None = None  # request notes about a worker, or none (undecodable)
 
 
 @dataclass(frozen=True, slots=True)
