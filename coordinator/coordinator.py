@@ -690,6 +690,12 @@ class Coordinator:
         with self._lock:
             self.peer_routes.apply(batch, self.cost_model, self._clock())
 
+    def forget_peer_routes(self) -> None:
+        """Request notes were skipped (the follower rebuilt from Redis): let go of the other
+        replicas' requests, whose ends may be among them."""
+        with self._lock:
+            self.peer_routes.clear()
+
     def indexed_blocks_of(self, worker_id: str) -> int:
         return self.mirror.num_worker_blocks(WorkerId(worker_id))
 

@@ -234,6 +234,7 @@ class Deployment:
             self._join_nccl(transfers, may_form=False)
         self.cluster.set_on_info(coordinator.observe_worker)
         follower.on_notes = coordinator.observe_notes
+        follower.on_notes_skipped = coordinator.forget_peer_routes
         self.notes = notes = NoteSender(store)
         coordinator.note_sink = notes.send
         notes.start()

@@ -47,6 +47,9 @@ class IndexFollower:
         self.ns = ns
         self._on_lapsed = on_lapsed or self.purge_worker
         self.on_notes = on_notes
+        self.on_notes_skipped: Callable[[], None] | None = None
+        """Called after a rebuild, which skips the streams to their end: request notes written
+        meanwhile (a request's end among them) are never read."""
         self.connected = False
         self.num_resyncs = 0
         self.last_event_lag_s: float | None = None
@@ -85,6 +88,8 @@ class IndexFollower:
         self._last_ids = last_ids
         self._read_epoch()
         self.connected = True
+        if self.on_notes_skipped is not None:
+            self.on_notes_skipped()
         return loaded
 
     def resync(self, worker: str) -> int:

@@ -19,7 +19,8 @@ The replica's own requests come back in the notes too; `origin` tells them apart
 A request is noted taken twice, by the coordinator that routed it (at once) and by its worker
 (a step later); the second is ignored, and so is a routing note that comes after the request's
 end (the last `max_entries` ended ids are remembered). A peer request whose end is never heard
-of (a lost note, a replica started mid-request) is let go after `ttl_s`.
+of (a lost note, a replica started mid-request) is let go after `ttl_s`; all of them are when
+the follower rebuilds from Redis, which skips the notes written meanwhile (`clear`).
 """
 
 from __future__ import annotations
@@ -111,6 +112,12 @@ class PeerRoutes:
             if now_s - seen.seen_s < self.ttl_s:
                 return
             self._let_go(rid)
+
+    def clear(self) -> None:
+        """Let go of every peer request (their notes were skipped: this replica can no longer
+        tell which ended; the workers' load reports stand in until new notes come)."""
+        while self._seen:
+            self._let_go(next(iter(self._seen)))
 
     def forget_worker(self, worker: WorkerId) -> None:
         """A worker left (its load tracker drops its requests itself)."""

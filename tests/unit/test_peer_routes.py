@@ -102,3 +102,12 @@ def test_a_worker_that_leaves_takes_its_peer_requests_along() -> None:
 def test_a_replica_needs_an_origin() -> None:
     with pytest.raises(ValueError, match="origin"):
         PeerRoutes("", LoadTracker())
+
+
+def test_clearing_lets_go_of_every_peer_request_and_ignores_their_late_notes() -> None:
+    r = Replica()
+    r.note(RequestTaken("r1", "peer", 100, 100), RequestTaken("r2", "peer", 100, 50))
+    r.peers.clear()
+    assert len(r.peers) == 0 and r.load.num_running(W) == 0
+    r.note(RequestTaken("r1", "peer", 100, 100))  # its worker's note, read after the rebuild
+    assert len(r.peers) == 0
