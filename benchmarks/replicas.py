@@ -4,10 +4,13 @@ Usage: python benchmarks/replicas.py [--json bench-results/replicas.json] [--tra
 
 The simulator drives the real Coordinator; with `--coordinators K` it runs K of them over the
 same simulated workers, arrivals dealt to them in turn. Each has its own load tracker and policy
-state (what it routed itself); all read the same index mirror and every worker's own load report
-(every 500 ms, as the live health loop delivers them). Printed per workload: hit rate, pulled
-share and p90 TTFT at 1, 2 and 4 coordinators, each beside the 1-coordinator baseline of the
-same run. Goal (issue): within 5% of one coordinator.
+state; all read the same index mirror, every worker's own load report (every 500 ms, as the live
+health loop delivers them) and the request notes (a coordinator's of each route, a worker's of
+each prefill and finish), which reach every replica `--note-delay-ms` after they are sent: 1 ms
+(what a note's trip through a local Redis measured, `benchmarks/note_trip.py`) and 0 (the bound:
+replicas that hear each other at once). Printed per workload: hit rate, pulled share and p90
+TTFT at 1, 2 and 4 coordinators, each beside the 1-coordinator baseline of the same run.
+Goal (issue): within 5% of one coordinator.
 """
 
 from __future__ import annotations
@@ -32,9 +35,12 @@ WORKLOADS = {
 TRACE = "../shared/traces/conversation_trace.jsonl"
 
 
-def simulate(args: list[str], coordinators: int) -> dict[str, float]:
+NOTE_DELAYS_MS = (1.0, 0.0)
+
+
+def simulate(args: list[str], coordinators: int, note_delay_ms: float) -> dict[str, float]:
     cmd = ["kvmesh", "simulate", *args, "--policies", "kvmesh", "--json"]
-    cmd += ["--coordinators", str(coordinators)]
+    cmd += ["--coordinators", str(coordinators), "--note-delay-ms", f"{note_delay_ms:g}"]
     print("$", " ".join(cmd), file=sys.stderr, flush=True)
     bin_dir = Path(sys.executable).parent
     out = subprocess.run([str(bin_dir / cmd[0]), *cmd[1:]], capture_output=True, text=True)
@@ -55,18 +61,24 @@ def main() -> None:
         runs["conversation-trace"] = [
             "--trace", args.trace, "--workers", "8", "--capacity-tokens", "1000000",
         ]  # fmt: skip
-    results: dict[str, dict[int, dict[str, float]]] = {}
+    # results[workload][f"{K}@{note delay ms}"]: one coordinator hears only itself (any delay).
+    results: dict[str, dict[str, dict[str, float]]] = {}
     for name, sim_args in runs.items():
-        results[name] = {k: simulate(sim_args, k) for k in (1, 2, 4)}
-    print(
-        f"{'workload':20} {'K':>2} {'hit %':>7} {'pulled %':>9} {'p90 TTFT ms':>12} {'vs K=1':>8}"
-    )
-    for name, by_k in results.items():
-        base = by_k[1]["ttft_p90_ms"]
-        for k, m in by_k.items():
+        results[name] = {"1": simulate(sim_args, 1, NOTE_DELAYS_MS[0])}
+        for k in (2, 4):
+            for delay in NOTE_DELAYS_MS:
+                results[name][f"{k}@{delay:g}"] = simulate(sim_args, k, delay)
+    header = f"{'workload':20} {'K':>2} {'notes':>6} {'hit %':>7} {'pulled %':>9}"
+    print(header + f" {'p90 TTFT ms':>12} {'vs K=1':>8}")
+    for name, runs_of in results.items():
+        base = runs_of["1"]
+        for key, m in runs_of.items():
+            k, _, delay = key.partition("@")
+            notes = f"{delay} ms" if delay else "-"
             print(
-                f"{name:20} {k:>2} {100 * m['hit_rate']:7.2f} {100 * m['pulled_rate']:9.2f}"
-                f" {m['ttft_p90_ms']:12.1f} {m['ttft_p90_ms'] / base:8.2f}"
+                f"{name:20} {k:>2} {notes:>6} {100 * m['hit_rate']:7.2f}"
+                f" {100 * m['pulled_rate']:9.2f} {m['ttft_p90_ms']:12.1f}"
+                f" {m['ttft_p90_ms'] / base['ttft_p90_ms']:8.2f}"
             )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

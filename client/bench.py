@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -90,7 +91,15 @@ class BenchSample:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     env = read_environment(os.environ)
     parser.add_argument(
-        "--address", default=env.address, metavar="HOST:PORT", help="coordinator address"
+        "--address",
+        default=env.address,
+        metavar="HOST:PORT",
+        help="coordinator address (several, comma-separated, with --deal)",
+    )
+    parser.add_argument(
+        "--deal",
+        action="store_true",
+        help="--address names coordinator replicas of one fleet: deal the requests to them in turn",
     )
     add_workload_arguments(parser)
     add_slo_arguments(parser)
@@ -226,22 +235,31 @@ async def _drive(
 ) -> tuple[list[BenchSample], list[str], str, float]:
     from tqdm import tqdm
 
-    async with AsyncClient(args.address, timeout_s=args.timeout) as client:
-        await client.wait_ready(min(args.timeout, 30.0))
+    addresses = [a.strip() for a in args.address.split(",") if a.strip()]
+    if len(addresses) > 1 and not getattr(args, "deal", False):
+        raise ValueError(f"bench sends to one coordinator; --deal sends to {len(addresses)}")
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [
+            await stack.enter_async_context(AsyncClient(a, timeout_s=args.timeout))
+            for a in addresses
+        ]
+        for c in clients:
+            await c.wait_ready(min(args.timeout, 30.0))
+        client = clients[0]
         worker_ids = [w.worker_id for w in await client.list_workers()]
         policy = (await client.stats()).policy
         gate = asyncio.Semaphore(args.concurrency)
         bar = tqdm(total=len(schedule), unit="req", desc="kvmesh bench", file=sys.stderr)
 
-        async def fire(at_s: float, request: WorkloadRequest) -> BenchSample:
+        async def fire(i: int, at_s: float, request: WorkloadRequest) -> BenchSample:
             await asyncio.sleep(max(0.0, start + at_s - time.perf_counter()))
             async with gate:
-                sample = await _one(client, request, args.max_output_tokens)
+                sample = await _one(clients[i % len(clients)], request, args.max_output_tokens)
             bar.update(1)
             return sample
 
         start = time.perf_counter()
-        samples = await asyncio.gather(*(fire(t, r) for t, r in schedule))
+        samples = await asyncio.gather(*(fire(i, t, r) for i, (t, r) in enumerate(schedule)))
         elapsed = time.perf_counter() - start
         bar.close()
     return list(samples), worker_ids, policy, elapsed

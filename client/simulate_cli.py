@@ -81,6 +81,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="MS",
         help="how often workers' load reports reach the coordinators",
     )
+    parser.add_argument(
+        "--note-delay-ms",
+        type=float,
+        default=1.0,
+        metavar="MS",
+        help="how long request notes (routes, prefills, finishes) take to reach the coordinators",
+    )
     add_slo_arguments(parser)
     parser.add_argument("--plot", metavar="DIR", help="write PNG charts into DIR")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
@@ -108,6 +115,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         Slo(args.slo_ttft_ms, args.slo_tpot_ms),
         num_coordinators=args.coordinators,
         report_interval_ms=args.report_interval_ms,
+        note_delay_ms=args.note_delay_ms,
     )
     start = time.perf_counter()
     requests = simulator.prepare_requests(load_requests(args), block_size)

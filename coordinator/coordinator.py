@@ -28,6 +28,7 @@ from kvmesh.coordinator.config import CoordinatorConfig
 from kvmesh.coordinator.index.mirror import PrefixMatch, WorkerId
 from kvmesh.coordinator.routing.cost_model import CostModel
 from kvmesh.coordinator.routing.load_tracker import LoadTracker, ReportedLoad
+from kvmesh.coordinator.routing.peer_routes import PeerRoutes
 from kvmesh.coordinator.routing.pull_planner import PullPlan, best_peer, cheapest_prefill
 from kvmesh.coordinator.routing.router import (
     RouteDecision,
@@ -47,6 +48,7 @@ from kvmesh.proto.block_hash import (
     num_reusable_tokens,
     prompt_root,
 )
+from kvmesh.proto.request_notes import NoteBatch, RequestTaken
 from kvmesh.workers.contract.replies import (
     PrefillFacts,
     RequestOutput,
@@ -194,6 +196,12 @@ class Coordinator:
         )
         self.turns = SessionTurns()
         self.load = LoadTracker()
+        self.origin = uuid.uuid4().hex[:16]
+        """This replica's id in the requests it sends (`WorkerRequest.origin`)."""
+        self.peer_routes = PeerRoutes(self.origin, self.load)
+        self.note_sink: Callable[[NoteBatch], None] | None = None
+        """Where each routing decision goes as a `RequestTaken` note for the other replicas
+        (the deployment's `NoteSender`; None: peers hear of it from the worker only)."""
         self._lock = threading.Lock()  # guards policy, load tracker and counters
         self.counters = Counters()
         self.fingerprint = model.fingerprint()
@@ -412,6 +420,9 @@ class Coordinator:
             uncached = self._uncached_tokens(len(prompt.token_ids), matched)
             self.load.on_routed(request_id, chosen, predicted, uncached)
             self.counters.num_requests += 1
+        if self.note_sink is not None:
+            taken = RequestTaken(request_id, self.origin, len(prompt.token_ids), uncached)
+            self.note_sink(NoteBatch(chosen, (taken,)))
         spec = self._pull_spec(pull, chosen, prompt) if pull is not None else None
         request = WorkerRequest(
             request_id,
@@ -422,6 +433,7 @@ class Coordinator:
             session_id,
             bypass_cache=prompt.bypass_cache,
             adapter=prompt.adapter,
+            origin=self.origin,
         )
         # Handed to the backend now: a lazy backend (Ray) calls the worker on the first read, an
         # eager one (the simulator) queues the request at once.
@@ -582,6 +594,7 @@ class Coordinator:
         """Re-route what is left of `original` after its worker died."""
         with self._lock:
             self.load.forget_worker(dead)
+            self.peer_routes.forget_worker(dead)
             self.counters.num_migrations += 1
         remaining = original.sampling.max_tokens - len(produced)
         if remaining < 1:
@@ -610,6 +623,7 @@ class Coordinator:
             session_id=original.session_id,
             bypass_cache=original.bypass_cache,
             adapter=original.adapter,
+            origin=self.origin,
         )
 
     def _on_prefilled(self, worker: WorkerId, request: WorkerRequest, facts: PrefillFacts) -> None:
@@ -631,6 +645,7 @@ class Coordinator:
         with self._lock:
             self.load.forget_worker(WorkerId(worker_id))
             self.policy.on_worker_removed(WorkerId(worker_id))
+            self.peer_routes.forget_worker(WorkerId(worker_id))
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -666,6 +681,20 @@ class Coordinator:
         with self._lock:
             self.cost_model = self.cost_model.with_measured_prefill(measured)
             self.policy.cost_model = self.cost_model
+
+    def observe_notes(self, batch: NoteBatch) -> None:
+        """Take request notes about one worker: the requests other replicas routed to it count
+        in this replica's load tracker from now on (`PeerRoutes`)."""
+        if not self.registry.is_known(batch.worker_id):
+            return
+        with self._lock:
+            self.peer_routes.apply(batch, self.cost_model, self._clock())
+
+    def forget_peer_routes(self) -> None:
+        """Request notes were skipped (the follower rebuilt from Redis): let go of the other
+        replicas' requests, whose ends may be among them."""
+        with self._lock:
+            self.peer_routes.clear()
 
     def indexed_blocks_of(self, worker_id: str) -> int:
         return self.mirror.num_worker_blocks(WorkerId(worker_id))

@@ -16,7 +16,9 @@ the cluster's masters. On a single Redis (the default) the tags are just part of
                                                                    external engine's events
     kvmesh:{sNN}:workers           SET    ids of the shard's workers
     kvmesh:{sNN}:events            STREAM field "b" = msgpack EventBatch (proto/events.py),
-                                          or field "p" = id of a purged worker
+                                          or field "p" = id of a purged worker,
+                                          or field "r" = msgpack NoteBatch of a worker's
+                                          requests (proto/request_notes.py)
     kvmesh:{ns}:epoch              STRING cache epoch (ClearCache bumps it; part of h_0)
     kvmesh:{fleet}:...             the service directory (one slot: claimed in transactions)
 
@@ -162,7 +164,7 @@ def workers_key(shard: int) -> str:
 
 
 def events_key(shard: int) -> str:
-    """STREAM of `shard`'s event batches and purge notices."""
+    """STREAM of `shard`'s event batches, purge notices and request notes."""
     return f"{shard_prefix(shard)}events"
 
 

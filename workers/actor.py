@@ -329,6 +329,8 @@ class WorkerActor:
             self._publish_events()  # e.g. imported blocks: announced like computed ones
 
     def _publish_events(self) -> None:
+        # Request notes are hints for the other coordinators: dropped while Redis is away.
+        notes = self.worker.drain_request_notes()
         if self._publisher is None:
             self.worker.pool.drain_events()
             return
@@ -340,7 +342,9 @@ class WorkerActor:
             return
         batch = self.worker.drain_event_batch()
         if batch is not None:
-            self._publish(batch)
+            self._publisher.publish(batch, notes)  # one round trip for both
+        elif notes is not None and self._publisher.connected:
+            self._publisher.publish_notes(notes)
 
     def _publish(self, batch: Any) -> None:
         if self._publisher is not None:

@@ -30,6 +30,7 @@ from kvmesh.coordinator.engines.engine_backend import EngineBackend
 from kvmesh.coordinator.engines.engine_fleet import EngineFleet, EngineFleetConfig, EngineSpec
 from kvmesh.coordinator.index.follower import IndexFollower
 from kvmesh.coordinator.index.locked_mirror import LockedMirror
+from kvmesh.coordinator.index.note_sender import NoteSender
 from kvmesh.coordinator.index.store import IndexStore
 from kvmesh.coordinator.routing.links import LinkType
 from kvmesh.coordinator.routing.transfer_planner import TransferPlanner
@@ -106,6 +107,7 @@ class Deployment:
         self.cluster: Cluster | None = None
         self.fleet: Fleet | None = None
         self.follower: IndexFollower | None = None
+        self.notes: NoteSender | None = None
         self.coordinator: Coordinator | None = None
         self.server: grpc.Server | None = None
         self.gate: GateInterceptor | None = None
@@ -231,6 +233,11 @@ class Deployment:
         else:
             self._join_nccl(transfers, may_form=False)
         self.cluster.set_on_info(coordinator.observe_worker)
+        follower.on_notes = coordinator.observe_notes
+        follower.on_notes_skipped = coordinator.forget_peer_routes
+        self.notes = notes = NoteSender(store)
+        coordinator.note_sink = notes.send
+        notes.start()
         self.follower.start()
         if self.engines is not None:
             self.engines.start()
@@ -380,6 +387,9 @@ class Deployment:
         if self.follower is not None:
             self.follower.stop()
             self.follower = None
+        if self.notes is not None:
+            self.notes.stop()
+            self.notes = None
         if self.fleet is not None:
             self.fleet.stop()  # a service fleet's workers keep running
             self.fleet = None

@@ -17,6 +17,7 @@ from kvmesh.coordinator.index.mirror import ApplyResult, WorkerId
 from kvmesh.coordinator.index.store import IndexStore, StoreError
 from kvmesh.proto.block_hash import BlockHash
 from kvmesh.proto.redis_schema import index_shard
+from kvmesh.proto.request_notes import NoteBatch
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,9 @@ _LINKS_PER_POLL = 20_000
 
 class IndexFollower:
     """Owns the mirror's writes. A worker whose heartbeat lapsed is reported to `on_lapsed`
-    (the worker registry, which fans it out; by default it is purged here directly)."""
+    (the worker registry, which fans it out; by default it is purged here directly). Request
+    notes (coordinators' and workers'), which ride the same streams, go to `on_notes` (the
+    coordinator's load tracker; by default nowhere)."""
 
     def __init__(
         self,
@@ -37,11 +40,16 @@ class IndexFollower:
         *,
         ns: str,
         on_lapsed: Callable[[str], None] | None = None,
+        on_notes: Callable[[NoteBatch], None] | None = None,
     ) -> None:
         self.store = store
         self.mirror = mirror
         self.ns = ns
         self._on_lapsed = on_lapsed or self.purge_worker
+        self.on_notes = on_notes
+        self.on_notes_skipped: Callable[[], None] | None = None
+        """Called after a rebuild, which skips the streams to their end: request notes written
+        meanwhile (a request's end among them) are never read."""
         self.connected = False
         self.num_resyncs = 0
         self.last_event_lag_s: float | None = None
@@ -80,6 +88,8 @@ class IndexFollower:
         self._last_ids = last_ids
         self._read_epoch()
         self.connected = True
+        if self.on_notes_skipped is not None:
+            self.on_notes_skipped()
         return loaded
 
     def resync(self, worker: str) -> int:
@@ -140,6 +150,8 @@ class IndexFollower:
                 result = self.mirror.apply(entry.batch)
                 if result is ApplyResult.NEEDS_RESYNC:
                     self.resync(entry.batch.worker_id)
+            elif entry.notes is not None and self.on_notes is not None:
+                self.on_notes(entry.notes)
             self._last_ids[entry.stream] = entry.entry_id
         if entries:
             self.last_event_lag_s = _age_s(entries[-1].entry_id, time.time())

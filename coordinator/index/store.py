@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -23,6 +23,7 @@ import redis
 from kvmesh.proto import redis_schema as schema
 from kvmesh.proto.block_hash import BlockHash
 from kvmesh.proto.events import EventBatch, EventDecodeError, decode_batch
+from kvmesh.proto.request_notes import NoteBatch, NoteDecodeError, decode_notes, encode_notes
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,8 @@ class StreamEntry:
     """The shard stream it came from (`schema.EVENTS_STREAMS`)."""
     entry_id: str
     batch: EventBatch | None = None  # an event batch, or
-    purged_worker: str | None = None  # a worker that was purged, or neither (undecodable)
+    purged_worker: str | None = None  # a worker that was purged, or
+    notes: NoteBatch | None = None  # request notes about a worker, or none (undecodable)
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,12 +312,36 @@ class IndexStore:
                 if b"p" in fields:
                     yield StreamEntry(stream, eid, purged_worker=fields[b"p"].decode())
                     continue
+                if b"r" in fields:
+                    yield StreamEntry(stream, eid, notes=self._notes(eid, fields[b"r"]))
+                    continue
                 try:
                     yield StreamEntry(stream, eid, batch=decode_batch(fields.get(b"b", b"")))
                 except EventDecodeError as exc:
                     self.num_decode_errors += 1
                     log.warning("rejected event batch %s: %s", eid, exc)
                     yield StreamEntry(stream, eid)
+
+    def append_notes(self, batches: Sequence[NoteBatch]) -> None:
+        """Append request notes to their workers' shard streams, in one round trip (a cluster:
+        one per master). Every follower of the stream gets them."""
+        pipe = self._client.pipeline(transaction=False)
+        for batch in batches:
+            pipe.xadd(
+                schema.worker_events_key(batch.worker_id),
+                {"r": encode_notes(batch)},
+                maxlen=schema.EVENTS_STREAM_MAXLEN,
+                approximate=True,
+            )
+        pipe.execute()
+
+    def _notes(self, entry_id: str, data: bytes) -> NoteBatch | None:
+        try:
+            return decode_notes(data)
+        except NoteDecodeError as exc:
+            self.num_decode_errors += 1
+            log.warning("rejected request notes %s: %s", entry_id, exc)
+            return None
 
     # ---- the service directory --------------------------------------------------------------
 

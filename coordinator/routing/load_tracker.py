@@ -108,6 +108,9 @@ class LoadTracker:
     def num_running(self, worker: WorkerId) -> int:
         return int(self._rows.value("num_running", worker))
 
+    def is_pending(self, request_id: str) -> bool:
+        return request_id in self._pending
+
     def on_routed(self, request_id: str, worker: WorkerId, prefill_ms: float, tokens: int) -> None:
         if request_id in self._pending:
             raise ValueError("a request with this id is already in flight")  # never echo ids

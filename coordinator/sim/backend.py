@@ -41,7 +41,7 @@ class SimBackend:
             source = self.workers[self._index_of[request.pull.source]]
             pull = PullSource(source.pool, request.pull.end_block)
         w = self._index_of[worker_id]
-        self.workers[w].enqueue(sim_request, pull)
+        self.workers[w].enqueue(sim_request, pull, request.origin)
         self.touched.append(w)
         outbox: deque[RequestOutput] = deque()
         self._outboxes[request.request_id] = outbox

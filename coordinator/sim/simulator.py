@@ -23,6 +23,7 @@ import dataclasses
 import heapq
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -42,6 +43,7 @@ from kvmesh.coordinator.sim.report import PolicyResult, Slo, summarize
 from kvmesh.coordinator.sim.worker import SimRequest, SimSequence, SimWorker
 from kvmesh.proto.block_hash import BlockHash, block_hashes, namespace_hash
 from kvmesh.proto.events import EventBatch
+from kvmesh.proto.request_notes import NoteBatch
 from kvmesh.workers.contract.replies import PrefillFacts
 from kvmesh.workers.contract.requests import SamplingConfig, Transport
 from kvmesh.workers.kv.block_pool import BlockPool
@@ -89,9 +91,14 @@ class SimConfig:
     """What a request must meet to count towards goodput."""
     num_coordinators: int = 1
     """Coordinator replicas over the one fleet; arrivals go to them in turn, each routes with its
-    own load tracker and policy state, all read one mirror and the workers' load reports."""
+    own load tracker and policy state, all read one mirror, the workers' load reports and the
+    request notes (each coordinator's of its routes, each worker's of its prefills and ends)."""
     report_interval_ms: float = 500.0
     """How often workers' own load reports reach the coordinators (the live health interval)."""
+    note_delay_ms: float = 1.0
+    """How long request notes take to reach the coordinators: a coordinator's note of each
+    route it makes, a worker's of each request it prefills and finishes (live: one append to a
+    Redis stream, which every coordinator's follower is blocked reading)."""
     sessions: WarmSessionConfig | None = None
     """Workers keep idle sessions warm (as live workers do); None: plain LRU, as before. The
     oracle stays the shared-LRU bound either way."""
@@ -104,6 +111,8 @@ class SimConfig:
             raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if not self.note_delay_ms >= 0:
+            raise ValueError(f"note_delay_ms must be >= 0, got {self.note_delay_ms}")
         if self.num_coordinators < 1 or self.report_interval_ms <= 0:
             raise ValueError(
                 f"need >= 1 coordinator and a report interval > 0, got {self.num_coordinators}"
@@ -253,6 +262,9 @@ class ClusterSimulation:
         self.coordinators = [self._build_coordinator(k) for k in range(config.num_coordinators)]
         self.coordinator = self.coordinators[0]
         self._last_report_ms = -math.inf
+        self._notes_in_flight: deque[tuple[float, NoteBatch]] = deque()
+        for coordinator in self.coordinators:
+            coordinator.note_sink = self._post_notes
         self._streams: dict[str, Iterator[StreamEvent]] = {}
         self._heap: list[tuple[float, int, int, int]] = []
         self._scheduled_epoch = [-1] * n
@@ -370,6 +382,7 @@ class ClusterSimulation:
         sampling = SamplingConfig(max_tokens=max(1, request.output_len), ignore_eos=True)
         self.backend.expect(request)
         self._report_load()
+        self._deliver_notes()
         coordinator = self.coordinators[request.index % len(self.coordinators)]
         start = self._timer()
         self._streams[request.request_id] = coordinator.generate(
@@ -379,6 +392,7 @@ class ClusterSimulation:
         for w in self.backend.touched:
             self._admit(w)
             self._schedule(w)
+            self._send_notes(w)
         self.backend.touched.clear()
 
     def _report_load(self) -> None:
@@ -392,6 +406,24 @@ class ClusterSimulation:
             for coordinator in self.coordinators:
                 coordinator.load.on_reported(wid, report)
 
+    def _send_notes(self, w: int) -> None:
+        """The worker's request notes set off to every coordinator."""
+        batch = self.workers[w].notes.drain()
+        if batch is not None:
+            self._post_notes(batch)
+
+    def _post_notes(self, batch: NoteBatch) -> None:
+        """Notes appended to the stream now land `note_delay_ms` later, in order."""
+        self._notes_in_flight.append((self.now_ms + self.config.note_delay_ms, batch))
+
+    def _deliver_notes(self) -> None:
+        """Notes that have landed by now reach every coordinator (each skips its own)."""
+        in_flight = self._notes_in_flight
+        while in_flight and in_flight[0][0] <= self.now_ms:
+            _, batch = in_flight.popleft()
+            for coordinator in self.coordinators:
+                coordinator.observe_notes(batch)
+
     def _on_worker_event(self, w: int) -> None:
         worker = self.workers[w]
         outcome = worker.advance(self.now_ms)
@@ -404,6 +436,7 @@ class ClusterSimulation:
         for seq in outcome.finished:
             self._finish(seq)
         self._flush_events(w)
+        self._send_notes(w)
         lanes = range(len(self.workers)) if self.oracle and outcome.finished else (w,)
         for lane in lanes:
             self._admit(lane)

@@ -22,6 +22,8 @@ worker can match, and what it evicts, is exactly what the live system would do.
 * Admission reserves blocks for prompt and output at once (no preemption); prompt blocks are
   registered when the prefill ends, generated blocks when the sequence finishes (when the
   workload knows the tokens a later prompt quotes), then the sequence frees tail-first.
+* Like a live worker, it notes each request it takes, prefills and finishes (`NoteLog`), for
+  the simulation to deliver to every coordinator replica.
 * With warm sessions on, a finished turn's chain is kept warm by the real `WarmSessions`, as the
   live worker does (idle TTL and budget on simulated time); with a host tier, evicted blocks are
   demoted to it and a hit there is priced as a host-to-device copy.
@@ -41,6 +43,7 @@ from kvmesh.coordinator.sim.decode_run import BOUNDARY_EPSILON_MS, DecodeRun
 from kvmesh.coordinator.sim.host_tier import SimHostTier
 from kvmesh.proto.block_hash import BlockHash, num_reusable_tokens
 from kvmesh.proto.events import KVEvent
+from kvmesh.workers.engine.note_log import NoteLog
 from kvmesh.workers.kv.block_pool import BlockId, BlockPool
 from kvmesh.workers.kv.warm_sessions import WarmSessionConfig, WarmSessions
 
@@ -170,6 +173,7 @@ class SimWorker:
             else None
         )
         self.host = SimHostTier(host_blocks) if host_blocks else None
+        self.notes = NoteLog(worker_id)
 
     @property
     def num_decoding(self) -> int:
@@ -193,13 +197,20 @@ class SimWorker:
     def num_requests(self) -> int:
         return len(self.queue) + (self.prefilling is not None) + len(self._batch)
 
-    def enqueue(self, request: SimRequest, pull: PullSource | None = None) -> None:
+    def enqueue(
+        self, request: SimRequest, pull: PullSource | None = None, origin: str = ""
+    ) -> None:
+        """Queue a routed request (`origin`: the coordinator that routed it, for the notes)."""
         if request.num_reserved_blocks > self.pool.num_blocks:
             raise ValueError(
                 f"request {request.request_id} needs {request.num_reserved_blocks} blocks; "
                 f"worker {self.worker_id} has {self.pool.num_blocks}"
             )
         self.queue.append((request, pull))
+        n, bs = request.prompt_len, self.block_size
+        held = len(self.pool.match_prefix(request.prompt_hashes))
+        ready = max(num_reusable_tokens(n, held, bs), self._pullable_tokens(request, pull))
+        self.notes.taken(request.request_id, origin, n, n - ready)
 
     def next_event_ms(self) -> float:
         if self._chunk_end_ms < math.inf:
@@ -227,6 +238,7 @@ class SimWorker:
             if self._prefill_done >= seq.request.prompt_len:
                 self.prefilling, prefilled = None, seq
                 self._join(seq, now_ms)
+                self.notes.prefilled(seq.request.request_id)
         finished = self._retire()
         self._rebase(now_ms)
         self._maybe_start_chunk(now_ms)
@@ -362,6 +374,7 @@ class SimWorker:
                 chain = self.pool.match_prefix(seq.request.hashes)
                 self.sessions.keep(seq.request.session_id, chain)
             finished.append(seq)
+            self.notes.finished(seq.request.request_id)
         if finished:
             self._blocked = False
         return tuple(finished)

@@ -16,6 +16,7 @@ from kvmesh.coordinator.cluster.deployment import Deployment, DeploymentConfig
 from kvmesh.coordinator.cluster.fleet import RAY_NAMESPACE, PlacementError
 from kvmesh.coordinator.cluster.redis_server import RedisServer
 from kvmesh.coordinator.config import CoordinatorConfig
+from kvmesh.coordinator.index.mirror import WorkerId
 from kvmesh.coordinator.index.store import IndexStore
 from kvmesh.workers.config import WorkerConfig
 from tests.integration.helpers import TEST_DEVICE, generate, holds, stub_for, wait_for
@@ -84,6 +85,37 @@ def test_two_coordinators_share_one_fleet_with_distinct_ids(
             what="w2's blocks in the second coordinator's mirror",
         )
         assert generate(stub_b, PROMPT)[0].cache.worker_id == "w2"
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_each_replica_counts_the_requests_the_other_routes(
+    ray_session: None, service_redis: RedisServer
+) -> None:
+    a = service(service_redis.url)
+    b = service(service_redis.url, attach=True)
+    try:
+        generate(stub_for(a.address), PROMPT, max_tokens=8, worker_id="w1")
+        peers = b.coordinator.peer_routes
+        wait_for(lambda: peers.num_taken == 1, what="b to hear of a's request")
+        wait_for(lambda: len(peers) == 0, what="b to hear that it finished")
+        assert b.coordinator.load.num_running(WorkerId("w1")) == 0
+        assert a.coordinator.peer_routes.num_taken == 0  # a's own notes come back to a: skipped
+        # Told twice that it was taken (a at once, w1 from its engine), then once each after.
+        notes = [
+            (type(n).__name__, e.notes.worker_id, n.request_id)
+            for e in IndexStore(service_redis.url).read_stream({}, None, count=10_000)
+            if e.notes is not None
+            for n in e.notes.notes
+        ]
+        assert len({rid for _, _, rid in notes}) == 1  # the one request sent
+        assert sorted((kind, worker) for kind, worker, _ in notes) == [
+            ("RequestFinished", "w1"),
+            ("RequestPrefilled", "w1"),
+            ("RequestTaken", "w1"),
+            ("RequestTaken", "w1"),
+        ]
     finally:
         a.stop()
         b.stop()

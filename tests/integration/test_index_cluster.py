@@ -18,6 +18,7 @@ from kvmesh.coordinator.index.store import IndexStore
 from kvmesh.proto import redis_schema as schema
 from kvmesh.proto.block_hash import BlockHash
 from kvmesh.proto.events import AllCleared, BlockRemoved, BlockStored, EventBatch
+from kvmesh.proto.request_notes import NoteBatch, RequestFinished, RequestTaken
 from kvmesh.workers.engine.event_publisher import EventPublisher
 from tests.integration.index_helpers import drain, follower_for, stored
 
@@ -86,6 +87,21 @@ def test_a_batch_is_applied_whole_and_a_new_generation_wipes_on_the_cluster(url:
     assert not client.exists(schema.block_key(NS, schema.hash_hex(1), "w0"))
     pub.publish(EventBatch("w0", GEN + 1, 2, (AllCleared(),)))
     assert not client.exists(schema.worker_blocks_key("w0"))
+
+
+def test_request_notes_ride_the_shard_streams_on_the_cluster(url: str) -> None:
+    pub = EventPublisher(url, NS, "w3")
+    taken = RequestTaken("r1", "c0", 48, 16)
+    assert pub.publish(EventBatch("w3", GEN, 1, (stored(1, 2, 3),)), NoteBatch("w3", (taken,))).ok
+    store = IndexStore(url)
+    store.append_notes([NoteBatch("w3", (RequestFinished("r1"),))])  # as a coordinator sends
+    entries = [e for e in store.read_stream({}, None) if e.stream == schema.worker_events_key("w3")]
+    w3 = [e for e in entries if (e.batch or e.notes) and (e.batch or e.notes).worker_id == "w3"]
+    assert [e.batch.seq for e in w3 if e.batch is not None] == [1]
+    assert [n for e in w3 if e.notes is not None for n in e.notes.notes] == [
+        taken,
+        RequestFinished("r1"),
+    ]
 
 
 def test_followers_rebuild_follow_resync_and_purge_across_shards(url: str) -> None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
+from kvmesh.client import cli
 from kvmesh.client.bench import BenchSample, send_times, summarize
 from kvmesh.client.workloads import WorkloadRequest
 
@@ -48,3 +50,9 @@ def test_summarize_reports_tpot_end_to_end_and_goodput_under_the_slo() -> None:
     assert m["e2e_p50_ms"] == 1600.0
     assert m["goodput_rps"] == 1.0 and m["slo_attainment"] == 0.5  # the first and the last
     assert samples[3].tpot_ms is None
+
+
+def test_several_addresses_need_deal(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "--address", "127.0.0.1:1,127.0.0.1:2", "--workload", "shared_prefix"]
+    assert cli.main([*argv, "--duration", "1"]) != 0
+    assert "--deal sends to 2" in capsys.readouterr().err

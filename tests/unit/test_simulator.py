@@ -224,3 +224,29 @@ def test_service_latency_delays_first_and_last_tokens_and_changes_no_routing(
         assert ttft2 == pytest.approx(ttft + 16.0)
         assert e2e2 == pytest.approx(e2e + 16.0)
         assert tpot2 == pytest.approx(tpot)
+
+
+def test_replicas_replay_each_others_routes_from_the_notes(
+    shared_prefix: list[SimRequest],
+) -> None:
+    sim = ClusterSimulation(small_config(num_coordinators=2), "kvmesh", shared_prefix)
+    sim.run()
+    routed = [c.stats()["num_requests"] for c in sim.coordinators]
+    assert sum(routed) == len(shared_prefix)
+    for k, coordinator in enumerate(sim.coordinators):
+        peers = routed[1 - k]
+        # Every peer request, but those whose notes were still on their way when arrivals ended.
+        assert peers - 2 <= coordinator.peer_routes.num_taken <= peers
+        coordinator.peer_routes.check_invariants()
+        coordinator.load.check_invariants()
+
+
+def test_one_coordinator_is_not_changed_by_the_notes(shared_prefix: list[SimRequest]) -> None:
+    unheard = small_config(note_delay_ms=1e9)  # its own notes never land
+    a = ClusterSimulation(unheard, "kvmesh", shared_prefix).run()
+    b = ClusterSimulation(small_config(note_delay_ms=0.0), "kvmesh", shared_prefix).run()
+    assert (a.cached_tokens, a.pulled_tokens, a.ttft_ms) == (
+        b.cached_tokens,
+        b.pulled_tokens,
+        b.ttft_ms,
+    )

@@ -7,6 +7,7 @@ from collections import defaultdict
 import pytest
 import torch
 
+from kvmesh.proto.request_notes import RequestFinished, RequestPrefilled, RequestTaken
 from kvmesh.workers.contract.replies import RequestOutput
 from kvmesh.workers.contract.requests import SamplingConfig, WorkerRequest
 from kvmesh.workers.engine.scheduler import SchedulerConfig
@@ -266,3 +267,23 @@ def test_idle_session_past_its_ttl_is_an_ordinary_free_chain() -> None:
     assert (counters.num_warm_sessions, counters.num_sessions_evicted_ttl) == (0, 1)
     out = h.run([_turn("t2", PREFIX + [5, 6, 7], "chat")])
     assert out["t2"][0].prefill.local_tokens == 0
+
+
+def test_the_worker_notes_each_request_it_takes_prefills_and_finishes() -> None:
+    h = Harness()
+    prompt = [(i * 7) % 200 + 1 for i in range(40)]  # 2 full blocks + 8
+    first = WorkerRequest("a", tuple(prompt), SamplingConfig(max_tokens=2), origin="c1")
+    h.run([first])
+    notes = h.worker.drain_request_notes()
+    assert notes is not None and notes.worker_id == "w0"
+    assert notes.notes == (
+        RequestTaken("a", "c1", 40, 40),
+        RequestPrefilled("a"),
+        RequestFinished("a"),
+    )
+    h.worker.add_request(req("b", prompt))  # its 2 full blocks are held now
+    h.worker.abort("b")
+    notes = h.worker.drain_request_notes()
+    assert notes is not None
+    assert notes.notes == (RequestTaken("b", "", 40, 40 - 2 * BS), RequestFinished("b"))
+    assert h.worker.drain_request_notes() is None

@@ -127,3 +127,6 @@ class WorkerRequest:
     its blocks are never shared with the base model's or another adapter's."""
     bypass_cache: bool = False
     """Reuse no cached KV (local, host or pulled) and register none of what it computes."""
+    origin: str = ""
+    """Id of the coordinator that routed it; the worker's request notes carry it back, so that
+    replica skips its own (`proto/request_notes.py`)."""

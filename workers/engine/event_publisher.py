@@ -17,6 +17,7 @@ import redis
 
 from kvmesh.proto import redis_schema as schema
 from kvmesh.proto.events import AllCleared, BlockStored, EventBatch, encode_batch
+from kvmesh.proto.request_notes import NoteBatch, encode_notes
 
 log = logging.getLogger(__name__)
 
@@ -70,14 +71,25 @@ class EventPublisher:
         self._client: Any = connect(redis_url, socket_timeout_s)
         self._apply = self._client.register_script(schema.APPLY_BATCH)
         self._keys = schema.apply_batch_keys(worker_id)
+        self._notes_stream = schema.worker_events_key(worker_id)
         self.lost_events = False  # a batch failed: the next success must be a full re-publish
         self.connected = True
         self.published_once = False
 
-    def publish(self, batch: EventBatch) -> PublishResult:
+    def publish(self, batch: EventBatch, notes: NoteBatch | None = None) -> PublishResult:
+        """Apply `batch`; `notes` (the step's request notes), if any, are appended after it, in
+        the same round trip on a single Redis (a cluster's pipeline runs no scripts: two)."""
+        pipelined = notes is not None and not isinstance(self._client, redis.RedisCluster)
         try:
             argv = batch_to_argv(self.ns, batch, schema.EVENTS_STREAM_MAXLEN)
-            n = int(self._apply(keys=self._keys, args=argv))
+            if not pipelined:
+                n = int(self._apply(keys=self._keys, args=argv))
+            else:
+                assert notes is not None
+                pipe = self._client.pipeline(transaction=False)
+                self._apply(keys=self._keys, args=argv, client=pipe)
+                self._append_notes(pipe, notes)
+                n = int(pipe.execute()[0])
         except redis.RedisError as exc:
             if self.connected:
                 log.warning("worker %s: cannot publish KV events (%s)", self.worker_id, exc)
@@ -86,7 +98,26 @@ class EventPublisher:
             return PublishResult(False, 0)
         self.connected = True
         self.published_once = True
+        if notes is not None and not pipelined:
+            self.publish_notes(notes)
         return PublishResult(True, max(n, 0))
+
+    def publish_notes(self, batch: NoteBatch) -> bool:
+        """Append request notes to the worker's shard stream (no index keys change). Best
+        effort: a note lost while Redis is away only leaves other replicas less informed."""
+        try:
+            self._append_notes(self._client, batch)
+        except redis.RedisError:
+            return False
+        return True
+
+    def _append_notes(self, client: Any, batch: NoteBatch) -> None:
+        client.xadd(
+            self._notes_stream,
+            {"r": encode_notes(batch)},
+            maxlen=schema.EVENTS_STREAM_MAXLEN,
+            approximate=True,
+        )
 
     def heartbeat(self, info: dict[str, str | int], ttl_ms: int) -> bool:
         try:

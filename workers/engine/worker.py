@@ -30,9 +30,11 @@ from kvmesh.proto.block_hash import (
     BlockHash,
     namespace_hash,
     num_reusable_blocks,
+    num_reusable_tokens,
     prompt_root,
 )
 from kvmesh.proto.events import TIER_HOST, AllCleared, BlockStored, EventBatch, KVEvent
+from kvmesh.proto.request_notes import NoteBatch
 from kvmesh.workers.contract.replies import (
     CacheStats,
     PrefillFacts,
@@ -41,10 +43,11 @@ from kvmesh.workers.contract.replies import (
     WorkerCounters,
     WorkerInfo,
 )
-from kvmesh.workers.contract.requests import WorkerRequest
+from kvmesh.workers.contract.requests import PullSpec, WorkerRequest
 from kvmesh.workers.engine.event_log import EventLog
 from kvmesh.workers.engine.failure import forward_isolated
 from kvmesh.workers.engine.host_tier import HostTier
+from kvmesh.workers.engine.note_log import NoteLog
 from kvmesh.workers.engine.pull_admission import BlockWriter, PullAdmission
 from kvmesh.workers.engine.sampler import sample_isolated
 from kvmesh.workers.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig, StepKind
@@ -113,6 +116,7 @@ class Worker:
         )
         self.eos_token_ids = tuple(eos_token_ids)
         self.events = EventLog(worker_id)
+        self.notes = NoteLog(worker_id)
         self._seqs: dict[str, Sequence] = {}
         self.pulls = PullAdmission(self.pool, self.host_tier, self.block_size)
         self._peer_pins: list[BlockId] = []
@@ -160,7 +164,20 @@ class Worker:
         if reservation is None:  # no plan, or one this prompt cannot use: recompute
             self.scheduler.add(seq)
         self._note_queue()
+        self.notes.taken(req.request_id, req.origin, seq.num_tokens, self._uncached_len(seq, pull))
         return reservation
+
+    def _uncached_len(self, seq: Sequence, pull: PullSpec | None) -> int:
+        """Prompt tokens `seq` will compute here: less what the pool holds now, or what the
+        pull brings."""
+        if seq.bypass_cache:
+            return seq.num_tokens
+        bs = self.block_size
+        chain = seq.full_block_hashes(bs)[: num_reusable_blocks(seq.num_tokens, bs)]
+        held = len(self.pool.match_prefix(chain))
+        if pull is not None:
+            held = max(held, min(pull.end_block, len(chain)))
+        return seq.num_tokens - num_reusable_tokens(seq.num_tokens, held, bs)
 
     def _validate(self, req: WorkerRequest) -> None:
         if req.request_id in self._seqs:
@@ -194,6 +211,7 @@ class Worker:
         if not self.pulls.release(request_id):
             self.scheduler.abort(request_id)
         self._note_queue()
+        self.notes.finished(request_id)
         return True
 
     # ---- pulls (target side) --------------------------------------------------------------------
@@ -290,6 +308,7 @@ class Worker:
 
     def _fail(self, seq: Sequence, failure: SequenceFailure) -> RequestOutput:
         self.tally.num_failed += 1
+        self.notes.finished(seq.request_id)
         return RequestOutput(seq.request_id, (), True, "error", failure=failure)
 
     def _outputs(self, step: ScheduledStep, sampled: Seq[int]) -> list[RequestOutput]:
@@ -302,9 +321,11 @@ class Worker:
                 seq.first_token_s = now
                 facts = self._prefill_facts(seq)
                 self.tally.on_prefilled(facts, looked_up=not seq.bypass_cache)
+                self.notes.prefilled(seq.request_id)
             self.tally.generated_tokens += 1
             if finished:
                 self._seqs.pop(seq.request_id, None)
+                self.notes.finished(seq.request_id)
                 self.tally.num_finished += 1
                 self._keep_session(seq)
             outputs.append(
@@ -399,6 +420,10 @@ class Worker:
         if not events:
             return None
         return self.events.next_batch(events)
+
+    def drain_request_notes(self) -> NoteBatch | None:
+        """What happened to requests since the last call (`NoteLog`)."""
+        return self.notes.drain()
 
     def full_state_batch(self) -> EventBatch:
         """Everything the pool holds, under a new generation (after Redis lost our events)."""
