@@ -2,7 +2,7 @@
 
 Usage: python benchmarks/goodput_sweep.py --workload hot_prefix --capacity-tokens 262144
                                           --rates 40 60 80 [--seeds 0 1 2] [--policies A,B]
-                                          [--workers 8] [--jobs 2] [--reuse]
+                                          [--workers 8] [--jobs 2] [--reuse] [--update A,B]
 
 At the rates of the routing-quality tables nearly every request of every cache-aware policy
 meets the SLO, so goodput equals throughput and cannot separate them. Here one generated
@@ -10,7 +10,8 @@ workload is simulated at each rate (`--workload-arg rate_rps=R`, the same reques
 faster) and seed; per policy the table gives the SLO attainment (goodput / throughput, median
 over the seeds, spread beside it) at each rate, and the **knee**: the lowest rate whose median
 attainment is under 90%. Each run is one `kvmesh simulate ... --json` command (printed); its
-JSON is kept under bench-results/sweep/, and `--reuse` rebuilds the table from those files.
+JSON is kept under bench-results/sweep/, and `--reuse` rebuilds the table from those files;
+`--update kvmesh` simulates kvmesh again and keeps the other policies from the saved files.
 """
 
 from __future__ import annotations
@@ -32,14 +33,21 @@ def simulate(args: argparse.Namespace, rate: float, seed: int, results: Path) ->
     saved = results / f"{args.workload}-{args.capacity_tokens}-r{rate:g}-s{seed}.json"
     if args.reuse and saved.exists():
         return json.loads(saved.read_text())
+    policies = args.update or args.policies
     cmd = [
         *(sys.executable, "-m", "kvmesh.client.cli", "simulate"),
         *("--workload", args.workload, "--workers", str(args.workers)),
         *("--capacity-tokens", str(args.capacity_tokens), "--seed", str(seed)),
-        *("--workload-arg", f"rate_rps={rate:g}", "--policies", args.policies, "--json"),
+        *("--workload-arg", f"rate_rps={rate:g}", "--policies", policies, "--json"),
     ]
     print(f"# running: {shlex.join(cmd[3:])}", file=sys.stderr, flush=True)
     doc = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    if args.update:
+        if not saved.exists():
+            raise SystemExit(f"--update needs the other policies' results in {saved}")
+        merged = json.loads(saved.read_text())  # the other policies' results stand
+        merged["policies"].update(doc["policies"])
+        doc = merged
     saved.write_text(json.dumps(doc, indent=2))
     return doc
 
@@ -54,6 +62,7 @@ def main() -> int:
     parser.add_argument("--policies", default="kvmesh,least_loaded,session_sticky,sglang,dynamo")
     parser.add_argument("--jobs", type=int, default=2, help="simulations at once")
     parser.add_argument("--reuse", action="store_true", help="table from saved JSON only")
+    parser.add_argument("--update", metavar="A,B", help="simulate only these; others from JSON")
     parser.add_argument("--results", default="bench-results/sweep", help="JSON folder")
     args = parser.parse_args()
     results = Path(args.results)
