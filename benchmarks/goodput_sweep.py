@@ -10,7 +10,8 @@ workload is simulated at each rate (`--workload-arg rate_rps=R`, the same reques
 faster) and seed; per policy the table gives the SLO attainment (goodput / throughput, median
 over the seeds, spread beside it) at each rate, and the **knee**: the lowest rate whose median
 attainment is under 90%. Each run is one `kvmesh simulate ... --json` command (printed); its
-JSON is kept under bench-results/sweep/, and `--reuse` rebuilds the table from those files;
+JSON is kept under bench-results/sweep/ (the published tables' under docs/data/sweep/, with
+`--results`), and `--reuse` rebuilds the table from those files;
 `--update kvmesh` simulates kvmesh again and keeps the other policies from the saved files.
 """
 
