@@ -1,11 +1,15 @@
 """Routing quality: every `kvmesh simulate` comparison of docs/benchmarks.md over several seeds.
 
 Usage: python benchmarks/routing_quality.py [--only NAME ...] [--seeds 0 1 2] [--jobs 2]
-                                            [--reuse] [--plots docs/img]
+                                            [--reuse] [--plots docs/img] [--policies A,B]
 
 Each run is one `kvmesh simulate ... --seed S --json` command per seed (printed above its table,
 so a reader can rerun one alone); its JSON is kept under bench-results/routing/NAME-sS.json, and
-`--reuse` rebuilds the tables from those files without simulating again. Generated traces are
+`--reuse` rebuilds the tables from those files without simulating again; `--policies kvmesh`
+simulates only the named policies and takes every other one from the saved file of the same run
+and seed (after a change that touches one policy, the others' results stand). The JSON of the
+published tables is under docs/data/routing/ (`--results docs/data/routing` reads it; the
+traces are still written under bench-results/traces). Generated traces are
 written first with `kvmesh make-trace --shape SHAPE --seed S` (a seed is a different trace); on
 the conversation trace the seed moves only the policies' tie-breaking. The trace runs need
 ../shared/traces/conversation_trace.jsonl (or --trace PATH).
@@ -82,7 +86,16 @@ def _with_seed(args: tuple[str, ...], seed: int) -> list[str]:
     return [a.replace(SEED, str(seed)) for a in args]
 
 
-def simulate(name: str, run: Run, seed: int, results: Path, plots: str | None) -> dict:
+def simulate(
+    name: str,
+    run: Run,
+    seed: int,
+    results: Path,
+    plots: str | None,
+    policies: str | None = None,
+) -> dict:
+    """One seed of one run; with `policies`, only those are simulated and the rest are kept
+    from the saved file (which must exist), in its order."""
     saved = results / f"{name}-s{seed}.json"
     args = _with_seed(run.args, seed)
     if run.shape:
@@ -90,10 +103,18 @@ def simulate(name: str, run: Run, seed: int, results: Path, plots: str | None) -
         make = ["make-trace", "--shape", run.shape, "--seed", str(seed), "--out", trace]
         subprocess.run([sys.executable, "-m", "kvmesh.client.cli", *make], check=True, text=True)
     cmd = [sys.executable, "-m", "kvmesh.client.cli", "simulate", *args, "--json"]
-    if plots and seed == 0:
-        cmd += ["--plot", plots]
+    if policies:
+        cmd += ["--policies", policies]  # the last --policies wins over the run's own
+    elif plots and seed == 0:
+        cmd += ["--plot", plots]  # charts compare every policy: only from a full run
     print(f"# running {name} seed {seed}: {shlex.join(cmd[3:])}", file=sys.stderr, flush=True)
     doc = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    if policies:
+        if not saved.exists():
+            raise SystemExit(f"--policies needs the other policies' results in {saved}")
+        merged = json.loads(saved.read_text())
+        merged["policies"].update(doc["policies"])
+        doc = merged
     saved.write_text(json.dumps(doc, indent=2))
     return doc
 
@@ -187,9 +208,12 @@ def main() -> int:
     parser.add_argument("--plots", metavar="DIR", help="also write PNG charts (seed 0) into DIR")
     parser.add_argument("--trace", default=TRACE, help="Mooncake-format trace")
     parser.add_argument("--results", default="bench-results/routing", help="JSON folder")
+    parser.add_argument(
+        "--policies", metavar="A,B", help="simulate only these; the others from the saved JSON"
+    )
     args = parser.parse_args()
     results = Path(args.results)
-    traces = results.parent / "traces"
+    traces = Path("bench-results/traces")
     results.mkdir(parents=True, exist_ok=True)
     traces.mkdir(parents=True, exist_ok=True)
     chosen = {n: r for n, r in runs(args.trace, traces).items() if not args.only or n in args.only}
@@ -199,7 +223,7 @@ def main() -> int:
         saved = results / f"{name}-s{seed}.json"
         if args.reuse and saved.exists():
             return json.loads(saved.read_text())
-        return simulate(name, chosen[name], seed, results, args.plots)
+        return simulate(name, chosen[name], seed, results, args.plots, args.policies)
 
     jobs = [(n, s) for n in chosen for s in args.seeds]
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:

@@ -210,8 +210,10 @@ class Client:
         bypass_cache: bool = False,
         adapter: str = "",
         media: Sequence[MediaItem] = (),
+        max_tokens: int | None = None,
     ) -> RouteResult:
-        """The worker the router would choose for this prompt, without running it."""
+        """The worker the router would choose for this prompt, without running it; `max_tokens`
+        (what the request would generate) prices its decode load as `generate` would."""
         request = wire.build_route_request(
             token_ids,
             prompt=prompt,
@@ -220,6 +222,7 @@ class Client:
             bypass_cache=bypass_cache,
             adapter=adapter,
             media=media,
+            max_tokens=max_tokens,
         )
         return wire.route_from_proto(self._unary("Route", request))
 
@@ -422,6 +425,7 @@ class AsyncClient:
         bypass_cache: bool = False,
         adapter: str = "",
         media: Sequence[MediaItem] = (),
+        max_tokens: int | None = None,
     ) -> RouteResult:
         request = wire.build_route_request(
             token_ids,
@@ -431,6 +435,7 @@ class AsyncClient:
             bypass_cache=bypass_cache,
             adapter=adapter,
             media=media,
+            max_tokens=max_tokens,
         )
         return wire.route_from_proto(await self._unary(self._stub.Route, request))
 

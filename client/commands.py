@@ -117,6 +117,7 @@ def run_route(args: argparse.Namespace) -> int:
             session_id=args.session,
             cache_salt=args.cache_salt,
             bypass_cache=args.bypass_cache,
+            max_tokens=args.max_tokens,
         )
     if args.json:
         _print_json(asdict(result))

@@ -505,6 +505,13 @@ def _add_route(sub: argparse._SubParsersAction, env: CliEnvironment) -> None:
     _add_client_options(parser, env)
     _add_prompt_options(parser)
     parser.add_argument("--session", default="", metavar="ID", help="session id (soft affinity)")
+    parser.add_argument(
+        "--max-tokens",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="tokens the request would generate (default: unknown); decode is priced over them",
+    )
     _add_bypass_option(parser)
     parser.set_defaults(handler=commands.run_route)
 

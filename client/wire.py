@@ -134,9 +134,13 @@ def build_route_request(
     adapter: str = "",
     media: Sequence[MediaItem] = (),
     bypass_cache: bool = False,
+    max_tokens: int | None = None,
 ) -> pb.RouteRequest:
     request = pb.RouteRequest(
-        session_id=session_id, cache_salt=cache_salt, bypass_cache=bypass_cache
+        session_id=session_id,
+        cache_salt=cache_salt,
+        bypass_cache=bypass_cache,
+        max_tokens=max_tokens or 0,
     )
     _set_prompt(request, token_ids, prompt)
     _set_adapter_and_media(request, adapter, media)

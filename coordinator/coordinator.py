@@ -135,6 +135,8 @@ class _Turn:
     count: bool
     """Count it among its session's turns in flight when the stream starts (an exclusive turn
     was counted before it was routed)."""
+    max_tokens: int | None
+    """The answer length the router prices decode over (None: unknown)."""
 
 
 @dataclass(slots=True)
@@ -339,8 +341,14 @@ class Coordinator:
         return cached[1]
 
     def route(
-        self, prompt: PreparedPrompt, session_id: str = "", request_id: str = ""
+        self,
+        prompt: PreparedPrompt,
+        session_id: str = "",
+        request_id: str = "",
+        max_tokens: int | None = None,
     ) -> RouteDecision:
+        """`max_tokens`: what the request may generate, when the caller said (its decode load
+        is priced over it); None routes as for an answer of unknown length."""
         live = self._routable_for(prompt.adapter)
         query = RouteQuery(
             request_id or uuid.uuid4().hex,
@@ -348,6 +356,7 @@ class Coordinator:
             len(prompt.token_ids),
             self.config.block_size,
             session_id,
+            max_tokens,
         )
         with self._lock:
             started = self._clock()
@@ -370,13 +379,16 @@ class Coordinator:
         allow_pull: bool = True,
         label: str = "",
         turn_mode: TurnMode = TurnMode.CONCURRENT,
+        max_tokens_known: bool = True,
     ) -> Iterator[StreamEvent]:
         """Route (unless `worker_id` forces placement) and stream the worker's outputs.
         `allow_pull=False` with `worker_id` serves from that worker's own cache only, as a
         standalone engine would (the per-worker HTTP endpoints that peer routers front).
         `label` is the id the client sees (for the request log); default: the request id.
         With a `turn_mode` other than CONCURRENT, the stream first waits for (or refuses, with
-        `SessionBusy`) another turn of the session in flight, and routes only then."""
+        `SessionBusy`) another turn of the session in flight, and routes only then.
+        `max_tokens_known=False`: `sampling.max_tokens` is a server default (the rest of the
+        context), not the caller's, so the router treats the answer's length as unknown."""
         started = self._clock()
         self.check_sampling(prompt, sampling)
         if prompt.media:
@@ -384,7 +396,10 @@ class Coordinator:
                 "the built-in runner is text-only: Generate takes no media items"
                 " (Route and Lookup do, for external multimodal engines)"
             )
-        turn = _Turn(session_id, worker_id, request_id, allow_pull, label, started, True)
+        max_tokens = sampling.max_tokens if max_tokens_known else None
+        turn = _Turn(
+            session_id, worker_id, request_id, allow_pull, label, started, True, max_tokens
+        )
         if session_id and turn_mode is not TurnMode.CONCURRENT:
             return self._exclusive_turn(prompt, sampling, replace(turn, count=False), turn_mode)
         return self._route_and_stream(prompt, sampling, turn)
@@ -407,7 +422,7 @@ class Coordinator:
         if worker_id:
             chosen, predicted, pull, matched = self._forced(prompt, worker_id, allow_pull)
         else:
-            decision = self.route(prompt, session_id, request_id)
+            decision = self.route(prompt, session_id, request_id, turn.max_tokens)
             chosen, predicted, pull = (
                 decision.worker_id,
                 decision.predicted_prefill_ms,
@@ -608,7 +623,7 @@ class Coordinator:
         )
         request_id = f"{original.request_id}.m{attempt}"
         # raises NoLiveWorker if none; the session's affinity moves with the turn
-        decision = self.route(prompt, original.session_id, request_id)
+        decision = self.route(prompt, original.session_id, request_id, remaining)
         with self._lock:
             uncached = self._uncached_tokens(len(prompt.token_ids), decision.matched_blocks)
             self.load.on_routed(

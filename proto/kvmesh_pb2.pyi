@@ -105,11 +105,12 @@ class GenerateResponse(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., cache: _Optional[_Union[CacheFacts, _Mapping]] = ..., finish_reason: _Optional[str] = ..., ttft_ms: _Optional[float] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("token_ids", "prompt", "session_id", "cache_salt", "bypass_cache", "adapter", "media")
+    __slots__ = ("token_ids", "prompt", "session_id", "cache_salt", "max_tokens", "bypass_cache", "adapter", "media")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BYPASS_CACHE_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     MEDIA_FIELD_NUMBER: _ClassVar[int]
@@ -117,10 +118,11 @@ class RouteRequest(_message.Message):
     prompt: str
     session_id: str
     cache_salt: str
+    max_tokens: int
     bypass_cache: bool
     adapter: str
     media: _containers.RepeatedCompositeFieldContainer[MediaItem]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., prompt: _Optional[str] = ..., session_id: _Optional[str] = ..., cache_salt: _Optional[str] = ..., bypass_cache: _Optional[bool] = ..., adapter: _Optional[str] = ..., media: _Optional[_Iterable[_Union[MediaItem, _Mapping]]] = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., prompt: _Optional[str] = ..., session_id: _Optional[str] = ..., cache_salt: _Optional[str] = ..., max_tokens: _Optional[int] = ..., bypass_cache: _Optional[bool] = ..., adapter: _Optional[str] = ..., media: _Optional[_Iterable[_Union[MediaItem, _Mapping]]] = ...) -> None: ...
 
 class WorkerScore(_message.Message):
     __slots__ = ("worker_id", "matched_blocks", "cost_ms")

@@ -76,6 +76,7 @@ class KvmeshReferencePolicy(KvmeshPolicy):
         cheapest_ready = min(o.prefill_ms for o in options)
         step_loads = [self._decode_load_ms(w) for w in views]
         least_step_load = min(step_loads)
+        decode_tokens = weights.decode_tokens_for(query.max_tokens)
         costs = []
         for w, option, w_work, w_requests, step_load in zip(
             views, options, work, requests, step_loads, strict=True
@@ -84,7 +85,7 @@ class KvmeshReferencePolicy(KvmeshPolicy):
             cost = w.queued_prefill_ms + option.prefill_ms + weights.recompute_weight * recompute_ms
             if w.num_running:
                 cost += cm.decode_step_ms(w.num_running)
-            cost += 2.0 * weights.decode_tokens * (step_load - least_step_load)
+            cost += 2.0 * decode_tokens * (step_load - least_step_load)
             if query.num_prompt_blocks - w.matched_device_blocks > w.num_free_blocks:
                 cost += self._memory_pressure_ms(query, w)
             uncached_share = 1.0 - self._cached_tokens(query, w) / query.prompt_len

@@ -164,6 +164,13 @@ class RouteQuery:
     """Tokens per block."""
     session_id: str = ""
     """Conversation the request belongs to; empty for none."""
+    max_tokens: int | None = None
+    """Tokens the request may generate, when the caller set them (None: unknown). kvmesh's
+    policy prices a worker's decode load over them (`KvmeshWeights.decode_tokens_for`)."""
+
+    def __post_init__(self) -> None:
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1 or None, got {self.max_tokens}")
 
     @property
     def num_prompt_blocks(self) -> int:

@@ -135,10 +135,19 @@ class KvmeshWeights:
     routed_prefix_ttl_s: float = 30.0
     """How long a routed prompt counts as held by its worker before the index confirms it."""
     decode_tokens: float = 16.0
-    """Output tokens over which a worker's decode load is priced: each of this request's steps on
-    w is slower by what w's batch reads more than the lightest worker's, and the request makes
-    each of theirs slower as much, so the difference is paid twice per token. Fewer than a
-    typical answer's tokens, since batches even out as sequences finish. 0 prices one step."""
+    """Output tokens over which a worker's decode load is priced when the request's answer length
+    is unknown: each of this request's steps on w is slower by what w's batch reads more than the
+    lightest worker's, and the request makes each of theirs slower as much, so the difference is
+    paid twice per token. Fewer than a typical answer's tokens, since batches even out as
+    sequences finish. 0 prices one step."""
+    decode_share: float = 1 / 16
+    """With the request's max_tokens known, the tokens priced are this share of them instead: a
+    256-token answer is priced as an unknown one (16), an agent's 64-token action a quarter of
+    that, a 640-token answer 2.5 times. A short answer barely feels the batch it joins, so it
+    stays with its cache; a long one reads the batch's KV on every step, so it moves sooner."""
+    max_decode_tokens: float = 64.0
+    """Most tokens priced whatever max_tokens says: max_tokens is a bound a client may set far
+    above the answer, and a batch evens out within a few hundred steps anyway."""
     session_affinity_blocks: float = 1.0
     """A session's pull towards the worker its last turn went to, in blocks of prefill time
     (`CoordinatorConfig.session_affinity_blocks`); 0 disables."""
@@ -149,6 +158,8 @@ class KvmeshWeights:
             "placement_balance",
             "request_balance",
             "decode_tokens",
+            "decode_share",
+            "max_decode_tokens",
             "session_affinity_blocks",
         ):
             if not getattr(self, name) >= 0:
@@ -156,6 +167,12 @@ class KvmeshWeights:
         for name in ("balance_horizon_s", "routed_prefix_ttl_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+    def decode_tokens_for(self, max_tokens: int | None) -> float:
+        """Output tokens over which this request's decode load is priced (see `decode_share`)."""
+        if max_tokens is None:
+            return self.decode_tokens
+        return min(self.decode_share * max_tokens, self.max_decode_tokens)
 
 
 class _Rows(Sequence[WorkerId]):
@@ -200,7 +217,8 @@ class KvmeshPolicy(RoutingPolicy):
                 + ready(w)                 prefill of what w lacks (after a pull, when cheaper)
                 + r * recompute(w)         that recompute again, as work taken from later requests
                 + decode_step(w)           the running batch rides along the prefill
-                + decode_batch(w)          2 * tokens * (step_load(w) - least step_load)
+                + decode_batch(w)          2 * tokens * (step_load(w) - least step_load),
+                                           tokens: a share of the request's max_tokens
                 + memory(w)                ramps up as the prompt's new blocks outgrow w's free ones
                 + p * recent_work(w) * uncached_share(w)
                 + q * recent_requests(w) * min over workers of ready
@@ -347,8 +365,9 @@ class KvmeshPolicy(RoutingPolicy):
         work, requests = self._recent.snapshot_arrays(cols.ids, now)
         running = cols.num_running
         step_ms = cm.decode_fixed_ms + running * cm.decode_per_seq_ms
-        # Decode is paid per token, by this request and by every sequence it joins (see
-        # `KvmeshWeights.decode_tokens`): what a hot prefix's holder's growing batch costs.
+        # Decode is paid per token, by this request and by every sequence it joins, over as many
+        # tokens as its answer asks (`KvmeshWeights.decode_tokens_for`): what a hot prefix's
+        # holder's growing batch costs a long answer, and barely costs a short one.
         step_load: np.ndarray
         if cm.decode_per_kv_token_ms > 0:
             step_load = self._running.tokens_many(cols.ids) * cm.decode_per_kv_token_ms
@@ -357,7 +376,8 @@ class KvmeshPolicy(RoutingPolicy):
         recompute = weights.recompute_weight * options.recompute_ms
         cost = cols.queued_prefill_ms + options.ready_ms + recompute
         cost = cost + np.where(running != 0, step_ms, 0.0)
-        cost = cost + 2.0 * weights.decode_tokens * (step_load - step_load.min())
+        decode_tokens = weights.decode_tokens_for(query.max_tokens)
+        cost = cost + 2.0 * decode_tokens * (step_load - step_load.min())
         # Memory: 0 while the prompt's new blocks fit in w's free blocks; then up to one block's
         # worth of decode steps (running sequences must finish, or be preempted, to make room).
         needed = query.num_prompt_blocks - cols.matched_device_blocks

@@ -208,6 +208,7 @@ class OpenAIFrontend:
                 session_id=params.session_id,
                 worker_id=worker_id,
                 allow_pull=not worker_id,  # a per-worker endpoint is that engine alone
+                max_tokens_known=params.max_tokens is not None,
             )
         except Exception as exc:
             raise self.error_for(exc) from None

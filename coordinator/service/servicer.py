@@ -218,7 +218,11 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
         def run() -> pb.RouteResponse:
             c = self.coordinator
             prompt = self._prepare(request.token_ids, request.prompt, request.cache_salt, request)
-            d = c.route(prompt, request.session_id)
+            if request.max_tokens > c.config.max_tokens_limit:
+                raise InvalidRequest(
+                    f"max_tokens {request.max_tokens} is over the limit {c.config.max_tokens_limit}"
+                )
+            d = c.route(prompt, request.session_id, max_tokens=request.max_tokens or None)
             return pb.RouteResponse(
                 worker_id=d.worker_id,
                 prompt_tokens=len(prompt.token_ids),

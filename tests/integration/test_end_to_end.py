@@ -107,6 +107,12 @@ def test_forced_placement_and_route_and_stats(deployment: Deployment) -> None:
     assert out[0].cache.worker_id == "w1"
     route = stub.Route(pb.RouteRequest(token_ids=PREFIX + [4]))
     assert route.worker_id in ("w0", "w1") and len(route.scores) == 2
+    short = stub.Route(pb.RouteRequest(token_ids=PREFIX + [4], max_tokens=8))
+    assert short.worker_id in ("w0", "w1") and len(short.scores) == 2
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Route(pb.RouteRequest(token_ids=PREFIX + [4], max_tokens=2**31))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "max_tokens" in err.value.details()
     stats = stub.Stats(pb.StatsRequest())
     assert stats.num_live_workers == 2 and stats.redis_connected and stats.num_requests >= 1
     workers = stub.ListWorkers(pb.ListWorkersRequest()).workers

@@ -79,7 +79,7 @@ class FakeKVMesh(pb_grpc.KVMeshServicer):
             worker_id="w1",
             prompt_tokens=len(request.token_ids),
             matched_tokens=32,
-            cost_ms=3.0,
+            cost_ms=3.0 + request.max_tokens,  # echoes max_tokens: the tests see what was sent
             scores=scores,
             policy="kvmesh",
         )
@@ -449,6 +449,15 @@ def test_cli_stats_and_workers_json(address: str, capsys: pytest.CaptureFixture[
     workers = json.loads(out)
     assert code == 0 and isinstance(workers, list) and len(workers) == 2
     assert all(set(w) == {f.name for f in fields(WorkerInfo)} for w in workers)
+
+
+def test_cli_route_sends_max_tokens_only_when_given(
+    address: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for extra, cost_ms in (([], 3.0), (["--max-tokens", "64"], 67.0)):
+        argv = ["route", "--address", address, "--tokens", "1,2", "--json", *extra]
+        code, out, _ = run_cli(capsys, *argv)
+        assert code == 0 and json.loads(out)["cost_ms"] == cost_ms
 
 
 def test_cli_human_output_is_aligned_text(address: str, capsys: pytest.CaptureFixture[str]) -> None:

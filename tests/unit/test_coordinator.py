@@ -136,6 +136,19 @@ def test_a_pull_never_asks_for_the_block_of_the_last_prompt_token() -> None:
     assert request.pull is not None and request.pull.hashes == prompt.block_hashes[:63]
 
 
+def test_the_router_sees_the_callers_max_tokens_and_none_for_a_server_default() -> None:
+    c, _, _, _ = make()
+    seen: list[int | None] = []
+    choose = c.policy.choose
+    c.policy.choose = lambda q, ws: (seen.append(q.max_tokens), choose(q, ws))[1]  # type: ignore[method-assign]
+    prompt = c.prepare(PROMPT[:40], "", "")
+    list(c.generate(prompt, SamplingConfig(max_tokens=3)))
+    list(c.generate(prompt, SamplingConfig(max_tokens=5), max_tokens_known=False))
+    c.route(prompt, max_tokens=7)
+    c.route(prompt)
+    assert seen == [3, None, 7, None]
+
+
 def test_a_stream_whose_worker_dies_continues_on_another() -> None:
     c, backend, _, registry = make()
     backend.die.add("w0")

@@ -172,6 +172,40 @@ def test_a_worker_whose_running_requests_read_more_kv_costs_more_per_token() -> 
     assert _scores(d)["a"] == pytest.approx(_scores(d)["b"])
 
 
+def test_decode_is_priced_over_a_share_of_the_answer_capped_and_default_when_unknown() -> None:
+    w = KvmeshWeights()
+    assert w.decode_tokens_for(None) == w.decode_tokens == 16.0
+    assert w.decode_tokens_for(256) == 16.0  # a typical answer: priced as an unknown one
+    assert w.decode_tokens_for(64) == 4.0  # an agent's action: a quarter of it
+    assert w.decode_tokens_for(640) == 40.0
+    assert w.decode_tokens_for(1 << 20) == w.max_decode_tokens == 64.0
+    with pytest.raises(ValueError, match="decode_share must be >= 0, got -1"):
+        KvmeshWeights(decode_share=-1)
+    with pytest.raises(ValueError, match="max_tokens must be >= 1 or None, got 0"):
+        RouteQuery("r", hashes(1), 20, 16, max_tokens=0)
+
+
+@pytest.mark.parametrize(("max_tokens", "lands_on"), [(24, "a"), (None, "a"), (640, "b")])
+def test_a_short_answer_stays_with_its_cache_where_a_long_one_moves_off_a_busy_batch(
+    max_tokens: int | None, lands_on: str
+) -> None:
+    p = KvmeshPolicy(KV_CM, random.Random(0), Clock(), DECODE_ONLY)
+    for i in range(2):  # 20,000 tokens of running context on a: 2 ms more KV per step than b
+        p.choose(RouteQuery(f"long{i}", hashes(500 + i), 10_000, 16), [view("a")])
+    prefix = hashes(*range(1, 129))  # 2,048 tokens, held by a only
+    q = RouteQuery("q", [*prefix, BlockHash(999)], 16 * 129 + 5, 16, max_tokens=max_tokens)
+    d = p.choose(q, [view("a", matched=128), view("b")])
+    # b saves nothing and recomputes the prefix (counted twice, ~83 ms); a's batch costs
+    # 2 x tokens x 2 ms: 6 ms over 1.5 tokens (24 x 1/16), 64 ms over 16 (unknown), 160 over 40.
+    assert d.worker_id == lands_on
+    tokens = DECODE_ONLY.decode_tokens_for(max_tokens)
+    saving = (1 + DECODE_ONLY.recompute_weight) * (
+        KV_CM.prefill_ms(q.prompt_len) - KV_CM.prefill_ms(q.prompt_len - 2048, 2048)
+    )
+    gap = _scores(d)["a"] - _scores(d)["b"]
+    assert gap == pytest.approx(2 * tokens * 1e-4 * 20_000 - saving)
+
+
 def test_without_a_kv_price_the_batch_size_prices_decode() -> None:
     p = KvmeshPolicy(CM, random.Random(0), Clock(), DECODE_ONLY)
     busy = WorkerView(WorkerId("a"), 1000, 1000, 0.0, 0, 3, 0, 0)  # 3 running

@@ -99,6 +99,19 @@ def test_chat_is_routed_by_the_templated_tokens() -> None:
     assert sent == "<|system|>\nS\n<|user|>\nU\n<|assistant|>\n"
 
 
+def test_the_router_gets_the_clients_max_tokens_and_none_when_the_server_chose_it() -> None:
+    fe, _ = frontend("ok")
+    seen: list[int | None] = []
+    policy = fe.coordinator.policy
+    choose = policy.choose
+    policy.choose = lambda q, ws: (seen.append(q.max_tokens), choose(q, ws))[1]  # type: ignore[method-assign]
+    messages = [{"role": "user", "content": "hi"}]
+    fe.chat({"model": "tiny-random", "messages": messages, "max_tokens": 7})
+    fe.chat({"model": "tiny-random", "messages": messages})  # the rest of the context
+    fe.completion({"model": "tiny-random", "prompt": "x"})  # completions' default of 16
+    assert seen == [7, None, 16]
+
+
 def test_streamed_chat_chunks_carry_role_text_finish_facts_and_usage() -> None:
     fe, _ = frontend("abc", cached_tokens=0)
     chunks = fe.chat(

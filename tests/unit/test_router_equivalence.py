@@ -3,8 +3,9 @@
 `KvmeshPolicy` prices every worker at once over `WorkerColumns`; `KvmeshReferencePolicy` prices
 one `WorkerView` at a time, as the router did before. Both are driven through the same long,
 random sequence of routes (sessions, routed prefixes, pulls, memory pressure, calibrated decode,
-requests finishing, workers leaving, time passing), each fed the other's state changes only
-through its own decisions; any term that drifts between them changes a decision or a cost.
+answers of unknown, short and long length, requests finishing, workers leaving, time passing),
+each fed the other's state changes only through its own decisions; any term that drifts between
+them changes a decision or a cost.
 """
 
 from __future__ import annotations
@@ -100,7 +101,8 @@ def test_vectorised_policy_decides_as_the_scalar_reference(
         chain = rng.choice(families)[: rng.randrange(1, 41)]
         prompt_len = len(chain) * BS + rng.randrange(BS)
         session = rng.choice(["", "", "s1", "s2", f"s{step}"])
-        query = RouteQuery(f"r{step}", chain, prompt_len, BS, session)
+        max_tokens = rng.choice([None, rng.randrange(1, 64), rng.randrange(64, 4096)])
+        query = RouteQuery(f"r{step}", chain, prompt_len, BS, session, max_tokens)
         views = _fleet(rng, num_workers, len(chain))
         if rng.random() < 0.2:  # every worker alike: the tie-break must draw the same
             views = [views[0]._replace(worker_id=v.worker_id) for v in views]
