@@ -177,3 +177,24 @@ def test_random_events_keep_the_mirror_equal_to_a_plain_model() -> None:
         assert m.num_worker_blocks(w) == len(model[w])
     assert m.num_blocks == len(set().union(*model.values()))
     m.check_invariants()
+
+
+def _same_home_slot(num_hashes: int) -> list[BlockHash]:
+    """Hashes whose product with the index's multiplier differs only in the low bits, so all
+    of them start probing at the same slot, whatever the table's size."""
+    inverse = pow(0x9E3779B97F4A7C15, -1, 1 << 64)
+    return [BlockHash(inverse * ((0x5A5A << 48) + j) % (1 << 64)) for j in range(num_hashes)]
+
+
+def test_lookup_finds_blocks_far_from_their_home_slot() -> None:
+    crowded = _same_home_slot(60)
+    held, absent = crowded[:50], crowded[50:]
+    m = loaded_mirror()
+    m.apply(batch("w0", 1, BlockStored(tuple(held))))
+    m.apply(batch("w1", 1, BlockStored(tuple(H))))
+    m.check_invariants()  # merges: the crowded run now lives in the index, 50 slots long
+    assert m.match(held) == {W0: PrefixMatch(50, 50)}
+    assert m.indexed([*held[::-1], *absent, *H]) == [True] * 50 + [False] * 10 + [True] * 10
+    m.apply(batch("w1", 2, BlockStored(tuple(held[:3]))))  # in the delta until the next merge
+    assert m.match(held) == {W0: PrefixMatch(50, 50), W1: PrefixMatch(3, 3)}
+    m.check_invariants()
