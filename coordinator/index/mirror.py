@@ -50,7 +50,10 @@ class _WorkerCursor:
 
 _NOBODY = 0  # the holder set of a block nobody holds
 _MIN_DELTA = 4096
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: spreads any key pattern over slots
+_GOLDEN_INT = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads any key pattern over slots
+_GOLDEN = np.uint64(_GOLDEN_INT)
+_U64 = (1 << 64) - 1
+_FEW_HASHES = 24  # chains up to this long are looked up one hash at a time (`_lookup_few`)
 _FILTER_SLOTS_PER_ENTRY = 8  # delta filter slots per delta entry: <= 1/8 false positives
 _WINDOW_SLOTS = 8  # slots after the home slot that `_find` probes at once
 _WINDOW_STEPS = np.arange(1, _WINDOW_SLOTS + 1, dtype=np.uint64)
@@ -227,8 +230,8 @@ class IndexMirror:
         """Per worker, how many leading blocks of `hashes` it holds (workers with none omitted)."""
         if not hashes:
             return {}
-        sets = self._lookup(hashes)
-        first = int(sets[0])
+        starts, run_sets = self._runs(hashes)
+        first = run_sets[0]
         if not first:
             return {}
         set_any, set_device = self._set_any, self._set_device
@@ -236,10 +239,8 @@ class IndexMirror:
         on_device = active
         num_blocks: dict[int, int] = {}
         num_device: dict[int, int] = {}
-        # Only where the holder set changes can a worker's run end (or the chain's, at a 0).
-        starts = np.flatnonzero(sets[1:] != sets[:-1]) + 1
         i = 0
-        for i, s in zip([0, *starts.tolist()], [first, *sets[starts].tolist()], strict=True):  # noqa: B007 - i is read after the loop
+        for i, s in zip(starts, run_sets, strict=True):  # noqa: B007 - i is read after the loop
             held = active & set_any[s]
             if held != active:
                 self._record(active ^ held, i, num_blocks)
@@ -257,6 +258,17 @@ class IndexMirror:
         worker_of_bit, device_get = self._worker_of_bit, num_device.get
         return {worker_of_bit[b]: PrefixMatch(n, device_get(b, 0)) for b, n in num_blocks.items()}
 
+    def _runs(self, hashes: Sequence[BlockHash]) -> tuple[list[int], list[int]]:
+        """Where the chain's holder set changes, and to what: (first positions of the runs of
+        one holder set, their sets). Only there can a worker's prefix end."""
+        if len(hashes) <= _FEW_HASHES:
+            sets = self._lookup_few(hashes)
+            starts = [i for i in range(len(sets)) if not i or sets[i] != sets[i - 1]]
+            return starts, [sets[i] for i in starts]
+        array = self._lookup(hashes)
+        at = np.flatnonzero(array[1:] != array[:-1]) + 1
+        return [0, *at.tolist()], [int(array[0]), *array[at].tolist()]
+
     @staticmethod
     def _record(mask: int, length: int, out: dict[int, int]) -> None:
         if not mask & (mask - 1):  # one worker (or none): most runs end one worker at a time
@@ -272,6 +284,8 @@ class IndexMirror:
 
     def _lookup(self, hashes: Sequence[BlockHash]) -> np.ndarray:
         """The current holder set of each hash (0: nobody), as an int64 array."""
+        if len(hashes) <= _FEW_HASHES:
+            return np.array(self._lookup_few(hashes), dtype=np.int64)
         wanted = np.fromiter(hashes, np.uint64, len(hashes))
         sets = self._merged_sets(wanted)
         delta = self._delta
@@ -285,6 +299,32 @@ class IndexMirror:
                     if s is not None:
                         sets[i] = s
         return sets
+
+    def _lookup_few(self, hashes: Sequence[BlockHash]) -> list[int]:
+        """`_lookup` one hash at a time, in Python ints: for a short chain, cheaper than the
+        fixed cost of the vector rounds (the same slots probed in the same order)."""
+        in_delta, rows = self._delta.get, self._rows_few(hashes)
+        set_of_row = self._sets.item
+        sets = []
+        for h, row in zip(hashes, rows, strict=True):
+            s = in_delta(h)
+            sets.append(s if s is not None else set_of_row(row) if row >= 0 else _NOBODY)
+        return sets
+
+    def _rows_few(self, hashes: Sequence[BlockHash]) -> list[int]:
+        """Row of each hash in the arrays, -1 where absent, probing slot by slot."""
+        if not len(self._keys):
+            return [-1] * len(hashes)
+        row_at, key_at = self._index.item, self._keys.item
+        bits = self._index_bits
+        shift, mask = 64 - bits, (1 << bits) - 1
+        rows = []
+        for h in hashes:
+            slot = (h * _GOLDEN_INT & _U64) >> shift  # `_home_slots`, in Python ints
+            while (row := row_at(slot)) >= 0 and key_at(row) != h:
+                slot = (slot + 1) & mask
+            rows.append(row)
+        return rows
 
     def _merged_sets(self, wanted: np.ndarray) -> np.ndarray:
         """The holder set of each wanted hash in the arrays (the delta not read), as int64."""

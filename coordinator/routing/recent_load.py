@@ -45,7 +45,7 @@ class RecentLoad:
         self._num_requests = np.zeros(0)
         self._at_s = np.zeros(0)
         # The row index of the last fleet asked for (the live fleet rarely changes).
-        self._rows_for: tuple[tuple[WorkerId, ...], np.ndarray] | None = None
+        self._rows_for: tuple[tuple[WorkerId, ...], np.ndarray, np.ndarray | None] | None = None
 
     def _stored(self, worker: WorkerId) -> _Sums | None:
         slot = self._slot_of.get(worker)
@@ -93,23 +93,30 @@ class RecentLoad:
         n = len(workers)
         if not self._slot_of:
             return np.zeros(n), np.zeros(n)
-        rows = self._rows(tuple(workers))
-        known = rows >= 0
-        safe = np.where(known, rows, 0)
-        at = self._at_s[safe]
-        f = np.where(now_s > at, np.exp((at - now_s) / self.horizon_s), 1.0)
-        work = np.where(known, self._work_ms[safe] * f, 0.0)
-        requests = np.where(known, self._num_requests[safe] * f, 0.0)
+        rows, unknown = self._rows(tuple(workers))
+        at = self._at_s[rows]
+        # min(at - now, 0): the factor is 1 for a sum stored at (or, with a clock that went
+        # back, after) now, as `snapshot` has it; the same floats as a `where` on `now > at`.
+        f = np.exp(np.minimum(at - now_s, 0.0) / self.horizon_s)
+        work = self._work_ms[rows] * f
+        requests = self._num_requests[rows] * f
+        if unknown is not None:
+            work[unknown] = 0.0
+            requests[unknown] = 0.0
         return work, requests
 
-    def _rows(self, workers: tuple[WorkerId, ...]) -> np.ndarray:
+    def _rows(self, workers: tuple[WorkerId, ...]) -> tuple[np.ndarray, np.ndarray | None]:
+        """Each worker's row (0 for one without: read, then zeroed) and where those are (None:
+        every worker has one); cached for the last fleet asked about."""
         cached = self._rows_for
-        if cached is not None and cached[0] == workers:
-            return cached[1]
+        if cached is not None and (cached[0] is workers or cached[0] == workers):
+            return cached[1], cached[2]
         slot_of = self._slot_of
         rows = np.fromiter((slot_of.get(w, -1) for w in workers), np.int64, len(workers))
-        self._rows_for = (workers, rows)
-        return rows
+        unknown = np.flatnonzero(rows < 0)
+        rows[unknown] = 0
+        self._rows_for = (workers, rows, unknown if len(unknown) else None)
+        return self._rows_for[1], self._rows_for[2]
 
     def add(self, worker: WorkerId, work_ms: float, now_s: float) -> None:
         """One request routed to `worker`, predicted to cost `work_ms` there."""

@@ -168,6 +168,8 @@ def test_random_events_keep_the_mirror_equal_to_a_plain_model() -> None:
             )
         probe = rng.choice(chains)
         assert m.match(probe) == _expected_match(model, probe)
+        short = probe[: rng.randrange(1, 30)]  # short chains are looked up one hash at a time
+        assert m.match(short) == _expected_match(model, short)
     victim = workers[3]
     assert m.remove_worker(victim) == len(model.pop(victim))
     unlink_unheld()
@@ -195,6 +197,7 @@ def test_lookup_finds_blocks_far_from_their_home_slot() -> None:
     m.check_invariants()  # merges: the crowded run now lives in the index, 50 slots long
     assert m.match(held) == {W0: PrefixMatch(50, 50)}
     assert m.indexed([*held[::-1], *absent, *H]) == [True] * 50 + [False] * 10 + [True] * 10
+    assert m.indexed([*held[45:], *absent[:5]]) == [True] * 5 + [False] * 5  # one at a time
     m.apply(batch("w1", 2, BlockStored(tuple(held[:3]))))  # in the delta until the next merge
     assert m.match(held) == {W0: PrefixMatch(50, 50), W1: PrefixMatch(3, 3)}
     m.check_invariants()
