@@ -53,7 +53,7 @@ _MIN_DELTA = 4096
 _GOLDEN_INT = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads any key pattern over slots
 _GOLDEN = np.uint64(_GOLDEN_INT)
 _U64 = (1 << 64) - 1
-_FEW_HASHES = 24  # chains up to this long are looked up one hash at a time (`_lookup_few`)
+_FEW_HASHES = 40  # chains up to this long are looked up one hash at a time (`_lookup_few`)
 _FILTER_SLOTS_PER_ENTRY = 8  # delta filter slots per delta entry: <= 1/8 false positives
 _WINDOW_SLOTS = 8  # slots after the home slot that `_find` probes at once
 _WINDOW_STEPS = np.arange(1, _WINDOW_SLOTS + 1, dtype=np.uint64)

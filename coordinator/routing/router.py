@@ -280,7 +280,7 @@ class KvmeshPolicy(RoutingPolicy):
     def _lowest(self, costs: np.ndarray) -> int:
         """The row of the lowest cost; ties (within `_TIE_EPSILON_MS`) broken by the rng, drawing
         as `RoutingPolicy._pick_lowest` does."""
-        tied = np.flatnonzero(costs <= costs.min() + _TIE_EPSILON_MS)
+        tied = np.flatnonzero(costs <= costs[costs.argmin()] + _TIE_EPSILON_MS)
         return int(tied[0]) if len(tied) == 1 else int(self.rng.choice(tied.tolist()))
 
     def _prefill_options(
@@ -306,6 +306,8 @@ class KvmeshPolicy(RoutingPolicy):
         with_pull = link + cm.prefill_ms(n - pulled_cached, pulled_cached)
         wins = with_pull < recompute[candidates]
         rows = candidates[wins]
+        if not len(rows):
+            return _PrefillOptions(recompute, recompute)
         pulled = np.zeros(len(cols), dtype=bool)
         pulled[rows] = True
         link_ms = np.zeros(len(cols))
@@ -368,9 +370,13 @@ class KvmeshPolicy(RoutingPolicy):
             cost = cost + np.where(short, shortfall * step_ms * bs, 0.0)
         cached = np.minimum(matched, num_reusable_blocks(n, bs)) * bs
         uncached_share = 1.0 - cached / n
-        cost = cost + weights.placement_balance * (work - work.min()) * uncached_share
-        cheapest_ready = options.ready_ms.min()
-        cost = cost + weights.request_balance * (requests - requests.min()) * cheapest_ready
+        # (x[x.argmin()] is x.min(), without the Python wrapper the method goes through)
+        cost = cost + weights.placement_balance * (work - work[work.argmin()]) * uncached_share
+        cheapest_ready = options.ready_ms[options.ready_ms.argmin()]
+        cost = (
+            cost
+            + weights.request_balance * (requests - requests[requests.argmin()]) * cheapest_ready
+        )
         sticky = self._sessions.get(query.session_id)
         row = cols.index_of.get(sticky) if sticky is not None else None
         if row is not None:
