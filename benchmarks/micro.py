@@ -109,11 +109,7 @@ def bench_router(
         hashes = families[i % len(families)]
         queued_ms = np_rng.random(num_workers) * 50
         t = time.perf_counter()
-        matches = mirror.match(hashes)
-        matched = np.zeros(num_workers, dtype=np.int64)
-        device = np.zeros(num_workers, dtype=np.int64)
-        for w, m in matches.items():
-            matched[index_of[w]], device[index_of[w]] = m.num_blocks, m.num_device_blocks
+        matched, device, _ = mirror.match_fleet(hashes, index_of, num_workers)
         cols = WorkerColumns(
             workers, capacity, free, queued_ms, queued_tokens, running, matched, device, index_of
         )

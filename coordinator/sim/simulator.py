@@ -23,7 +23,7 @@ import dataclasses
 import heapq
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -33,7 +33,7 @@ from kvmesh.coordinator.cluster.registry import WorkerRegistry
 from kvmesh.coordinator.config import CoordinatorConfig
 from kvmesh.coordinator.coordinator import Coordinator, PreparedPrompt, StreamEvent
 from kvmesh.coordinator.index.locked_mirror import LockedMirror
-from kvmesh.coordinator.index.mirror import ApplyResult, PrefixMatch, WorkerId
+from kvmesh.coordinator.index.mirror import ApplyResult, FleetMatch, PrefixMatch, WorkerId
 from kvmesh.coordinator.routing.load_tracker import LoadTracker, ReportedLoad
 from kvmesh.coordinator.routing.router import POLICIES, RoutingPolicy
 from kvmesh.coordinator.sim.backend import SimBackend
@@ -249,6 +249,14 @@ class SharedPoolIndex:
     def match(self, hashes: Sequence[BlockHash]) -> dict[WorkerId, PrefixMatch]:
         held = len(self.pool.match_prefix(hashes))
         return dict.fromkeys(self.workers, PrefixMatch(held, held)) if held else {}
+
+    def match_fleet(
+        self, hashes: Sequence[BlockHash], row_of: Mapping[WorkerId, int], num_rows: int
+    ) -> FleetMatch:
+        held = len(self.pool.match_prefix(hashes))
+        num_blocks = np.zeros(num_rows, dtype=np.int64)
+        num_blocks[[row_of[w] for w in self.workers if w in row_of]] = held
+        return FleetMatch(num_blocks, num_blocks.copy(), held)
 
     def num_worker_blocks(self, worker: WorkerId) -> int:
         return self.pool.num_cached
