@@ -65,9 +65,6 @@ _MIN_DELTA = 4096
 _GOLDEN_INT = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads any key pattern over slots
 _GOLDEN = np.uint64(_GOLDEN_INT)
 _U64 = (1 << 64) - 1
-_U64_BITS_END = 1 << 64  # a worker bit below this fits a uint64 mask
-_BIT_POSITIONS = np.arange(64, dtype=np.uint64)
-_U64_ZERO, _U64_ONE = np.uint64(0), np.uint64(1)
 _FEW_HASHES = 40  # chains up to this long are looked up one hash at a time (`_lookup_few`)
 _FILTER_SLOTS_PER_ENTRY = 8  # delta filter slots per delta entry: <= 1/8 false positives
 _WINDOW_SLOTS = 8  # slots after the home slot that `_find` probes at once
@@ -122,13 +119,6 @@ class IndexMirror:
         self._set_device: list[int] = [0]
         self._set_refs: list[int] = [0]
         self._set_id: dict[tuple[int, int], int] = {(0, 0): _NOBODY}
-        # The same masks as uint64, while every worker's bit fits in 64 (`_masks_fit`): then
-        # `match_fleet` walks a chain's runs with array operations instead of Python ints.
-        self._set_any_u64 = np.zeros(64, dtype=np.uint64)
-        self._set_device_u64 = np.zeros(64, dtype=np.uint64)
-        self._masks_fit = True
-        self._num_bit_changes = 0
-        self._bit_rows: tuple[Mapping[WorkerId, int], int, np.ndarray] | None = None
         self._free_set_ids: list[int] = []
         self._num_blocks = 0
         self._num_blocks_of: dict[WorkerId, int] = {}
@@ -235,7 +225,6 @@ class IndexMirror:
         bit = self._bit_of.pop(worker, 0)
         if bit:
             del self._worker_of_bit[bit]
-            self._num_bit_changes += 1
         self._cursors.pop(worker, None)
         self._num_blocks_of.pop(worker, None)
         return orphaned
@@ -272,14 +261,16 @@ class IndexMirror:
         starts, run_sets = self._runs(hashes)
         if not run_sets[0]:
             return FleetMatch(num_blocks, num_device, 0)
-        if self._masks_fit:
-            return self._walk_u64(starts, run_sets, len(hashes), row_of, num_rows)
         by_bit, device_by_bit = self._walk(starts, run_sets, len(hashes))
-        worker_of_bit = self._worker_of_bit
+        worker_of_bit, device_get = self._worker_of_bit, device_by_bit.get
+        rows, held, held_device = [], [], []
         for b, n in by_bit.items():
             row = row_of.get(worker_of_bit[b])
             if row is not None:
-                num_blocks[row], num_device[row] = n, device_by_bit.get(b, 0)
+                rows.append(row)
+                held.append(n)
+                held_device.append(device_get(b, 0))
+        num_blocks[rows], num_device[rows] = held, held_device
         return FleetMatch(num_blocks, num_device, max(by_bit.values(), default=0))
 
     def _walk(
@@ -309,50 +300,6 @@ class IndexMirror:
         self._record(active, i, num_blocks)
         self._record(on_device, i, num_device)
         return num_blocks, num_device
-
-    def _walk_u64(
-        self,
-        starts: list[int],
-        run_sets: list[int],
-        length: int,
-        row_of: Mapping[WorkerId, int],
-        num_rows: int,
-    ) -> FleetMatch:
-        """`_walk` for masks of 64 bits, with array operations: a worker's prefix ends at the
-        first run whose running AND of holder masks lacks its bit (the appended 0 run stands
-        for the chain's end):
-
-            run          0      1      2     end
-            AND so far   0b111  0b101  0b001  0
-            bit 1 ends          ^ starts[1]
-        """
-        ids = np.array(run_sets, dtype=np.int64)
-        ends = np.array([*starts, length], dtype=np.int64)
-        held = np.append(np.bitwise_and.accumulate(self._set_any_u64[ids]), _U64_ZERO)
-        held_dev = np.append(np.bitwise_and.accumulate(self._set_device_u64[ids]), _U64_ZERO)
-        first_lost = ((held[:, None] >> _BIT_POSITIONS) & _U64_ONE == 0).argmax(axis=0)
-        first_lost_dev = ((held_dev[:, None] >> _BIT_POSITIONS) & _U64_ONE == 0).argmax(axis=0)
-        holders = np.flatnonzero((held[0] >> _BIT_POSITIONS) & _U64_ONE)
-        num_held = ends[first_lost[holders]]
-        rows = self._rows_of_bits(row_of)[holders]
-        in_fleet = rows >= 0
-        num_blocks = np.zeros(num_rows, dtype=np.int64)
-        num_device = np.zeros(num_rows, dtype=np.int64)
-        num_blocks[rows[in_fleet]] = num_held[in_fleet]
-        num_device[rows[in_fleet]] = ends[first_lost_dev[holders[in_fleet]]]
-        return FleetMatch(num_blocks, num_device, int(num_held.max()))
-
-    def _rows_of_bits(self, row_of: Mapping[WorkerId, int]) -> np.ndarray:
-        """The fleet row of the worker with bit 1 << p, for p < 64 (-1: none, or not in the
-        fleet); kept while the fleet and the bits stay the same."""
-        cached = self._bit_rows
-        if cached is None or cached[0] is not row_of or cached[1] != self._num_bit_changes:
-            worker_of_bit = self._worker_of_bit
-            rows = [-1] * 64
-            for bit, worker in worker_of_bit.items():
-                rows[bit.bit_length() - 1] = row_of.get(worker, -1)
-            cached = self._bit_rows = (row_of, self._num_bit_changes, np.array(rows))
-        return cached[2]
 
     def _runs(self, hashes: Sequence[BlockHash]) -> tuple[list[int], list[int]]:
         """Where the chain's holder set changes, and to what: (first positions of the runs of
@@ -523,18 +470,7 @@ class IndexMirror:
                 self._set_device.append(device_mask)
                 self._set_refs.append(0)
             self._set_id[key] = s
-            if self._masks_fit:
-                self._set_u64(s, any_mask, device_mask)
         return s
-
-    def _set_u64(self, s: int, any_mask: int, device_mask: int) -> None:
-        if s >= len(self._set_any_u64):
-            for name in ("_set_any_u64", "_set_device_u64"):
-                grown = np.zeros(2 * s, dtype=np.uint64)
-                old = getattr(self, name)
-                grown[: len(old)] = old
-                setattr(self, name, grown)
-        self._set_any_u64[s], self._set_device_u64[s] = any_mask, device_mask
 
     def _move(self, h: BlockHash, old: int, new: int) -> None:
         """Block `h` goes from holder set `old` to `new` (refs, the block count, the delta)."""
@@ -564,8 +500,6 @@ class IndexMirror:
             bit = ~used & (used + 1)  # lowest free bit
             self._bit_of[worker] = bit
             self._worker_of_bit[bit] = worker
-            self._num_bit_changes += 1
-            self._masks_fit = self._masks_fit and bit < _U64_BITS_END
         return bit
 
     def _add(self, worker: WorkerId, hashes: Sequence[BlockHash], tier: int) -> None:

@@ -199,7 +199,7 @@ def _assert_fleet_match_is_match(
 
 
 def test_fleet_match_is_match_past_64_workers() -> None:
-    """Up to 64 workers a fleet's match is walked as uint64 masks; past that, as Python ints."""
+    """Worker bits past the 64th (masks of several machine words) give the same fleet match."""
     import random
 
     rng = random.Random(3)
