@@ -345,29 +345,24 @@ class IndexMirror:
 
     def _lookup_few(self, hashes: Sequence[BlockHash]) -> list[int]:
         """`_lookup` one hash at a time, in Python ints: for a short chain, cheaper than the
-        fixed cost of the vector rounds (the same slots probed in the same order)."""
-        in_delta, rows = self._delta.get, self._rows_few(hashes)
-        set_of_row = self._sets.item
-        sets = []
-        for h, row in zip(hashes, rows, strict=True):
-            s = in_delta(h)
-            sets.append(s if s is not None else set_of_row(row) if row >= 0 else _NOBODY)
-        return sets
-
-    def _rows_few(self, hashes: Sequence[BlockHash]) -> list[int]:
-        """Row of each hash in the arrays, -1 where absent, probing slot by slot."""
+        fixed cost of the vector rounds (the same slots probed in the same order; a hash in
+        the delta is not probed at all)."""
+        in_delta = self._delta.get
         if not len(self._keys):
-            return [-1] * len(hashes)
-        row_at, key_at = self._index.item, self._keys.item
+            return [in_delta(h, _NOBODY) for h in hashes]
+        row_at, key_at, set_of_row = self._index.item, self._keys.item, self._sets.item
         bits = self._index_bits
         shift, mask = 64 - bits, (1 << bits) - 1
-        rows = []
+        sets = []
         for h in hashes:
-            slot = (h * _GOLDEN_INT & _U64) >> shift  # `_home_slots`, in Python ints
-            while (row := row_at(slot)) >= 0 and key_at(row) != h:
-                slot = (slot + 1) & mask
-            rows.append(row)
-        return rows
+            s = in_delta(h)
+            if s is None:
+                slot = (h * _GOLDEN_INT & _U64) >> shift  # `_home_slots`, in Python ints
+                while (row := row_at(slot)) >= 0 and key_at(row) != h:
+                    slot = (slot + 1) & mask
+                s = set_of_row(row) if row >= 0 else _NOBODY
+            sets.append(s)
+        return sets
 
     def _merged_sets(self, wanted: np.ndarray) -> np.ndarray:
         """The holder set of each wanted hash in the arrays (the delta not read), as int64."""
