@@ -31,8 +31,9 @@ class RecentLoad:
     """Decayed per-worker sums of routed work (ms) and routed requests.
 
     Invariant: every stored sum is >= 0 and was last decayed to its `at_s`. Each worker with a
-    sum owns a row of three arrays (`_slot_of`), so the router reads a whole fleet's sums with
-    one gather (`snapshot_arrays`) instead of a lookup per worker.
+    sum, or of a fleet read, owns a row of three arrays (`_slot_of`; sums of 0 read as none), so
+    the router reads a whole fleet's sums with one gather (`snapshot_arrays`) instead of a
+    lookup per worker.
     """
 
     def __init__(self, horizon_s: float = 10.0) -> None:
@@ -45,7 +46,7 @@ class RecentLoad:
         self._num_requests = np.zeros(0)
         self._at_s = np.zeros(0)
         # The row index of the last fleet asked for (the live fleet rarely changes).
-        self._rows_for: tuple[tuple[WorkerId, ...], np.ndarray, np.ndarray | None] | None = None
+        self._rows_for: tuple[tuple[WorkerId, ...], np.ndarray] | None = None
 
     def _stored(self, worker: WorkerId) -> _Sums | None:
         slot = self._slot_of.get(worker)
@@ -93,41 +94,36 @@ class RecentLoad:
         n = len(workers)
         if not self._slot_of:
             return np.zeros(n), np.zeros(n)
-        rows, unknown = self._rows(tuple(workers))
+        rows = self._rows(tuple(workers))
         at = self._at_s[rows]
         # min(at - now, 0): the factor is 1 for a sum stored at (or, with a clock that went
         # back, after) now, as `snapshot` has it; the same floats as a `where` on `now > at`.
         f = np.exp(np.minimum(at - now_s, 0.0) / self.horizon_s)
-        work = self._work_ms[rows] * f
-        requests = self._num_requests[rows] * f
-        if unknown is not None:
-            work[unknown] = 0.0
-            requests[unknown] = 0.0
-        return work, requests
+        return self._work_ms[rows] * f, self._num_requests[rows] * f
 
-    def _rows(self, workers: tuple[WorkerId, ...]) -> tuple[np.ndarray, np.ndarray | None]:
-        """Each worker's row (0 for one without: read, then zeroed) and where those are (None:
-        every worker has one); cached for the last fleet asked about."""
+    def _rows(self, workers: tuple[WorkerId, ...]) -> np.ndarray:
+        """Each worker's row, made (sums of 0, which read as no sums) for those without one,
+        so that routing to a worker of the fleet keeps this cached for the last fleet."""
         cached = self._rows_for
         if cached is not None and (cached[0] is workers or cached[0] == workers):
-            return cached[1], cached[2]
-        slot_of = self._slot_of
-        rows = np.fromiter((slot_of.get(w, -1) for w in workers), np.int64, len(workers))
-        unknown = np.flatnonzero(rows < 0)
-        rows[unknown] = 0
-        self._rows_for = (workers, rows, unknown if len(unknown) else None)
-        return self._rows_for[1], self._rows_for[2]
+            return cached[1]
+        rows = np.fromiter((self._slot(w) for w in workers), np.int64, len(workers))
+        self._rows_for = (workers, rows)
+        return rows
+
+    def _slot(self, worker: WorkerId) -> int:
+        slot = self._slot_of.get(worker)
+        if slot is None:
+            slot = self._slot_of[worker] = self._new_slot()
+            self._work_ms[slot] = self._num_requests[slot] = self._at_s[slot] = 0.0
+        return slot
 
     def add(self, worker: WorkerId, work_ms: float, now_s: float) -> None:
         """One request routed to `worker`, predicted to cost `work_ms` there."""
         if work_ms < 0:
             raise ValueError(f"work_ms must be >= 0, got {work_ms}")
         s = self._decayed(worker, now_s)
-        slot = self._slot_of.get(worker)
-        if slot is None:
-            slot = self._new_slot()
-            self._slot_of[worker] = slot
-            self._rows_for = None
+        slot = self._slot(worker)  # a new row leaves the cached fleet's rows valid
         self._work_ms[slot] = s.work_ms + work_ms
         self._num_requests[slot] = s.num_requests + 1.0
         self._at_s[slot] = now_s
