@@ -294,8 +294,8 @@ class KvmeshPolicy(RoutingPolicy):
         if peer < 0 or device[peer] <= 0:
             return _PrefillOptions(recompute, recompute)
         num_blocks = int(device[peer])
+        # Never the peer itself: its match (any tier) is at least its device match.
         candidates = np.flatnonzero(num_blocks > matched)
-        candidates = candidates[candidates != peer]
         if not len(candidates):
             return _PrefillOptions(recompute, recompute)
         moved_tokens = (num_blocks - matched[candidates]) * bs
