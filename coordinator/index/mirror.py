@@ -271,7 +271,10 @@ class IndexMirror:
                 rows.append(row)
                 held.append(n)
                 held_device.append(device_get(b, 0))
-        num_blocks[rows], num_device[rows] = held, held_device
+        if len(rows) > 1:
+            num_blocks[rows], num_device[rows] = held, held_device
+        elif rows:  # one holder, the common case in a large fleet: no list-to-array conversions
+            num_blocks[rows[0]], num_device[rows[0]] = held[0], held_device[0]
         return FleetMatch(num_blocks, num_device, max(by_bit.values(), default=0))
 
     def _walk(
