@@ -122,10 +122,14 @@ class RecentLoad:
         """One request routed to `worker`, predicted to cost `work_ms` there."""
         if work_ms < 0:
             raise ValueError(f"work_ms must be >= 0, got {work_ms}")
-        s = self._decayed(worker, now_s)
         slot = self._slot(worker)  # a new row leaves the cached fleet's rows valid
-        self._work_ms[slot] = s.work_ms + work_ms
-        self._num_requests[slot] = s.num_requests + 1.0
+        work, num_requests = self._work_ms.item(slot), self._num_requests.item(slot)
+        at_s = self._at_s.item(slot)
+        if now_s > at_s:  # `_decayed`, on the row's numbers
+            f = math.exp(-(now_s - at_s) / self.horizon_s)
+            work, num_requests = work * f, num_requests * f
+        self._work_ms[slot] = work + work_ms
+        self._num_requests[slot] = num_requests + 1.0
         self._at_s[slot] = now_s
 
     def _new_slot(self) -> int:

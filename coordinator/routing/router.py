@@ -185,6 +185,8 @@ class _PrefillOptions(NamedTuple):
     """Transfer + prefill of the cheaper option."""
     recompute_ms: np.ndarray
     """The prefill part of it."""
+    cached_tokens: np.ndarray
+    """Prompt tokens the worker holds (reusable: the last one is always computed)."""
     pulled: np.ndarray | None = None
     """True where pulling from `peer` first is the cheaper option (None: no row pulls)."""
     link_ms: np.ndarray | None = None
@@ -292,12 +294,12 @@ class KvmeshPolicy(RoutingPolicy):
         device = cols.matched_device_blocks
         peer = int(np.argmax(device)) if self.transfer_ms is not None else -1
         if peer < 0 or device[peer] <= 0:
-            return _PrefillOptions(recompute, recompute)
+            return _PrefillOptions(recompute, recompute, cached)
         num_blocks = int(device[peer])
         # Never the peer itself: its match (any tier) is at least its device match.
         candidates = np.flatnonzero(num_blocks > matched)
         if not len(candidates):
-            return _PrefillOptions(recompute, recompute)
+            return _PrefillOptions(recompute, recompute, cached)
         moved_tokens = (num_blocks - matched[candidates]) * bs
         link = self._transfer_ms_many(cols.ids[peer], cols.ids, candidates, moved_tokens)
         pulled_cached = num_reusable_tokens(n, num_blocks, bs)
@@ -305,14 +307,14 @@ class KvmeshPolicy(RoutingPolicy):
         wins = with_pull < recompute[candidates]
         rows = candidates[wins]
         if not len(rows):
-            return _PrefillOptions(recompute, recompute)
+            return _PrefillOptions(recompute, recompute, cached)
         pulled = np.zeros(len(cols), dtype=bool)
         pulled[rows] = True
         link_ms = np.zeros(len(cols))
         link_ms[rows] = link[wins]
         ready = recompute.copy()
         ready[rows] = with_pull[wins]
-        return _PrefillOptions(ready, ready - link_ms, pulled, link_ms, peer)
+        return _PrefillOptions(ready, ready - link_ms, cached, pulled, link_ms, peer)
 
     def _transfer_ms_many(
         self,
@@ -366,8 +368,7 @@ class KvmeshPolicy(RoutingPolicy):
         if short.any():
             shortfall = (needed - free) / np.where(short, needed, 1)
             cost = cost + np.where(short, shortfall * step_ms * bs, 0.0)
-        cached = np.minimum(matched, num_reusable_blocks(n, bs)) * bs
-        uncached_share = 1.0 - cached / n
+        uncached_share = 1.0 - options.cached_tokens / n
         # (x[x.argmin()] is x.min(), without the Python wrapper the method goes through)
         cost = cost + weights.placement_balance * (work - work[work.argmin()]) * uncached_share
         cheapest_ready = options.ready_ms[options.ready_ms.argmin()]
