@@ -227,7 +227,7 @@ class _FleetPools:
             self._free[w] = self._pools[w].num_free
 
     def __call__(self, workers: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-        if self._fleet is None or self._fleet[0] != workers:
+        if self._fleet is None or (self._fleet[0] is not workers and self._fleet[0] != workers):
             rows = np.fromiter((self._row_of[WorkerId(w)] for w in workers), np.int64)
             self._fleet = (workers, rows)
         rows = self._fleet[1]
