@@ -25,7 +25,7 @@ import numpy as np
 
 from kvmesh.coordinator.cluster.registry import WorkerRegistry
 from kvmesh.coordinator.config import CoordinatorConfig
-from kvmesh.coordinator.index.mirror import PrefixMatch, WorkerId
+from kvmesh.coordinator.index.mirror import FleetMatch, PrefixMatch, WorkerId
 from kvmesh.coordinator.routing.cost_model import CostModel
 from kvmesh.coordinator.routing.load_tracker import LoadTracker, ReportedLoad
 from kvmesh.coordinator.routing.peer_routes import PeerRoutes
@@ -88,6 +88,9 @@ class PrefixIndex(Protocol):
     @property
     def num_events_applied(self) -> int: ...
     def match(self, hashes: Sequence[BlockHash]) -> dict[WorkerId, PrefixMatch]: ...
+    def match_fleet(
+        self, hashes: Sequence[BlockHash], row_of: Mapping[WorkerId, int], num_rows: int
+    ) -> FleetMatch: ...
     def num_worker_blocks(self, worker: WorkerId) -> int: ...
 
 
@@ -314,13 +317,14 @@ class Coordinator:
             num_blocks = np.array([c[0] for c in capacity], dtype=np.int64)
             num_free = np.array([c[1] for c in capacity], dtype=np.int64)
         queued_ms, queued_tokens, running = self.load.columns(ids, self.cost_model)
-        num_matched = np.zeros(len(ids), dtype=np.int64)
-        num_device = np.zeros(len(ids), dtype=np.int64)
         index_of = self._index_of(ids)
-        for w, m in self.match(prompt).items():
-            i = index_of.get(w)
-            if i is not None:
-                num_matched[i], num_device[i] = m.num_blocks, m.num_device_blocks
+        if prompt.bypass_cache or not self.index_connected():  # as `match`: nothing matched
+            num_matched = np.zeros(len(ids), dtype=np.int64)
+            num_device = np.zeros(len(ids), dtype=np.int64)
+        else:
+            num_matched, num_device, _ = self.mirror.match_fleet(
+                prompt.block_hashes, index_of, len(ids)
+            )
         return WorkerColumns(
             ids,
             num_blocks,

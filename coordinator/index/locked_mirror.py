@@ -9,10 +9,16 @@ never a half-applied one.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
-from kvmesh.coordinator.index.mirror import ApplyResult, IndexMirror, PrefixMatch, WorkerId
+from kvmesh.coordinator.index.mirror import (
+    ApplyResult,
+    FleetMatch,
+    IndexMirror,
+    PrefixMatch,
+    WorkerId,
+)
 from kvmesh.coordinator.index.radix_tree import LinkCheck, TreeNode
 from kvmesh.proto.block_hash import BlockHash
 from kvmesh.proto.events import EventBatch
@@ -75,6 +81,16 @@ class LockedMirror:
                 deepest = max(m.num_blocks for m in matches.values())
                 self._mirror.tree.note_hit(hashes[deepest - 1])
             return matches
+
+    def match_fleet(
+        self, hashes: Sequence[BlockHash], row_of: Mapping[WorkerId, int], num_rows: int
+    ) -> FleetMatch:
+        """`match` as a fleet's columns (`IndexMirror.match_fleet`); counts the same hit."""
+        with self._lock:
+            matched = self._mirror.match_fleet(hashes, row_of, num_rows)
+            if matched.deepest:
+                self._mirror.tree.note_hit(hashes[matched.deepest - 1])
+            return matched
 
     def tree_nodes(self, limit: int, *, hottest: bool = False) -> tuple[list[NodeView], int]:
         """At most `limit` nodes, in tree order or the most hit first; and how many there are.

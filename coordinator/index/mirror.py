@@ -14,9 +14,10 @@ stream; a batch is applied only if it is the next one of its worker's current ge
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NewType
+from itertools import repeat
+from typing import NamedTuple, NewType
 
 import numpy as np
 
@@ -34,12 +35,24 @@ class ApplyResult(enum.Enum):
     NEEDS_RESYNC = "needs_resync"
 
 
-@dataclass(frozen=True, slots=True)
-class PrefixMatch:
-    """Leading blocks of a prompt's chain that one worker holds."""
+class PrefixMatch(NamedTuple):
+    """Leading blocks of a prompt's chain that one worker holds. A NamedTuple: `match` builds
+    one per holder per routed prompt, and a tuple is built several times faster."""
 
     num_blocks: int  # on any tier
     num_device_blocks: int  # the leading run of those that sits on the device tier
+
+
+class FleetMatch(NamedTuple):
+    """`match` as columns of one fleet: row i is the fleet's worker at row i (0 if it holds
+    nothing of the chain)."""
+
+    num_blocks: np.ndarray
+    """Leading blocks held, any tier (int64)."""
+    num_device_blocks: np.ndarray
+    """... of which the leading run on the device tier (int64)."""
+    deepest: int
+    """The longest match of any worker, in the fleet or not (0: nobody holds the first)."""
 
 
 @dataclass(slots=True)
@@ -50,7 +63,13 @@ class _WorkerCursor:
 
 _NOBODY = 0  # the holder set of a block nobody holds
 _MIN_DELTA = 4096
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: spreads any key pattern over slots
+_GOLDEN_INT = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads any key pattern over slots
+_GOLDEN = np.uint64(_GOLDEN_INT)
+_U64 = (1 << 64) - 1
+_FEW_HASHES = 40  # chains up to this long are looked up one hash at a time (`_lookup_few`)
+_FILTER_SLOTS_PER_ENTRY = 8  # delta filter slots per delta entry: <= 1/8 false positives
+_WINDOW_SLOTS = 8  # slots after the home slot that `_find` probes at once
+_WINDOW_STEPS = np.arange(1, _WINDOW_SLOTS + 1, dtype=np.uint64)
 _SCALAR_PROBES = 16  # keys left after a vector round below which probing goes one by one
 
 
@@ -72,6 +91,9 @@ class IndexMirror:
                 chain's lookups are a few vectorised probes each, whatever n is
         _delta  {hash: set id}  blocks changed since the last merge (overrides the arrays; id
                 0: no holder left); merged in, and the index rebuilt, when it outgrows 1/8 of them
+        _delta_filter  bool[2^j >= 8 x the delta's bound]  set at (hash mod 2^j) for every hash
+                that entered the delta since the last merge: a lookup asks the delta only for
+                the few hashes the filter lets through, not for every block of the chain
 
     `match` looks a chain up at once and walks only the positions where the holder set changes.
     The radix tree of the indexed blocks (`self.tree`, `radix_tree.py`) is fed from here but
@@ -82,6 +104,7 @@ class IndexMirror:
       * bit(w) is in any(s) of a block's set s iff w holds it; in device(s) iff on the device tier
       * num_worker_blocks(w) == blocks whose set has bit(w); num_blocks == blocks with a set != 0
       * every worker with blocks has a cursor and a bit
+      * every hash in the delta passes the delta filter
       * the radix tree links only indexed hashes (a hash leaves it when it leaves the index)
     """
 
@@ -89,6 +112,8 @@ class IndexMirror:
         self._keys = np.zeros(0, dtype=np.uint64)
         self._sets = np.zeros(0, dtype=np.uint32)
         self._delta: dict[BlockHash, int] = {}
+        self._delta_filter = np.zeros(_MIN_DELTA * _FILTER_SLOTS_PER_ENTRY, dtype=bool)
+        self._delta_filter_mask = np.uint64(len(self._delta_filter) - 1)
         self._index = np.full(16, -1, dtype=np.int32)
         self._index_bits = 4
         self._set_any: list[int] = [0]
@@ -218,41 +243,85 @@ class IndexMirror:
         """Per worker, how many leading blocks of `hashes` it holds (workers with none omitted)."""
         if not hashes:
             return {}
-        sets = self._lookup(hashes)
-        if not sets[0]:
+        starts, run_sets = self._runs(hashes)
+        if not run_sets[0]:
             return {}
+        num_blocks, num_device = self._walk(starts, run_sets, len(hashes))
+        worker_of_bit, device_get = self._worker_of_bit, num_device.get
+        return {worker_of_bit[b]: PrefixMatch(n, device_get(b, 0)) for b, n in num_blocks.items()}
+
+    def match_fleet(
+        self, hashes: Sequence[BlockHash], row_of: Mapping[WorkerId, int], num_rows: int
+    ) -> FleetMatch:
+        """`match` written into the columns of a fleet of `num_rows` workers (`row_of`: a
+        worker's row; workers outside the fleet are left out). The same numbers as `match`."""
+        num_blocks = np.zeros(num_rows, dtype=np.int64)
+        num_device = np.zeros(num_rows, dtype=np.int64)
+        if not hashes:
+            return FleetMatch(num_blocks, num_device, 0)
+        starts, run_sets = self._runs(hashes)
+        if not run_sets[0]:
+            return FleetMatch(num_blocks, num_device, 0)
+        by_bit, device_by_bit = self._walk(starts, run_sets, len(hashes))
+        worker_of_bit, device_get = self._worker_of_bit, device_by_bit.get
+        rows, held, held_device = [], [], []
+        for b, n in by_bit.items():
+            row = row_of.get(worker_of_bit[b])
+            if row is not None:
+                rows.append(row)
+                held.append(n)
+                held_device.append(device_get(b, 0))
+        if len(rows) > 1:
+            num_blocks[rows], num_device[rows] = held, held_device
+        elif rows:  # one holder, the common case in a large fleet: no list-to-array conversions
+            num_blocks[rows[0]], num_device[rows[0]] = held[0], held_device[0]
+        return FleetMatch(num_blocks, num_device, max(by_bit.values(), default=0))
+
+    def _walk(
+        self, starts: list[int], run_sets: list[int], length: int
+    ) -> tuple[dict[int, int], dict[int, int]]:
+        """Per worker bit, the leading blocks it holds (any tier, then device) of a chain of
+        `length` blocks whose holder sets change at `starts` (to `run_sets`)."""
         set_any, set_device = self._set_any, self._set_device
-        active = set_any[sets[0]]
+        active = set_any[run_sets[0]]
         on_device = active
         num_blocks: dict[int, int] = {}
         num_device: dict[int, int] = {}
-        # Only where the holder set changes can a worker's run end (or the chain's, at a 0).
-        changes = (np.flatnonzero(sets[1:] != sets[:-1]) + 1).tolist()
-        set_of = sets.tolist()
         i = 0
-        for i in [0, *changes]:  # noqa: B007 - i is read after the loop
-            s = set_of[i]
+        for i, s in zip(starts, run_sets, strict=True):  # noqa: B007 - i is read after the loop
             held = active & set_any[s]
             if held != active:
-                self._record(active & ~held, i, num_blocks)
+                self._record(active ^ held, i, num_blocks)
                 active = held
             held_dev = on_device & set_device[s]
             if held_dev != on_device:
-                self._record(on_device & ~held_dev, i, num_device)
+                self._record(on_device ^ held_dev, i, num_device)
                 on_device = held_dev
             if not active:
                 break
         else:
-            i = len(hashes)
+            i = length
         self._record(active, i, num_blocks)
         self._record(on_device, i, num_device)
-        return {
-            self._worker_of_bit[b]: PrefixMatch(n, num_device.get(b, 0))
-            for b, n in num_blocks.items()
-        }
+        return num_blocks, num_device
+
+    def _runs(self, hashes: Sequence[BlockHash]) -> tuple[list[int], list[int]]:
+        """Where the chain's holder set changes, and to what: (first positions of the runs of
+        one holder set, their sets). Only there can a worker's prefix end."""
+        if len(hashes) <= _FEW_HASHES:
+            sets = self._lookup_few(hashes)
+            starts = [i for i in range(len(sets)) if not i or sets[i] != sets[i - 1]]
+            return starts, [sets[i] for i in starts]
+        array = self._lookup(hashes)
+        at = np.flatnonzero(array[1:] != array[:-1]) + 1
+        return [0, *at.tolist()], [int(array[0]), *array[at].tolist()]
 
     @staticmethod
     def _record(mask: int, length: int, out: dict[int, int]) -> None:
+        if not mask & (mask - 1):  # one worker (or none): most runs end one worker at a time
+            if mask:
+                out[mask] = length
+            return
         while mask:
             low = mask & -mask
             out[low] = length
@@ -262,36 +331,100 @@ class IndexMirror:
 
     def _lookup(self, hashes: Sequence[BlockHash]) -> np.ndarray:
         """The current holder set of each hash (0: nobody), as an int64 array."""
-        if len(self._keys):
-            rows = self._find(np.fromiter(hashes, np.uint64, len(hashes)))
-            sets = np.where(rows >= 0, self._sets[rows], 0).astype(np.int64)
-        else:
-            sets = np.zeros(len(hashes), dtype=np.int64)
+        if len(hashes) <= _FEW_HASHES:
+            return np.array(self._lookup_few(hashes), dtype=np.int64)
+        wanted = np.fromiter(hashes, np.uint64, len(hashes))
+        sets = self._merged_sets(wanted)
         delta = self._delta
         if delta:
-            get = delta.get
-            for i, h in enumerate(hashes):
-                s = get(h)
-                if s is not None:
-                    sets[i] = s
+            # Only the hashes the filter lets through can be in the delta (a few false ones).
+            maybe = np.flatnonzero(self._delta_filter[wanted & self._delta_filter_mask])
+            if len(maybe):
+                # The maps run in C: a chain just stored (hundreds in the delta) costs little.
+                candidates = map(hashes.__getitem__, maybe.tolist())
+                in_delta = np.fromiter(map(delta.get, candidates, repeat(-1)), np.int64, len(maybe))
+                hit = in_delta >= 0
+                sets[maybe[hit]] = in_delta[hit]
         return sets
 
+    def _lookup_few(self, hashes: Sequence[BlockHash]) -> list[int]:
+        """`_lookup` one hash at a time, in Python ints: for a short chain, cheaper than the
+        fixed cost of the vector rounds (the same slots probed in the same order; a hash in
+        the delta is not probed at all)."""
+        in_delta = self._delta.get
+        if not len(self._keys):
+            return [in_delta(h, _NOBODY) for h in hashes]
+        row_at, key_at, set_of_row = self._index.item, self._keys.item, self._sets.item
+        bits = self._index_bits
+        shift, mask = 64 - bits, (1 << bits) - 1
+        sets = []
+        for h in hashes:
+            s = in_delta(h)
+            if s is None:
+                slot = (h * _GOLDEN_INT & _U64) >> shift  # `_home_slots`, in Python ints
+                while (row := row_at(slot)) >= 0 and key_at(row) != h:
+                    slot = (slot + 1) & mask
+                s = set_of_row(row) if row >= 0 else _NOBODY
+            sets.append(s)
+        return sets
+
+    def _merged_sets(self, wanted: np.ndarray) -> np.ndarray:
+        """The holder set of each wanted hash in the arrays (the delta not read), as int64."""
+        if not len(self._keys):
+            return np.zeros(len(wanted), dtype=np.int64)
+        rows = self._find(wanted)
+        sets = self._sets[rows].astype(np.int64)
+        sets[rows < 0] = _NOBODY
+        return sets
+
+    def _note_changing(self, wanted: np.ndarray) -> None:
+        """Let the delta filter through for `wanted`, which may be about to enter the delta."""
+        self._delta_filter[wanted & self._delta_filter_mask] = True
+
     def _find(self, wanted: np.ndarray) -> np.ndarray:
-        """Row of each wanted hash in the arrays, -1 where absent: probe the index for all keys
-        at once, one slot further per round for those that met another key; the last few are
-        probed one by one (a round's fixed cost is more than a few scalar probes)."""
+        """Row of each wanted hash in the arrays, -1 where absent. Three stages, each for the
+        keys the last one left (linear probing: a present key sits in the run of occupied slots
+        that starts at its home slot; at the load kept, 5/6 of the keys sit in their home slot):
+
+            home slot, all keys at once      -> found, or absent (an empty slot), or on
+            the next _WINDOW_SLOTS at once   -> found, or absent (an empty slot among them), or on
+            slot by slot                     (vector rounds while many are left, then one by one)
+
+        A row of -1 (an empty slot) reads the last key, which cannot be the wanted one there:
+        a present key never has an empty slot on its way from its home slot; in a window, a hit
+        after an empty slot can only be the last key, found before that slot."""
         index, keys, bits = self._index, self._keys, self._index_bits
         if not len(keys):
             return np.full(len(wanted), -1, dtype=np.int64)
         mask = np.uint64((1 << bits) - 1)
         slots = _home_slots(wanted, bits)
-        rows = index[slots].astype(np.int64)
-        # A row of -1 reads the last key, which cannot be the wanted one: a present key never
-        # has an empty slot on its way from its home slot.
+        rows = index[slots]
         hit = keys[rows] == wanted
-        found = np.where(hit, rows, -1)
+        found = np.where(hit, rows, -1).astype(np.int64)
         todo = np.flatnonzero((rows >= 0) & ~hit)
-        slots = (slots[todo] + np.uint64(1)) & mask
+        if not len(todo):
+            return found
+        slots = slots[todo]
+        window = index[(slots[:, None] + _WINDOW_STEPS) & mask]
+        hit = keys[window] == wanted[todo][:, None]
+        first = hit.argmax(axis=1)
+        picked = np.arange(len(todo)), first
+        got = hit[picked]
+        found[todo[got]] = window[picked][got]
+        on = ~got & (window >= 0).all(axis=1)
+        if on.any():
+            todo, slots = todo[on], (slots[on] + np.uint64(_WINDOW_SLOTS + 1)) & mask
+            self._probe_on(wanted, found, todo, slots)
+        return found
+
+    def _probe_on(
+        self, wanted: np.ndarray, found: np.ndarray, todo: np.ndarray, slots: np.ndarray
+    ) -> None:
+        """`_find`'s last stage: probe on from `slots` for keys `todo`, one slot per vector
+        round while many are left, then one by one (a round's fixed cost is more than a few
+        scalar probes)."""
+        index, keys = self._index, self._keys
+        mask = np.uint64((1 << self._index_bits) - 1)
         while len(todo) > _SCALAR_PROBES:
             rows = index[slots].astype(np.int64)
             hit = (rows >= 0) & (keys[rows] == wanted[todo])
@@ -305,7 +438,6 @@ class IndexMirror:
                     found[i] = row
                     break
                 slot = (slot + 1) & int(mask)
-        return found
 
     def _build_index(self) -> None:
         """Place every row in a table of at least twice as many slots (linear probing): all
@@ -373,7 +505,9 @@ class IndexMirror:
         if not hashes:
             return
         bit = self._bit(worker)
-        current = self._lookup(hashes).tolist()
+        wanted = np.fromiter(hashes, np.uint64, len(hashes))
+        current = self._merged_sets(wanted).tolist()  # the loop reads the delta itself
+        self._note_changing(wanted)
         set_any, set_device, delta = self._set_any, self._set_device, self._delta
         added = 0
         for h, s in zip(hashes, current, strict=True):
@@ -392,7 +526,9 @@ class IndexMirror:
         bit = self._bit_of.get(worker)
         if not bit or not self._num_blocks_of.get(worker) or not hashes:
             return []  # nothing indexed (a worker gets its bit with its first block)
-        current = self._lookup(hashes).tolist()
+        wanted = np.fromiter(hashes, np.uint64, len(hashes))
+        current = self._merged_sets(wanted).tolist()  # the loop reads the delta itself
+        self._note_changing(wanted)
         set_any, set_device, delta = self._set_any, self._set_device, self._delta
         removed: list[BlockHash] = []
         for h, s in zip(hashes, current, strict=True):
@@ -439,7 +575,7 @@ class IndexMirror:
         return orphaned
 
     def _maybe_merge(self) -> None:
-        if len(self._delta) > max(_MIN_DELTA, len(self._keys) >> 3):
+        if len(self._delta) > self._max_delta():
             self._merge()
 
     def _merge(self) -> None:
@@ -466,8 +602,24 @@ class IndexMirror:
         self._keys, self._sets = keys, sets
         delta.clear()
         self._build_index()
+        self._reset_delta_filter()
+
+    def _reset_delta_filter(self) -> None:
+        """An empty filter sized for the most the delta may hold before the next merge."""
+        size = 1 << (_FILTER_SLOTS_PER_ENTRY * self._max_delta() - 1).bit_length()
+        if size == len(self._delta_filter):
+            self._delta_filter.fill(False)
+        else:
+            self._delta_filter = np.zeros(size, dtype=bool)
+            self._delta_filter_mask = np.uint64(size - 1)
+
+    def _max_delta(self) -> int:
+        return max(_MIN_DELTA, len(self._keys) >> 3)
 
     def check_invariants(self) -> None:
+        if self._delta:
+            in_delta = np.fromiter(self._delta, np.uint64, len(self._delta))
+            assert self._delta_filter[in_delta & self._delta_filter_mask].all(), "filter misses"
         self._merge()
         sets = self._sets
         assert np.all(self._keys[1:] > self._keys[:-1]), "keys are not sorted and unique"

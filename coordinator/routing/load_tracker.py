@@ -54,9 +54,14 @@ class LoadTracker:
             reported_tokens=np.int64,
             reported_requests=np.int64,
         )
+        self._num_reports = 0
+        # The reported tokens of the last fleet priced, in ms: they change only with a report
+        # (or the cost model), not with every route. (cost model, reports seen, rows, ms)
+        self._reported_ms: tuple[CostModel, int, np.ndarray, np.ndarray] | None = None
 
     def on_reported(self, worker: WorkerId, load: ReportedLoad) -> None:
         self._rows.set("reported", worker, True)
+        self._num_reports += 1
         self._rows.set("reported_tokens", worker, load.queued_prefill_tokens)
         self._rows.set("reported_requests", worker, load.num_requests)
 
@@ -92,12 +97,27 @@ class LoadTracker:
         # A worker without a report reports 0 tokens and 0 requests, and its own numbers are
         # >= 0: the max below leaves them as they are, as `with_reported` does.
         tokens = col["reported_tokens"][rows]
-        reported_ms = np.where(has, cost_model.prefill_ms_array(tokens), 0.0)
         return (
-            np.maximum(own_ms, reported_ms),
+            np.maximum(own_ms, self._reported_prefill_ms(rows, has, tokens, cost_model)),
             np.maximum(own_tokens, tokens),
             np.maximum(own_running, col["reported_requests"][rows]),
         )
+
+    def _reported_prefill_ms(
+        self, rows: np.ndarray, has: np.ndarray, tokens: np.ndarray, cost_model: CostModel
+    ) -> np.ndarray:
+        """The reported tokens priced (0 where none was reported), kept until the next report,
+        another fleet (rows) or another cost model."""
+        cached = self._reported_ms
+        if (
+            cached is None
+            or cached[0] is not cost_model
+            or cached[1] != self._num_reports
+            or cached[2] is not rows
+        ):
+            reported_ms = np.where(has, cost_model.prefill_ms_array(tokens), 0.0)
+            cached = self._reported_ms = (cost_model, self._num_reports, rows, reported_ms)
+        return cached[3]
 
     def queued_prefill_ms(self, worker: WorkerId) -> float:
         return max(0.0, float(self._rows.value("queued_ms", worker)))

@@ -98,9 +98,19 @@ class WorkerColumns(Sequence[WorkerView]):
         self.matched_device_blocks = np.asarray(matched_device_blocks, dtype=np.int64)
         self._index_of = index_of
         n = len(self.ids)
-        for name in self.__slots__[1:-1]:
-            if len(getattr(self, name)) != n:
-                raise ValueError(f"{name} has {len(getattr(self, name))} rows for {n} workers")
+        if not (
+            len(self.num_blocks)
+            == len(self.num_free_blocks)
+            == len(self.queued_prefill_ms)
+            == len(self.queued_prefill_tokens)
+            == len(self.num_running)
+            == len(self.matched_blocks)
+            == len(self.matched_device_blocks)
+            == n
+        ):
+            for name in self.__slots__[1:-1]:
+                if len(getattr(self, name)) != n:
+                    raise ValueError(f"{name} has {len(getattr(self, name))} rows for {n} workers")
 
     @classmethod
     def from_views(cls, views: Sequence[WorkerView]) -> WorkerColumns:

@@ -31,8 +31,9 @@ class RecentLoad:
     """Decayed per-worker sums of routed work (ms) and routed requests.
 
     Invariant: every stored sum is >= 0 and was last decayed to its `at_s`. Each worker with a
-    sum owns a row of three arrays (`_slot_of`), so the router reads a whole fleet's sums with
-    one gather (`snapshot_arrays`) instead of a lookup per worker.
+    sum, or of a fleet read, owns a row of three arrays (`_slot_of`; sums of 0 read as none), so
+    the router reads a whole fleet's sums with one gather (`snapshot_arrays`) instead of a
+    lookup per worker.
     """
 
     def __init__(self, horizon_s: float = 10.0) -> None:
@@ -94,35 +95,41 @@ class RecentLoad:
         if not self._slot_of:
             return np.zeros(n), np.zeros(n)
         rows = self._rows(tuple(workers))
-        known = rows >= 0
-        safe = np.where(known, rows, 0)
-        at = self._at_s[safe]
-        f = np.where(now_s > at, np.exp((at - now_s) / self.horizon_s), 1.0)
-        work = np.where(known, self._work_ms[safe] * f, 0.0)
-        requests = np.where(known, self._num_requests[safe] * f, 0.0)
-        return work, requests
+        at = self._at_s[rows]
+        # min(at - now, 0): the factor is 1 for a sum stored at (or, with a clock that went
+        # back, after) now, as `snapshot` has it; the same floats as a `where` on `now > at`.
+        f = np.exp(np.minimum(at - now_s, 0.0) / self.horizon_s)
+        return self._work_ms[rows] * f, self._num_requests[rows] * f
 
     def _rows(self, workers: tuple[WorkerId, ...]) -> np.ndarray:
+        """Each worker's row, made (sums of 0, which read as no sums) for those without one,
+        so that routing to a worker of the fleet keeps this cached for the last fleet."""
         cached = self._rows_for
-        if cached is not None and cached[0] == workers:
+        if cached is not None and (cached[0] is workers or cached[0] == workers):
             return cached[1]
-        slot_of = self._slot_of
-        rows = np.fromiter((slot_of.get(w, -1) for w in workers), np.int64, len(workers))
+        rows = np.fromiter((self._slot(w) for w in workers), np.int64, len(workers))
         self._rows_for = (workers, rows)
         return rows
+
+    def _slot(self, worker: WorkerId) -> int:
+        slot = self._slot_of.get(worker)
+        if slot is None:
+            slot = self._slot_of[worker] = self._new_slot()
+            self._work_ms[slot] = self._num_requests[slot] = self._at_s[slot] = 0.0
+        return slot
 
     def add(self, worker: WorkerId, work_ms: float, now_s: float) -> None:
         """One request routed to `worker`, predicted to cost `work_ms` there."""
         if work_ms < 0:
             raise ValueError(f"work_ms must be >= 0, got {work_ms}")
-        s = self._decayed(worker, now_s)
-        slot = self._slot_of.get(worker)
-        if slot is None:
-            slot = self._new_slot()
-            self._slot_of[worker] = slot
-            self._rows_for = None
-        self._work_ms[slot] = s.work_ms + work_ms
-        self._num_requests[slot] = s.num_requests + 1.0
+        slot = self._slot(worker)  # a new row leaves the cached fleet's rows valid
+        work, num_requests = self._work_ms.item(slot), self._num_requests.item(slot)
+        at_s = self._at_s.item(slot)
+        if now_s > at_s:  # `_decayed`, on the row's numbers
+            f = math.exp(-(now_s - at_s) / self.horizon_s)
+            work, num_requests = work * f, num_requests * f
+        self._work_ms[slot] = work + work_ms
+        self._num_requests[slot] = num_requests + 1.0
         self._at_s[slot] = now_s
 
     def _new_slot(self) -> int:

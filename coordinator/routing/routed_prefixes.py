@@ -147,7 +147,8 @@ class RoutedPrefixes:
         size of the fleet."""
         refs, n = self._hash_to_worker_refs, len(hashes)
         out = held
-        for start in np.unique(held).tolist():
+        held_list = held.tolist()
+        for start in set(held_list):  # each row grows on its own: the order does not matter
             if start >= n:
                 continue
             holders = refs.get(hashes[start])
@@ -155,7 +156,7 @@ class RoutedPrefixes:
                 continue
             for worker in (holders,) if isinstance(holders, str) else holders:
                 row = index_of.get(worker)
-                if row is None or held[row] != start:
+                if row is None or held_list[row] != start:
                     continue
                 if out is held:
                     out = held.copy()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import NamedTuple, overload
 
 import numpy as np
@@ -202,6 +202,8 @@ class _PrefillOptions(NamedTuple):
     """Transfer + prefill of the cheaper option."""
     recompute_ms: np.ndarray
     """The prefill part of it."""
+    cached_tokens: np.ndarray
+    """Prompt tokens the worker holds (reusable: the last one is always computed)."""
     pulled: np.ndarray | None = None
     """True where pulling from `peer` first is the cheaper option (None: no row pulls)."""
     link_ms: np.ndarray | None = None
@@ -268,20 +270,8 @@ class KvmeshPolicy(RoutingPolicy):
         i = self._lowest(costs)
         n, bs = query.prompt_len, query.block_size
         cached = num_reusable_tokens(n, int(matched[i]), bs)
-        decision = RouteDecision(
-            cols.ids[i],
-            int(matched[i]),
-            float(costs[i]),
-            self.cost_model.prefill_ms(n - cached, cached),
-            ScoreColumns(cols.ids, matched, costs),
-        )
-        sticky = self._sessions.get(query.session_id)
-        if sticky is not None:
-            decision = replace(
-                decision,
-                session_worker_id=sticky,
-                session_affinity_ms=self._session_affinity_ms(query),
-            )
+        predicted_ms = self.cost_model.prefill_ms(n - cached, cached)
+        pull = None
         if options.pulled is not None and options.pulled[i]:
             assert options.peer is not None and options.link_ms is not None
             pull = PullPlan(
@@ -290,15 +280,25 @@ class KvmeshPolicy(RoutingPolicy):
                 int(matched[i]),
                 float(options.link_ms[i]),
             )
-            ready_ms = float(options.ready_ms[i])
-            decision = replace(decision, pull=pull, predicted_prefill_ms=ready_ms)
+            predicted_ms = float(options.ready_ms[i])
+        sticky = self._sessions.get(query.session_id)
+        decision = RouteDecision(  # built once: `dataclasses.replace` costs microseconds
+            cols.ids[i],
+            int(matched[i]),
+            float(costs[i]),
+            predicted_ms,
+            ScoreColumns(cols.ids, matched, costs),
+            pull,
+            sticky or "",
+            0.0 if sticky is None else self._session_affinity_ms(query),
+        )
         self._remember(query, decision, int(cols.matched_blocks[i]), now)
         return decision
 
     def _lowest(self, costs: np.ndarray) -> int:
         """The row of the lowest cost; ties (within `_TIE_EPSILON_MS`) broken by the rng, drawing
         as `RoutingPolicy._pick_lowest` does."""
-        tied = np.flatnonzero(costs <= costs.min() + _TIE_EPSILON_MS)
+        tied = np.flatnonzero(costs <= costs[costs.argmin()] + _TIE_EPSILON_MS)
         return int(tied[0]) if len(tied) == 1 else int(self.rng.choice(tied.tolist()))
 
     def _prefill_options(
@@ -312,25 +312,27 @@ class KvmeshPolicy(RoutingPolicy):
         device = cols.matched_device_blocks
         peer = int(np.argmax(device)) if self.transfer_ms is not None else -1
         if peer < 0 or device[peer] <= 0:
-            return _PrefillOptions(recompute, recompute)
+            return _PrefillOptions(recompute, recompute, cached)
         num_blocks = int(device[peer])
+        # Never the peer itself: its match (any tier) is at least its device match.
         candidates = np.flatnonzero(num_blocks > matched)
-        candidates = candidates[candidates != peer]
         if not len(candidates):
-            return _PrefillOptions(recompute, recompute)
+            return _PrefillOptions(recompute, recompute, cached)
         moved_tokens = (num_blocks - matched[candidates]) * bs
         link = self._transfer_ms_many(cols.ids[peer], cols.ids, candidates, moved_tokens)
         pulled_cached = num_reusable_tokens(n, num_blocks, bs)
         with_pull = link + cm.prefill_ms(n - pulled_cached, pulled_cached)
         wins = with_pull < recompute[candidates]
         rows = candidates[wins]
+        if not len(rows):
+            return _PrefillOptions(recompute, recompute, cached)
         pulled = np.zeros(len(cols), dtype=bool)
         pulled[rows] = True
         link_ms = np.zeros(len(cols))
         link_ms[rows] = link[wins]
         ready = recompute.copy()
         ready[rows] = with_pull[wins]
-        return _PrefillOptions(ready, ready - link_ms, pulled, link_ms, peer)
+        return _PrefillOptions(ready, ready - link_ms, cached, pulled, link_ms, peer)
 
     def _transfer_ms_many(
         self,
@@ -386,11 +388,14 @@ class KvmeshPolicy(RoutingPolicy):
         if short.any():
             shortfall = (needed - free) / np.where(short, needed, 1)
             cost = cost + np.where(short, shortfall * step_ms * bs, 0.0)
-        cached = np.minimum(matched, num_reusable_blocks(n, bs)) * bs
-        uncached_share = 1.0 - cached / n
-        cost = cost + weights.placement_balance * (work - work.min()) * uncached_share
-        cheapest_ready = options.ready_ms.min()
-        cost = cost + weights.request_balance * (requests - requests.min()) * cheapest_ready
+        uncached_share = 1.0 - options.cached_tokens / n
+        # (x[x.argmin()] is x.min(), without the Python wrapper the method goes through)
+        cost = cost + weights.placement_balance * (work - work[work.argmin()]) * uncached_share
+        cheapest_ready = options.ready_ms[options.ready_ms.argmin()]
+        cost = (
+            cost
+            + weights.request_balance * (requests - requests[requests.argmin()]) * cheapest_ready
+        )
         sticky = self._sessions.get(query.session_id)
         row = cols.index_of.get(sticky) if sticky is not None else None
         if row is not None:

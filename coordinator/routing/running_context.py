@@ -76,11 +76,8 @@ class RunningContext:
         self._rows.release(worker)
 
     def _take(self, entry: _Running) -> None:
-        left = self.tokens(entry.worker) - entry.num_tokens
-        if left:
-            self._rows.set("tokens", entry.worker, left)
-        else:
-            self._rows.release(entry.worker)
+        # An idle worker keeps its row (at 0): releasing it would drop the fleet's cached rows.
+        self._rows.set("tokens", entry.worker, self.tokens(entry.worker) - entry.num_tokens)
 
     def check_invariants(self) -> None:
         sums: dict[WorkerId, int] = {}
@@ -88,7 +85,9 @@ class RunningContext:
             sums[e.worker] = sums.get(e.worker, 0) + e.num_tokens
         sums = {w: t for w, t in sums.items() if t}
         held = {w: self.tokens(w) for w in sums}
-        assert sums == held and len(self._rows) == len(sums), (sums, held)
+        assert sums == held, (sums, held)
+        num_holding = int(np.count_nonzero(self._rows.columns["tokens"]))
+        assert num_holding == len(sums), "a worker with no request holds tokens"
         self._rows.check_invariants()
         times = [e.routed_s for e in self._entries.values()]
         assert times == sorted(times)

@@ -24,7 +24,7 @@ import heapq
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -34,7 +34,7 @@ from kvmesh.coordinator.cluster.registry import WorkerRegistry
 from kvmesh.coordinator.config import CoordinatorConfig
 from kvmesh.coordinator.coordinator import Coordinator, PreparedPrompt, StreamEvent
 from kvmesh.coordinator.index.locked_mirror import LockedMirror
-from kvmesh.coordinator.index.mirror import ApplyResult, PrefixMatch, WorkerId
+from kvmesh.coordinator.index.mirror import ApplyResult, FleetMatch, PrefixMatch, WorkerId
 from kvmesh.coordinator.routing.load_tracker import LoadTracker, ReportedLoad
 from kvmesh.coordinator.routing.router import POLICIES, RoutingPolicy
 from kvmesh.coordinator.sim.backend import SimBackend
@@ -161,10 +161,31 @@ def prepare_requests(arrivals: Iterable[Arrival], block_size: int) -> list[SimRe
                 hashes,
                 prompt_len // block_size,
                 reserved,
-                a.token_ids,
             )
         )
     return out
+
+
+class UnreadTokens(tuple[int, ...]):
+    """A prompt's token ids as the simulator hands them to the coordinator: their number only.
+
+    The simulated workers never read token ids (the hashes stand for them), and the coordinator
+    reads only their count on the simulated path; a real tuple of N Python ints per request
+    cost the run about 0.1 ms per request in garbage collection alone (each new tuple is
+    traversed whole). Reading the ids raises instead of yielding nothing."""
+
+    num_tokens: int
+
+    def __new__(cls, num_tokens: int) -> UnreadTokens:
+        tokens = super().__new__(cls)
+        tokens.num_tokens = num_tokens
+        return tokens
+
+    def __len__(self) -> int:
+        return self.num_tokens
+
+    def __iter__(self) -> Iterator[int]:
+        raise TypeError("the simulator hands the coordinator a prompt's length, not its tokens")
 
 
 class SimPulls:
@@ -193,19 +214,33 @@ class SimPulls:
 
 class _FleetPools:
     """Pool size and free blocks of a fleet's workers as arrays (the coordinator's
-    `worker_free_blocks_many`), the pools of the last fleet asked about kept in order."""
+    `worker_free_blocks_many`). A pool's free count changes only when its worker admits or
+    advances, so the simulation `refresh`es it there and a decision reads a whole fleet with
+    one gather, not a property per worker.
 
-    def __init__(self, pools: dict[WorkerId, BlockPool]) -> None:
-        self._pools = pools
-        self._fleet: tuple[Sequence[str], list[BlockPool], np.ndarray] | None = None
+    Invariant: free[i] == pools[i].num_free whenever the coordinator reads it."""
+
+    def __init__(self, worker_ids: Sequence[WorkerId], pools: Sequence[BlockPool]) -> None:
+        self._pools = list(pools)
+        self._row_of = {w: i for i, w in enumerate(worker_ids)}
+        self._sizes = np.fromiter((p.num_blocks for p in pools), np.int64, len(pools))
+        self._free = np.fromiter((p.num_free for p in pools), np.int64, len(pools))
+        self._shared = len({id(p) for p in pools}) == 1  # the oracle's lanes share one pool
+        self._fleet: tuple[Sequence[str], np.ndarray] | None = None
+
+    def refresh(self, w: int) -> None:
+        """Worker `w`'s pool may have changed."""
+        if self._shared:
+            self._free.fill(self._pools[w].num_free)
+        else:
+            self._free[w] = self._pools[w].num_free
 
     def __call__(self, workers: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-        if self._fleet is None or self._fleet[0] != workers:
-            pools = [self._pools[WorkerId(w)] for w in workers]
-            sizes = np.fromiter((p.num_blocks for p in pools), np.int64, len(pools))
-            self._fleet = (workers, pools, sizes)  # a pool's size never changes
-        _, pools, sizes = self._fleet
-        return sizes, np.fromiter((p.num_free for p in pools), np.int64, len(pools))
+        if self._fleet is None or (self._fleet[0] is not workers and self._fleet[0] != workers):
+            rows = np.fromiter((self._row_of[WorkerId(w)] for w in workers), np.int64)
+            self._fleet = (workers, rows)
+        rows = self._fleet[1]
+        return self._sizes[rows], self._free[rows]
 
 
 class SharedPoolIndex:
@@ -223,6 +258,14 @@ class SharedPoolIndex:
     def match(self, hashes: Sequence[BlockHash]) -> dict[WorkerId, PrefixMatch]:
         held = len(self.pool.match_prefix(hashes))
         return dict.fromkeys(self.workers, PrefixMatch(held, held)) if held else {}
+
+    def match_fleet(
+        self, hashes: Sequence[BlockHash], row_of: Mapping[WorkerId, int], num_rows: int
+    ) -> FleetMatch:
+        held = len(self.pool.match_prefix(hashes))
+        num_blocks = np.zeros(num_rows, dtype=np.int64)
+        num_blocks[[row_of[w] for w in self.workers if w in row_of]] = held
+        return FleetMatch(num_blocks, num_blocks.copy(), held)
 
     def num_worker_blocks(self, worker: WorkerId) -> int:
         return self.pool.num_cached
@@ -259,6 +302,7 @@ class ClusterSimulation:
             self.mirror.load_worker(wid, 1, 0, [])
         self._event_seq = [0] * n
         self.backend = SimBackend(self.workers)
+        self._fleet_pools = _FleetPools(self.worker_ids, [w.pool for w in self.workers])
         self.coordinators = [self._build_coordinator(k) for k in range(config.num_coordinators)]
         self.coordinator = self.coordinators[0]
         self._last_report_ms = -math.inf
@@ -327,7 +371,7 @@ class ClusterSimulation:
                 pools[WorkerId(w)].num_blocks,
                 pools[WorkerId(w)].num_free,
             ),
-            worker_free_blocks_many=_FleetPools(pools),
+            worker_free_blocks_many=self._fleet_pools,
             cost_model=config.cost.router_cost_model(),
             transfers=SimPulls(config.cost) if config.pulls and not self.oracle else None,
             clock=lambda: self.now_ms / 1000.0,
@@ -376,8 +420,7 @@ class ClusterSimulation:
         return list(zip(self._ttft, self._tpot, self._e2e, strict=True))
 
     def _on_arrival(self, request: SimRequest) -> None:
-        ids = request.prompt_ids
-        tokens = tuple(ids.tolist()) if ids is not None else (0,) * request.prompt_len
+        tokens = UnreadTokens(request.prompt_len)
         prompt = PreparedPrompt(tokens, request.prompt_hashes, "")
         sampling = SamplingConfig(max_tokens=max(1, request.output_len), ignore_eos=True)
         self.backend.expect(request)
@@ -427,6 +470,7 @@ class ClusterSimulation:
     def _on_worker_event(self, w: int) -> None:
         worker = self.workers[w]
         outcome = worker.advance(self.now_ms)
+        self._fleet_pools.refresh(w)
         if outcome.prefilled is not None:
             request = outcome.prefilled.request
             latency = self.config.cost.service_latency_ms
@@ -456,6 +500,7 @@ class ClusterSimulation:
 
     def _admit(self, w: int) -> None:
         seq = self.workers[w].try_admit(self.now_ms)
+        self._fleet_pools.refresh(w)
         if seq is not None:
             self._cached[seq.request.index] = seq.cached_tokens
             self._pulled[seq.request.index] = seq.pulled_tokens
@@ -513,6 +558,7 @@ def policy_names(spec: str) -> list[str]:
 
 __all__ = [
     "ORACLE",
+    "UnreadTokens",
     "Arrival",
     "ClusterSimulation",
     "SimConfig",

@@ -36,8 +36,6 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-import numpy as np
-
 from kvmesh.coordinator.sim.cost_model import SimCostModel
 from kvmesh.coordinator.sim.decode_run import BOUNDARY_EPSILON_MS, DecodeRun
 from kvmesh.coordinator.sim.host_tier import SimHostTier
@@ -68,8 +66,6 @@ class SimRequest:
     """Full prompt blocks: `hashes[:num_prompt_blocks]` are what the router matches."""
     num_reserved_blocks: int
     """Blocks the sequence occupies at its longest: ceil((prompt + output) / block_size)."""
-    prompt_ids: np.ndarray | None = None
-    """The prompt's token ids (the coordinator is handed them; hashes above are the truth)."""
 
     @property
     def prompt_hashes(self) -> tuple[BlockHash, ...]:

@@ -168,6 +168,9 @@ def test_random_events_keep_the_mirror_equal_to_a_plain_model() -> None:
             )
         probe = rng.choice(chains)
         assert m.match(probe) == _expected_match(model, probe)
+        short = probe[: rng.randrange(1, 50)]  # short chains are looked up one hash at a time
+        assert m.match(short) == _expected_match(model, short)
+        _assert_fleet_match_is_match(m, probe, workers[step % 3 :: 2])
     victim = workers[3]
     assert m.remove_worker(victim) == len(model.pop(victim))
     unlink_unheld()
@@ -176,4 +179,69 @@ def test_random_events_keep_the_mirror_equal_to_a_plain_model() -> None:
         assert m.worker_hashes(w) == model[w]
         assert m.num_worker_blocks(w) == len(model[w])
     assert m.num_blocks == len(set().union(*model.values()))
+    m.check_invariants()
+
+
+def _assert_fleet_match_is_match(
+    m: IndexMirror, hashes: list[BlockHash], fleet: list[WorkerId]
+) -> None:
+    """`match_fleet` writes exactly `match`'s numbers into the fleet's rows (a worker of the
+    fleet the mirror does not know gets 0)."""
+    fleet = [*fleet, WorkerId("not-indexed")]
+    got = m.match_fleet(hashes, {w: i for i, w in enumerate(fleet)}, len(fleet))
+    expected = m.match(hashes)
+    nothing = PrefixMatch(0, 0)
+    assert got.num_blocks.tolist() == [expected.get(w, nothing).num_blocks for w in fleet]
+    assert got.num_device_blocks.tolist() == [
+        expected.get(w, nothing).num_device_blocks for w in fleet
+    ]
+    assert got.deepest == max((p.num_blocks for p in expected.values()), default=0)
+
+
+def test_fleet_match_is_match_past_64_workers() -> None:
+    """Worker bits past the 64th (masks of several machine words) give the same fleet match."""
+    import random
+
+    rng = random.Random(3)
+    chain = [BlockHash(7_000 + i) for i in range(60)]
+    m = IndexMirror()
+    workers = [WorkerId(f"w{i}") for i in range(70)]
+    for n, w in enumerate(workers):
+        m.load_worker(w, 1, 0, [])
+        depth = rng.randrange(1, 61)
+        m.apply(
+            batch(
+                w,
+                1,
+                BlockStored(tuple(chain[:depth])),
+                BlockStored(tuple(chain[depth // 2 : depth]), TIER_HOST),
+            )
+        )
+        if n in (10, 63, 64, 69):
+            for probe in (chain, chain[:30], chain[:5]):
+                _assert_fleet_match_is_match(m, probe, workers[: n + 1 : 3])
+    m.remove_worker(workers[2])
+    _assert_fleet_match_is_match(m, chain, workers)
+    m.check_invariants()
+
+
+def _same_home_slot(num_hashes: int) -> list[BlockHash]:
+    """Hashes whose product with the index's multiplier differs only in the low bits, so all
+    of them start probing at the same slot, whatever the table's size."""
+    inverse = pow(0x9E3779B97F4A7C15, -1, 1 << 64)
+    return [BlockHash(inverse * ((0x5A5A << 48) + j) % (1 << 64)) for j in range(num_hashes)]
+
+
+def test_lookup_finds_blocks_far_from_their_home_slot() -> None:
+    crowded = _same_home_slot(60)
+    held, absent = crowded[:50], crowded[50:]
+    m = loaded_mirror()
+    m.apply(batch("w0", 1, BlockStored(tuple(held))))
+    m.apply(batch("w1", 1, BlockStored(tuple(H))))
+    m.check_invariants()  # merges: the crowded run now lives in the index, 50 slots long
+    assert m.match(held) == {W0: PrefixMatch(50, 50)}
+    assert m.indexed([*held[::-1], *absent, *H]) == [True] * 50 + [False] * 10 + [True] * 10
+    assert m.indexed([*held[45:], *absent[:5]]) == [True] * 5 + [False] * 5  # one at a time
+    m.apply(batch("w1", 2, BlockStored(tuple(held[:3]))))  # in the delta until the next merge
+    assert m.match(held) == {W0: PrefixMatch(50, 50), W1: PrefixMatch(3, 3)}
     m.check_invariants()
