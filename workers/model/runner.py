@@ -13,8 +13,10 @@ become extra query rows), so no K/V is copied per query head.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 from collections.abc import Sequence
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -107,6 +109,11 @@ class ModelRunner:
         self.fused_elementwise = on_gpu
         """RoPE, SiLU x up and residual add + RMSNorm run as single Triton kernels
         (`elementwise_kernels`) instead of several torch ops; benchmarks may switch it."""
+        self._kernels: ModuleType | None = (
+            importlib.import_module("kvmesh.workers.model.elementwise_kernels") if on_gpu else None
+        )
+        head_dim = config.head_dim
+        self._rope_kernel_fits = not head_dim & (head_dim - 1)  # the kernel tiles a power of two
         # Dynamic RoPE picks its frequencies from the longest position on the host: not capturable.
         self.cuda_graphs = on_gpu and self.rope.dynamic is None
         """Decode-only batches replay CUDA graphs (`decode_graphs`) while the paged decode kernel
@@ -231,10 +238,8 @@ class ModelRunner:
         self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + delta, RMSNorm of it): the residual stream and the next block's input."""
-        if self.fused_elementwise:
-            from kvmesh.workers.model.elementwise_kernels import add_rms_norm
-
-            return add_rms_norm(x, delta, weight, self.config.rms_norm_eps)
+        if self.fused_elementwise and self._kernels is not None:
+            return self._kernels.add_rms_norm(x, delta, weight, self.config.rms_norm_eps)
         x = x + delta
         return x, rms_norm(x, weight, self.config.rms_norm_eps)
 
@@ -268,17 +273,13 @@ class ModelRunner:
     ) -> torch.Tensor:
         """RoPE of the query and key heads of qkv: [num_tokens, num_qk_heads, head_dim]."""
         dim = self.config.head_dim
-        if self.fused_elementwise and not dim & (dim - 1):
-            from kvmesh.workers.model.elementwise_kernels import rope_qk
-
-            return rope_qk(qkv, cos, sin, num_qk_heads)
+        if self.fused_elementwise and self._kernels is not None and self._rope_kernel_fits:
+            return self._kernels.rope_qk(qkv, cos, sin, num_qk_heads)
         return apply_rope(qkv[:, : num_qk_heads * dim].view(qkv.shape[0], -1, dim), cos, sin)
 
     def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if self.fused_elementwise:
-            from kvmesh.workers.model.elementwise_kernels import silu_mul
-
-            return silu_mul(gate_up)
+        if self.fused_elementwise and self._kernels is not None:
+            return self._kernels.silu_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
