@@ -8,10 +8,10 @@
   * `add_rms_norm`: the residual add and the next block's RMSNorm in one pass over the row (torch:
     the add, then the norm reading the sum back).
 
-Both round where the torch expressions they replace round (`apply_rope`: x * cos to the model
-dtype, then the multiply-add; SiLU to the model dtype, then the product), so results equal
-torch's up to the last bit of a float32 multiply-add. Imported only on CUDA (and by the tests
-under Triton's interpreter).
+Each rounds where the torch expression it replaces rounds (`apply_rope`: x * cos to the model
+dtype, then the multiply-add; SiLU to the model dtype, then the product; the residual sum to the
+model dtype, then the norm in float32), so results equal torch's up to the last bit of a float32
+multiply-add or sum. Imported only on CUDA (and by the tests under Triton's interpreter).
 
     rope_qk       grid (tokens, ceil(q + k heads / BLOCK_H))
     silu_mul      grid (tokens, ceil(intermediate / BLOCK_I))
