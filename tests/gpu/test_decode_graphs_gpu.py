@@ -102,6 +102,7 @@ def test_one_capture_per_bucket_and_a_new_one_when_the_shape_grows() -> None:
     longer = [p + [1] * 200 for p in ids]  # 300+ tokens: the 512-key bucket
     greedy(graphs, longer, tabs, steps=2)
     assert graphs._decode_graphs.buckets == [DecodeBucket(4, 256), DecodeBucket(4, 512)]
+    graphs._decode_graphs.check_invariants()
 
 
 def test_padding_rows_never_write_outside_the_batch_blocks() -> None:

@@ -206,6 +206,14 @@ class DecodeGraphs:
         """Buckets captured so far, in capture order."""
         return list(self._steps)
 
+    def check_invariants(self) -> None:
+        sizes = batch_sizes(self.max_batch)
+        for bucket, step in self._steps.items():
+            assert step.bucket == bucket and bucket.batch in sizes, (bucket, step.bucket)
+            assert bucket.context % self._block_size == 0, bucket
+            assert step.graph is not None and step.hidden is not None, bucket
+            assert step.hidden.shape[0] == bucket.batch, (bucket, tuple(step.hidden.shape))
+
     def serves(self, batch: Sequence[SeqChunk]) -> bool:
         return is_decode_batch(batch) and len(batch) <= self.max_batch
 
