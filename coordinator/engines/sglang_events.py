@@ -16,21 +16,18 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgpack
-
 from kvmesh.coordinator.engines.engine_events import (
     EngineAllCleared,
     EngineBlockRemoved,
-    EngineDecodeError,
     EngineEvent,
     EngineEventBatch,
 )
 from kvmesh.coordinator.engines.vllm_events import (
     MalformedEvent,
-    decode_batch_object,
     decode_hashes,
     positional_fields,
     stored_from_fields,
+    unpack_batch,
 )
 
 STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id")
@@ -39,11 +36,7 @@ REMOVED_FIELDS = ("block_hashes",)
 
 def decode_payload(payload: bytes) -> EngineEventBatch:
     """One ZMQ payload frame -> its batch; raises EngineDecodeError when it is not a batch."""
-    try:
-        obj = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-    except Exception as exc:  # msgpack raises several unrelated types on garbage
-        raise EngineDecodeError(f"not msgpack: {exc}") from None
-    return decode_batch_object(obj, decode_event)
+    return unpack_batch(payload, decode_event)
 
 
 def decode_event(raw: Any) -> EngineEvent:

@@ -58,11 +58,19 @@ class MalformedEvent(ValueError):
 
 def decode_payload(payload: bytes) -> EngineEventBatch:
     """One ZMQ payload frame -> its batch; raises EngineDecodeError when it is not a batch."""
+    return unpack_batch(payload, decode_event)
+
+
+def unpack_batch(
+    payload: bytes, decode_one: Callable[[Any], EngineEvent | None]
+) -> EngineEventBatch:
+    """A msgpack payload frame -> its batch, each event through `decode_one` (the batch framing
+    is the same for every engine's schema)."""
     try:
         obj = msgpack.unpackb(payload, raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise EngineDecodeError(f"not msgpack: {exc}") from None
-    return decode_batch_object(obj, decode_event)
+    return decode_batch_object(obj, decode_one)
 
 
 def decode_batch_object(

@@ -5,8 +5,7 @@ engine."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 
@@ -19,6 +18,7 @@ from kvmesh.coordinator.index.store import IndexStore
 from kvmesh.proto.block_hash import BlockHash, block_hashes, namespace_hash
 from kvmesh.workers.engine.event_publisher import EventPublisher
 from tests.integration.engine_stand_in import StandInEngine, removed, stored
+from tests.integration.helpers import wait_for
 
 pytestmark = pytest.mark.redis
 
@@ -29,15 +29,6 @@ ENGINE = "e0"
 
 def _root(lora: str, salt: str = "") -> BlockHash:
     return namespace_hash("fp", lora, salt)
-
-
-def wait_for(check: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class Rig:
@@ -99,48 +90,48 @@ CHAIN = [int(h) for h in block_hashes(TOKENS, BS, _root(""))]
 def test_blocks_stored_and_removed_reach_redis_under_kvmesh_hashes(rig: Rig) -> None:
     rig.engine.publish([stored([11, 12], None, TOKENS[: 2 * BS], BS)])
     rig.engine.publish([stored([b"\x0d" * 32], 12, TOKENS[2 * BS :], BS)])
-    wait_for(lambda: rig.redis_blocks() == set(CHAIN), "all three blocks")
+    wait_for(lambda: rig.redis_blocks() == set(CHAIN), 20.0, what="all three blocks")
     rig.engine.publish([removed([b"\x0d" * 32])])
-    wait_for(lambda: rig.redis_blocks() == set(CHAIN[:2]), "the removal")
+    wait_for(lambda: rig.redis_blocks() == set(CHAIN[:2]), 20.0, what="the removal")
     assert rig.subscriber.counters.num_resets == 0
 
 
 def test_a_gap_is_replayed_through_the_router_socket(rig: Rig) -> None:
     rig.engine.publish([stored([11], None, TOKENS[:BS], BS)])
-    wait_for(lambda: rig.redis_blocks() == set(CHAIN[:1]), "the first block")
+    wait_for(lambda: rig.redis_blocks() == set(CHAIN[:1]), 20.0, what="the first block")
     rig.engine.publish([stored([12], 11, TOKENS[BS : 2 * BS], BS)], send=False)  # lost live
     rig.engine.publish([stored([13], 12, TOKENS[2 * BS :], BS)])
-    wait_for(lambda: rig.redis_blocks() == set(CHAIN), "the replayed chain")
+    wait_for(lambda: rig.redis_blocks() == set(CHAIN), 20.0, what="the replayed chain")
     assert rig.subscriber.counters.num_gaps == 1
     assert rig.subscriber.counters.num_resets == 0
 
 
 def test_a_gap_nobody_can_replay_clears_the_engine(rig: Rig) -> None:
     rig.engine.publish([stored([11], None, TOKENS[:BS], BS)])
-    wait_for(lambda: rig.redis_blocks() == set(CHAIN[:1]), "the first block")
+    wait_for(lambda: rig.redis_blocks() == set(CHAIN[:1]), 20.0, what="the first block")
     generation = rig.feed.generation
     rig.engine.publish([removed([11])], send=False, keep=False)  # lost for good
     rig.engine.publish([stored([21], None, [9] * BS, BS)])
     other = int(block_hashes([9] * BS, BS, _root(""))[0])
     # block 11 may or may not still be there: kvmesh no longer knows, so it is dropped
-    wait_for(lambda: rig.redis_blocks() == {other}, "the engine's state after the reset")
+    wait_for(lambda: rig.redis_blocks() == {other}, 20.0, what="the engine's state after the reset")
     assert rig.subscriber.counters.num_resets == 1 and rig.feed.generation > generation
 
 
 def test_an_engine_restart_clears_its_blocks(rig: Rig) -> None:
     for i in range(3):
         rig.engine.publish([stored([100 + i], None, [i] * BS, BS)])
-    wait_for(lambda: len(rig.redis_blocks()) == 3, "three blocks")
+    wait_for(lambda: len(rig.redis_blocks()) == 3, 20.0, what="three blocks")
     rig.engine.restart()
     rig.engine.publish([stored([7], None, TOKENS[:BS], BS)])  # seq 0 again
-    wait_for(lambda: rig.redis_blocks() == set(CHAIN[:1]), "only the new engine's block")
+    wait_for(lambda: rig.redis_blocks() == set(CHAIN[:1]), 20.0, what="only the new engine's block")
     assert rig.subscriber.counters.num_resets == 1
 
 
 def test_malformed_payloads_and_events_are_counted_and_the_stream_goes_on(rig: Rig) -> None:
     rig.engine.publish_raw(b"\xc1 not msgpack")
     rig.engine.publish([{"type": "Mystery"}, stored([11], None, TOKENS[:BS], BS)])
-    wait_for(lambda: rig.redis_blocks() == set(CHAIN[:1]), "the good event")
+    wait_for(lambda: rig.redis_blocks() == set(CHAIN[:1]), 20.0, what="the good event")
     counters = rig.subscriber.counters
     assert counters.num_undecodable == 1 and counters.num_skipped_events == 1
 
@@ -151,7 +142,7 @@ def test_blocks_published_before_the_subscriber_came_are_replayed(
     engine.publish([stored([11, 12, 13], None, TOKENS, BS)])
     late = Rig(redis, engine)
     try:
-        wait_for(lambda: late.redis_blocks() == set(CHAIN), "the replayed blocks")
+        wait_for(lambda: late.redis_blocks() == set(CHAIN), 20.0, what="the replayed blocks")
     finally:
         late.close()
 
@@ -172,12 +163,16 @@ def test_two_coordinators_on_one_engine_feed_it_one_at_a_time(
         assert first.feed.keep_claim("coordinator-a", 10_000)
         assert not second.feed.keep_claim("coordinator-b", 10_000)
         engine.publish([stored([11, 12], None, TOKENS[: 2 * BS], BS)])
-        wait_for(lambda: first.redis_blocks() == set(CHAIN[:2]), "the first two blocks")
-        wait_for(lambda: second.feed.held_hashes() == sorted(CHAIN[:2]), "the second's copy")
+        wait_for(lambda: first.redis_blocks() == set(CHAIN[:2]), 20.0, what="the first two blocks")
+        wait_for(
+            lambda: second.feed.held_hashes() == sorted(CHAIN[:2]), 20.0, what="the second's copy"
+        )
         generation = _generation(first.store)
         engine.publish([stored([13], 12, TOKENS[2 * BS :], BS)])
-        wait_for(lambda: first.redis_blocks() == set(CHAIN), "the third block")
-        wait_for(lambda: second.feed.held_hashes() == sorted(CHAIN), "the second's third")
+        wait_for(lambda: first.redis_blocks() == set(CHAIN), 20.0, what="the third block")
+        wait_for(
+            lambda: second.feed.held_hashes() == sorted(CHAIN), 20.0, what="the second's third"
+        )
         assert first.feed.keep_claim("coordinator-a", 10_000)  # renewed, still the feeder
         assert not second.feed.keep_claim("coordinator-b", 10_000)
         assert _generation(first.store) == generation  # nobody wiped the feeder's state
@@ -189,7 +184,9 @@ def test_two_coordinators_on_one_engine_feed_it_one_at_a_time(
         assert second.feed.feeding and _generation(second.store) != generation
         assert second.redis_blocks() == set(CHAIN)  # the whole state, from its own copy
         engine.publish([removed([11, 12, 13])])
-        wait_for(lambda: second.redis_blocks() == set(), "the removal, fed by the second")
+        wait_for(
+            lambda: second.redis_blocks() == set(), 20.0, what="the removal, fed by the second"
+        )
     finally:
         first.close()
         second.close()

@@ -4,8 +4,7 @@ stand-in engines (HTTP + ZMQ, vLLM's formats): the real-vLLM version is tests/vl
 from __future__ import annotations
 
 import random
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -15,19 +14,11 @@ from kvmesh.coordinator.cluster.deployment import Deployment, DeploymentConfig
 from kvmesh.coordinator.config import CoordinatorConfig, HttpConfig
 from kvmesh.coordinator.engines.engine_fleet import EngineFleetConfig, EngineSpec
 from tests.integration.engine_http_stand_in import StandInOpenAIEngine
+from tests.integration.helpers import wait_for
 
 pytestmark = [pytest.mark.redis, pytest.mark.ray]
 
 BS = 16
-
-
-def wait_for(check: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture
@@ -73,7 +64,7 @@ def test_a_shared_prefix_goes_back_to_the_engine_that_announced_it(kvmesh: Deplo
         prefix = [rng.randrange(3, 200) for _ in range(8 * BS)]
         first = complete(kvmesh, prefix + [5])
         holder = first["kvmesh"]["worker_id"]
-        wait_for(lambda h=holder: indexed(kvmesh, h) >= 8, "the holder's events")  # type: ignore[misc]
+        wait_for(lambda h=holder: indexed(kvmesh, h) >= 8, 30.0, what="the holder's events")  # type: ignore[misc]
         again = complete(kvmesh, prefix + [rng.randrange(3, 200) for _ in range(9)])
         assert again["kvmesh"]["worker_id"] == holder
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 8 * BS
@@ -100,7 +91,8 @@ def test_index_verify_compares_the_mirror_with_what_each_engine_announced(
                 set(views[e].pool_hashes) == set(views[e].mirror_hashes)  # type: ignore[misc]
                 or _refresh(kvmesh, views)
             ),
-            f"{engine}'s mirror to equal its announced blocks",
+            30.0,
+            what=f"{engine}'s mirror to equal its announced blocks",
         )
         assert views[engine].pool_hashes
 
@@ -133,6 +125,6 @@ def test_an_engine_that_stops_answering_is_purged_and_traffic_moves_on(
     for _ in range(4):
         reply = complete(kvmesh, [rng.randrange(3, 200) for _ in range(2 * BS + 1)])
         assert reply["kvmesh"]["worker_id"] == "b"
-    wait_for(lambda: not kvmesh.coordinator.registry.is_alive("a"), "a's death")  # type: ignore[union-attr]
-    wait_for(lambda: indexed(kvmesh, "a") == 0, "a's purge")
+    wait_for(lambda: not kvmesh.coordinator.registry.is_alive("a"), 30.0, what="a's death")  # type: ignore[union-attr]
+    wait_for(lambda: indexed(kvmesh, "a") == 0, 30.0, what="a's purge")
     assert indexed(kvmesh, "b") > 0
