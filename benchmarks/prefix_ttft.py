@@ -1,5 +1,6 @@
-"""The TTFT trial both GPU transfer benchmarks run: one 8K prompt whose 7.5K prefix is computed
-on `source`, then served by `target` (pulling it) and by `source` again (a local hit)."""
+"""The trials both GPU transfer benchmarks run: one 8K prompt whose 7.5K prefix is computed on
+`source`, then served by `target` (pulling it) and by `source` again (a local hit); and the pull
+alone, as the pulling worker reports it."""
 
 from __future__ import annotations
 
@@ -8,21 +9,27 @@ from collections.abc import Callable
 from typing import Any
 
 PROMPT, PREFIX = 8192, 7680
+BLOCK_SIZE = 16
 
 
 def prefix_ttft_trials(
-    client: Any, rand: Callable[[int], list[int]], source: str, target: str, trials: int = 3
+    client: Any, rand: Callable[[int], list[int]], source: str, target: str, trials: int = 5
 ) -> dict[str, float]:
     """Median TTFT (client-side) of cold / pulled / local-hit requests, and the fewest tokens any
     pulled request reported pulling."""
     samples: dict[str, list[float]] = {"cold_ms": [], "pulled_ms": [], "local_hit_ms": []}
     pulled_tokens = []
+    # Two tokens, so the first is not the request's last output: a worker sends a last output
+    # only after announcing the request's blocks, which no first token of a real answer waits for.
+    answer = 2
     for _ in range(trials):
         prefix = rand(PREFIX)
-        cold = client.generate(prefix + rand(PROMPT - PREFIX), max_tokens=1, worker_id=source)
+        cold = client.generate(prefix + rand(PROMPT - PREFIX), max_tokens=answer, worker_id=source)
         time.sleep(0.2)  # the index learns the source's blocks
-        pulled = client.generate(prefix + rand(PROMPT - PREFIX), max_tokens=1, worker_id=target)
-        local = client.generate(prefix + rand(PROMPT - PREFIX), max_tokens=1, worker_id=source)
+        pulled = client.generate(
+            prefix + rand(PROMPT - PREFIX), max_tokens=answer, worker_id=target
+        )
+        local = client.generate(prefix + rand(PROMPT - PREFIX), max_tokens=answer, worker_id=source)
         samples["cold_ms"].append(cold.ttft_ms or 0.0)
         samples["pulled_ms"].append(pulled.ttft_ms or 0.0)
         samples["local_hit_ms"].append(local.ttft_ms or 0.0)
@@ -30,3 +37,58 @@ def prefix_ttft_trials(
     out = {k: sorted(v)[len(v) // 2] for k, v in samples.items()}
     out["pulled_tokens_min"] = float(min(pulled_tokens))
     return out
+
+
+def worker_pull_trials(
+    deployment: Any, client: Any, rand: Callable[[int], list[int]], source: str, target: str
+) -> dict[str, Any]:
+    """Pulls run by `target` itself (a request sent straight to its actor, no coordinator), 480
+    blocks of a fresh prefix each time. Medians of: the pull's own time as the worker reports it
+    (blocks reserved -> registered, calls to the peer included), the actor's time to the first
+    output with that pull vs with the same prefix already local, the worker's split of each
+    (queued until its first step, the pull included; prefill), and one pin + unpin round trip
+    to the source."""
+    import ray
+
+    from kvmesh.proto.block_hash import block_hashes
+    from kvmesh.workers.contract.requests import PullSpec, SamplingConfig, WorkerRequest
+
+    coordinator, cluster = deployment.coordinator, deployment.cluster
+    root = coordinator.root_hash()
+    transport = coordinator.transfers.transport(source, target)
+    samples: dict[str, list[float]] = {"pull_ms": [], "actor_pulled_ms": [], "actor_local_ms": []}
+    for key in ("pin_round_trip_ms", "pulled_queued_ms", "pulled_prefill_ms"):
+        samples[key] = []
+    samples.update(local_queued_ms=[], local_prefill_ms=[])
+    num_blocks = []
+
+    def first_output(worker: str, rid: str, prompt: list[int], spec: PullSpec | None) -> Any:
+        request = WorkerRequest(rid, tuple(prompt), SamplingConfig(1), "", spec)
+        start = time.perf_counter()
+        out = ray.get(next(iter(cluster.actor(worker).generate.remote(request))))
+        return out, (time.perf_counter() - start) * 1e3
+
+    for k in range(4):
+        prefix = rand(PREFIX)
+        client.generate(prefix + [1], max_tokens=1, worker_id=source)
+        hashes = tuple(block_hashes(prefix, BLOCK_SIZE, root))
+        start = time.perf_counter()
+        ids = ray.get(cluster.actor(source).pin_blocks.remote(list(hashes)))
+        ray.get(cluster.actor(source).unpin_blocks.remote(ids))
+        samples["pin_round_trip_ms"].append((time.perf_counter() - start) * 1e3)
+        tail = rand(PROMPT - PREFIX)
+        spec = PullSpec(source, 0, hashes, transport)
+        out, pulled_ms = first_output(target, f"bare-pull-{k}", prefix + tail, spec)
+        local, local_ms = first_output(
+            source, f"bare-local-{k}", prefix + rand(PROMPT - PREFIX), None
+        )
+        samples["pull_ms"].append(out.prefill.pull_ms)
+        for name, facts in (("pulled", out.prefill), ("local", local.prefill)):
+            samples[f"{name}_queued_ms"].append(facts.queued_ms)
+            samples[f"{name}_prefill_ms"].append(facts.prefill_ms)
+        samples["actor_pulled_ms"].append(pulled_ms)
+        samples["actor_local_ms"].append(local_ms)
+        num_blocks.append(out.prefill.pulled_tokens // BLOCK_SIZE)
+    result: dict[str, Any] = {k: sorted(v)[len(v) // 2] for k, v in samples.items()}
+    result.update(transport=transport.value, pull_blocks=min(num_blocks))
+    return result

@@ -284,9 +284,16 @@ class WorkerActor:
             try:
                 self._drain_inbox()
                 outputs = self.worker.step() if self.worker.has_work else []
+                # A first token goes out before the step's KV events (an 8K prefill's 512
+                # blocks are a ~1.5 ms Redis script); a request's last output only after them,
+                # so a finished request's blocks are already announced.
+                for o in outputs:
+                    if not o.finished:
+                        self._deliver(o.request_id, o)
                 self._publish_events()
                 for o in outputs:
-                    self._deliver(o.request_id, o)
+                    if o.finished:
+                        self._deliver(o.request_id, o)
                 if time.monotonic() - self._last_heartbeat >= self.config.heartbeat_interval_s:
                     self._heartbeat()
                 if not outputs and not self.worker.has_work:
@@ -325,8 +332,7 @@ class WorkerActor:
                 fn = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            fn()
-            self._publish_events()  # e.g. imported blocks: announced like computed ones
+            fn()  # what it changes in the pool (e.g. pulled blocks) is announced after the step
 
     def _publish_events(self) -> None:
         # Request notes are hints for the other coordinators: dropped while Redis is away.

@@ -1,15 +1,17 @@
 """The NCCL transport's claims: a worker is in one transfer at a time, waits without holding a
 claim, and gives up (object-store fallback) when the peer stays busy. No GPU needed: the peer is
 a stand-in with the actor's call shape. Also: which group a coordinator that did not form it
-adopts."""
+adopts, and how a run is split into the chunks that pipeline staging with the wire."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
 
+import pytest
+
 from kvmesh.coordinator.cluster.cluster import agreed_nccl_group
-from kvmesh.workers.transfer.nccl import NcclLink, NcclTransport
+from kvmesh.workers.transfer.nccl import PIPELINE_CHUNKS, NcclLink, NcclTransport, chunk_spans
 
 
 class Method:
@@ -83,3 +85,20 @@ def test_an_attached_coordinator_adopts_the_group_most_live_workers_share() -> N
     new = {"w3": 0, "w4": 1, "w5": 2}
     mixed = {"w0": {"w0": 0, "w1": 1}, "w1": {"w0": 0, "w1": 1}, "w3": new, "w4": new, "w5": new}
     assert agreed_nccl_group(mixed) == new
+
+
+@pytest.mark.parametrize("num_blocks", [0, 1, 3, 7, 8, 9, 480, 481])
+def test_chunk_spans_cover_the_run_once_in_order(num_blocks: int) -> None:
+    spans = chunk_spans(num_blocks)
+    assert len(spans) == min(PIPELINE_CHUNKS, num_blocks)
+    covered = [b for lo, hi in spans for b in range(lo, hi)]
+    assert covered == list(range(num_blocks))
+    sizes = [hi - lo for lo, hi in spans]
+    assert not sizes or max(sizes) - min(sizes) <= 1
+
+
+def test_chunk_spans_refuse_nonsense() -> None:
+    with pytest.raises(ValueError, match="-1 blocks"):
+        chunk_spans(-1)
+    with pytest.raises(ValueError, match="in 0 chunks"):
+        chunk_spans(4, 0)

@@ -287,3 +287,18 @@ def test_the_worker_notes_each_request_it_takes_prefills_and_finishes() -> None:
     assert notes is not None
     assert notes.notes == (RequestTaken("b", "", 40, 40 - 2 * BS), RequestFinished("b"))
     assert h.worker.drain_request_notes() is None
+
+
+def test_prefill_facts_split_the_wait_for_a_step_from_the_prefill() -> None:
+    h = Harness(max_num_seqs=1)  # the second request waits for the first to finish
+    h.worker.add_request(req("a", PREFIX + [1], max_tokens=3))
+    h.worker.add_request(req("b", PREFIX + [2], max_tokens=1))
+    firsts: dict[str, RequestOutput] = {}
+    while h.worker.has_work:
+        for o in h.worker.step():
+            firsts.setdefault(o.request_id, o)
+        h.now_s += 1.0  # each step takes a second of the worker's clock
+    a, b = firsts["a"].prefill, firsts["b"].prefill
+    assert a is not None and b is not None
+    assert (a.queued_ms, a.prefill_ms) == (0.0, 0.0)
+    assert (b.queued_ms, b.prefill_ms) == (3000.0, 0.0)  # a's prefill and two decode steps

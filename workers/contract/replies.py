@@ -37,6 +37,11 @@ class PrefillFacts:
     """Time the pull took, start to blocks registered (0 without a pull)."""
     pull_bytes: int = 0
     """KV bytes the pull moved."""
+    queued_ms: float = 0.0
+    """From the worker accepting the request to the first step that ran part of its prompt
+    (the pull included): with `prefill_ms`, where the worker's share of the TTFT went."""
+    prefill_ms: float = 0.0
+    """From that first step to the first token (its chunks, and the steps between them)."""
 
     @property
     def cached_tokens(self) -> int:

@@ -46,6 +46,7 @@ class Sequence:
     num_cached_tokens: int | None = None  # prompt tokens reused at first admission
     num_computed_prompt_tokens: int = 0
     num_preemptions: int = 0
+    prefill_started_s: float | None = None  # when a step first ran part of its prompt
     first_token_s: float | None = None
     finish_reason: str = ""
     session_id: str = ""  # the conversation this is a turn of; its chain is kept warm after

@@ -248,6 +248,10 @@ class Worker:
         self.host_tier.demote_evicted()  # before the forward pass overwrites the reallocated blocks
         if step is None:
             return []
+        now = self.clock()
+        for seq in step.seqs:
+            if seq.prefill_started_s is None:
+                seq.prefill_started_s = now
         started = time.perf_counter()
         chunks = [
             SeqChunk(seq.all_ids[start:], start, seq.block_table, adapter=seq.adapter)
@@ -342,6 +346,7 @@ class Worker:
 
     @staticmethod
     def _prefill_facts(seq: Sequence) -> PrefillFacts:
+        started = seq.prefill_started_s if seq.prefill_started_s is not None else seq.arrival_s
         cached = seq.num_cached_tokens or 0
         pulled = min(seq.num_pulled_tokens, cached)
         host = min(seq.num_host_tokens, cached - pulled)
@@ -352,6 +357,8 @@ class Worker:
             computed_tokens=seq.num_computed_prompt_tokens,
             pull_ms=seq.pull_ms,
             pull_bytes=seq.pull_bytes,
+            queued_ms=(started - seq.arrival_s) * 1e3,
+            prefill_ms=((seq.first_token_s or started) - started) * 1e3,
         )
 
     # ---- pulls (source side) --------------------------------------------------------------------
