@@ -297,6 +297,10 @@ class WorkerActor:
                 if time.monotonic() - self._last_heartbeat >= self.config.heartbeat_interval_s:
                     self._heartbeat()
                 if not outputs and not self.worker.has_work:
+                    if self._inbox.empty() and self.worker.write_back_host(
+                        self.config.host_write_back_blocks
+                    ):
+                        continue  # more may be left: check for requests, then go on
                     self._wakeup.wait(_IDLE_WAIT_S)
                     self._wakeup.clear()
             except Exception as exc:  # keep serving: fail the running requests, not the worker

@@ -27,6 +27,10 @@ class WorkerConfig:
     """Share of the GPU this worker owns (fractional GPUs): pool sizing stays within that share."""
     host_cache_gb: float = 0.0
     """Pinned host-memory tier for blocks evicted from the device pool; 0 disables it."""
+    host_write_back_blocks: int = 1024
+    """With a host tier: how many of the device pool's next evictions to keep copied on it,
+    written while the engine is idle (64 a tick), so evicting them when a request needs the room
+    copies nothing; 0 copies only on eviction."""
     cpu_kv_cache_mb: int = 256
     """KV pool size on CPU when num_blocks is 0."""
     redis_url: str = field(default="", repr=False)
@@ -72,6 +76,10 @@ class WorkerConfig:
             raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
         if self.host_cache_gb < 0:
             raise ValueError(f"host_cache_gb must be >= 0, got {self.host_cache_gb}")
+        if self.host_write_back_blocks < 0:
+            raise ValueError(
+                f"host_write_back_blocks must be >= 0, got {self.host_write_back_blocks}"
+            )
         if not 0.0 < self.gpu_fraction <= 1.0:
             raise ValueError(f"gpu_fraction must be in (0, 1], got {self.gpu_fraction}")
         # A config read back from JSON (a service record) has lists: keep it hashable.

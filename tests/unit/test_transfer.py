@@ -10,7 +10,7 @@ import torch
 from kvmesh.coordinator.index.mirror import IndexMirror, WorkerId
 from kvmesh.coordinator.routing.links import LinkTable, LinkType, link_type
 from kvmesh.proto.block_hash import BlockHash, block_hashes
-from kvmesh.proto.events import TIER_DEVICE, TIER_HOST
+from kvmesh.proto.events import TIER_DEVICE, TIER_HOST, BlockStored
 from kvmesh.workers.contract.replies import RequestOutput
 from kvmesh.workers.contract.requests import PullSpec, SamplingConfig, WorkerRequest
 from kvmesh.workers.engine.scheduler import SchedulerConfig
@@ -305,3 +305,69 @@ def test_block_runs_are_copied_in_as_few_slices_as_possible() -> None:
         assert torch.equal(dst[:, :, d], src[:, :, s])
     with pytest.raises(ValueError):
         copy_block_runs(dst, [1], src, [1, 2])
+
+
+def test_blocks_written_back_while_idle_are_evicted_without_another_copy() -> None:
+    worker, _ = make_worker("w", num_blocks=10, host_slots=64)
+    run(worker, "a", PREFIX + [1])
+    host = worker.host_pool
+    assert host is not None
+    worker.drain_event_batch()
+    while worker.write_back_host(look_ahead=10):  # the actor's idle ticks
+        pass
+    assert worker.drain_event_batch() is None  # the device still holds them: nothing announced
+    next_out = worker.pool.next_evicted(10)
+    hashes = [h for _b, h in next_out]
+    assert hashes and not host.missing(hashes)
+    assert worker.write_back_host(look_ahead=10) == 0  # nothing left to do
+    first_block, first_hash = next_out[0]
+    worker.runner.kv_cache[:, :, first_block] = 7.0  # a second copy would carry this
+    taken = worker.pool.allocate(worker.pool.num_free)  # a request takes all the room
+    assert taken is not None
+    worker.host_tier.demote_evicted()
+    batch = worker.drain_event_batch()
+    assert batch is not None
+    announced = [
+        h
+        for e in batch.events
+        if isinstance(e, BlockStored) and e.tier == TIER_HOST
+        for h in e.hashes
+    ]
+    assert sorted(announced) == sorted(hashes)
+    assert not torch.all(host.get([first_hash]) == 7.0)
+    worker.pool.free(taken)
+    host.check_invariants()
+
+
+def test_a_prefix_written_back_ahead_is_promoted_with_the_same_result() -> None:
+    worker, logits = make_worker("w", num_blocks=10, host_slots=64)  # 160 device tokens
+    run(worker, "a", PREFIX + [1])
+    for k in range(3):  # evict the prefix from the device, writing back while idle
+        while worker.write_back_host(look_ahead=10):
+            pass
+        run(worker, f"f{k}", [(i * (k + 11)) % 250 + 3 for i in range(120)], max_tokens=4)
+    chain = chain_of(worker, PREFIX)
+    assert len(worker.pool.match_prefix(chain)) < 6
+    prompt = PREFIX + [1]
+    outs = run(worker, "again", prompt)
+    facts = outs[0].prefill
+    assert facts is not None and facts.host_tokens > 0
+    assert facts.cached_tokens == 96
+    assert_same_as_cold(outs, logits, "again", prompt)
+
+
+def test_tier_events_keep_the_mirror_equal_to_both_pools_with_write_back() -> None:
+    worker, _ = make_worker("w", num_blocks=10, host_slots=8)
+    mirror = IndexMirror()
+    mirror.load_worker(WorkerId("w"), worker.generation, 0, [])
+    prompts = [[(i * (k + 3)) % 250 + 3 for i in range(70)] for k in range(6)]
+    for k, p in enumerate(prompts + prompts[:2]):
+        run(worker, f"r{k}", p, max_tokens=3)
+        worker.write_back_host(look_ahead=6)
+        batch = worker.drain_event_batch()
+        if batch is not None:
+            mirror.apply(batch)
+    expected = {h: TIER_HOST for h in worker.host_pool.cached_hashes()}  # type: ignore[union-attr]
+    expected.update({h: TIER_DEVICE for h in worker.pool.cached_hashes()})
+    assert mirror.worker_hashes(WorkerId("w")) == expected
+    mirror.check_invariants()

@@ -4,6 +4,9 @@ copied back and pinned for their request (promotion), the way a pull is.
 
     device pool:  [ held ............ ][ evicted ]--demote-->  host pool
     waiting seq:  [ held on device ][ on host ]  --promote--> reserved, written, pinned for it
+
+While the engine is idle, `write_back` copies the blocks the device pool will evict next to the
+host ahead of time, so evicting them later (when a request needs the room) copies nothing.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import torch
 from kvmesh.proto.block_hash import BlockHash, num_reusable_blocks
 from kvmesh.workers.engine.sequence import Sequence
 from kvmesh.workers.kv import pull_reservation
-from kvmesh.workers.kv.block_pool import BlockPool
+from kvmesh.workers.kv.block_pool import BlockId, BlockPool
 from kvmesh.workers.kv.host_pool import HostPool
 from kvmesh.workers.model.runner import ModelRunner
 
@@ -37,8 +40,36 @@ class HostTier:
         evicted = self.pool.drain_evicted()
         if self.host_pool is None or not evicted:
             return
-        ids = [b for b, _h in evicted]
-        self.host_pool.put([h for _b, h in evicted], self.runner.export_blocks(ids))
+        self._put(evicted, announce=True)
+
+    def _put(self, blocks: list[tuple[BlockId, BlockHash]], *, announce: bool) -> int:
+        """Copy to the host the given device blocks it lacks; returns how many were copied.
+        `announce`: the device has let them go (eviction), so the index may learn of them."""
+        assert self.host_pool is not None
+        hashes = [h for _b, h in blocks]
+        missing = self.host_pool.missing(hashes)
+        if missing:
+            ids = [blocks[i][0] for i in missing]
+            copies = self.runner.export_blocks(ids)
+            self.host_pool.put([hashes[i] for i in missing], copies, announce=False)
+        if announce:
+            self.host_pool.announce(hashes)
+        return len(missing)
+
+    def write_back(self, look_ahead: int, max_blocks: int = 64) -> int:
+        """Copy up to `max_blocks` of the device pool's next `look_ahead` evictions that the host
+        tier lacks (the blocks a request would take first); returns how many were copied."""
+        if self.host_pool is None or look_ahead <= 0:
+            return 0
+        candidates = self.pool.next_evicted(look_ahead)
+        missing = self.host_pool.missing([h for _b, h in candidates])[:max_blocks]
+        if not missing:
+            return 0
+        copied = self._put([candidates[i] for i in missing], announce=False)
+        cache = self.runner.kv_cache
+        if cache.is_cuda:  # one batch in flight at a time: a request arriving now waits for
+            torch.cuda.current_stream(cache.device).synchronize()  # this batch, not a backlog
+        return copied
 
     def promote(self, waiting: Iterable[Sequence], unpin: Callable[[Sequence], None]) -> int:
         """Promote and pin what the host tier holds past each waiting prompt's device prefix;

@@ -232,6 +232,11 @@ class Worker:
         self._note_queue()
         return num_pulled
 
+    def write_back_host(self, look_ahead: int) -> int:
+        """Idle work: copy some of the device pool's next `look_ahead` evictions to the host
+        tier ahead of time (`HostTier.write_back`); returns blocks copied (0: nothing to do)."""
+        return self.host_tier.write_back(look_ahead)
+
     # ---- steps --------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

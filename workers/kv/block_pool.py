@@ -263,6 +263,20 @@ class BlockPool:
             self._pending_events.append(BlockRemoved(tuple(dropped)))
         return len(dropped)
 
+    def next_evicted(self, max_scan: int) -> list[tuple[BlockId, BlockHash]]:
+        """(block, hash) of the registered blocks among the first `max_scan` of the free queue:
+        the ones `allocate` hands out (and evicts) next, in that order."""
+        if max_scan < 0:
+            raise ValueError(f"max_scan must be >= 0, got {max_scan}")
+        out: list[tuple[BlockId, BlockHash]] = []
+        for i, b in enumerate(self._free):
+            if i == max_scan:
+                break
+            h = self._block_hash[b]
+            if h is not None:
+                out.append((b, h))
+        return out
+
     def drain_evicted(self) -> list[tuple[BlockId, BlockHash]]:
         """(block, hash) of every registered block reallocated since the last call."""
         evicted, self._evicted = self._evicted, []

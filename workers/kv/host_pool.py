@@ -6,6 +6,11 @@ used first. The tensors are pinned when CUDA is present, so the copies overlap c
 
     device pool evicts block b (hash h) --export--> host slot s   (removed@device, stored@host)
     prompt misses h on the device, finds h here --> promote: copy s into a fresh device block
+
+A block can also be copied here ahead of its eviction (`put(..., announce=False)`, while the
+engine is idle): it is kept unannounced, since the device still holds it, and announced with no
+copy when the device does evict it (`announce`). The index so only ever learns of a host copy
+once it is the worker's only one, as before.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ from kvmesh.proto.events import TIER_HOST, BlockRemoved, BlockStored, KVEvent
 
 class HostPool:
     """Invariants: hash_to_slot and the free slots partition range(num_slots); LRU order is the
-    OrderedDict's order (first = evicted first)."""
+    OrderedDict's order (first = evicted first); the unannounced hashes are a subset of
+    hash_to_slot's."""
 
     def __init__(
         self, num_slots: int, block_shape: Sequence[int], dtype: torch.dtype, *, pin: bool
@@ -33,6 +39,7 @@ class HostPool:
         self._hash_to_slot: OrderedDict[BlockHash, int] = OrderedDict()
         self._free_slots = list(range(num_slots - 1, -1, -1))
         self._pending_events: list[KVEvent] = []
+        self._unannounced: set[BlockHash] = set()
         self.num_evicted = 0
         """Blocks dropped (least recently used first) to make room for others, since start."""
 
@@ -43,30 +50,53 @@ class HostPool:
 
     @property
     def num_cached(self) -> int:
-        return len(self._hash_to_slot)
+        """Announced blocks (the ones the index knows are here)."""
+        return len(self._hash_to_slot) - len(self._unannounced)
 
     def __contains__(self, h: BlockHash) -> bool:
         return h in self._hash_to_slot
 
     def cached_hashes(self) -> list[BlockHash]:
-        return list(self._hash_to_slot)
+        """Announced hashes, least recently used first."""
+        return [h for h in self._hash_to_slot if h not in self._unannounced]
 
-    def put(self, hashes: Sequence[BlockHash], blocks: torch.Tensor) -> None:
-        """Store blocks (layout of ModelRunner.export_blocks) under their hashes, evicting LRU."""
+    def put(
+        self, hashes: Sequence[BlockHash], blocks: torch.Tensor, *, announce: bool = True
+    ) -> None:
+        """Store blocks (layout of ModelRunner.export_blocks) under their hashes, evicting LRU;
+        a hash already here is only marked recently used (and announced, if asked)."""
         if blocks.shape[0] != len(hashes):
             raise ValueError(f"{blocks.shape[0]} blocks for {len(hashes)} hashes")
-        stored: list[BlockHash] = []
         for i, h in enumerate(hashes):
-            slot = self._hash_to_slot.get(h)
-            if slot is None:
-                slot = self._take_slot()
-                self._hash_to_slot[h] = slot
-                stored.append(h)
-            else:
-                self._hash_to_slot.move_to_end(h)
+            if h in self._hash_to_slot:  # a hash names its KV: the copy here is that block
+                continue
+            slot = self._take_slot()
+            self._hash_to_slot[h] = slot
+            self._unannounced.add(h)
             self.data[slot].copy_(blocks[i], non_blocking=True)
-        if stored:
-            self._pending_events.append(BlockStored(tuple(stored), TIER_HOST))
+        if announce:
+            self.announce(hashes)
+        else:
+            self.touch(hashes)
+
+    def announce(self, hashes: Sequence[BlockHash]) -> None:
+        """Mark the given hashes that are here recently used and make the unannounced ones
+        known (a BlockStored event): the device no longer holds them."""
+        self.touch(hashes)
+        told = [h for h in hashes if h in self._unannounced]
+        if told:
+            self._unannounced.difference_update(told)
+            self._pending_events.append(BlockStored(tuple(told), TIER_HOST))
+
+    def touch(self, hashes: Sequence[BlockHash]) -> None:
+        """Mark the given hashes that are here recently used (the others are ignored)."""
+        for h in hashes:
+            if h in self._hash_to_slot:
+                self._hash_to_slot.move_to_end(h)
+
+    def missing(self, hashes: Sequence[BlockHash]) -> list[int]:
+        """Positions in `hashes` of the blocks not here."""
+        return [i for i, h in enumerate(hashes) if h not in self._hash_to_slot]
 
     def match(self, hashes: Sequence[BlockHash]) -> int:
         """How many leading hashes are here."""
@@ -102,17 +132,22 @@ class HostPool:
         return events
 
     def clear(self) -> None:
-        if self._hash_to_slot:
-            self._pending_events.append(BlockRemoved(tuple(self._hash_to_slot), TIER_HOST))
+        announced = self.cached_hashes()
+        if announced:
+            self._pending_events.append(BlockRemoved(tuple(announced), TIER_HOST))
         self._free_slots = list(range(self.num_slots - 1, -1, -1))
         self._hash_to_slot.clear()
+        self._unannounced.clear()
 
     def _take_slot(self) -> int:
         if self._free_slots:
             return self._free_slots.pop()
         victim, slot = self._hash_to_slot.popitem(last=False)
         self.num_evicted += 1
-        self._pending_events.append(BlockRemoved((victim,), TIER_HOST))
+        if victim in self._unannounced:
+            self._unannounced.discard(victim)  # never announced: nothing to take back
+        else:
+            self._pending_events.append(BlockRemoved((victim,), TIER_HOST))
         return slot
 
     def check_invariants(self) -> None:
@@ -120,3 +155,4 @@ class HostPool:
         assert len(used) == len(self._hash_to_slot), "two hashes share a slot"
         assert used.isdisjoint(self._free_slots), "a used slot is on the free list"
         assert len(used) + len(self._free_slots) == self.num_slots
+        assert self._unannounced <= self._hash_to_slot.keys(), "an unannounced hash has no slot"
