@@ -6,7 +6,9 @@ copied back and pinned for their request (promotion), the way a pull is.
     waiting seq:  [ held on device ][ on host ]  --promote--> reserved, written, pinned for it
 
 While the engine is idle, `write_back` copies the blocks the device pool will evict next to the
-host ahead of time, so evicting them later (when a request needs the room) copies nothing.
+host ahead of time, so evicting them later (when a request needs the room) copies nothing. On a
+GPU a promotion runs layer by layer beside the step's prefill (`kv/layer_load.py`) and has
+landed by the end of that step (`end_step`).
 """
 
 from __future__ import annotations
@@ -93,9 +95,15 @@ class HostTier:
         if reservation is None:
             return 0
         run = list(reservation.hashes)
+        targets = [int(b) for b in reservation.targets]
         try:
-            data = self.host_pool.get(run, self.runner.kv_cache.device)
-            self.runner.import_blocks(list(reservation.targets), data)
+            if self.runner.can_load_layers(self.host_pool.data):
+                slots = self.host_pool.slots_for(run)
+                self.host_pool.hold(slots)  # read by the load until this step ends
+                self.runner.load_layers(self.host_pool.data, slots, targets)
+            else:
+                data = self.host_pool.get(run, self.runner.kv_cache.device)
+                self.runner.import_blocks(targets, data)
             written = len(run)
         except (KeyError, ValueError):
             written = 0  # a slot the host tier gave up meanwhile: recompute instead
@@ -105,6 +113,15 @@ class HostTier:
         if seq.num_cached_tokens is None:
             seq.num_host_tokens += promoted * bs
         return promoted * bs
+
+    def end_step(self) -> None:
+        """A step is over: every layer load it started has landed (usually long since: the
+        step's forward waited for each layer, and sampling waited for the forward), so nothing
+        outlives the step that started it, and the host slots they read are free again."""
+        for load in self.runner.take_layer_loads():
+            load.done.synchronize()
+        if self.host_pool is not None:
+            self.host_pool.release_held()
 
     def export_after(self, hashes: Seq[BlockHash]) -> tuple[torch.Tensor | None, list[BlockHash]]:
         """The host tier's leading run of `hashes` (a peer pulls it after the device run)."""

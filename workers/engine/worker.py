@@ -246,6 +246,12 @@ class Worker:
         return outputs
 
     def _step(self) -> list[RequestOutput]:
+        try:
+            return self._run_step()
+        finally:
+            self.host_tier.end_step()
+
+    def _run_step(self) -> list[RequestOutput]:
         self.sessions.expire()
         waiting = list(self.scheduler.waiting)[: self.scheduler.config.max_num_seqs]
         self.tally.host_hit_tokens += self.host_tier.promote(waiting, self.scheduler.unpin)

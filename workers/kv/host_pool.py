@@ -26,8 +26,8 @@ from kvmesh.proto.events import TIER_HOST, BlockRemoved, BlockStored, KVEvent
 
 class HostPool:
     """Invariants: hash_to_slot and the free slots partition range(num_slots); LRU order is the
-    OrderedDict's order (first = evicted first); the unannounced hashes are a subset of
-    hash_to_slot's."""
+    OrderedDict's order (first = evicted first, skipping held slots); the unannounced hashes are
+    a subset of hash_to_slot's."""
 
     def __init__(
         self, num_slots: int, block_shape: Sequence[int], dtype: torch.dtype, *, pin: bool
@@ -40,6 +40,7 @@ class HostPool:
         self._free_slots = list(range(num_slots - 1, -1, -1))
         self._pending_events: list[KVEvent] = []
         self._unannounced: set[BlockHash] = set()
+        self._held: set[int] = set()  # slots a device copy is still reading
         self.num_evicted = 0
         """Blocks dropped (least recently used first) to make room for others, since start."""
 
@@ -71,6 +72,8 @@ class HostPool:
             if h in self._hash_to_slot:  # a hash names its KV: the copy here is that block
                 continue
             slot = self._take_slot()
+            if slot is None:
+                continue
             self._hash_to_slot[h] = slot
             self._unannounced.add(h)
             self.data[slot].copy_(blocks[i], non_blocking=True)
@@ -107,6 +110,22 @@ class HostPool:
             n += 1
         return n
 
+    def slots_for(self, hashes: Sequence[BlockHash]) -> list[int]:
+        """The slots holding `hashes` (all must be present), marked recently used: for a reader
+        that copies them itself (`LayerLoad`), holding them meanwhile (`hold`)."""
+        slots = []
+        for h in hashes:
+            slots.append(self._hash_to_slot[h])
+            self._hash_to_slot.move_to_end(h)
+        return slots
+
+    def hold(self, slots: Sequence[int]) -> None:
+        """Keep `slots` from being reused (their contents are being read) until `release_held`."""
+        self._held.update(slots)
+
+    def release_held(self) -> None:
+        self._held.clear()
+
     def get(self, hashes: Sequence[BlockHash], device: torch.device | str = "cpu") -> torch.Tensor:
         """The blocks for `hashes` (all must be present) on `device`, marked recently used.
 
@@ -139,10 +158,13 @@ class HostPool:
         self._hash_to_slot.clear()
         self._unannounced.clear()
 
-    def _take_slot(self) -> int:
+    def _take_slot(self) -> int | None:
         if self._free_slots:
             return self._free_slots.pop()
-        victim, slot = self._hash_to_slot.popitem(last=False)
+        victim = next((h for h, s in self._hash_to_slot.items() if s not in self._held), None)
+        if victim is None:
+            return None  # every slot is being read: this block is not kept
+        slot = self._hash_to_slot.pop(victim)
         self.num_evicted += 1
         if victim in self._unannounced:
             self._unannounced.discard(victim)  # never announced: nothing to take back

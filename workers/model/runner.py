@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from kvmesh.workers.kv.layer_load import LayerLoad, can_load_layers
 from kvmesh.workers.model.batch_plan import (
     AttentionMode,
     BatchPlan,
@@ -56,6 +57,8 @@ class ModelRunner:
         < end_pos of each chunk; which blocks a sequence owns is the block pool's business
       * the weights never change after construction; adapters are only added (`load_adapter`),
         and a chunk names only loaded ones
+      * while layer loads are pending (`load_layers`), every forward reads layer l of the cache
+        only after waiting for layer l of each of them
     """
 
     def __init__(
@@ -128,6 +131,13 @@ class ModelRunner:
             if self.cuda_graphs
             else None
         )
+        self.layered_loads = on_gpu
+        """Host-tier promotions run layer by layer beside the prefill (`load_layers`) instead of
+        as one copy before it; benchmarks and tests may switch it."""
+        self.num_layer_loads = 0
+        """Promotions started as layer loads, since construction."""
+        self._layer_loads: list[LayerLoad] = []
+        self._load_stream: torch.cuda.Stream | None = None
         self.check_invariants()
 
     def _load_weights(self, weights_path: str | None, seed: int | None) -> ModelWeights:
@@ -191,6 +201,8 @@ class ModelRunner:
             and graphs.serves(batch)
         ):
             self.validate_batch(batch)
+            for load in self._layer_loads:
+                load.wait_all()
             return self._logits(graphs.run(batch))
         plan = self._plan(batch)
         hidden = self._run_layers(plan, self._lora_batch(batch, plan))
@@ -254,6 +266,8 @@ class ModelRunner:
         lora: LoraBatch | None = None,
     ) -> torch.Tensor:
         c = self.config
+        for load in self._layer_loads:  # blocks promoted from the host tier, this layer's part
+            load.wait_layer(layer_index)
         num_tokens, num_qk_heads = h.shape[0], c.num_heads + c.num_kv_heads
         qkv = F.linear(h, layer.qkv_proj, layer.qkv_bias)
         if lora is not None:
@@ -425,6 +439,30 @@ class ModelRunner:
         block is one contiguous slab."""
         ids = self._check_block_ids(block_ids, unique=False)
         return self.kv_cache[:, :, ids].permute(2, 0, 1, 3, 4, 5).contiguous()
+
+    def can_load_layers(self, host_data: torch.Tensor) -> bool:
+        """Whether `load_layers` can read these host slots (CUDA, pinned, the cache's layout)."""
+        return self.layered_loads and can_load_layers(host_data, self.kv_cache)
+
+    @torch.inference_mode()
+    def load_layers(
+        self, host_data: torch.Tensor, slots: Sequence[int], block_ids: Sequence[int]
+    ) -> LayerLoad:
+        """Start copying host slots (block-major, `export_blocks` layout) into `block_ids`, layer
+        by layer on a side stream; the next forwards wait per layer (see `LayerLoad`). The
+        caller ends it with `take_layer_loads` once a step is over."""
+        self._check_block_ids(block_ids, unique=True)
+        if self._load_stream is None:
+            self._load_stream = torch.cuda.Stream(self.device)
+        load = LayerLoad(host_data, slots, self.kv_cache, block_ids, self._load_stream)
+        self._layer_loads.append(load)
+        self.num_layer_loads += 1
+        return load
+
+    def take_layer_loads(self) -> list[LayerLoad]:
+        """The pending layer loads, no longer waited for by later forwards."""
+        loads, self._layer_loads = self._layer_loads, []
+        return loads
 
     @torch.inference_mode()
     def import_blocks(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
