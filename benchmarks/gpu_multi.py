@@ -68,7 +68,7 @@ def through_kvmesh() -> dict[str, Any]:
                 c.generate(rand(2048), max_tokens=1, worker_id=w)
             # Pulls run by w1 itself, 480 blocks each time, fresh prefixes; the worker reports
             # the pull's own time (reserve -> blocks registered) apart from the prefill.
-            root = namespace_hash(d.coordinator.fingerprint)
+            root = namespace_hash(d.coordinator.prompts.fingerprint)
             transport = d.coordinator.transfers.transport("w0", "w1")  # type: ignore[union-attr]
             out["transport"] = transport.value
             pulls = []

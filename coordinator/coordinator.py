@@ -1,14 +1,14 @@
 """The request path, without gRPC: validate, hash, look up, route, stream from the worker.
 
-prepare()  token ids (or text) -> validated prompt + chained block hashes        (proto/)
+prompts    token ids (or text) -> validated prompt + chained block hashes (prompt_preparer.py)
 match()    block hashes -> per-worker held prefix, from the in-memory mirror    (index/)
 route()    prices every routable worker and picks one, maybe with a pull plan   (routing/)
 generate() sends the chosen worker a `WorkerRequest` (with its pull plan: the worker runs the
            pull itself) and streams its outputs, keeping the load tracker honest
 
-Pure of torch, Ray and gRPC: the worker is reached through `WorkerBackend` (the Ray shell in
-production, simulated workers in the simulator, a fake in tests); which workers may be routed to
-is the registry's call (`cluster/registry.py`).
+Pure of torch, Ray and gRPC: the worker is reached through `WorkerBackend` (`contract.py`: the
+Ray shell in production, simulated workers in the simulator, a fake in tests); which workers may
+be routed to is the registry's call (`cluster/registry.py`).
 """
 
 from __future__ import annotations
@@ -17,15 +17,23 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import numpy as np
 
 from kvmesh.coordinator.cluster.registry import WorkerRegistry
 from kvmesh.coordinator.config import CoordinatorConfig
-from kvmesh.coordinator.index.mirror import FleetMatch, PrefixMatch, WorkerId
+from kvmesh.coordinator.contract import (
+    InvalidRequest,
+    NoLiveWorker,
+    PrefixIndex,
+    WorkerBackend,
+    WorkerDied,
+)
+from kvmesh.coordinator.index.mirror import PrefixMatch, WorkerId
+from kvmesh.coordinator.prompt_preparer import PreparedPrompt, PromptPreparer, TextCodec
 from kvmesh.coordinator.routing.cost_model import CostModel
 from kvmesh.coordinator.routing.load_tracker import LoadTracker, ReportedLoad
 from kvmesh.coordinator.routing.peer_routes import PeerRoutes
@@ -39,15 +47,7 @@ from kvmesh.coordinator.routing.router import (
 from kvmesh.coordinator.routing.transfer_planner import PullPricing
 from kvmesh.coordinator.session_turns import SessionTurns, TurnMode
 from kvmesh.coordinator.telemetry.request_record import RequestObserver, RequestRecord
-from kvmesh.proto.block_hash import (
-    BlockHash,
-    MediaItem,
-    block_hashes,
-    media_extra_keys,
-    num_reusable_blocks,
-    num_reusable_tokens,
-    prompt_root,
-)
+from kvmesh.proto.block_hash import num_reusable_blocks, num_reusable_tokens
 from kvmesh.proto.request_notes import NoteBatch, RequestTaken
 from kvmesh.workers.contract.replies import (
     PrefillFacts,
@@ -58,58 +58,6 @@ from kvmesh.workers.contract.replies import (
 )
 from kvmesh.workers.contract.requests import PullSpec, SamplingConfig, WorkerRequest
 from kvmesh.workers.model.model_config import ModelConfig
-
-
-class InvalidRequest(ValueError):
-    """The request itself is wrong (maps to INVALID_ARGUMENT)."""
-
-
-class NoLiveWorker(RuntimeError):
-    """No worker can take the request (maps to UNAVAILABLE)."""
-
-
-class WorkerDied(RuntimeError):
-    """The worker's actor died during a call (maps to UNAVAILABLE when it cannot be migrated)."""
-
-
-class WorkerBackend(Protocol):
-    """How the coordinator reaches a worker: the Ray shell, simulated workers, a test fake.
-    `generate` raises `WorkerDied` when the worker is gone, `RequestRejected` for bad input."""
-
-    def generate(self, worker_id: str, request: WorkerRequest) -> Iterator[RequestOutput]: ...
-
-
-class PrefixIndex(Protocol):
-    """What the coordinator reads of the index: the live system's `LockedMirror`; in the
-    simulator's oracle, one shared pool."""
-
-    @property
-    def num_blocks(self) -> int: ...
-    @property
-    def num_events_applied(self) -> int: ...
-    def match(self, hashes: Sequence[BlockHash]) -> dict[WorkerId, PrefixMatch]: ...
-    def match_fleet(
-        self, hashes: Sequence[BlockHash], row_of: Mapping[WorkerId, int], num_rows: int
-    ) -> FleetMatch: ...
-    def num_worker_blocks(self, worker: WorkerId) -> int: ...
-
-
-class TextCodec(Protocol):
-    def encode(self, text: str) -> list[int]: ...
-    def decode(self, ids: Sequence[int]) -> str: ...
-
-
-@dataclass(frozen=True, slots=True)
-class PreparedPrompt:
-    token_ids: tuple[int, ...]
-    block_hashes: tuple[BlockHash, ...]
-    cache_salt: str
-    adapter: str = ""
-    """LoRA adapter the prompt runs with ("" = the base model); mixed into h_0."""
-    media: tuple[MediaItem, ...] = ()
-    """Multimodal items in the prompt; their hashes are the blocks' extra keys."""
-    bypass_cache: bool = False
-    """Match nothing, plan no pull; the worker reuses and registers nothing for it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,7 +133,10 @@ class Coordinator:
         self.backend = backend
         self.mirror = mirror
         self.registry = registry
-        self.tokenizer = tokenizer
+        self.prompts = PromptPreparer(
+            config, model, tokenizer=tokenizer, kv_dtype=kv_dtype, cache_epoch=cache_epoch
+        )
+        """Validates and hashes prompts: `prepare` before `route` or `generate`."""
         self.index_connected = index_connected
         self._worker_free_blocks = worker_free_blocks or (lambda _w: (1 << 30, 1 << 30))
         # The same for a whole fleet at once, when the caller can (the simulator); else per worker.
@@ -209,94 +160,13 @@ class Coordinator:
         (the deployment's `NoteSender`; None: peers hear of it from the worker only)."""
         self._lock = threading.Lock()  # guards policy, load tracker and counters
         self.counters = Counters()
-        self.fingerprint = model.fingerprint()
         self.transfers = transfers
         if transfers is not None:
             self.policy.transfer_ms = transfers.price
             self.policy.transfer_ms_many = transfers.price_many
         self._clock = clock
-        self.kv_dtype = kv_dtype
-        """The workers' KV dtype, part of the root hash (a worker of another dtype still
-        serves correctly: it hashes with its own, the index just predicts no hits on it)."""
-        self.cache_epoch = cache_epoch
-        """The fleet's cache epoch now (ClearCache moves it on), part of the root hash."""
         self.observers = tuple(observers)
         """Told of every routing decision and every request's end (metrics, the request log)."""
-
-    # ---- request preparation ------------------------------------------------------------------
-
-    def prepare(
-        self,
-        token_ids: Sequence[int],
-        prompt: str,
-        cache_salt: str,
-        *,
-        bypass_cache: bool = False,
-        adapter: str = "",
-        media: Sequence[MediaItem] = (),
-    ) -> PreparedPrompt:
-        if token_ids and prompt:
-            raise InvalidRequest("give either token_ids or prompt, not both")
-        if prompt:
-            if self.tokenizer is None:
-                raise InvalidRequest("this model has no tokenizer; send token_ids")
-            token_ids = self.tokenizer.encode(prompt)
-        if not token_ids:
-            raise InvalidRequest("the prompt is empty")
-        context = self.model.max_position_embeddings
-        if len(token_ids) >= context:
-            raise InvalidRequest(
-                f"prompt of {len(token_ids)} tokens leaves no room in the model's context of"
-                f" {context} tokens"
-            )
-        vocab = self.model.vocab_size
-        top = max(token_ids)
-        if top >= vocab:
-            raise InvalidRequest(f"token id {top} is outside the vocabulary [0, {vocab})")
-        extra_keys = _media_keys(media, len(token_ids), self.config.block_size)
-        hashes = self.chain(token_ids, cache_salt, adapter, extra_keys)
-        return PreparedPrompt(
-            tuple(token_ids),
-            tuple(hashes),
-            cache_salt,
-            adapter=adapter,
-            media=tuple(media),
-            bypass_cache=bypass_cache,
-        )
-
-    def chain(
-        self,
-        token_ids: Sequence[int],
-        cache_salt: str,
-        adapter: str = "",
-        extra_keys: Mapping[int, Sequence[int]] | None = None,
-    ) -> list[BlockHash]:
-        """The prompt's block hashes under the current cache epoch and KV dtype (the worker
-        roots its sequences the same way: `Worker.root_hash`, then the adapter)."""
-        return block_hashes(
-            token_ids, self.config.block_size, self.root_hash(cache_salt, adapter), extra_keys
-        )
-
-    def root_hash(self, cache_salt: str = "", adapter: str = "") -> BlockHash:
-        """h_0 of a prompt's chain: namespace, KV dtype, cache epoch, then the adapter (also the
-        root of an external engine's announced blocks, `engines/chain_translator.py`)."""
-        return prompt_root(self.fingerprint, cache_salt, self.kv_dtype, self.cache_epoch(), adapter)
-
-    def check_sampling(self, prompt: PreparedPrompt, sampling: SamplingConfig) -> None:
-        vocab = self.model.vocab_size
-        if sampling.top_k > vocab:
-            raise InvalidRequest(f"top_k {sampling.top_k} is over the vocabulary size {vocab}")
-        if sampling.max_tokens > self.config.max_tokens_limit:
-            raise InvalidRequest(
-                f"max_tokens {sampling.max_tokens} is over the limit {self.config.max_tokens_limit}"
-            )
-        context = self.model.max_position_embeddings
-        total = len(prompt.token_ids) + sampling.max_tokens
-        if total > context:
-            raise InvalidRequest(
-                f"prompt ({len(prompt.token_ids)}) + max_tokens ({sampling.max_tokens}) = {total}"
-                f" exceeds the model's context of {context} tokens"
-            )
 
     # ---- lookup and routing -------------------------------------------------------------------
 
@@ -394,7 +264,7 @@ class Coordinator:
         `max_tokens_known=False`: `sampling.max_tokens` is a server default (the rest of the
         context), not the caller's, so the router treats the answer's length as unknown."""
         started = self._clock()
-        self.check_sampling(prompt, sampling)
+        self.prompts.check_sampling(prompt, sampling)
         if prompt.media:
             raise InvalidRequest(
                 "the built-in runner is text-only: Generate takes no media items"
@@ -618,7 +488,7 @@ class Coordinator:
         remaining = original.sampling.max_tokens - len(produced)
         if remaining < 1:
             raise WorkerDied(dead)  # nothing left to generate but the final message was lost
-        prompt = self.prepare(
+        prompt = self.prompts.prepare(
             list(original.prompt_ids) + produced,
             "",
             original.cache_salt,
@@ -717,18 +587,6 @@ class Coordinator:
 
     def indexed_blocks_of(self, worker_id: str) -> int:
         return self.mirror.num_worker_blocks(WorkerId(worker_id))
-
-
-def _media_keys(
-    media: Sequence[MediaItem], num_tokens: int, block_size: int
-) -> dict[int, list[int]] | None:
-    """Extra keys of the prompt's blocks; a misplaced item is the request's fault."""
-    if not media:
-        return None
-    try:
-        return media_extra_keys(media, num_tokens, block_size)
-    except ValueError as exc:
-        raise InvalidRequest(str(exc)) from None
 
 
 def _record(

@@ -12,6 +12,8 @@ import pytest
 # gRPC shells, which are checked separately below.
 CORE = [
     "kvmesh.coordinator.coordinator",
+    "kvmesh.coordinator.contract",
+    "kvmesh.coordinator.prompt_preparer",
     "kvmesh.coordinator.config",
     "kvmesh.coordinator.cluster.registry",
     "kvmesh.coordinator.cluster.redis_server",
