@@ -1,7 +1,7 @@
 """The request path, without gRPC: validate, hash, look up, route, stream from the worker.
 
 prompts    token ids (or text) -> validated prompt + chained block hashes (prompt_preparer.py)
-match()    block hashes -> per-worker held prefix, from the in-memory mirror    (index/)
+fleet      block hashes -> per-worker held prefix, from the in-memory mirror (fleet_view.py)
 route()    prices every routable worker and picks one, maybe with a pull plan   (routing/)
 generate() sends the chosen worker a `WorkerRequest` (with its pull plan: the worker runs the
            pull itself) and streams its outputs, keeping the load tracker honest
@@ -19,9 +19,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, cast
-
-import numpy as np
+from typing import Any
 
 from kvmesh.coordinator.cluster.registry import WorkerRegistry
 from kvmesh.coordinator.config import CoordinatorConfig
@@ -32,7 +30,8 @@ from kvmesh.coordinator.contract import (
     WorkerBackend,
     WorkerDied,
 )
-from kvmesh.coordinator.index.mirror import PrefixMatch, WorkerId
+from kvmesh.coordinator.fleet_view import FleetView, FreeBlocksMany
+from kvmesh.coordinator.index.mirror import WorkerId
 from kvmesh.coordinator.prompt_preparer import PreparedPrompt, PromptPreparer, TextCodec
 from kvmesh.coordinator.routing.cost_model import CostModel
 from kvmesh.coordinator.routing.load_tracker import LoadTracker, ReportedLoad
@@ -41,7 +40,6 @@ from kvmesh.coordinator.routing.pull_planner import PullPlan, best_peer, cheapes
 from kvmesh.coordinator.routing.router import (
     RouteDecision,
     RouteQuery,
-    WorkerColumns,
     make_policy,
 )
 from kvmesh.coordinator.routing.transfer_planner import PullPricing
@@ -104,10 +102,6 @@ class Counters:
     per_worker: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
-FreeBlocksMany = Callable[[Sequence[str]], tuple[np.ndarray, np.ndarray]]
-"""workers -> (pool blocks, free blocks) of each, in order."""
-
-
 class Coordinator:
     def __init__(
         self,
@@ -137,11 +131,6 @@ class Coordinator:
             config, model, tokenizer=tokenizer, kv_dtype=kv_dtype, cache_epoch=cache_epoch
         )
         """Validates and hashes prompts: `prepare` before `route` or `generate`."""
-        self.index_connected = index_connected
-        self._worker_free_blocks = worker_free_blocks or (lambda _w: (1 << 30, 1 << 30))
-        # The same for a whole fleet at once, when the caller can (the simulator); else per worker.
-        self._worker_free_blocks_many = worker_free_blocks_many
-        self._fleet_rows: tuple[tuple[WorkerId, ...], dict[WorkerId, int]] | None = None
         self.cost_model = cost_model or CostModel()
         self.policy = make_policy(
             config.policy,
@@ -152,6 +141,14 @@ class Coordinator:
         )
         self.turns = SessionTurns()
         self.load = LoadTracker()
+        self.fleet = FleetView(
+            mirror,
+            self.load,
+            index_connected=index_connected,
+            worker_free_blocks=worker_free_blocks,
+            worker_free_blocks_many=worker_free_blocks_many,
+        )
+        """The fleet as the router sees it for a prompt: `match`, and `columns` for routing."""
         self.origin = uuid.uuid4().hex[:16]
         """This replica's id in the requests it sends (`WorkerRequest.origin`)."""
         self.peer_routes = PeerRoutes(self.origin, self.load)
@@ -169,50 +166,6 @@ class Coordinator:
         """Told of every routing decision and every request's end (metrics, the request log)."""
 
     # ---- lookup and routing -------------------------------------------------------------------
-
-    def match(self, prompt: PreparedPrompt) -> dict[WorkerId, PrefixMatch]:
-        if prompt.bypass_cache:
-            return {}
-        if not self.index_connected():
-            return {}  # a stale index must not steer traffic: route by load only
-        return self.mirror.match(prompt.block_hashes)
-
-    def views(self, prompt: PreparedPrompt, workers: Sequence[str]) -> WorkerColumns:
-        """Every routable worker as the router sees it for this prompt, as columns."""
-        ids = cast(tuple[WorkerId, ...], tuple(workers))
-        if self._worker_free_blocks_many is not None:
-            num_blocks, num_free = self._worker_free_blocks_many(ids)
-        else:
-            capacity = [self._worker_free_blocks(w) for w in ids]
-            num_blocks = np.array([c[0] for c in capacity], dtype=np.int64)
-            num_free = np.array([c[1] for c in capacity], dtype=np.int64)
-        queued_ms, queued_tokens, running = self.load.columns(ids, self.cost_model)
-        index_of = self._index_of(ids)
-        if prompt.bypass_cache or not self.index_connected():  # as `match`: nothing matched
-            num_matched = np.zeros(len(ids), dtype=np.int64)
-            num_device = np.zeros(len(ids), dtype=np.int64)
-        else:
-            num_matched, num_device, _ = self.mirror.match_fleet(
-                prompt.block_hashes, index_of, len(ids)
-            )
-        return WorkerColumns(
-            ids,
-            num_blocks,
-            num_free,
-            queued_ms,
-            queued_tokens,
-            running,
-            num_matched,
-            num_device,
-            index_of,
-        )
-
-    def _index_of(self, ids: tuple[WorkerId, ...]) -> dict[WorkerId, int]:
-        """Row of each worker of the fleet, cached while the fleet stays the same tuple."""
-        cached = self._fleet_rows
-        if cached is None or cached[0] is not ids:
-            cached = self._fleet_rows = (ids, {w: i for i, w in enumerate(ids)})
-        return cached[1]
 
     def route(
         self,
@@ -234,7 +187,7 @@ class Coordinator:
         )
         with self._lock:
             started = self._clock()
-            decision = self.policy.choose(query, self.views(prompt, live))
+            decision = self.policy.choose(query, self.fleet.columns(prompt, live, self.cost_model))
             elapsed = self._clock() - started
         for observer in self.observers:
             observer.on_routed(elapsed)
@@ -358,7 +311,7 @@ class Coordinator:
         live = self._routable_for(prompt.adapter)
         if worker_id not in live:
             raise InvalidRequest(f"worker {worker_id!r} does not serve adapter {prompt.adapter!r}")
-        views = self.views(prompt, live)
+        views = self.fleet.columns(prompt, live, self.cost_model)
         target = next(v for v in views if v.worker_id == worker_id)
         query = RouteQuery("", prompt.block_hashes, len(prompt.token_ids), self.config.block_size)
         price = self.transfers.price if self.transfers is not None else None

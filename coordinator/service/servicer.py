@@ -240,7 +240,7 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
         def run() -> pb.LookupResponse:
             c = self.coordinator
             prompt = self._prepare(request.token_ids, request.prompt, request.cache_salt, request)
-            matches = c.match(prompt)
+            matches = c.fleet.match(prompt)
             bs = c.config.block_size
             return pb.LookupResponse(
                 num_blocks=len(prompt.block_hashes),
@@ -267,7 +267,7 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
                 num_resyncs=self.follower.num_resyncs if self.follower is not None else 0,
                 block_size=c.config.block_size,
                 model=c.prompts.fingerprint,
-                routing="cache_aware" if c.index_connected() else "load_only",
+                routing="cache_aware" if c.fleet.index_connected() else "load_only",
                 num_decode_errors=self.follower.store.num_decode_errors if self.follower else 0,
                 num_drained_workers=len(self.cluster.registry.drained()),
                 num_rejected_requests=self.gate.num_rejected if self.gate else 0,

@@ -79,7 +79,7 @@ def test_media_items_change_the_chain_from_their_block_and_generate_refuses_them
     assert cat.block_hashes[:2] == dog.block_hashes[:2] == plain.block_hashes[:2]
     assert len({cat.block_hashes[2], dog.block_hashes[2], plain.block_hashes[2]}) == 3
     hold(mirror, "w1", cat.block_hashes)
-    assert c.match(dog)["w1"].num_blocks == 2  # matched up to the image, not past it
+    assert c.fleet.match(dog)["w1"].num_blocks == 2  # matched up to the image, not past it
     assert c.route(cat).worker_id == "w1"
     with pytest.raises(InvalidRequest, match="text-only"):
         list(c.generate(cat, SamplingConfig(max_tokens=1)))

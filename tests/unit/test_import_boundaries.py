@@ -14,6 +14,7 @@ CORE = [
     "kvmesh.coordinator.coordinator",
     "kvmesh.coordinator.contract",
     "kvmesh.coordinator.prompt_preparer",
+    "kvmesh.coordinator.fleet_view",
     "kvmesh.coordinator.config",
     "kvmesh.coordinator.cluster.registry",
     "kvmesh.coordinator.cluster.redis_server",
