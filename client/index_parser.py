@@ -15,6 +15,12 @@ from kvmesh.client.request_parser import add_client_options
 def add_index(sub: argparse._SubParsersAction, env: CliEnvironment) -> None:
     parser = subparser(sub, "index", "check the prefix index against the workers' pools")
     actions = parser.add_subparsers(dest="index_command", metavar="ACTION", required=True)
+    _add_verify(actions, env)
+    _add_tree(actions, env)
+    _add_top(actions, env)
+
+
+def _add_verify(actions: argparse._SubParsersAction, env: CliEnvironment) -> None:
     summary = (
         "compare Redis, each coordinator's mirror and each worker's pool; exit 1 if they differ"
     )
@@ -38,6 +44,9 @@ def add_index(sub: argparse._SubParsersAction, env: CliEnvironment) -> None:
         " reporting a difference",
     )
     verify.set_defaults(handler=index_verify.run_index_verify)
+
+
+def _add_tree(actions: argparse._SubParsersAction, env: CliEnvironment) -> None:
     summary = "show a coordinator's prefix tree: depth, tokens, holders per tier, hits"
     tree = actions.add_parser(
         "tree", help=summary, description=summary + ".", formatter_class=HelpFormatter
@@ -51,6 +60,9 @@ def add_index(sub: argparse._SubParsersAction, env: CliEnvironment) -> None:
         help="show at most N blocks, in tree order (1..100000)",
     )
     tree.set_defaults(handler=index_tree.run_index_tree)
+
+
+def _add_top(actions: argparse._SubParsersAction, env: CliEnvironment) -> None:
     summary = "show the hottest prefixes (most lookups ended there) and who holds them"
     top = actions.add_parser(
         "top", help=summary, description=summary + ".", formatter_class=HelpFormatter

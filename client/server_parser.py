@@ -59,7 +59,16 @@ def _add_model_options(parser: argparse.ArgumentParser, env: CliEnvironment) -> 
 def _add_worker_options(
     parser: argparse.ArgumentParser, env: CliEnvironment, default_workers: int | None
 ) -> None:
-    """`default_workers` None lets the launcher size the fleet (one worker per GPU)."""
+    """The flags of the workers a server starts, and of the engines it routes to."""
+    _add_fleet_options(parser, default_workers)
+    _add_worker_memory_options(parser)
+    _add_cache_policy_options(parser)
+    _add_placement_options(parser, env)
+
+
+def _add_fleet_options(parser: argparse.ArgumentParser, default_workers: int | None) -> None:
+    """Worker actors and external engines; `default_workers` None lets the launcher size the
+    fleet (one worker per GPU)."""
     parser.add_argument(
         "--workers",
         type=non_negative_int,
@@ -85,6 +94,10 @@ def _add_worker_options(
         help="the engines' KV block size, also used as --block-size (default 16; vLLM's CPU"
         " backend uses 128)",
     )
+
+
+def _add_worker_memory_options(parser: argparse.ArgumentParser) -> None:
+    """What each worker holds: KV blocks, the host tier, LoRA adapters, CUDA graphs."""
     parser.add_argument(
         "--num-blocks",
         type=non_negative_int,
@@ -114,6 +127,10 @@ def _add_worker_options(
         help="on GPU workers, launch every decode step's kernels one by one instead of replaying"
         " a captured CUDA graph",
     )
+
+
+def _add_cache_policy_options(parser: argparse.ArgumentParser) -> None:
+    """Prefix caching and warm sessions."""
     parser.add_argument(
         "--no-prefix-cache",
         action="store_true",
@@ -141,6 +158,10 @@ def _add_worker_options(
         metavar="N",
         help="a session's pull to its last worker, in blocks of prefill (default: 1)",
     )
+
+
+def _add_placement_options(parser: argparse.ArgumentParser, env: CliEnvironment) -> None:
+    """Where workers run."""
     parser.add_argument("--device", default=env.device, help="worker device: auto, cpu or cuda")
     parser.add_argument(
         "--gpus-per-worker",
@@ -230,6 +251,13 @@ def _add_security_options(parser: argparse.ArgumentParser, env: CliEnvironment) 
     """Server-side auth, TLS and limits (docs/security.md). Token values never show in --help:
     a help text that says "default" keeps the formatter from printing the value."""
     group = parser.add_argument_group("security and limits")
+    _add_auth_options(group, env)
+    _add_tls_options(group)
+    _add_limit_options(group)
+
+
+def _add_auth_options(group: argparse._ArgumentGroup, env: CliEnvironment) -> None:
+    """Bearer tokens: every call's, and the admin calls'."""
     group.add_argument(
         "--auth-token",
         default=env.auth_token,
@@ -246,11 +274,19 @@ def _add_security_options(parser: argparse.ArgumentParser, env: CliEnvironment) 
         " (env KVMESH_ADMIN_TOKEN; default: none, and with --auth-token admin calls are refused)",
     )
     group.add_argument("--admin-token-file", metavar="PATH", help="admin tokens, one a line")
+
+
+def _add_tls_options(group: argparse._ArgumentGroup) -> None:
+    """gRPC over TLS, optionally mutual."""
     group.add_argument("--tls-cert", metavar="PEM", help="server certificate chain: gRPC over TLS")
     group.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
     group.add_argument(
         "--tls-client-ca", metavar="PEM", help="require client certificates signed by this CA"
     )
+
+
+def _add_limit_options(group: argparse._ArgumentGroup) -> None:
+    """What one prompt, one client and one stream may take."""
     group.add_argument(
         "--max-prompt-tokens",
         type=non_negative_int,
