@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvmesh.coordinator.cluster.registry import WorkerRegistry
@@ -44,7 +44,12 @@ from kvmesh.coordinator.routing.router import (
 )
 from kvmesh.coordinator.routing.transfer_planner import PullPricing
 from kvmesh.coordinator.session_turns import SessionTurns, TurnMode
-from kvmesh.coordinator.telemetry.request_record import RequestObserver, RequestRecord
+from kvmesh.coordinator.telemetry.request_counters import RequestCounters
+from kvmesh.coordinator.telemetry.request_record import (
+    RequestObserver,
+    RequestRecord,
+    finished_record,
+)
 from kvmesh.proto.block_hash import num_reusable_blocks, num_reusable_tokens
 from kvmesh.proto.request_notes import NoteBatch, RequestTaken
 from kvmesh.workers.contract.replies import (
@@ -86,20 +91,6 @@ class _Turn:
     was counted before it was routed)."""
     max_tokens: int | None
     """The answer length the router prices decode over (None: unknown)."""
-
-
-@dataclass(slots=True)
-class Counters:
-    num_requests: int = 0
-    num_failed_requests: int = 0
-    num_cancelled_requests: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    pulled_tokens: int = 0
-    computed_tokens: int = 0
-    generated_tokens: int = 0
-    num_migrations: int = 0
-    per_worker: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 class Coordinator:
@@ -156,7 +147,7 @@ class Coordinator:
         """Where each routing decision goes as a `RequestTaken` note for the other replicas
         (the deployment's `NoteSender`; None: peers hear of it from the worker only)."""
         self._lock = threading.Lock()  # guards policy, load tracker and counters
-        self.counters = Counters()
+        self.counters = RequestCounters()
         self.transfers = transfers
         if transfers is not None:
             self.policy.transfer_ms = transfers.price
@@ -402,7 +393,7 @@ class Coordinator:
             if self.observers:
                 outcome = "ok" if ok else "cancelled" if cancelled else "failed"
                 ttft = None if first_at is None or started is None else first_at - started
-                record = _record(request, label, outcome, worker, ttft, prefills, produced)
+                record = finished_record(request, label, outcome, worker, ttft, prefills, produced)
                 self._notify(replace(record, num_migrations=migrations, reason=reason))
 
     def note_refused(self, label: str, outcome: str, reason: str, *, request_id: str = "") -> None:
@@ -473,14 +464,7 @@ class Coordinator:
             self.transfers.observe(request.pull.source, worker, facts)
         with self._lock:
             self.load.on_prefilled(request.request_id)
-            c = self.counters
-            c.prompt_tokens += facts.prompt_tokens
-            c.pulled_tokens += facts.pulled_tokens
-            c.cached_tokens += facts.local_tokens + facts.host_tokens
-            c.computed_tokens += facts.computed_tokens
-            w = c.per_worker.setdefault(worker, {"cached_tokens": 0, "computed_tokens": 0})
-            w["cached_tokens"] += facts.local_tokens + facts.host_tokens
-            w["computed_tokens"] += facts.computed_tokens
+            self.counters.on_prefilled(worker, facts)
 
     def forget_worker(self, worker_id: str) -> None:
         """A worker is gone (the registry's on_dead): drop its load and the policy's state."""
@@ -491,20 +475,7 @@ class Coordinator:
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            c = self.counters
-            snapshot = {
-                "num_requests": c.num_requests,
-                "num_failed_requests": c.num_failed_requests,
-                "num_cancelled_requests": c.num_cancelled_requests,
-                "prompt_tokens": c.prompt_tokens,
-                "cached_tokens": c.cached_tokens,
-                "pulled_tokens": c.pulled_tokens,
-                "computed_tokens": c.computed_tokens,
-                "generated_tokens": c.generated_tokens,
-                "num_migrations": c.num_migrations,
-                "num_session_turns_refused": self.turns.num_refused,
-                "hit_rate": c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
-            }
+            snapshot = self.counters.snapshot(self.turns.num_refused)
         snapshot["num_indexed_blocks"] = self.mirror.num_blocks
         snapshot["num_events_applied"] = self.mirror.num_events_applied
         return snapshot
@@ -540,27 +511,3 @@ class Coordinator:
 
     def indexed_blocks_of(self, worker_id: str) -> int:
         return self.mirror.num_worker_blocks(WorkerId(worker_id))
-
-
-def _record(
-    request: WorkerRequest,
-    label: str,
-    outcome: str,
-    worker: str,
-    ttft_s: float | None,
-    prefills: Sequence[PrefillFacts],
-    produced: Sequence[int],
-) -> RequestRecord:
-    """A finished request's record; a migrated request sums the prefills of its workers."""
-    return RequestRecord(
-        request.request_id,
-        label or request.request_id,
-        outcome,
-        worker_id=worker,
-        ttft_s=ttft_s,
-        prompt_tokens=sum(f.prompt_tokens for f in prefills),
-        cached_tokens=sum(f.local_tokens + f.host_tokens for f in prefills),
-        pulled_tokens=sum(f.pulled_tokens for f in prefills),
-        computed_tokens=sum(f.computed_tokens for f in prefills),
-        generated_tokens=len(produced),
-    )

@@ -110,6 +110,7 @@ def test_a_request_goes_to_the_worker_whose_cache_holds_its_prefix() -> None:
     assert stats["num_requests"] == 1 and stats["generated_tokens"] == 3
     assert stats["prompt_tokens"] == len(PROMPT)
     c.fleet.check_invariants()
+    c.counters.check_invariants()
 
 
 def test_a_pull_plan_travels_to_the_worker_with_the_exact_run_to_move() -> None:

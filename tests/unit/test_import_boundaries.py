@@ -36,6 +36,7 @@ CORE = [
     "kvmesh.coordinator.sim.simulator",
     "kvmesh.coordinator.telemetry.collector",
     "kvmesh.coordinator.telemetry.request_log",
+    "kvmesh.coordinator.telemetry.request_counters",
     "kvmesh.coordinator.telemetry.log_format",
     "kvmesh.workers.contract.requests",
     "kvmesh.workers.contract.replies",
