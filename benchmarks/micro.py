@@ -92,7 +92,7 @@ def bench_router(
     iterations: int = 2000,
     policy_type: type[KvmeshPolicy] = KvmeshPolicy,
 ) -> dict[str, float]:
-    """One decision = what `Coordinator.views` + `route` do: the mirror's match, the workers'
+    """One decision = what `FleetView.columns` + `route` do: the mirror's match, the workers'
     columns (load, capacity, match), kvmesh's policy pricing all of them and picking one.
     Timed twice: wall clock (`p50_ms`, ...) and this thread's CPU time (`cpu_p50_ms`, ...):
     on a shared machine the wall clock's tail is other processes' time slices."""

@@ -54,7 +54,7 @@ def worker_pull_trials(
     from kvmesh.workers.contract.requests import PullSpec, SamplingConfig, WorkerRequest
 
     coordinator, cluster = deployment.coordinator, deployment.cluster
-    root = coordinator.root_hash()
+    root = coordinator.prompts.root_hash()
     transport = coordinator.transfers.transport(source, target)
     samples: dict[str, list[float]] = {"pull_ms": [], "actor_pulled_ms": [], "actor_local_ms": []}
     for key in ("pin_round_trip_ms", "pulled_queued_ms", "pulled_prefill_ms"):

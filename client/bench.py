@@ -30,6 +30,7 @@ import numpy as np
 from kvmesh.client.client import AsyncClient
 from kvmesh.client.environment import read_environment
 from kvmesh.client.errors import KVMeshError
+from kvmesh.client.flag_types import positive_float, positive_int
 from kvmesh.client.results import GenerateResult
 from kvmesh.client.table import format_fields
 from kvmesh.client.workload_options import (
@@ -38,8 +39,6 @@ from kvmesh.client.workload_options import (
     add_slo_arguments,
     add_workload_arguments,
     load_requests,
-    positive_float,
-    positive_int,
 )
 from kvmesh.client.workloads import WorkloadRequest
 

@@ -20,13 +20,13 @@ from typing import Any
 
 from kvmesh.client import workloads
 from kvmesh.client.extension import NotInThisBuild
+from kvmesh.client.flag_types import positive_int
 from kvmesh.client.table import format_table
 from kvmesh.client.workload_options import (
     DEFAULT_TRACE_BLOCK_SIZE,
     add_slo_arguments,
     add_workload_arguments,
     load_requests,
-    positive_int,
 )
 
 DEFAULT_WORKLOAD_BLOCK_SIZE = 16

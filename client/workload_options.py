@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from kvmesh.client import trace_replay, workloads
+from kvmesh.client.flag_types import positive_float, positive_int
 from kvmesh.client.workloads import WorkloadRequest
 
 DEFAULT_TRACE_BLOCK_SIZE = 512
@@ -15,20 +16,6 @@ DEFAULT_TRACE_BLOCK_SIZE = 512
 # same defaults; the client cannot import it).
 DEFAULT_SLO_TTFT_MS = 2000.0
 DEFAULT_SLO_TPOT_MS = 100.0
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,14 +1,14 @@
 """The request path, without gRPC: validate, hash, look up, route, stream from the worker.
 
-prepare()  token ids (or text) -> validated prompt + chained block hashes        (proto/)
-match()    block hashes -> per-worker held prefix, from the in-memory mirror    (index/)
+prompts    token ids (or text) -> validated prompt + chained block hashes (prompt_preparer.py)
+fleet      block hashes -> per-worker held prefix, from the in-memory mirror (fleet_view.py)
 route()    prices every routable worker and picks one, maybe with a pull plan   (routing/)
 generate() sends the chosen worker a `WorkerRequest` (with its pull plan: the worker runs the
            pull itself) and streams its outputs, keeping the load tracker honest
 
-Pure of torch, Ray and gRPC: the worker is reached through `WorkerBackend` (the Ray shell in
-production, simulated workers in the simulator, a fake in tests); which workers may be routed to
-is the registry's call (`cluster/registry.py`).
+Pure of torch, Ray and gRPC: the worker is reached through `WorkerBackend` (`contract.py`: the
+Ray shell in production, simulated workers in the simulator, a fake in tests); which workers may
+be routed to is the registry's call (`cluster/registry.py`).
 """
 
 from __future__ import annotations
@@ -17,15 +17,22 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, Protocol, cast
-
-import numpy as np
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
 
 from kvmesh.coordinator.cluster.registry import WorkerRegistry
 from kvmesh.coordinator.config import CoordinatorConfig
-from kvmesh.coordinator.index.mirror import FleetMatch, PrefixMatch, WorkerId
+from kvmesh.coordinator.contract import (
+    InvalidRequest,
+    NoLiveWorker,
+    PrefixIndex,
+    WorkerBackend,
+    WorkerDied,
+)
+from kvmesh.coordinator.fleet_view import FleetView, FreeBlocksMany
+from kvmesh.coordinator.index.mirror import WorkerId
+from kvmesh.coordinator.prompt_preparer import PreparedPrompt, PromptPreparer, TextCodec
 from kvmesh.coordinator.routing.cost_model import CostModel
 from kvmesh.coordinator.routing.load_tracker import LoadTracker, ReportedLoad
 from kvmesh.coordinator.routing.peer_routes import PeerRoutes
@@ -33,21 +40,17 @@ from kvmesh.coordinator.routing.pull_planner import PullPlan, best_peer, cheapes
 from kvmesh.coordinator.routing.router import (
     RouteDecision,
     RouteQuery,
-    WorkerColumns,
     make_policy,
 )
 from kvmesh.coordinator.routing.transfer_planner import PullPricing
 from kvmesh.coordinator.session_turns import SessionTurns, TurnMode
-from kvmesh.coordinator.telemetry.request_record import RequestObserver, RequestRecord
-from kvmesh.proto.block_hash import (
-    BlockHash,
-    MediaItem,
-    block_hashes,
-    media_extra_keys,
-    num_reusable_blocks,
-    num_reusable_tokens,
-    prompt_root,
+from kvmesh.coordinator.telemetry.request_counters import RequestCounters
+from kvmesh.coordinator.telemetry.request_record import (
+    RequestObserver,
+    RequestRecord,
+    finished_record,
 )
+from kvmesh.proto.block_hash import num_reusable_blocks, num_reusable_tokens
 from kvmesh.proto.request_notes import NoteBatch, RequestTaken
 from kvmesh.workers.contract.replies import (
     PrefillFacts,
@@ -58,58 +61,6 @@ from kvmesh.workers.contract.replies import (
 )
 from kvmesh.workers.contract.requests import PullSpec, SamplingConfig, WorkerRequest
 from kvmesh.workers.model.model_config import ModelConfig
-
-
-class InvalidRequest(ValueError):
-    """The request itself is wrong (maps to INVALID_ARGUMENT)."""
-
-
-class NoLiveWorker(RuntimeError):
-    """No worker can take the request (maps to UNAVAILABLE)."""
-
-
-class WorkerDied(RuntimeError):
-    """The worker's actor died during a call (maps to UNAVAILABLE when it cannot be migrated)."""
-
-
-class WorkerBackend(Protocol):
-    """How the coordinator reaches a worker: the Ray shell, simulated workers, a test fake.
-    `generate` raises `WorkerDied` when the worker is gone, `RequestRejected` for bad input."""
-
-    def generate(self, worker_id: str, request: WorkerRequest) -> Iterator[RequestOutput]: ...
-
-
-class PrefixIndex(Protocol):
-    """What the coordinator reads of the index: the live system's `LockedMirror`; in the
-    simulator's oracle, one shared pool."""
-
-    @property
-    def num_blocks(self) -> int: ...
-    @property
-    def num_events_applied(self) -> int: ...
-    def match(self, hashes: Sequence[BlockHash]) -> dict[WorkerId, PrefixMatch]: ...
-    def match_fleet(
-        self, hashes: Sequence[BlockHash], row_of: Mapping[WorkerId, int], num_rows: int
-    ) -> FleetMatch: ...
-    def num_worker_blocks(self, worker: WorkerId) -> int: ...
-
-
-class TextCodec(Protocol):
-    def encode(self, text: str) -> list[int]: ...
-    def decode(self, ids: Sequence[int]) -> str: ...
-
-
-@dataclass(frozen=True, slots=True)
-class PreparedPrompt:
-    token_ids: tuple[int, ...]
-    block_hashes: tuple[BlockHash, ...]
-    cache_salt: str
-    adapter: str = ""
-    """LoRA adapter the prompt runs with ("" = the base model); mixed into h_0."""
-    media: tuple[MediaItem, ...] = ()
-    """Multimodal items in the prompt; their hashes are the blocks' extra keys."""
-    bypass_cache: bool = False
-    """Match nothing, plan no pull; the worker reuses and registers nothing for it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,24 +93,6 @@ class _Turn:
     """The answer length the router prices decode over (None: unknown)."""
 
 
-@dataclass(slots=True)
-class Counters:
-    num_requests: int = 0
-    num_failed_requests: int = 0
-    num_cancelled_requests: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    pulled_tokens: int = 0
-    computed_tokens: int = 0
-    generated_tokens: int = 0
-    num_migrations: int = 0
-    per_worker: dict[str, dict[str, int]] = field(default_factory=dict)
-
-
-FreeBlocksMany = Callable[[Sequence[str]], tuple[np.ndarray, np.ndarray]]
-"""workers -> (pool blocks, free blocks) of each, in order."""
-
-
 class Coordinator:
     def __init__(
         self,
@@ -185,12 +118,10 @@ class Coordinator:
         self.backend = backend
         self.mirror = mirror
         self.registry = registry
-        self.tokenizer = tokenizer
-        self.index_connected = index_connected
-        self._worker_free_blocks = worker_free_blocks or (lambda _w: (1 << 30, 1 << 30))
-        # The same for a whole fleet at once, when the caller can (the simulator); else per worker.
-        self._worker_free_blocks_many = worker_free_blocks_many
-        self._fleet_rows: tuple[tuple[WorkerId, ...], dict[WorkerId, int]] | None = None
+        self.prompts = PromptPreparer(
+            config, model, tokenizer=tokenizer, kv_dtype=kv_dtype, cache_epoch=cache_epoch
+        )
+        """Validates and hashes prompts: `prepare` before `route` or `generate`."""
         self.cost_model = cost_model or CostModel()
         self.policy = make_policy(
             config.policy,
@@ -201,6 +132,14 @@ class Coordinator:
         )
         self.turns = SessionTurns()
         self.load = LoadTracker()
+        self.fleet = FleetView(
+            mirror,
+            self.load,
+            index_connected=index_connected,
+            worker_free_blocks=worker_free_blocks,
+            worker_free_blocks_many=worker_free_blocks_many,
+        )
+        """The fleet as the router sees it for a prompt: `match`, and `columns` for routing."""
         self.origin = uuid.uuid4().hex[:16]
         """This replica's id in the requests it sends (`WorkerRequest.origin`)."""
         self.peer_routes = PeerRoutes(self.origin, self.load)
@@ -208,141 +147,16 @@ class Coordinator:
         """Where each routing decision goes as a `RequestTaken` note for the other replicas
         (the deployment's `NoteSender`; None: peers hear of it from the worker only)."""
         self._lock = threading.Lock()  # guards policy, load tracker and counters
-        self.counters = Counters()
-        self.fingerprint = model.fingerprint()
+        self.counters = RequestCounters()
         self.transfers = transfers
         if transfers is not None:
             self.policy.transfer_ms = transfers.price
             self.policy.transfer_ms_many = transfers.price_many
         self._clock = clock
-        self.kv_dtype = kv_dtype
-        """The workers' KV dtype, part of the root hash (a worker of another dtype still
-        serves correctly: it hashes with its own, the index just predicts no hits on it)."""
-        self.cache_epoch = cache_epoch
-        """The fleet's cache epoch now (ClearCache moves it on), part of the root hash."""
         self.observers = tuple(observers)
         """Told of every routing decision and every request's end (metrics, the request log)."""
 
-    # ---- request preparation ------------------------------------------------------------------
-
-    def prepare(
-        self,
-        token_ids: Sequence[int],
-        prompt: str,
-        cache_salt: str,
-        *,
-        bypass_cache: bool = False,
-        adapter: str = "",
-        media: Sequence[MediaItem] = (),
-    ) -> PreparedPrompt:
-        if token_ids and prompt:
-            raise InvalidRequest("give either token_ids or prompt, not both")
-        if prompt:
-            if self.tokenizer is None:
-                raise InvalidRequest("this model has no tokenizer; send token_ids")
-            token_ids = self.tokenizer.encode(prompt)
-        if not token_ids:
-            raise InvalidRequest("the prompt is empty")
-        context = self.model.max_position_embeddings
-        if len(token_ids) >= context:
-            raise InvalidRequest(
-                f"prompt of {len(token_ids)} tokens leaves no room in the model's context of"
-                f" {context} tokens"
-            )
-        vocab = self.model.vocab_size
-        top = max(token_ids)
-        if top >= vocab:
-            raise InvalidRequest(f"token id {top} is outside the vocabulary [0, {vocab})")
-        extra_keys = _media_keys(media, len(token_ids), self.config.block_size)
-        hashes = self.chain(token_ids, cache_salt, adapter, extra_keys)
-        return PreparedPrompt(
-            tuple(token_ids),
-            tuple(hashes),
-            cache_salt,
-            adapter=adapter,
-            media=tuple(media),
-            bypass_cache=bypass_cache,
-        )
-
-    def chain(
-        self,
-        token_ids: Sequence[int],
-        cache_salt: str,
-        adapter: str = "",
-        extra_keys: Mapping[int, Sequence[int]] | None = None,
-    ) -> list[BlockHash]:
-        """The prompt's block hashes under the current cache epoch and KV dtype (the worker
-        roots its sequences the same way: `Worker.root_hash`, then the adapter)."""
-        return block_hashes(
-            token_ids, self.config.block_size, self.root_hash(cache_salt, adapter), extra_keys
-        )
-
-    def root_hash(self, cache_salt: str = "", adapter: str = "") -> BlockHash:
-        """h_0 of a prompt's chain: namespace, KV dtype, cache epoch, then the adapter (also the
-        root of an external engine's announced blocks, `engines/chain_translator.py`)."""
-        return prompt_root(self.fingerprint, cache_salt, self.kv_dtype, self.cache_epoch(), adapter)
-
-    def check_sampling(self, prompt: PreparedPrompt, sampling: SamplingConfig) -> None:
-        vocab = self.model.vocab_size
-        if sampling.top_k > vocab:
-            raise InvalidRequest(f"top_k {sampling.top_k} is over the vocabulary size {vocab}")
-        if sampling.max_tokens > self.config.max_tokens_limit:
-            raise InvalidRequest(
-                f"max_tokens {sampling.max_tokens} is over the limit {self.config.max_tokens_limit}"
-            )
-        context = self.model.max_position_embeddings
-        total = len(prompt.token_ids) + sampling.max_tokens
-        if total > context:
-            raise InvalidRequest(
-                f"prompt ({len(prompt.token_ids)}) + max_tokens ({sampling.max_tokens}) = {total}"
-                f" exceeds the model's context of {context} tokens"
-            )
-
     # ---- lookup and routing -------------------------------------------------------------------
-
-    def match(self, prompt: PreparedPrompt) -> dict[WorkerId, PrefixMatch]:
-        if prompt.bypass_cache:
-            return {}
-        if not self.index_connected():
-            return {}  # a stale index must not steer traffic: route by load only
-        return self.mirror.match(prompt.block_hashes)
-
-    def views(self, prompt: PreparedPrompt, workers: Sequence[str]) -> WorkerColumns:
-        """Every routable worker as the router sees it for this prompt, as columns."""
-        ids = cast(tuple[WorkerId, ...], tuple(workers))
-        if self._worker_free_blocks_many is not None:
-            num_blocks, num_free = self._worker_free_blocks_many(ids)
-        else:
-            capacity = [self._worker_free_blocks(w) for w in ids]
-            num_blocks = np.array([c[0] for c in capacity], dtype=np.int64)
-            num_free = np.array([c[1] for c in capacity], dtype=np.int64)
-        queued_ms, queued_tokens, running = self.load.columns(ids, self.cost_model)
-        index_of = self._index_of(ids)
-        if prompt.bypass_cache or not self.index_connected():  # as `match`: nothing matched
-            num_matched = np.zeros(len(ids), dtype=np.int64)
-            num_device = np.zeros(len(ids), dtype=np.int64)
-        else:
-            num_matched, num_device, _ = self.mirror.match_fleet(
-                prompt.block_hashes, index_of, len(ids)
-            )
-        return WorkerColumns(
-            ids,
-            num_blocks,
-            num_free,
-            queued_ms,
-            queued_tokens,
-            running,
-            num_matched,
-            num_device,
-            index_of,
-        )
-
-    def _index_of(self, ids: tuple[WorkerId, ...]) -> dict[WorkerId, int]:
-        """Row of each worker of the fleet, cached while the fleet stays the same tuple."""
-        cached = self._fleet_rows
-        if cached is None or cached[0] is not ids:
-            cached = self._fleet_rows = (ids, {w: i for i, w in enumerate(ids)})
-        return cached[1]
 
     def route(
         self,
@@ -364,7 +178,7 @@ class Coordinator:
         )
         with self._lock:
             started = self._clock()
-            decision = self.policy.choose(query, self.views(prompt, live))
+            decision = self.policy.choose(query, self.fleet.columns(prompt, live, self.cost_model))
             elapsed = self._clock() - started
         for observer in self.observers:
             observer.on_routed(elapsed)
@@ -394,7 +208,7 @@ class Coordinator:
         `max_tokens_known=False`: `sampling.max_tokens` is a server default (the rest of the
         context), not the caller's, so the router treats the answer's length as unknown."""
         started = self._clock()
-        self.check_sampling(prompt, sampling)
+        self.prompts.check_sampling(prompt, sampling)
         if prompt.media:
             raise InvalidRequest(
                 "the built-in runner is text-only: Generate takes no media items"
@@ -488,7 +302,7 @@ class Coordinator:
         live = self._routable_for(prompt.adapter)
         if worker_id not in live:
             raise InvalidRequest(f"worker {worker_id!r} does not serve adapter {prompt.adapter!r}")
-        views = self.views(prompt, live)
+        views = self.fleet.columns(prompt, live, self.cost_model)
         target = next(v for v in views if v.worker_id == worker_id)
         query = RouteQuery("", prompt.block_hashes, len(prompt.token_ids), self.config.block_size)
         price = self.transfers.price if self.transfers is not None else None
@@ -579,7 +393,7 @@ class Coordinator:
             if self.observers:
                 outcome = "ok" if ok else "cancelled" if cancelled else "failed"
                 ttft = None if first_at is None or started is None else first_at - started
-                record = _record(request, label, outcome, worker, ttft, prefills, produced)
+                record = finished_record(request, label, outcome, worker, ttft, prefills, produced)
                 self._notify(replace(record, num_migrations=migrations, reason=reason))
 
     def note_refused(self, label: str, outcome: str, reason: str, *, request_id: str = "") -> None:
@@ -618,7 +432,7 @@ class Coordinator:
         remaining = original.sampling.max_tokens - len(produced)
         if remaining < 1:
             raise WorkerDied(dead)  # nothing left to generate but the final message was lost
-        prompt = self.prepare(
+        prompt = self.prompts.prepare(
             list(original.prompt_ids) + produced,
             "",
             original.cache_salt,
@@ -650,14 +464,7 @@ class Coordinator:
             self.transfers.observe(request.pull.source, worker, facts)
         with self._lock:
             self.load.on_prefilled(request.request_id)
-            c = self.counters
-            c.prompt_tokens += facts.prompt_tokens
-            c.pulled_tokens += facts.pulled_tokens
-            c.cached_tokens += facts.local_tokens + facts.host_tokens
-            c.computed_tokens += facts.computed_tokens
-            w = c.per_worker.setdefault(worker, {"cached_tokens": 0, "computed_tokens": 0})
-            w["cached_tokens"] += facts.local_tokens + facts.host_tokens
-            w["computed_tokens"] += facts.computed_tokens
+            self.counters.on_prefilled(worker, facts)
 
     def forget_worker(self, worker_id: str) -> None:
         """A worker is gone (the registry's on_dead): drop its load and the policy's state."""
@@ -668,20 +475,7 @@ class Coordinator:
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            c = self.counters
-            snapshot = {
-                "num_requests": c.num_requests,
-                "num_failed_requests": c.num_failed_requests,
-                "num_cancelled_requests": c.num_cancelled_requests,
-                "prompt_tokens": c.prompt_tokens,
-                "cached_tokens": c.cached_tokens,
-                "pulled_tokens": c.pulled_tokens,
-                "computed_tokens": c.computed_tokens,
-                "generated_tokens": c.generated_tokens,
-                "num_migrations": c.num_migrations,
-                "num_session_turns_refused": self.turns.num_refused,
-                "hit_rate": c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
-            }
+            snapshot = self.counters.snapshot(self.turns.num_refused)
         snapshot["num_indexed_blocks"] = self.mirror.num_blocks
         snapshot["num_events_applied"] = self.mirror.num_events_applied
         return snapshot
@@ -717,39 +511,3 @@ class Coordinator:
 
     def indexed_blocks_of(self, worker_id: str) -> int:
         return self.mirror.num_worker_blocks(WorkerId(worker_id))
-
-
-def _media_keys(
-    media: Sequence[MediaItem], num_tokens: int, block_size: int
-) -> dict[int, list[int]] | None:
-    """Extra keys of the prompt's blocks; a misplaced item is the request's fault."""
-    if not media:
-        return None
-    try:
-        return media_extra_keys(media, num_tokens, block_size)
-    except ValueError as exc:
-        raise InvalidRequest(str(exc)) from None
-
-
-def _record(
-    request: WorkerRequest,
-    label: str,
-    outcome: str,
-    worker: str,
-    ttft_s: float | None,
-    prefills: Sequence[PrefillFacts],
-    produced: Sequence[int],
-) -> RequestRecord:
-    """A finished request's record; a migrated request sums the prefills of its workers."""
-    return RequestRecord(
-        request.request_id,
-        label or request.request_id,
-        outcome,
-        worker_id=worker,
-        ttft_s=ttft_s,
-        prompt_tokens=sum(f.prompt_tokens for f in prefills),
-        cached_tokens=sum(f.local_tokens + f.host_tokens for f in prefills),
-        pulled_tokens=sum(f.pulled_tokens for f in prefills),
-        computed_tokens=sum(f.computed_tokens for f in prefills),
-        generated_tokens=len(produced),
-    )

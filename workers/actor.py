@@ -178,7 +178,7 @@ class WorkerActor:
     async def export_blocks(self, hashes: list[int]) -> BlockExport:
         """The leading run of `hashes` this worker holds, as one CPU tensor (object store)."""
         run = [BlockHash(h) for h in hashes]
-        return await self._on_engine(lambda: self.worker.export_blocks(run))
+        return await self._on_engine(lambda: self.worker.pull_source.export_blocks(run))
 
     def ipc_handle(self) -> tuple[Any, Any] | None:
         """What a worker on the same GPU needs to map this worker's KV cache (CUDA IPC)."""
@@ -187,10 +187,10 @@ class WorkerActor:
 
     async def pin_blocks(self, hashes: list[int]) -> list[int]:
         run = [BlockHash(h) for h in hashes]
-        return [int(b) for b in await self._on_engine(lambda: self.worker.pin_run(run))]
+        return [int(b) for b in await self._on_engine(lambda: self.worker.pull_source.pin_run(run))]
 
     async def unpin_blocks(self, ids: list[int]) -> None:
-        await self._on_engine(lambda: self.worker.unpin(ids))  # type: ignore[arg-type]
+        await self._on_engine(lambda: self.worker.pull_source.unpin(ids))  # type: ignore[arg-type]
 
     def nccl_init(self, init_method: str, ranks: dict[str, int]) -> int:
         """Join the workers' NCCL group (one rank per GPU) for GPU-to-GPU pulls."""
@@ -235,7 +235,7 @@ class WorkerActor:
             try:
                 NcclLink.send(cache, ids, dst_rank)
             finally:
-                self.worker.unpin(ids)  # type: ignore[arg-type]
+                self.worker.pull_source.unpin(ids)  # type: ignore[arg-type]
 
         try:
             await self._on_engine(send)

@@ -19,7 +19,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
 from kvmesh.coordinator.cluster.registry import WorkerRegistry
-from kvmesh.coordinator.coordinator import WorkerDied
+from kvmesh.coordinator.contract import WorkerDied
 from kvmesh.workers.config import WorkerConfig
 from kvmesh.workers.contract.replies import RequestOutput, RequestRejected, WorkerFailed, WorkerInfo
 from kvmesh.workers.contract.requests import WorkerRequest

@@ -25,7 +25,8 @@ from kvmesh.coordinator.cluster.redis_server import (
 )
 from kvmesh.coordinator.cluster.registry import WorkerRegistry
 from kvmesh.coordinator.config import CoordinatorConfig, HttpConfig
-from kvmesh.coordinator.coordinator import Coordinator, WorkerBackend
+from kvmesh.coordinator.contract import WorkerBackend
+from kvmesh.coordinator.coordinator import Coordinator
 from kvmesh.coordinator.engines.engine_backend import EngineBackend
 from kvmesh.coordinator.engines.engine_fleet import EngineFleet, EngineFleetConfig, EngineSpec
 from kvmesh.coordinator.index.follower import IndexFollower
@@ -121,7 +122,7 @@ class Deployment:
     def _engine_root(self, lora_name: str, cache_salt: str) -> BlockHash:
         """The coordinator's h_0 for an engine's blocks (its events arrive once it exists)."""
         assert self.coordinator is not None
-        return self.coordinator.root_hash(cache_salt, lora_name)
+        return self.coordinator.prompts.root_hash(cache_salt, lora_name)
 
     def engine_ids(self) -> list[str]:
         """The external engines' ids (empty without engines)."""

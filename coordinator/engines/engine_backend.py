@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
-from kvmesh.coordinator.coordinator import WorkerDied
+from kvmesh.coordinator.contract import WorkerDied
 from kvmesh.workers.contract.replies import (
     PrefillFacts,
     RequestOutput,

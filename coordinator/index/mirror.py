@@ -16,11 +16,11 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import repeat
 from typing import NamedTuple, NewType
 
 import numpy as np
 
+from kvmesh.coordinator.index.hash_table import FEW_HASHES, NOBODY, HashTable
 from kvmesh.coordinator.index.radix_tree import RadixTree
 from kvmesh.proto.block_hash import BlockHash
 from kvmesh.proto.events import TIER_DEVICE, AllCleared, BlockRemoved, BlockStored, EventBatch
@@ -61,23 +61,6 @@ class _WorkerCursor:
     seq: int
 
 
-_NOBODY = 0  # the holder set of a block nobody holds
-_MIN_DELTA = 4096
-_GOLDEN_INT = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads any key pattern over slots
-_GOLDEN = np.uint64(_GOLDEN_INT)
-_U64 = (1 << 64) - 1
-_FEW_HASHES = 40  # chains up to this long are looked up one hash at a time (`_lookup_few`)
-_FILTER_SLOTS_PER_ENTRY = 8  # delta filter slots per delta entry: <= 1/8 false positives
-_WINDOW_SLOTS = 8  # slots after the home slot that `_find` probes at once
-_WINDOW_STEPS = np.arange(1, _WINDOW_SLOTS + 1, dtype=np.uint64)
-_SCALAR_PROBES = 16  # keys left after a vector round below which probing goes one by one
-
-
-def _home_slots(keys: np.ndarray, bits: int) -> np.ndarray:
-    """Each key's first slot in a table of 2**bits (the top bits of key * golden ratio)."""
-    return (keys * _GOLDEN) >> np.uint64(64 - bits)
-
-
 class IndexMirror:
     """Block -> holders for every known worker, in about 12 bytes per block.
 
@@ -85,15 +68,9 @@ class IndexMirror:
     *holder set* (an any-tier mask and a device-tier mask of bits; id 0 is nobody), so a block
     costs a hash and a set id; there are few distinct sets, however many blocks:
 
-        _keys   uint64[n]  block hashes, sorted (merges insert with one pass)
-        _sets   uint32[n]  holder set of each
-        _index  int32[2^k >= 2n]  open addressing (linear probing) from a hash to its row, so a
-                chain's lookups are a few vectorised probes each, whatever n is
-        _delta  {hash: set id}  blocks changed since the last merge (overrides the arrays; id
-                0: no holder left); merged in, and the index rebuilt, when it outgrows 1/8 of them
-        _delta_filter  bool[2^j >= 8 x the delta's bound]  set at (hash mod 2^j) for every hash
-                that entered the delta since the last merge: a lookup asks the delta only for
-                the few hashes the filter lets through, not for every block of the chain
+        _table  block hash -> holder set id: sorted arrays, an open-addressing index over
+                them and a delta of recent changes (`hash_table.py`)
+        _set_any, _set_device  holder set id -> bitmask of its workers (any tier; device tier)
 
     `match` looks a chain up at once and walks only the positions where the holder set changes.
     The radix tree of the indexed blocks (`self.tree`, `radix_tree.py`) is fed from here but
@@ -104,22 +81,16 @@ class IndexMirror:
       * bit(w) is in any(s) of a block's set s iff w holds it; in device(s) iff on the device tier
       * num_worker_blocks(w) == blocks whose set has bit(w); num_blocks == blocks with a set != 0
       * every worker with blocks has a cursor and a bit
-      * every hash in the delta passes the delta filter
+      * the table's own (`HashTable.check_invariants`)
       * the radix tree links only indexed hashes (a hash leaves it when it leaves the index)
     """
 
     def __init__(self) -> None:
-        self._keys = np.zeros(0, dtype=np.uint64)
-        self._sets = np.zeros(0, dtype=np.uint32)
-        self._delta: dict[BlockHash, int] = {}
-        self._delta_filter = np.zeros(_MIN_DELTA * _FILTER_SLOTS_PER_ENTRY, dtype=bool)
-        self._delta_filter_mask = np.uint64(len(self._delta_filter) - 1)
-        self._index = np.full(16, -1, dtype=np.int32)
-        self._index_bits = 4
+        self._table = HashTable()
         self._set_any: list[int] = [0]
         self._set_device: list[int] = [0]
         self._set_refs: list[int] = [0]
-        self._set_id: dict[tuple[int, int], int] = {(0, 0): _NOBODY}
+        self._set_id: dict[tuple[int, int], int] = {(0, 0): NOBODY}
         self._free_set_ids: list[int] = []
         self._num_blocks = 0
         self._num_blocks_of: dict[WorkerId, int] = {}
@@ -144,16 +115,16 @@ class IndexMirror:
         bit = self._bit_of.get(worker)
         if not bit or not self._num_blocks_of.get(worker):
             return {}
-        self._merge()
+        self._table.merge()
         held = [s for s, m in enumerate(self._set_any) if m & bit and self._set_refs[s]]
         on_device = np.array([bool(self._set_device[s] & bit) for s in held], dtype=bool)
-        rows = np.flatnonzero(np.isin(self._sets, held))
-        tiers = np.where(on_device[np.searchsorted(held, self._sets[rows])], TIER_DEVICE, 1)
-        return dict(zip(self._keys[rows].tolist(), tiers.tolist(), strict=True))
+        rows = np.flatnonzero(np.isin(self._table.values, held))
+        tiers = np.where(on_device[np.searchsorted(held, self._table.values[rows])], TIER_DEVICE, 1)
+        return dict(zip(self._table.keys[rows].tolist(), tiers.tolist(), strict=True))
 
     def holders(self, h: BlockHash) -> dict[WorkerId, int]:
         """worker -> tier of every worker holding block `h`."""
-        s = int(self._lookup((h,))[0])
+        s = int(self._table.lookup((h,))[0])
         mask, device, out = self._set_any[s], self._set_device[s], {}
         while mask:
             low = mask & -mask
@@ -165,7 +136,7 @@ class IndexMirror:
         """Whether some worker holds each of `hashes` (one vectorised lookup)."""
         if not hashes:
             return []
-        return (self._lookup(hashes) != _NOBODY).tolist()
+        return (self._table.lookup(hashes) != NOBODY).tolist()
 
     def cursor(self, worker: WorkerId) -> tuple[int, int] | None:
         c = self._cursors.get(worker)
@@ -196,7 +167,7 @@ class IndexMirror:
         self._unlink_unindexed(removed)
         cursor.seq = batch.seq
         self.num_events_applied += batch.num_block_events
-        self._maybe_merge()
+        self._table.maybe_merge()
         return ApplyResult.APPLIED
 
     def load_worker(
@@ -212,7 +183,7 @@ class IndexMirror:
         for tier, hashes in by_tier.items():
             self._add(worker, hashes, tier)
         self._unlink_unindexed(before)
-        self._maybe_merge()
+        self._table.maybe_merge()
 
     def remove_worker(self, worker: WorkerId) -> int:
         """Purge a worker (dead or restarting); returns how many of its blocks were dropped."""
@@ -308,11 +279,11 @@ class IndexMirror:
     def _runs(self, hashes: Sequence[BlockHash]) -> tuple[list[int], list[int]]:
         """Where the chain's holder set changes, and to what: (first positions of the runs of
         one holder set, their sets). Only there can a worker's prefix end."""
-        if len(hashes) <= _FEW_HASHES:
-            sets = self._lookup_few(hashes)
+        if len(hashes) <= FEW_HASHES:
+            sets = self._table.lookup_few(hashes)
             starts = [i for i in range(len(sets)) if not i or sets[i] != sets[i - 1]]
             return starts, [sets[i] for i in starts]
-        array = self._lookup(hashes)
+        array = self._table.lookup(hashes)
         at = np.flatnonzero(array[1:] != array[:-1]) + 1
         return [0, *at.tolist()], [int(array[0]), *array[at].tolist()]
 
@@ -326,135 +297,6 @@ class IndexMirror:
             low = mask & -mask
             out[low] = length
             mask ^= low
-
-    # ---- blocks -> holder sets ------------------------------------------------------------------
-
-    def _lookup(self, hashes: Sequence[BlockHash]) -> np.ndarray:
-        """The current holder set of each hash (0: nobody), as an int64 array."""
-        if len(hashes) <= _FEW_HASHES:
-            return np.array(self._lookup_few(hashes), dtype=np.int64)
-        wanted = np.fromiter(hashes, np.uint64, len(hashes))
-        sets = self._merged_sets(wanted)
-        delta = self._delta
-        if delta:
-            # Only the hashes the filter lets through can be in the delta (a few false ones).
-            maybe = np.flatnonzero(self._delta_filter[wanted & self._delta_filter_mask])
-            if len(maybe):
-                # The maps run in C: a chain just stored (hundreds in the delta) costs little.
-                candidates = map(hashes.__getitem__, maybe.tolist())
-                in_delta = np.fromiter(map(delta.get, candidates, repeat(-1)), np.int64, len(maybe))
-                hit = in_delta >= 0
-                sets[maybe[hit]] = in_delta[hit]
-        return sets
-
-    def _lookup_few(self, hashes: Sequence[BlockHash]) -> list[int]:
-        """`_lookup` one hash at a time, in Python ints: for a short chain, cheaper than the
-        fixed cost of the vector rounds (the same slots probed in the same order; a hash in
-        the delta is not probed at all)."""
-        in_delta = self._delta.get
-        if not len(self._keys):
-            return [in_delta(h, _NOBODY) for h in hashes]
-        row_at, key_at, set_of_row = self._index.item, self._keys.item, self._sets.item
-        bits = self._index_bits
-        shift, mask = 64 - bits, (1 << bits) - 1
-        sets = []
-        for h in hashes:
-            s = in_delta(h)
-            if s is None:
-                slot = (h * _GOLDEN_INT & _U64) >> shift  # `_home_slots`, in Python ints
-                while (row := row_at(slot)) >= 0 and key_at(row) != h:
-                    slot = (slot + 1) & mask
-                s = set_of_row(row) if row >= 0 else _NOBODY
-            sets.append(s)
-        return sets
-
-    def _merged_sets(self, wanted: np.ndarray) -> np.ndarray:
-        """The holder set of each wanted hash in the arrays (the delta not read), as int64."""
-        if not len(self._keys):
-            return np.zeros(len(wanted), dtype=np.int64)
-        rows = self._find(wanted)
-        sets = self._sets[rows].astype(np.int64)
-        sets[rows < 0] = _NOBODY
-        return sets
-
-    def _note_changing(self, wanted: np.ndarray) -> None:
-        """Let the delta filter through for `wanted`, which may be about to enter the delta."""
-        self._delta_filter[wanted & self._delta_filter_mask] = True
-
-    def _find(self, wanted: np.ndarray) -> np.ndarray:
-        """Row of each wanted hash in the arrays, -1 where absent. Three stages, each for the
-        keys the last one left (linear probing: a present key sits in the run of occupied slots
-        that starts at its home slot; at the load kept, 5/6 of the keys sit in their home slot):
-
-            home slot, all keys at once      -> found, or absent (an empty slot), or on
-            the next _WINDOW_SLOTS at once   -> found, or absent (an empty slot among them), or on
-            slot by slot                     (vector rounds while many are left, then one by one)
-
-        A row of -1 (an empty slot) reads the last key, which cannot be the wanted one there:
-        a present key never has an empty slot on its way from its home slot; in a window, a hit
-        after an empty slot can only be the last key, found before that slot."""
-        index, keys, bits = self._index, self._keys, self._index_bits
-        if not len(keys):
-            return np.full(len(wanted), -1, dtype=np.int64)
-        mask = np.uint64((1 << bits) - 1)
-        slots = _home_slots(wanted, bits)
-        rows = index[slots]
-        hit = keys[rows] == wanted
-        found = np.where(hit, rows, -1).astype(np.int64)
-        todo = np.flatnonzero((rows >= 0) & ~hit)
-        if not len(todo):
-            return found
-        slots = slots[todo]
-        window = index[(slots[:, None] + _WINDOW_STEPS) & mask]
-        hit = keys[window] == wanted[todo][:, None]
-        first = hit.argmax(axis=1)
-        picked = np.arange(len(todo)), first
-        got = hit[picked]
-        found[todo[got]] = window[picked][got]
-        on = ~got & (window >= 0).all(axis=1)
-        if on.any():
-            todo, slots = todo[on], (slots[on] + np.uint64(_WINDOW_SLOTS + 1)) & mask
-            self._probe_on(wanted, found, todo, slots)
-        return found
-
-    def _probe_on(
-        self, wanted: np.ndarray, found: np.ndarray, todo: np.ndarray, slots: np.ndarray
-    ) -> None:
-        """`_find`'s last stage: probe on from `slots` for keys `todo`, one slot per vector
-        round while many are left, then one by one (a round's fixed cost is more than a few
-        scalar probes)."""
-        index, keys = self._index, self._keys
-        mask = np.uint64((1 << self._index_bits) - 1)
-        while len(todo) > _SCALAR_PROBES:
-            rows = index[slots].astype(np.int64)
-            hit = (rows >= 0) & (keys[rows] == wanted[todo])
-            found[todo[hit]] = rows[hit]
-            again = (rows >= 0) & ~hit
-            todo, slots = todo[again], (slots[again] + np.uint64(1)) & mask
-        for i, slot in zip(todo.tolist(), slots.tolist(), strict=True):
-            want = wanted[i]
-            while (row := int(index[slot])) >= 0:
-                if keys[row] == want:
-                    found[i] = row
-                    break
-                slot = (slot + 1) & int(mask)
-
-    def _build_index(self) -> None:
-        """Place every row in a table of at least twice as many slots (linear probing): all
-        rows at once per round; of the rows landing on one free slot one wins, the rest move
-        on one slot."""
-        n = len(self._keys)
-        bits = max(4, (2 * n).bit_length())
-        index = np.full(1 << bits, -1, dtype=np.int32)
-        mask = np.uint64((1 << bits) - 1)
-        rows = np.arange(n, dtype=np.int32)
-        slots = _home_slots(self._keys, bits)
-        while len(rows):
-            free = index[slots] < 0
-            index[slots[free]] = rows[free]  # of several rows on one slot, one is kept
-            placed = free & (index[slots] == rows)
-            rows, slots = rows[~placed], (slots[~placed] + np.uint64(1)) & mask
-        self._index, self._index_bits = index, bits
 
     def _intern(self, any_mask: int, device_mask: int) -> int:
         key = (any_mask, device_mask)
@@ -484,7 +326,7 @@ class IndexMirror:
             refs[new] += 1
         else:
             self._num_blocks -= 1
-        self._delta[h] = new
+        self._table.delta[h] = new
 
     def _release_set(self, s: int) -> None:
         del self._set_id[(self._set_any[s], self._set_device[s])]
@@ -506,9 +348,9 @@ class IndexMirror:
             return
         bit = self._bit(worker)
         wanted = np.fromiter(hashes, np.uint64, len(hashes))
-        current = self._merged_sets(wanted).tolist()  # the loop reads the delta itself
-        self._note_changing(wanted)
-        set_any, set_device, delta = self._set_any, self._set_device, self._delta
+        current = self._table.merged_values(wanted).tolist()  # the loop reads the delta itself
+        self._table.note_changing(wanted)
+        set_any, set_device, delta = self._set_any, self._set_device, self._table.delta
         added = 0
         for h, s in zip(hashes, current, strict=True):
             s = delta.get(h, s)  # a hash twice in one event: its first store counts
@@ -527,9 +369,9 @@ class IndexMirror:
         if not bit or not self._num_blocks_of.get(worker) or not hashes:
             return []  # nothing indexed (a worker gets its bit with its first block)
         wanted = np.fromiter(hashes, np.uint64, len(hashes))
-        current = self._merged_sets(wanted).tolist()  # the loop reads the delta itself
-        self._note_changing(wanted)
-        set_any, set_device, delta = self._set_any, self._set_device, self._delta
+        current = self._table.merged_values(wanted).tolist()  # the loop reads the delta itself
+        self._table.note_changing(wanted)
+        set_any, set_device, delta = self._set_any, self._set_device, self._table.delta
         removed: list[BlockHash] = []
         for h, s in zip(hashes, current, strict=True):
             s = delta.get(h, s)
@@ -549,13 +391,13 @@ class IndexMirror:
         bit = self._bit_of.get(worker)
         if not bit or not self._num_blocks_of.get(worker, 0):
             return []
-        self._merge()
+        self._table.merge()
         refs = self._set_refs
         remap = np.arange(len(self._set_any), dtype=np.uint32)
         for s, any_mask in enumerate(self._set_any):
             if refs[s] and any_mask & bit:
                 remap[s] = self._intern(any_mask & ~bit, self._set_device[s] & ~bit)
-        old = self._sets
+        old = self._table.values
         new = remap[old]
         changed = old != new
         counts_old = np.bincount(old[changed], minlength=len(self._set_any))
@@ -566,68 +408,20 @@ class IndexMirror:
             refs[s] -= int(counts_old[s])
             if not refs[s]:
                 self._release_set(s)
-        self._num_blocks -= int(counts_new[_NOBODY])
-        self._sets = new
+        self._num_blocks -= int(counts_new[NOBODY])
+        self._table.values = new
         self._num_blocks_of[worker] = 0
         if not self.tree.num_nodes:
             return []
-        orphaned: list[BlockHash] = self._keys[changed & (new == _NOBODY)].tolist()
+        orphaned: list[BlockHash] = self._table.keys[changed & (new == NOBODY)].tolist()
         return orphaned
 
-    def _maybe_merge(self) -> None:
-        if len(self._delta) > self._max_delta():
-            self._merge()
-
-    def _merge(self) -> None:
-        """Fold the delta into the sorted arrays, dropping blocks nobody holds any more."""
-        delta = self._delta
-        if not delta:
-            return
-        n = len(delta)
-        new_keys = np.fromiter(delta.keys(), np.uint64, n)
-        new_sets = np.fromiter(delta.values(), np.uint32, n)
-        order = np.argsort(new_keys)
-        new_keys, new_sets = new_keys[order], new_sets[order]
-        keys, sets = self._keys, self._sets
-        rows = np.searchsorted(keys, new_keys)
-        found = rows < len(keys)
-        found[found] = keys[rows[found]] == new_keys[found]
-        sets[rows[found]] = new_sets[found]
-        fresh = ~found & (new_sets != _NOBODY)
-        keys = np.insert(keys, rows[fresh], new_keys[fresh])
-        sets = np.insert(sets, rows[fresh], new_sets[fresh])
-        if len(keys) > 2 * self._num_blocks + _MIN_DELTA:  # many blocks left: compact
-            kept = sets != _NOBODY
-            keys, sets = keys[kept], sets[kept]
-        self._keys, self._sets = keys, sets
-        delta.clear()
-        self._build_index()
-        self._reset_delta_filter()
-
-    def _reset_delta_filter(self) -> None:
-        """An empty filter sized for the most the delta may hold before the next merge."""
-        size = 1 << (_FILTER_SLOTS_PER_ENTRY * self._max_delta() - 1).bit_length()
-        if size == len(self._delta_filter):
-            self._delta_filter.fill(False)
-        else:
-            self._delta_filter = np.zeros(size, dtype=bool)
-            self._delta_filter_mask = np.uint64(size - 1)
-
-    def _max_delta(self) -> int:
-        return max(_MIN_DELTA, len(self._keys) >> 3)
-
     def check_invariants(self) -> None:
-        if self._delta:
-            in_delta = np.fromiter(self._delta, np.uint64, len(self._delta))
-            assert self._delta_filter[in_delta & self._delta_filter_mask].all(), "filter misses"
-        self._merge()
-        sets = self._sets
-        assert np.all(self._keys[1:] > self._keys[:-1]), "keys are not sorted and unique"
-        rows = self._find(self._keys)
-        assert np.array_equal(rows, np.arange(len(rows))), "the index misses a key's row"
+        self._table.check_invariants()  # merges the delta
+        sets = self._table.values
         counts = np.bincount(sets, minlength=len(self._set_any))
         for s, refs in enumerate(self._set_refs):
-            if s == _NOBODY:
+            if s == NOBODY:
                 continue
             live = self._set_id.get((self._set_any[s], self._set_device[s])) == s
             assert refs == (counts[s] if live else 0), f"set {s}: {refs} refs, {counts[s]} blocks"
@@ -640,4 +434,4 @@ class IndexMirror:
             assert self.num_worker_blocks(w) == int(counts[held].sum()), f"{w}'s count drifted"
         for w, n in self._num_blocks_of.items():
             assert not n or (w in self._cursors and w in self._bit_of), f"{w} has blocks only"
-        self.tree.check_invariants(set(self._keys[sets != _NOBODY].tolist()))
+        self.tree.check_invariants(set(self._table.keys[sets != NOBODY].tolist()))

@@ -83,7 +83,7 @@ class Admin:
         self.mirror = mirror
         self.registry = fleet.registry
         self.control = control
-        self._bump_cache_epoch = bump_cache_epoch or (lambda: coordinator.cache_epoch() + 1)
+        self._bump_cache_epoch = bump_cache_epoch or (lambda: coordinator.prompts.cache_epoch() + 1)
 
     def scale(self, num_workers: int, drain_timeout_s: float) -> tuple[list[str], list[str]]:
         """Grow or shrink the fleet; returns (started, stopped) worker ids."""

@@ -2,7 +2,7 @@
 
     body --parse--> CompletionRequest / ChatRequest      (openai_schema; bodies: openai_response)
          --chat template, tokenize--> token ids           (chat_template, the model's tokenizer)
-         --Coordinator.prepare / generate--> StreamEvents (route by the templated tokens)
+         --Coordinator.prompts.prepare / generate--> StreamEvents (by the templated tokens)
          --detokenize, stop strings--> text pieces        (detokenizer, stop_strings)
          --> one JSON body, or an iterator of chunk bodies (stream=true)
 
@@ -20,14 +20,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvmesh.coordinator.coordinator import (
-    Coordinator,
-    InvalidRequest,
-    NoLiveWorker,
-    PreparedPrompt,
-    StreamEvent,
-    WorkerDied,
-)
+from kvmesh.coordinator.contract import InvalidRequest, NoLiveWorker, WorkerDied
+from kvmesh.coordinator.coordinator import Coordinator, StreamEvent
+from kvmesh.coordinator.prompt_preparer import PreparedPrompt
 from kvmesh.coordinator.service.chat_template import ChatTemplate
 from kvmesh.coordinator.service.detokenizer import IncrementalDetokenizer
 from kvmesh.coordinator.service.openai_response import (
@@ -223,7 +218,7 @@ class OpenAIFrontend:
         limit = self.coordinator.config.max_prompt_tokens
         if limit and len(ids) > limit:
             raise InvalidRequest(f"prompt of {len(ids)} tokens is over this server's limit {limit}")
-        return self.coordinator.prepare(ids, "", cache_salt, adapter=adapter)
+        return self.coordinator.prompts.prepare(ids, "", cache_salt, adapter=adapter)
 
     def _sampling(self, prompt: PreparedPrompt, params: GenerationParams) -> SamplingConfig:
         max_tokens = params.max_tokens

@@ -27,15 +27,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvmesh.coordinator.coordinator import (
-    Coordinator,
-    InvalidRequest,
-    NoLiveWorker,
-    PreparedPrompt,
-    StreamEvent,
-    WorkerDied,
-)
+from kvmesh.coordinator.contract import InvalidRequest, NoLiveWorker, WorkerDied
+from kvmesh.coordinator.coordinator import Coordinator, StreamEvent
 from kvmesh.coordinator.index.follower import IndexFollower
+from kvmesh.coordinator.prompt_preparer import PreparedPrompt
 from kvmesh.coordinator.service.admin import Admin, Fleet
 from kvmesh.coordinator.service.cache_messages import (
     cache_stats_message,
@@ -112,7 +107,7 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
         request_id = request.request_id or uuid.uuid4().hex
         stream = self._guard(context, lambda: self._start_generate(request, request_id))
         first = True
-        tokenizer = self.coordinator.tokenizer
+        tokenizer = self.coordinator.prompts.tokenizer
         detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
         try:
             for event in stream:
@@ -192,14 +187,14 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
     def _prepare(
         self, token_ids: Any, prompt: str, cache_salt: str, request: Any = None
     ) -> PreparedPrompt:
-        """`Coordinator.prepare` within `max_prompt_tokens` (checked before hashing, and again
+        """`PromptPreparer.prepare` within `max_prompt_tokens` (checked before hashing, and again
         after tokenizing a text prompt), with the request's adapter, media items and
         `bypass_cache` (Generate and Route have one)."""
         limit = self.coordinator.config.max_prompt_tokens
         prepared = None
         if not limit or len(token_ids) <= limit:
             adapter, media = adapter_and_media(request)
-            prepared = self.coordinator.prepare(
+            prepared = self.coordinator.prompts.prepare(
                 list(token_ids),
                 prompt,
                 cache_salt,
@@ -245,7 +240,7 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
         def run() -> pb.LookupResponse:
             c = self.coordinator
             prompt = self._prepare(request.token_ids, request.prompt, request.cache_salt, request)
-            matches = c.match(prompt)
+            matches = c.fleet.match(prompt)
             bs = c.config.block_size
             return pb.LookupResponse(
                 num_blocks=len(prompt.block_hashes),
@@ -271,8 +266,8 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
                 redis_connected=self.follower is not None and self.follower.connected,
                 num_resyncs=self.follower.num_resyncs if self.follower is not None else 0,
                 block_size=c.config.block_size,
-                model=c.fingerprint,
-                routing="cache_aware" if c.index_connected() else "load_only",
+                model=c.prompts.fingerprint,
+                routing="cache_aware" if c.fleet.index_connected() else "load_only",
                 num_decode_errors=self.follower.store.num_decode_errors if self.follower else 0,
                 num_drained_workers=len(self.cluster.registry.drained()),
                 num_rejected_requests=self.gate.num_rejected if self.gate else 0,

@@ -32,9 +32,10 @@ import numpy as np
 
 from kvmesh.coordinator.cluster.registry import WorkerRegistry
 from kvmesh.coordinator.config import CoordinatorConfig
-from kvmesh.coordinator.coordinator import Coordinator, PreparedPrompt, StreamEvent
+from kvmesh.coordinator.coordinator import Coordinator, StreamEvent
 from kvmesh.coordinator.index.locked_mirror import LockedMirror
 from kvmesh.coordinator.index.mirror import ApplyResult, FleetMatch, PrefixMatch, WorkerId
+from kvmesh.coordinator.prompt_preparer import PreparedPrompt
 from kvmesh.coordinator.routing.load_tracker import LoadTracker, ReportedLoad
 from kvmesh.coordinator.routing.router import POLICIES, RoutingPolicy
 from kvmesh.coordinator.sim.backend import SimBackend

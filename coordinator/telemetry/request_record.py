@@ -1,14 +1,19 @@
 """One finished (or refused) request as telemetry sees it: the fact every observer shares.
 
-The coordinator builds a record when a request's stream ends, or when a request is refused
-before it reached a worker, and hands it to its observers (metrics, the request log). Keeping
-the record a frozen value means the observers cannot disagree about what happened.
+The coordinator builds a record when a request's stream ends (`finished_record`), or when a
+request is refused before it reached a worker, and hands it to its observers (metrics, the
+request log). Keeping the record a frozen value means the observers cannot disagree about what
+happened.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
+
+from kvmesh.workers.contract.replies import PrefillFacts
+from kvmesh.workers.contract.requests import WorkerRequest
 
 OUTCOMES = ("ok", "cancelled", "failed", "invalid", "unavailable")
 """ok: the stream finished; cancelled: the client went away; failed: a worker or the engine
@@ -44,6 +49,30 @@ class RequestRecord:
             raise ValueError(f"unknown outcome {self.outcome!r}; choose from {OUTCOMES}")
         if self.ttft_s is not None and self.ttft_s < 0:
             raise ValueError(f"ttft_s must be >= 0, got {self.ttft_s}")
+
+
+def finished_record(
+    request: WorkerRequest,
+    label: str,
+    outcome: str,
+    worker: str,
+    ttft_s: float | None,
+    prefills: Sequence[PrefillFacts],
+    produced: Sequence[int],
+) -> RequestRecord:
+    """A finished request's record; a migrated request sums the prefills of its workers."""
+    return RequestRecord(
+        request.request_id,
+        label or request.request_id,
+        outcome,
+        worker_id=worker,
+        ttft_s=ttft_s,
+        prompt_tokens=sum(f.prompt_tokens for f in prefills),
+        cached_tokens=sum(f.local_tokens + f.host_tokens for f in prefills),
+        pulled_tokens=sum(f.pulled_tokens for f in prefills),
+        computed_tokens=sum(f.computed_tokens for f in prefills),
+        generated_tokens=len(produced),
+    )
 
 
 class RequestObserver(Protocol):

@@ -104,7 +104,7 @@ def _indexed_blocks(cluster: Deployment, prompt: str) -> int:
     reach it asynchronously, a few milliseconds after the request)."""
     c = cluster.coordinator
     assert c is not None
-    matches = c.match(c.prepare([], prompt, ""))
+    matches = c.fleet.match(c.prompts.prepare([], prompt, ""))
     return max((m.num_blocks for m in matches.values()), default=0)
 
 

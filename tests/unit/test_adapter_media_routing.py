@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from kvmesh.coordinator.coordinator import InvalidRequest, NoLiveWorker
+from kvmesh.coordinator.contract import InvalidRequest, NoLiveWorker
 from kvmesh.proto.block_hash import MediaItem
 from kvmesh.workers.contract.requests import SamplingConfig
 from tests.unit.test_coordinator import PROMPT, hold, info, make
@@ -19,9 +19,9 @@ def advertise(c, worker: str, *adapters: str) -> None:  # type: ignore[no-untype
 
 def test_an_adapter_has_its_own_chain_and_the_base_model_keeps_its_own() -> None:
     c, _, _, _ = make()
-    base = c.prepare(PROMPT, "", "")
-    sql = c.prepare(PROMPT, "", "", adapter="sql")
-    assert c.prepare(PROMPT, "", "", adapter="").block_hashes == base.block_hashes
+    base = c.prompts.prepare(PROMPT, "", "")
+    sql = c.prompts.prepare(PROMPT, "", "", adapter="sql")
+    assert c.prompts.prepare(PROMPT, "", "", adapter="").block_hashes == base.block_hashes
     assert set(sql.block_hashes).isdisjoint(base.block_hashes)
     assert sql.adapter == "sql"
 
@@ -30,15 +30,15 @@ def test_an_adapters_requests_go_only_to_workers_that_serve_it() -> None:
     c, backend, mirror, _ = make(("w0", "w1", "w2"))
     advertise(c, "w1", "sql", "chat")
     advertise(c, "w2", "chat")
-    base = c.prepare(PROMPT, "", "")
+    base = c.prompts.prepare(PROMPT, "", "")
     hold(mirror, "w0", base.block_hashes)  # w0 holds the base chain: irrelevant to sql
     for i in range(6):
-        prompt = c.prepare([i + 1, *PROMPT[:40]], "", "", adapter="sql")
+        prompt = c.prompts.prepare([i + 1, *PROMPT[:40]], "", "", adapter="sql")
         list(c.generate(prompt, SamplingConfig(max_tokens=1)))
         assert c.route(prompt).worker_id == "w1"
     assert {w for w, _ in backend.requests} == {"w1"}
     assert {r.adapter for _, r in backend.requests} == {"sql"}
-    chat = c.prepare(PROMPT[:40], "", "", adapter="chat")
+    chat = c.prompts.prepare(PROMPT[:40], "", "", adapter="chat")
     assert {s.worker_id for s in c.route(chat).scores} == {"w1", "w2"}
     assert {s.worker_id for s in c.route(base).scores} == {"w0", "w1", "w2"}
 
@@ -47,13 +47,17 @@ def test_an_unknown_adapter_is_refused_and_an_unavailable_one_is_unavailable() -
     c, _, _, registry = make()
     advertise(c, "w1", "sql")
     with pytest.raises(InvalidRequest, match=r"no worker serves adapter 'law'; served: \['sql'\]"):
-        c.route(c.prepare(PROMPT, "", "", adapter="law"))
+        c.route(c.prompts.prepare(PROMPT, "", "", adapter="law"))
     registry.set_drained("w1", True)
     with pytest.raises(NoLiveWorker, match="adapter 'sql'"):
-        c.route(c.prepare(PROMPT, "", "", adapter="sql"))
+        c.route(c.prompts.prepare(PROMPT, "", "", adapter="sql"))
     registry.set_drained("w1", False)
     with pytest.raises(InvalidRequest, match="worker 'w0' does not serve adapter 'sql'"):
-        list(c.generate(c.prepare(PROMPT, "", "", adapter="sql"), SamplingConfig(), worker_id="w0"))
+        list(
+            c.generate(
+                c.prompts.prepare(PROMPT, "", "", adapter="sql"), SamplingConfig(), worker_id="w0"
+            )
+        )
 
 
 def test_a_migrated_turn_keeps_its_adapter() -> None:
@@ -61,7 +65,7 @@ def test_a_migrated_turn_keeps_its_adapter() -> None:
     advertise(c, "w0", "sql")
     advertise(c, "w1", "sql")
     backend.die.add("w0")
-    prompt = c.prepare(PROMPT[:40], "", "", adapter="sql")
+    prompt = c.prompts.prepare(PROMPT[:40], "", "", adapter="sql")
     events = list(c.generate(prompt, SamplingConfig(max_tokens=3), worker_id="w0"))
     assert events[-1].finished
     assert [(w, r.adapter) for w, r in backend.requests] == [("w0", "sql"), ("w1", "sql")]
@@ -69,19 +73,19 @@ def test_a_migrated_turn_keeps_its_adapter() -> None:
 
 def test_media_items_change_the_chain_from_their_block_and_generate_refuses_them() -> None:
     c, backend, mirror, _ = make()
-    plain = c.prepare(PROMPT[:100], "", "")
-    cat = c.prepare(PROMPT[:100], "", "", media=[MediaItem(0xCA7, offset=40, length=30)])
-    dog = c.prepare(PROMPT[:100], "", "", media=[MediaItem(0xD06, offset=40, length=30)])
+    plain = c.prompts.prepare(PROMPT[:100], "", "")
+    cat = c.prompts.prepare(PROMPT[:100], "", "", media=[MediaItem(0xCA7, offset=40, length=30)])
+    dog = c.prompts.prepare(PROMPT[:100], "", "", media=[MediaItem(0xD06, offset=40, length=30)])
     assert cat.block_hashes[:2] == dog.block_hashes[:2] == plain.block_hashes[:2]
     assert len({cat.block_hashes[2], dog.block_hashes[2], plain.block_hashes[2]}) == 3
     hold(mirror, "w1", cat.block_hashes)
-    assert c.match(dog)["w1"].num_blocks == 2  # matched up to the image, not past it
+    assert c.fleet.match(dog)["w1"].num_blocks == 2  # matched up to the image, not past it
     assert c.route(cat).worker_id == "w1"
     with pytest.raises(InvalidRequest, match="text-only"):
         list(c.generate(cat, SamplingConfig(max_tokens=1)))
     assert backend.requests == []
     with pytest.raises(InvalidRequest, match="offset 90 of length 30"):
-        c.prepare(PROMPT[:100], "", "", media=[MediaItem(1, offset=90, length=30)])
+        c.prompts.prepare(PROMPT[:100], "", "", media=[MediaItem(1, offset=90, length=30)])
 
 
 def test_the_openai_api_serves_adapters_as_models_of_their_own() -> None:

@@ -9,7 +9,8 @@ import pytest
 
 from kvmesh.coordinator.cluster.registry import WorkerRegistry
 from kvmesh.coordinator.config import CoordinatorConfig
-from kvmesh.coordinator.coordinator import Coordinator, InvalidRequest, NoLiveWorker, WorkerDied
+from kvmesh.coordinator.contract import InvalidRequest, NoLiveWorker, WorkerDied
+from kvmesh.coordinator.coordinator import Coordinator
 from kvmesh.coordinator.index.locked_mirror import LockedMirror
 from kvmesh.coordinator.index.mirror import WorkerId
 from kvmesh.coordinator.routing.links import LinkTable, LinkType
@@ -99,7 +100,7 @@ PROMPT = [(i * 7) % 250 + 3 for i in range(1024 + 5)]
 
 def test_a_request_goes_to_the_worker_whose_cache_holds_its_prefix() -> None:
     c, backend, mirror, _ = make()
-    prompt = c.prepare(PROMPT, "", "")
+    prompt = c.prompts.prepare(PROMPT, "", "")
     hold(mirror, "w1", prompt.block_hashes[:32])
     events = list(c.generate(prompt, SamplingConfig(max_tokens=3)))
     assert {e.worker_id for e in events} == {"w1"}
@@ -108,11 +109,13 @@ def test_a_request_goes_to_the_worker_whose_cache_holds_its_prefix() -> None:
     stats = c.stats()
     assert stats["num_requests"] == 1 and stats["generated_tokens"] == 3
     assert stats["prompt_tokens"] == len(PROMPT)
+    c.fleet.check_invariants()
+    c.counters.check_invariants()
 
 
 def test_a_pull_plan_travels_to_the_worker_with_the_exact_run_to_move() -> None:
     c, backend, mirror, _ = make(transfers=True)
-    prompt = c.prepare(PROMPT, "", "")
+    prompt = c.prompts.prepare(PROMPT, "", "")
     hold(mirror, "w0", prompt.block_hashes[:64])  # w0 holds the whole prefix
     hold(mirror, "w1", prompt.block_hashes[:8])  # w1 only its start
     events = list(c.generate(prompt, SamplingConfig(max_tokens=1), worker_id="w1"))
@@ -129,7 +132,7 @@ def test_a_pull_plan_travels_to_the_worker_with_the_exact_run_to_move() -> None:
 def test_a_pull_never_asks_for_the_block_of_the_last_prompt_token() -> None:
     c, backend, mirror, _ = make(transfers=True)
     exact = PROMPT[: 64 * BS]  # 64 full blocks: the last holds the last prompt token
-    prompt = c.prepare(exact, "", "")
+    prompt = c.prompts.prepare(exact, "", "")
     hold(mirror, "w0", prompt.block_hashes)
     list(c.generate(prompt, SamplingConfig(max_tokens=1), worker_id="w1"))
     _, request = backend.requests[-1]
@@ -141,7 +144,7 @@ def test_the_router_sees_the_callers_max_tokens_and_none_for_a_server_default() 
     seen: list[int | None] = []
     choose = c.policy.choose
     c.policy.choose = lambda q, ws: (seen.append(q.max_tokens), choose(q, ws))[1]  # type: ignore[method-assign]
-    prompt = c.prepare(PROMPT[:40], "", "")
+    prompt = c.prompts.prepare(PROMPT[:40], "", "")
     list(c.generate(prompt, SamplingConfig(max_tokens=3)))
     list(c.generate(prompt, SamplingConfig(max_tokens=5), max_tokens_known=False))
     c.route(prompt, max_tokens=7)
@@ -152,7 +155,7 @@ def test_the_router_sees_the_callers_max_tokens_and_none_for_a_server_default() 
 def test_a_stream_whose_worker_dies_continues_on_another() -> None:
     c, backend, _, registry = make()
     backend.die.add("w0")
-    prompt = c.prepare(PROMPT[:40], "", "")
+    prompt = c.prompts.prepare(PROMPT[:40], "", "")
     events = list(c.generate(prompt, SamplingConfig(max_tokens=4), worker_id="w0"))
     assert [e.worker_id for e in events][0] == "w0" and events[-1].worker_id == "w1"
     assert len([t for e in events for t in e.token_ids]) == 4
@@ -163,7 +166,7 @@ def test_a_stream_whose_worker_dies_continues_on_another() -> None:
 
 def test_routing_follows_the_registry_drained_and_dead_workers_get_nothing() -> None:
     c, backend, mirror, registry = make(("w0", "w1", "w2"))
-    prompt = c.prepare(PROMPT[:40], "", "")
+    prompt = c.prompts.prepare(PROMPT[:40], "", "")
     hold(mirror, "w2", prompt.block_hashes[:2])
     registry.set_drained("w2", True)
     registry.mark_dead("w1", "test")
@@ -182,8 +185,8 @@ def test_routing_follows_the_registry_drained_and_dead_workers_get_nothing() -> 
 def test_bad_requests_are_refused_before_anything_is_routed() -> None:
     c, backend, _, _ = make()
     with pytest.raises(InvalidRequest):
-        c.prepare([MODEL.vocab_size], "", "")
-    prompt = c.prepare([1, 2, 3], "", "")
+        c.prompts.prepare([MODEL.vocab_size], "", "")
+    prompt = c.prompts.prepare([1, 2, 3], "", "")
     with pytest.raises(InvalidRequest):
         c.generate(prompt, SamplingConfig(max_tokens=1), worker_id="nope")
     assert backend.requests == []

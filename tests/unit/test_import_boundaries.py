@@ -12,6 +12,9 @@ import pytest
 # gRPC shells, which are checked separately below.
 CORE = [
     "kvmesh.coordinator.coordinator",
+    "kvmesh.coordinator.contract",
+    "kvmesh.coordinator.prompt_preparer",
+    "kvmesh.coordinator.fleet_view",
     "kvmesh.coordinator.config",
     "kvmesh.coordinator.cluster.registry",
     "kvmesh.coordinator.cluster.redis_server",
@@ -33,6 +36,7 @@ CORE = [
     "kvmesh.coordinator.sim.simulator",
     "kvmesh.coordinator.telemetry.collector",
     "kvmesh.coordinator.telemetry.request_log",
+    "kvmesh.coordinator.telemetry.request_counters",
     "kvmesh.coordinator.telemetry.log_format",
     "kvmesh.workers.contract.requests",
     "kvmesh.workers.contract.replies",

@@ -14,7 +14,7 @@ from tests.unit.test_coordinator import PROMPT, make
 
 def test_session_id_reaches_the_worker_and_survives_a_migration() -> None:
     c, backend, _, _ = make()
-    prompt = c.prepare(PROMPT, "", "")
+    prompt = c.prompts.prepare(PROMPT, "", "")
     first = list(c.generate(prompt, SamplingConfig(max_tokens=2), session_id="chat"))
     home = first[0].worker_id
     backend.die.add(home)  # the session's worker dies during the next turn
@@ -28,7 +28,7 @@ def test_session_id_reaches_the_worker_and_survives_a_migration() -> None:
 
 def test_route_shows_the_session_affinity_it_applied() -> None:
     c, _, _, _ = make()
-    prompt = c.prepare(PROMPT, "", "")
+    prompt = c.prompts.prepare(PROMPT, "", "")
     list(c.generate(prompt, SamplingConfig(max_tokens=1), session_id="chat"))
     d = c.route(prompt, "chat")
     assert d.session_worker_id in ("w0", "w1")
@@ -46,7 +46,7 @@ def test_affinity_weight_is_a_config_value() -> None:
 
 def test_second_concurrent_turn_is_refused_when_asked() -> None:
     c, backend, _, _ = make()
-    prompt = c.prepare(PROMPT, "", "")
+    prompt = c.prompts.prepare(PROMPT, "", "")
     first = c.generate(prompt, SamplingConfig(max_tokens=3), session_id="chat")
     next(first)  # the first turn is streaming
     second = c.generate(

@@ -148,7 +148,9 @@ def test_finished_requests_move_outcome_counts_ttft_and_routing_histograms() -> 
     coordinator, _, metrics, collector, _ = make(step_s=0.001)
     for _ in range(3):
         list(
-            coordinator.generate(coordinator.prepare(PROMPT, "", ""), SamplingConfig(max_tokens=2))
+            coordinator.generate(
+                coordinator.prompts.prepare(PROMPT, "", ""), SamplingConfig(max_tokens=2)
+            )
         )
     metrics.check_invariants()
     fams = families(collector)
@@ -168,7 +170,9 @@ def test_finished_requests_move_outcome_counts_ttft_and_routing_histograms() -> 
 
 def test_a_consumer_that_stops_reading_is_counted_as_cancelled_without_a_ttft() -> None:
     coordinator, _, metrics, collector, _ = make()
-    stream = coordinator.generate(coordinator.prepare(PROMPT, "", ""), SamplingConfig(max_tokens=4))
+    stream = coordinator.generate(
+        coordinator.prompts.prepare(PROMPT, "", ""), SamplingConfig(max_tokens=4)
+    )
     next(iter(stream))
     stream.close()  # type: ignore[attr-defined]
     fams = families(collector)
@@ -183,7 +187,7 @@ def test_refused_requests_are_counted_by_outcome() -> None:
     for w in ("w0", "w1"):
         registry.mark_dead(w, "test")
     with pytest.raises(Exception, match="no live worker"):
-        coordinator.route(coordinator.prepare(PROMPT, "", ""))
+        coordinator.route(coordinator.prompts.prepare(PROMPT, "", ""))
     coordinator.note_refused("label-2", "unavailable", "no live worker")
     fams = families(collector)
     assert fams["kvmesh_requests_total"].value(outcome="invalid") == 1

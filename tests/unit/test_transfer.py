@@ -82,7 +82,7 @@ def chain_of(worker: Worker, prompt: list[int]) -> list[BlockHash]:
 
 def object_store_fill(peer: Worker, hashes: tuple[BlockHash, ...], target: Worker) -> BlockWriter:
     """What the object-store transport does, in process: the peer exports, the target scatters."""
-    export = peer.export_blocks(hashes)
+    export = peer.pull_source.export_blocks(hashes)
 
     def fill(targets: list[BlockId]) -> int:
         n = min(len(targets), len(export.hashes))
@@ -218,7 +218,7 @@ def test_a_pull_never_covers_the_block_of_the_last_prompt_token() -> None:
 def test_export_stops_at_the_first_missing_block() -> None:
     peer, _ = make_worker("peer")
     run(peer, "warm", PREFIX[:40])  # 2 full blocks
-    assert len(peer.export_blocks(chain_of(peer, PREFIX)).hashes) == 2
+    assert len(peer.pull_source.export_blocks(chain_of(peer, PREFIX)).hashes) == 2
 
 
 def test_demoted_blocks_are_promoted_back_with_the_same_result() -> None:
@@ -278,7 +278,7 @@ def test_in_place_copy_from_a_pinned_peer_cache_matches_a_cold_recompute() -> No
     spec = PullSpec("peer", 0, tuple(chain[:6]))
     reservation = target.add_request(request("req", prompt, pull=spec))
     assert reservation is not None
-    ids = peer.pin_run(reservation.hashes)
+    ids = peer.pull_source.pin_run(reservation.hashes)
     assert len(ids) == 6 and all(peer.pool.ref_count(b) == 1 for b in ids)
     peer.check_invariants()  # the peer's pins are accounted for
 
@@ -287,7 +287,7 @@ def test_in_place_copy_from_a_pinned_peer_cache_matches_a_cold_recompute() -> No
         return len(targets)
 
     written = target.write_pull("req", fill)
-    peer.unpin(ids)
+    peer.pull_source.unpin(ids)
     peer.check_invariants()
     assert target.finish_pull("req", written, elapsed_ms=1.0) == 6
     assert peer.pool.num_free == peer.pool.num_blocks

@@ -89,7 +89,7 @@ def complete(kvmesh: Deployment, prompt: list[int], max_tokens: int = 2) -> dict
 
 def kvmesh_hashes(kvmesh: Deployment, prompt: list[int]) -> list[int]:
     assert kvmesh.coordinator is not None
-    return [int(h) for h in kvmesh.coordinator.chain(prompt, "")]
+    return [int(h) for h in kvmesh.coordinator.prompts.chain(prompt, "")]
 
 
 def indexed(kvmesh: Deployment, worker: str) -> set[int]:

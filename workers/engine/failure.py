@@ -1,4 +1,5 @@
-"""Containing a failure to its sequence: its worker ends that request and serves the rest."""
+"""Containing a failure to its sequence: its worker ends that request and serves the rest
+(a batch's forward pass and sampling, each retried or judged per sequence)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from typing import TypeVar
 import torch
 
 from kvmesh.workers.contract.replies import SequenceFailure
+from kvmesh.workers.engine.sampler import sample_isolated
+from kvmesh.workers.engine.sequence import Sequence as EngineSequence
 
 log = logging.getLogger(__name__)
 Chunk = TypeVar("Chunk")
@@ -36,3 +39,31 @@ def forward_isolated(
             log.exception("forward pass failed for request %s", request_id)
             rows.append(SequenceFailure("the forward pass failed", internal=True))
     return rows
+
+
+def forward_and_sample(
+    forward: Callable[[list[Chunk]], torch.Tensor],
+    seqs: Sequence[EngineSequence],
+    chunks: list[Chunk],
+    logits_sink: Callable[[str, torch.Tensor], None] | None = None,
+) -> list[int | SequenceFailure]:
+    """A token per sequence of `seqs` (one chunk each), or that sequence's failure (forward pass
+    or sampling); the others get exactly what they would get alone. `logits_sink` (a debug and
+    test hook) receives (request_id, logits row) for every sampled token."""
+    ids = [seq.request_id for seq in seqs]
+    rows = forward_isolated(forward, chunks, ids)
+    out: list[int | SequenceFailure] = [r if isinstance(r, SequenceFailure) else -1 for r in rows]
+    live = [i for i, r in enumerate(rows) if isinstance(r, torch.Tensor)]
+    if not live:
+        return out
+    logits = torch.stack([r for r in rows if isinstance(r, torch.Tensor)])
+    if logits_sink is not None:
+        for i, row in zip(live, logits, strict=True):
+            logits_sink(seqs[i].request_id, row.detach().cpu())
+    sampled = [seqs[i] for i in live]
+    tokens = sample_isolated(logits, [s.sampling for s in sampled], [s.num_tokens for s in sampled])
+    for i, token in zip(live, tokens, strict=True):
+        out[i] = token
+        if isinstance(token, SequenceFailure) and token.internal:
+            log.error("sampling failed for request %s: %s", seqs[i].request_id, token)
+    return out

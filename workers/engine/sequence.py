@@ -13,6 +13,7 @@ import enum
 from dataclasses import dataclass, field
 
 from kvmesh.proto.block_hash import BlockHash, block_hashes
+from kvmesh.workers.contract.replies import PrefillFacts
 from kvmesh.workers.contract.requests import SamplingConfig
 from kvmesh.workers.kv.block_pool import BlockId
 
@@ -83,3 +84,21 @@ class Sequence:
         self.num_registered_blocks = 0
         self.status = SeqStatus.WAITING
         self.num_preemptions += 1
+
+    def prefill_facts(self) -> PrefillFacts:
+        """Where its prompt's KV came from, and where the worker's share of its TTFT went, as
+        its first output reports them."""
+        started = self.prefill_started_s if self.prefill_started_s is not None else self.arrival_s
+        cached = self.num_cached_tokens or 0
+        pulled = min(self.num_pulled_tokens, cached)
+        host = min(self.num_host_tokens, cached - pulled)
+        return PrefillFacts(
+            local_tokens=cached - pulled - host,
+            host_tokens=host,
+            pulled_tokens=pulled,
+            computed_tokens=self.num_computed_prompt_tokens,
+            pull_ms=self.pull_ms,
+            pull_bytes=self.pull_bytes,
+            queued_ms=(started - self.arrival_s) * 1e3,
+            prefill_ms=((self.first_token_s or started) - started) * 1e3,
+        )

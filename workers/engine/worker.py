@@ -6,7 +6,8 @@ engine thread. Time comes from the injected clock. What crosses to the coordinat
 contract (`kvmesh.workers.contract`).
 
 A request with a pull plan is accepted in steps (`pull_admission` holds it meanwhile), so the
-worker owns the pulled KV from the first moment:
+worker owns the pulled KV from the first moment (the other side of a pull, serving a peer, is
+`pull_source`):
 
     add_request(req)  -> PullReservation   local prefix pinned, blocks for the rest allocated
     write_pull(id, fill)                     the transport writes the reserved blocks
@@ -37,7 +38,6 @@ from kvmesh.proto.events import TIER_HOST, AllCleared, BlockStored, EventBatch, 
 from kvmesh.proto.request_notes import NoteBatch
 from kvmesh.workers.contract.replies import (
     CacheStats,
-    PrefillFacts,
     RequestOutput,
     SequenceFailure,
     WorkerCounters,
@@ -45,11 +45,12 @@ from kvmesh.workers.contract.replies import (
 )
 from kvmesh.workers.contract.requests import PullSpec, WorkerRequest
 from kvmesh.workers.engine.event_log import EventLog
-from kvmesh.workers.engine.failure import forward_isolated
+from kvmesh.workers.engine.failure import forward_and_sample
 from kvmesh.workers.engine.host_tier import HostTier
 from kvmesh.workers.engine.note_log import NoteLog
 from kvmesh.workers.engine.pull_admission import BlockWriter, PullAdmission
-from kvmesh.workers.engine.sampler import sample_isolated
+from kvmesh.workers.engine.pull_source import PullSource
+from kvmesh.workers.engine.request_checks import check_request
 from kvmesh.workers.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig, StepKind
 from kvmesh.workers.engine.sequence import SeqStatus, Sequence
 from kvmesh.workers.engine.tally import WorkerTally
@@ -58,7 +59,6 @@ from kvmesh.workers.kv.host_pool import HostPool
 from kvmesh.workers.kv.pull_reservation import PullReservation
 from kvmesh.workers.kv.warm_sessions import WarmSessionConfig, WarmSessions
 from kvmesh.workers.model.runner import ModelRunner, SeqChunk
-from kvmesh.workers.transfer.block_export import BlockExport
 
 __all__ = ["BlockWriter", "Worker"]
 
@@ -119,7 +119,9 @@ class Worker:
         self.notes = NoteLog(worker_id)
         self._seqs: dict[str, Sequence] = {}
         self.pulls = PullAdmission(self.pool, self.host_tier, self.block_size)
-        self._peer_pins: list[BlockId] = []
+        """The target side of pulls: requests whose pulled KV is being written."""
+        self.pull_source = PullSource(worker_id, self.pool, runner, self.host_tier)
+        """The source side: blocks exported to peers, or pinned for them to copy in place."""
         self._num_queued_prefill_tokens = 0  # see _note_queue
         self.tally = WorkerTally()
         # Debug / test hook: receives (request_id, logits row) for every sampled token.
@@ -144,7 +146,9 @@ class Worker:
     def add_request(self, req: WorkerRequest) -> PullReservation | None:
         """Accept a request. With a pull plan that this worker can still use, returns the
         reservation the transport fills; the request then waits for `finish_pull`."""
-        self._validate(req)
+        if req.request_id in self._seqs:
+            raise ValueError("a request with this id is already running on this worker")
+        check_request(req, self.runner.config, self.runner.adapters)
         seq = Sequence(
             req.request_id,
             list(req.prompt_ids),
@@ -178,31 +182,6 @@ class Worker:
         if pull is not None:
             held = max(held, min(pull.end_block, len(chain)))
         return seq.num_tokens - num_reusable_tokens(seq.num_tokens, held, bs)
-
-    def _validate(self, req: WorkerRequest) -> None:
-        if req.request_id in self._seqs:
-            raise ValueError("a request with this id is already running on this worker")
-        problem = req.sampling.problem()  # checked at the door too; a worker trusts no caller
-        if problem is not None:
-            raise ValueError(problem)
-        if req.adapter and req.adapter not in self.runner.adapters:
-            raise ValueError(
-                f"this worker does not serve adapter {req.adapter!r};"
-                f" it serves {sorted(self.runner.adapters)}"
-            )
-        vocab = self.runner.config.vocab_size
-        if not req.prompt_ids:
-            raise ValueError("the prompt is empty")
-        bad = max(req.prompt_ids)
-        if bad >= vocab or min(req.prompt_ids) < 0:
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
-        context = self.runner.config.max_position_embeddings
-        total = len(req.prompt_ids) + req.sampling.max_tokens
-        if total > context:
-            raise ValueError(
-                f"prompt ({len(req.prompt_ids)}) + max_tokens ({req.sampling.max_tokens}) = {total}"
-                f" exceeds the model's context of {context} tokens"
-            )
 
     def abort(self, request_id: str) -> bool:
         seq = self._seqs.pop(request_id, None)
@@ -268,7 +247,7 @@ class Worker:
             SeqChunk(seq.all_ids[start:], start, seq.block_table, adapter=seq.adapter)
             for seq, start in zip(step.seqs, step.start_positions, strict=True)
         ]
-        results = self._forward_and_sample(step, chunks)
+        results = forward_and_sample(self.runner.forward, step.seqs, chunks, self._logits_sink)
         if step.kind is StepKind.PREFILL:
             self.tally.prefill_ms_total += (time.perf_counter() - started) * 1e3
             self.tally.prefill_tokens_total += sum(len(c.token_ids) for c in chunks)
@@ -281,32 +260,7 @@ class Worker:
         self.scheduler.on_step_done(step, sampled, self.eos_token_ids)
         return self._outputs(step, sampled) + [self._fail(seq, f) for seq, f in failed]
 
-    # ---- isolation: one sequence's failure is its own ------------------------------------------
-
-    def _forward_and_sample(
-        self, step: ScheduledStep, chunks: list[SeqChunk]
-    ) -> list[int | SequenceFailure]:
-        """A token per sequence of `step`, or that sequence's failure (forward pass or sampling);
-        the others get exactly what they would get alone."""
-        ids = [seq.request_id for seq in step.seqs]
-        rows = forward_isolated(self.runner.forward, chunks, ids)
-        out: list[int | SequenceFailure] = [
-            r if isinstance(r, SequenceFailure) else -1 for r in rows
-        ]
-        live = [i for i, r in enumerate(rows) if isinstance(r, torch.Tensor)]
-        if not live:
-            return out
-        logits = torch.stack([r for r in rows if isinstance(r, torch.Tensor)])
-        if self._logits_sink is not None:
-            for i, row in zip(live, logits, strict=True):
-                self._logits_sink(step.seqs[i].request_id, row.detach().cpu())
-        seqs = [step.seqs[i] for i in live]
-        tokens = sample_isolated(logits, [s.sampling for s in seqs], [s.num_tokens for s in seqs])
-        for i, token in zip(live, tokens, strict=True):
-            out[i] = token
-            if isinstance(token, SequenceFailure) and token.internal:
-                log.error("sampling failed for request %s: %s", step.seqs[i].request_id, token)
-        return out
+    # ---- isolation: one sequence's failure is its own (failure.py) -----------------------------
 
     def _without_failed(self, step: ScheduledStep, failed: list[Sequence]) -> ScheduledStep:
         """`step` minus the failed sequences, which are finished and release their blocks."""
@@ -334,7 +288,7 @@ class Worker:
             facts = None
             if seq.first_token_s is None:
                 seq.first_token_s = now
-                facts = self._prefill_facts(seq)
+                facts = seq.prefill_facts()
                 self.tally.on_prefilled(facts, looked_up=not seq.bypass_cache)
                 self.notes.prefilled(seq.request_id)
             self.tally.generated_tokens += 1
@@ -354,52 +308,6 @@ class Worker:
         if seq.session_id and seq.finish_reason != "abort" and not seq.bypass_cache:
             chain = self.pool.match_prefix(seq.full_block_hashes(self.block_size))
             self.sessions.keep(seq.session_id, chain)
-
-    @staticmethod
-    def _prefill_facts(seq: Sequence) -> PrefillFacts:
-        started = seq.prefill_started_s if seq.prefill_started_s is not None else seq.arrival_s
-        cached = seq.num_cached_tokens or 0
-        pulled = min(seq.num_pulled_tokens, cached)
-        host = min(seq.num_host_tokens, cached - pulled)
-        return PrefillFacts(
-            local_tokens=cached - pulled - host,
-            host_tokens=host,
-            pulled_tokens=pulled,
-            computed_tokens=seq.num_computed_prompt_tokens,
-            pull_ms=seq.pull_ms,
-            pull_bytes=seq.pull_bytes,
-            queued_ms=(started - seq.arrival_s) * 1e3,
-            prefill_ms=((seq.first_token_s or started) - started) * 1e3,
-        )
-
-    # ---- pulls (source side) --------------------------------------------------------------------
-
-    def export_blocks(self, hashes: Seq[BlockHash], to_cpu: bool = True) -> BlockExport:
-        """The leading run of `hashes` this worker holds (device tier, then host tier)."""
-        ids = self.pool.match_prefix(hashes)
-        parts = [self.runner.export_blocks(ids)] if ids else []
-        found = list(hashes[: len(ids)])
-        from_host, run = self.host_tier.export_after(hashes[len(ids) :])
-        if from_host is not None:
-            parts.append(from_host)
-            found += run
-        if not parts:
-            parts = [self.runner.export_blocks([])]
-        blocks = torch.cat(parts) if len(parts) > 1 else parts[0]
-        return BlockExport(self.worker_id, tuple(found), blocks.cpu() if to_cpu else blocks)
-
-    def pin_run(self, hashes: Seq[BlockHash]) -> list[BlockId]:
-        """Take refs on the leading device run of `hashes` so a peer can copy it in place
-        (same-GPU and NCCL pulls); `unpin` releases them."""
-        ids = self.pool.match_prefix(hashes)
-        self.pool.acquire(ids)
-        self._peer_pins.extend(ids)
-        return ids
-
-    def unpin(self, ids: Seq[BlockId]) -> None:
-        for b in ids:
-            self._peer_pins.remove(b)
-        self.pool.free(ids)
 
     # ---- cache state and events -----------------------------------------------------------------
 
@@ -522,8 +430,9 @@ class Worker:
         )
 
     def check_invariants(self) -> None:
-        held: list[BlockId] = [*self._peer_pins, *self.pulls.held_blocks()]
+        held: list[BlockId] = [*self.pull_source.held_blocks(), *self.pulls.held_blocks()]
         self.scheduler.check_invariants(held)
+        self.pull_source.check_invariants()
         self.sessions.sync()
         self.sessions.check_invariants()
         if self.host_pool is not None:

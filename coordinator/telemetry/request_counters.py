@@ -1,0 +1,55 @@
+"""The coordinator's running totals over the requests it took: what `Stats` reports of them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvmesh.workers.contract.replies import PrefillFacts
+
+
+@dataclass(slots=True)
+class RequestCounters:
+    """Guarded by its coordinator's lock. Invariant: prompt_tokens == cached + pulled + computed
+    (a prefill is counted whole; cached here is the local and host-tier hits)."""
+
+    num_requests: int = 0
+    num_failed_requests: int = 0
+    num_cancelled_requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    pulled_tokens: int = 0
+    computed_tokens: int = 0
+    generated_tokens: int = 0
+    num_migrations: int = 0
+    per_worker: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def on_prefilled(self, worker: str, facts: PrefillFacts) -> None:
+        """Count a request's prefill on `worker` (local and host-tier hits are both cached)."""
+        self.prompt_tokens += facts.prompt_tokens
+        self.pulled_tokens += facts.pulled_tokens
+        self.cached_tokens += facts.local_tokens + facts.host_tokens
+        self.computed_tokens += facts.computed_tokens
+        w = self.per_worker.setdefault(worker, {"cached_tokens": 0, "computed_tokens": 0})
+        w["cached_tokens"] += facts.local_tokens + facts.host_tokens
+        w["computed_tokens"] += facts.computed_tokens
+
+    def snapshot(self, num_session_turns_refused: int) -> dict[str, Any]:
+        """The totals as `Coordinator.stats` reports them, with the hit rate."""
+        return {
+            "num_requests": self.num_requests,
+            "num_failed_requests": self.num_failed_requests,
+            "num_cancelled_requests": self.num_cancelled_requests,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "pulled_tokens": self.pulled_tokens,
+            "computed_tokens": self.computed_tokens,
+            "generated_tokens": self.generated_tokens,
+            "num_migrations": self.num_migrations,
+            "num_session_turns_refused": num_session_turns_refused,
+            "hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+        }
+
+    def check_invariants(self) -> None:
+        total = self.cached_tokens + self.pulled_tokens + self.computed_tokens
+        assert self.prompt_tokens == total, f"{self.prompt_tokens} prompt tokens, {total} counted"

@@ -1,0 +1,37 @@
+from __future__ import annotations
+
+import numpy as np
+
+from kvmesh.coordinator.index.hash_table import FEW_HASHES, NOBODY, HashTable
+from kvmesh.proto.block_hash import BlockHash
+
+HASHES = [BlockHash(int(h)) for h in np.random.default_rng(0).integers(1, 2**63, 200)]
+
+
+def put(table: HashTable, values: dict[BlockHash, int]) -> None:
+    table.note_changing(np.fromiter(values, np.uint64, len(values)))
+    table.delta.update(values)
+
+
+def test_lookup_reads_the_delta_before_a_merge_and_the_arrays_after() -> None:
+    table = HashTable()
+    put(table, {h: 1 + i % 3 for i, h in enumerate(HASHES)})
+    want = [1 + i % 3 for i in range(len(HASHES))]
+    assert table.lookup(HASHES).tolist() == want  # a long chain: vector rounds
+    assert table.lookup_few(HASHES[:FEW_HASHES]) == want[:FEW_HASHES]
+    table.check_invariants()  # merges
+    assert not table.delta and len(table.keys) == len(HASHES)
+    assert table.lookup(HASHES).tolist() == want
+    assert table.lookup_few(HASHES[:FEW_HASHES]) == want[:FEW_HASHES]
+    assert table.merged_values(np.fromiter(HASHES, np.uint64)).tolist() == want
+
+
+def test_absent_and_released_hashes_read_as_nobody() -> None:
+    table = HashTable()
+    put(table, dict.fromkeys(HASHES[:100], 7))
+    table.merge()
+    put(table, dict.fromkeys(HASHES[:10], NOBODY))  # no holder left
+    assert table.lookup(HASHES).tolist() == [NOBODY] * 10 + [7] * 90 + [NOBODY] * 100
+    table.check_invariants()
+    assert table.lookup(HASHES).tolist() == [NOBODY] * 10 + [7] * 90 + [NOBODY] * 100
+    assert table.lookup_few(HASHES[:3] + HASHES[150:153]) == [NOBODY] * 6
