@@ -125,22 +125,47 @@ def host_tier_ttft() -> dict[str, float]:
     ttft("warm", warm + tail(0))  # every shape below once: kernels compiled, allocator warm
     ttft("warm-hit", warm + tail(0))
     cold = ttft("cold", prefix + tail(1))
-    local = ttft("local", prefix + tail(2))
-    out = {"cold_ms": cold, "local_hit_ms": local}
-    # Twice: evictions copied out on the request's path, then with the worker's idle write-back
-    # between requests (what the actor's engine loop runs whenever it has nothing to do).
-    for label, idle in (("host_hit", False), ("host_hit_written_back", True)):
-        prefix = torch.randint(0, 128000, (PREFIX,), generator=g).tolist()
-        ttft(f"{label}-first", prefix + tail(4))
-        for k in range(3):  # push the prefix out of the 1,024-block device pool onto the host
+    locals_ms = [ttft(f"local{r}", prefix + tail(2)) for r in range(3)]
+    out = {"cold_ms": cold, "local_hit_ms": sorted(locals_ms)[1]}
+    # Evictions copied out on the request's path (the promotion as one copy before the prefill,
+    # as before), then with the worker's idle write-back between requests (what the actor's
+    # engine loop runs whenever it has nothing to do), promoting as one copy and layer by layer
+    # beside the prefill (its kernel compiled when the worker was built). Median of 3 each.
+    rounds = [("host_hit", False, False)]
+    rounds += [("host_hit_written_back_one_copy", True, False)]
+    rounds += [("host_hit_written_back", True, True)]
+    for label, idle, layered in rounds:
+        worker.runner.layered_loads = layered
+        samples, promoted = [], []
+        for r in range(3):
+            prefix = torch.randint(0, 128000, (PREFIX,), generator=g).tolist()
+            ttft(f"{label}{r}-first", prefix + tail(4))
+            for k in range(3):  # push the prefix out of the 1,024-block device pool
+                while idle and worker.write_back_host(worker_config.host_write_back_blocks):
+                    pass
+                fill = torch.randint(0, 128000, (7000,), generator=g).tolist()
+                ttft(f"{label}{r}-fill{k}", fill)
             while idle and worker.write_back_host(worker_config.host_write_back_blocks):
                 pass
-            ttft(f"{label}-fill{k}", torch.randint(0, 128000, (7000,), generator=g).tolist())
-        while idle and worker.write_back_host(worker_config.host_write_back_blocks):
-            pass
-        before = worker.tally.host_hit_tokens
-        out[f"{label}_ms"] = ttft(label, prefix + tail(3))
-        out[f"{label}_tokens"] = float(worker.tally.host_hit_tokens - before)
+            before = worker.tally.host_hit_tokens
+            samples.append(ttft(f"{label}{r}", prefix + tail(3)))
+            promoted.append(float(worker.tally.host_hit_tokens - before))
+        out[f"{label}_ms"] = sorted(samples)[1]
+        out[f"{label}_tokens"] = min(promoted)
+    # The layer-by-layer load alone, no prefill beside it (the worker is done with: its first
+    # 480 blocks are overwritten).
+    host_pool = worker.host_pool
+    assert host_pool is not None
+    slots, blocks = list(range(480)), list(range(480))
+    samples = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        worker.runner.load_layers(host_pool.data, slots, blocks)
+        for load in worker.runner.take_layer_loads():
+            load.done.synchronize()
+        samples.append((time.perf_counter() - start) * 1e3)
+    out["layer_load_only_ms"] = sorted(samples)[2]
     return out
 
 
@@ -210,9 +235,11 @@ def main() -> None:
     print(
         f"host tier: cold {h['cold_ms']:.1f} ms, local hit {h['local_hit_ms']:.1f} ms, "
         f"host hit {h['host_hit_ms']:.1f} ms ({h['host_hit_tokens']:.0f} tokens promoted), "
-        f"with idle write-back {h['host_hit_written_back_ms']:.1f} ms"
+        f"with idle write-back {h['host_hit_written_back_one_copy_ms']:.1f} ms (one copy),"
+        f" {h['host_hit_written_back_ms']:.1f} ms (layer by layer)"
         f" ({h['host_hit_written_back_tokens']:.0f}); goal <= 1.3x local:"
-        f" {h['host_hit_written_back_ms'] / h['local_hit_ms']:.2f}x"
+        f" {h['host_hit_written_back_ms'] / h['local_hit_ms']:.2f}x;"
+        f" the layer-by-layer load alone {h['layer_load_only_ms']:.1f} ms"
     )
     if "e2e" in results:
         e = results["e2e"]

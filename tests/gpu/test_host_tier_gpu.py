@@ -97,3 +97,16 @@ def test_a_prompt_promoted_layer_by_layer_matches_a_cold_run(write_back: bool) -
     for a, b, c in zip(layered_rows, copied_rows, cold_logits["again"], strict=True):
         assert torch.equal(a, b)  # the same bytes in the cache, the same kernels
         torch.testing.assert_close(a, c, atol=1e-3, rtol=0)  # cached vs fresh attention kernels
+
+
+def test_a_worker_built_with_a_host_tier_compiles_its_layer_load_up_front() -> None:
+    from kvmesh.workers.config import WorkerConfig
+    from kvmesh.workers.model.loader import build_worker
+
+    config = WorkerConfig(
+        "w", model="tiny-random", num_blocks=64, host_cache_gb=0.01, device="cuda"
+    )
+    worker = build_worker(config)
+    assert worker.runner.num_layer_loads == 1
+    assert worker.pool.num_cached == 0 and worker.pool.num_free == worker.pool.num_blocks
+    assert worker.host_pool is not None and worker.host_pool.num_cached == 0

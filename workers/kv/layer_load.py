@@ -27,6 +27,9 @@ except ImportError:  # pragma: no cover - exercised on CPU-only machines
     triton = None
 
 
+_CHUNK = 4096  # elements one step of a program moves (8 KB of bf16)
+_NUM_PROGRAMS = 32  # a few SMs: enough loads in flight for PCIe, the rest left to the prefill
+
 if triton is not None:
 
     @triton.jit
@@ -38,18 +41,24 @@ if triton is not None:
         layer,
         num_layers,
         num_cache_blocks,
+        num_pairs,
         slab_elems,
         CHUNK: tl.constexpr,
+        NUM_PROGRAMS: tl.constexpr,
     ):
-        kv = tl.program_id(0).to(tl.int64)  # 0: K, 1: V
-        pair = tl.program_id(1)
-        slot = tl.load(slots_ptr + pair).to(tl.int64)
-        block = tl.load(blocks_ptr + pair).to(tl.int64)
-        src_base = ((slot * num_layers + layer) * 2 + kv) * slab_elems
-        dst_base = ((layer * 2 + kv) * num_cache_blocks + block) * slab_elems
-        for start in range(0, slab_elems, CHUNK):
-            offs = start + tl.arange(0, CHUNK)
+        # A few persistent programs walk the (block pair, K or V, chunk) items between them, so
+        # the copy holds a handful of SMs while the prefill's kernels keep the others.
+        chunks_per_slab = tl.cdiv(slab_elems, CHUNK)
+        num_items = num_pairs * 2 * chunks_per_slab
+        for item in range(tl.program_id(0), num_items, NUM_PROGRAMS):
+            pair = item // (2 * chunks_per_slab)
+            kv = ((item // chunks_per_slab) % 2).to(tl.int64)
+            offs = (item % chunks_per_slab) * CHUNK + tl.arange(0, CHUNK)
             mask = offs < slab_elems
+            slot = tl.load(slots_ptr + pair).to(tl.int64)
+            block = tl.load(blocks_ptr + pair).to(tl.int64)
+            src_base = ((slot * num_layers + layer) * 2 + kv) * slab_elems
+            dst_base = ((layer * 2 + kv) * num_cache_blocks + block) * slab_elems
             values = tl.load(host_ptr + src_base + offs, mask=mask)
             tl.store(cache_ptr + dst_base + offs, values, mask=mask)
 
@@ -102,9 +111,10 @@ class LayerLoad:
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             for layer in range(num_layers):
-                _load_layer_kernel[(2, len(self.slots))](
+                _load_layer_kernel[(_NUM_PROGRAMS,)](
                     host_data, cache, self._slot_ids, self._block_ids, layer, num_layers,
-                    num_cache_blocks, slab_elems, CHUNK=2048,
+                    num_cache_blocks, len(self.slots), slab_elems, CHUNK=_CHUNK,
+                    NUM_PROGRAMS=_NUM_PROGRAMS, num_warps=8,
                 )  # fmt: skip
                 self.events[layer].record(stream)
 

@@ -91,7 +91,7 @@ def build_worker(config: WorkerConfig) -> Worker:
         shape = (*runner.kv_cache.shape[:2], *runner.kv_cache.shape[3:])
         num_slots = HostPool.slots_for_bytes(int(config.host_cache_gb * (1 << 30)), shape, dtype)
         host_pool = HostPool(max(1, num_slots), shape, dtype, pin=torch.cuda.is_available())
-    return Worker(
+    worker = Worker(
         config.worker_id,
         runner,
         model.fingerprint(),
@@ -102,3 +102,5 @@ def build_worker(config: WorkerConfig) -> Worker:
         sessions=config.sessions,
         prefix_cache=config.prefix_cache,
     )
+    worker.host_tier.warm_up()
+    return worker

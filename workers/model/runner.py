@@ -453,7 +453,9 @@ class ModelRunner:
         caller ends it with `take_layer_loads` once a step is over."""
         self._check_block_ids(block_ids, unique=True)
         if self._load_stream is None:
-            self._load_stream = torch.cuda.Stream(self.device)
+            # High priority: its copy programs take SMs as the prefill's kernels free them, so
+            # layer l + 1 arrives while layer l computes instead of after the whole forward.
+            self._load_stream = torch.cuda.Stream(self.device, priority=-1)
         load = LayerLoad(host_data, slots, self.kv_cache, block_ids, self._load_stream)
         self._layer_loads.append(load)
         self.num_layer_loads += 1
