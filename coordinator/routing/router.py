@@ -154,9 +154,9 @@ class KvmeshWeights:
     computed or pulled), in that block's prefill time, times the share of w's pool that the
     prefixes reused there within `balance_horizon_s` fill (at most 1): where they fill the pool,
     what the stored block displaces is a prefix due again soon; where they fill a corner of it,
-    the stale rest goes. More than 1 because a displaced prefix is recomputed by each of its
-    followers that finds it gone, and a copy made for balance keeps displacing while its
-    followers keep it warm. 0 stores copies for free."""
+    the stale rest goes. Above 1 since a displaced prefix is recomputed by each follower that
+    finds it gone; 4 is the least that stopped copies from spreading shared-prefix's prompts
+    over 64K-token pools (docs/benchmarks.md). 0 stores copies for free."""
     session_affinity_blocks: float = 1.0
     """A session's pull towards the worker its last turn went to, in blocks of prefill time
     (`CoordinatorConfig.session_affinity_blocks`); 0 disables."""
@@ -246,7 +246,7 @@ class KvmeshPolicy(RoutingPolicy):
     out where the pool is short, and barely where the pool holds more than its traffic reuses
     (`KvmeshWeights.eviction_weight`). Free blocks do not exempt a copy: a pool's empty blocks
     are a warm-up transient, and copies made into them are what spread prefixes over pools
-    they later overflow (docs/benchmarks.md, "Eviction-aware copies"). A worker
+    they later overflow (docs/benchmarks.md, "copies priced by what they displace"). A worker
     that holds more of the prompt saves prefill and recompute; a busy one pays its queue. Nothing
     switches at a threshold: a cached prefix wins until the queue it builds costs more than
     recomputing twice, and a hot prefix's holder keeps its followers only until the decode batch
