@@ -126,5 +126,7 @@ class KvmeshReferencePolicy(KvmeshPolicy):
         if stored <= 0:
             return 0.0
         share = min(1.0, self._reused.num_blocks(w.worker_id) / max(w.num_blocks, 1))
-        block_ms = self.cost_model.prefill_per_token_ms * query.block_size
-        return self.weights.eviction_weight * stored * block_ms * share
+        block_ms = self.weights.eviction_weight * (
+            self.cost_model.prefill_per_token_ms * query.block_size
+        )
+        return block_ms * stored * share

@@ -414,13 +414,14 @@ class KvmeshPolicy(RoutingPolicy):
             # What w lacks on its device is stored there, computed or pulled, and displaces as
             # much of its pool; so much of that was reused lately as its reused prefixes fill
             # of the pool. (A prefix routed to w and not yet indexed will be there: not stored.)
-            held = np.where(matched > cols.matched_blocks, matched, cols.matched_device_blocks)
-            stored = query.num_prompt_blocks - held
+            held = cols.matched_device_blocks
+            if matched is not cols.matched_blocks:
+                held = np.where(matched > cols.matched_blocks, matched, held)
+            stored = np.maximum(query.num_prompt_blocks - held, 0)
             reused = self._reused.num_blocks_many(cols.ids)
             share = np.minimum(1.0, reused / np.maximum(cols.num_blocks, 1))
-            block_ms = cm.prefill_per_token_ms * bs
-            eviction = weights.eviction_weight * stored * block_ms * share
-            cost = cost + np.where(stored > 0, eviction, 0.0)
+            block_ms = weights.eviction_weight * (cm.prefill_per_token_ms * bs)
+            cost = cost + block_ms * stored * share
         uncached_share = 1.0 - options.cached_tokens / n
         # (x[x.argmin()] is x.min(), without the Python wrapper the method goes through)
         cost = cost + weights.placement_balance * (work - work[work.argmin()]) * uncached_share
