@@ -29,12 +29,13 @@ class KvmeshReferencePolicy(KvmeshPolicy):
         now = self.clock()
         self._routed.expire(now)
         self._running.expire(now)
+        self._reused.expire(now)
         views = self._with_routed_prefixes(query, workers)
         peer = best_peer(views) if self.transfer_ms is not None else None
         options = [
             cheapest_prefill(query, w, peer, self.cost_model, self.transfer_ms) for w in views
         ]
-        costs = self._scalar_costs(query, views, options, now)
+        costs = self._scalar_costs(query, views, options, now, workers)
         decision = self._pick_lowest(query, views, costs)
         sticky = self._sessions.get(query.session_id)
         if sticky is not None:
@@ -68,7 +69,9 @@ class KvmeshReferencePolicy(KvmeshPolicy):
         views: Sequence[WorkerView],
         options: Sequence[PrefillOption],
         now: float,
+        indexed: Sequence[WorkerView],
     ) -> list[float]:
+        """`indexed`: the views before routed prefixes extended their matches."""
         cm, weights, recent = self.cost_model, self.weights, self._recent
         sticky = self._sessions.get(query.session_id)
         work, requests = recent.snapshot([w.worker_id for w in views], now)
@@ -78,8 +81,8 @@ class KvmeshReferencePolicy(KvmeshPolicy):
         least_step_load = min(step_loads)
         decode_tokens = weights.decode_tokens_for(query.max_tokens)
         costs = []
-        for w, option, w_work, w_requests, step_load in zip(
-            views, options, work, requests, step_loads, strict=True
+        for w, option, w_work, w_requests, step_load, w_indexed in zip(
+            views, options, work, requests, step_loads, indexed, strict=True
         ):
             recompute_ms = option.prefill_ms - (option.pull.transfer_ms if option.pull else 0.0)
             cost = w.queued_prefill_ms + option.prefill_ms + weights.recompute_weight * recompute_ms
@@ -88,6 +91,7 @@ class KvmeshReferencePolicy(KvmeshPolicy):
             cost += 2.0 * decode_tokens * (step_load - least_step_load)
             if query.num_prompt_blocks - w.matched_device_blocks > w.num_free_blocks:
                 cost += self._memory_pressure_ms(query, w)
+            cost += self._eviction_ms(query, w, w_indexed)
             uncached_share = 1.0 - self._cached_tokens(query, w) / query.prompt_len
             cost += weights.placement_balance * (w_work - least_work) * uncached_share
             cost += weights.request_balance * (w_requests - least_requests) * cheapest_ready
@@ -108,3 +112,21 @@ class KvmeshReferencePolicy(KvmeshPolicy):
             return 0.0
         shortfall = (needed - w.num_free_blocks) / needed
         return shortfall * self.cost_model.decode_step_ms(w.num_running) * query.block_size
+
+    def _eviction_ms(self, query: RouteQuery, w: WorkerView, indexed: WorkerView) -> float:
+        """The blocks w stores for the prompt, each priced as its prefill times the share of w's
+        pool that its lately reused prefixes fill (see `KvmeshPolicy`)."""
+        if not self.weights.eviction_weight > 0:
+            return 0.0
+        if w.matched_blocks > indexed.matched_blocks:  # a routed prefix: on the device soon
+            held = w.matched_blocks
+        else:
+            held = w.matched_device_blocks
+        stored = query.num_prompt_blocks - held
+        if stored <= 0:
+            return 0.0
+        share = min(1.0, self._reused.num_blocks(w.worker_id) / max(w.num_blocks, 1))
+        block_ms = self.weights.eviction_weight * (
+            self.cost_model.prefill_per_token_ms * query.block_size
+        )
+        return block_ms * stored * share

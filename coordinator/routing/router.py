@@ -32,6 +32,7 @@ from kvmesh.coordinator.routing.policy import (
 )
 from kvmesh.coordinator.routing.pull_planner import PullPlan
 from kvmesh.coordinator.routing.recent_load import RecentLoad
+from kvmesh.coordinator.routing.reused_prefixes import ReusedPrefixes
 from kvmesh.coordinator.routing.routed_prefixes import RoutedPrefixes
 from kvmesh.coordinator.routing.running_context import RunningContext
 from kvmesh.proto.block_hash import num_reusable_blocks, num_reusable_tokens
@@ -148,6 +149,14 @@ class KvmeshWeights:
     max_decode_tokens: float = 64.0
     """Most tokens priced whatever max_tokens says: max_tokens is a bound a client may set far
     above the answer, and a batch evens out within a few hundred steps anyway."""
+    eviction_weight: float = 4.0
+    """Price of each block a placement stores on w (what w lacks of the prompt on its device,
+    computed or pulled), in that block's prefill time, times the share of w's pool that the
+    prefixes reused there within `balance_horizon_s` fill (at most 1): where they fill the pool,
+    what the stored block displaces is a prefix due again soon; where they fill a corner of it,
+    the stale rest goes. Above 1 since a displaced prefix is recomputed by each follower that
+    finds it gone; 4 is the least that stopped copies from spreading shared-prefix's prompts
+    over 64K-token pools (docs/benchmarks.md). 0 stores copies for free."""
     session_affinity_blocks: float = 1.0
     """A session's pull towards the worker its last turn went to, in blocks of prefill time
     (`CoordinatorConfig.session_affinity_blocks`); 0 disables."""
@@ -160,6 +169,7 @@ class KvmeshWeights:
             "decode_tokens",
             "decode_share",
             "max_decode_tokens",
+            "eviction_weight",
             "session_affinity_blocks",
         ):
             if not getattr(self, name) >= 0:
@@ -222,11 +232,21 @@ class KvmeshPolicy(RoutingPolicy):
                 + decode_batch(w)          2 * tokens * (step_load(w) - least step_load),
                                            tokens: a share of the request's max_tokens
                 + memory(w)                ramps up as the prompt's new blocks outgrow w's free ones
+                + e * stored(w) * block_prefill * reused_share(w)
+                                           what the prompt's new blocks displace on w
                 + p * recent_work(w) * uncached_share(w)
                 + q * recent_requests(w) * min over workers of ready
                 - session_affinity(w)     a blocks' prefill, on the session's last worker
 
-    (recent_* are measured above the least-loaded worker's, so only differences count.) A worker
+    (recent_* are measured above the least-loaded worker's, so only differences count.) Every
+    block a worker stores for the prompt (whatever it lacks on its device, computed or pulled)
+    displaces one of its pool, sooner if the pool is full, once it fills if not: priced as that
+    block's prefill times the share of w's pool the prefixes reused on w lately fill
+    (`ReusedPrefixes`, at most 1), so a copy made for balance pays for the prefixes it pushes
+    out where the pool is short, and barely where the pool holds more than its traffic reuses
+    (`KvmeshWeights.eviction_weight`). Free blocks do not exempt a copy: a pool's empty blocks
+    are a warm-up transient, and copies made into them are what spread prefixes over pools
+    they later overflow (docs/benchmarks.md, "copies priced by what they displace"). A worker
     that holds more of the prompt saves prefill and recompute; a busy one pays its queue. Nothing
     switches at a threshold: a cached prefix wins until the queue it builds costs more than
     recomputing twice, and a hot prefix's holder keeps its followers only until the decode batch
@@ -253,6 +273,7 @@ class KvmeshPolicy(RoutingPolicy):
         self._routed = RoutedPrefixes(self.weights.routed_prefix_ttl_s)
         self._recent = RecentLoad(self.weights.balance_horizon_s)
         self._running = RunningContext()
+        self._reused = ReusedPrefixes(self.weights.balance_horizon_s)
 
     def choose(self, query: RouteQuery, workers: Sequence[WorkerView]) -> RouteDecision:
         if not workers:
@@ -261,6 +282,7 @@ class KvmeshPolicy(RoutingPolicy):
         now = self.clock()
         self._routed.expire(now)
         self._running.expire(now)
+        self._reused.expire(now)
         matched = cols.matched_blocks
         if len(self._routed):
             # Only the local match grows: a routed prefix is not yet there for a peer to pull.
@@ -388,6 +410,18 @@ class KvmeshPolicy(RoutingPolicy):
         if short.any():
             shortfall = (needed - free) / np.where(short, needed, 1)
             cost = cost + np.where(short, shortfall * step_ms * bs, 0.0)
+        if weights.eviction_weight > 0 and len(self._reused):
+            # What w lacks on its device is stored there, computed or pulled, and displaces as
+            # much of its pool; so much of that was reused lately as its reused prefixes fill
+            # of the pool. (A prefix routed to w and not yet indexed will be there: not stored.)
+            held = cols.matched_device_blocks
+            if matched is not cols.matched_blocks:
+                held = np.where(matched > cols.matched_blocks, matched, held)
+            stored = np.maximum(query.num_prompt_blocks - held, 0)
+            reused = self._reused.num_blocks_many(cols.ids)
+            share = np.minimum(1.0, reused / np.maximum(cols.num_blocks, 1))
+            block_ms = weights.eviction_weight * (cm.prefill_per_token_ms * bs)
+            cost = cost + block_ms * stored * share
         uncached_share = 1.0 - options.cached_tokens / n
         # (x[x.argmin()] is x.min(), without the Python wrapper the method goes through)
         cost = cost + weights.placement_balance * (work - work[work.argmin()]) * uncached_share
@@ -415,6 +449,9 @@ class KvmeshPolicy(RoutingPolicy):
         self._recent.add(decision.worker_id, decision.predicted_prefill_ms, now)
         self._running.add(query.request_id, decision.worker_id, query.prompt_len, now)
         self._sessions.remember(query.session_id, decision.worker_id)
+        reused = decision.pull.num_blocks if decision.pull else decision.matched_blocks
+        if reused:
+            self._reused.add(decision.worker_id, hashes[reused - 1], reused, now)
 
     def on_request_done(self, request_id: str) -> None:
         self._routed.discard(request_id)
@@ -425,6 +462,7 @@ class KvmeshPolicy(RoutingPolicy):
         self._routed.forget_worker(worker_id)
         self._recent.forget(worker_id)
         self._running.forget_worker(worker_id)
+        self._reused.forget_worker(worker_id)
 
 
 POLICIES: dict[str, type[RoutingPolicy]] = {

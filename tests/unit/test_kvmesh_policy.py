@@ -8,7 +8,9 @@ import pytest
 
 from kvmesh.coordinator.index.mirror import WorkerId
 from kvmesh.coordinator.routing.cost_model import CostModel
+from kvmesh.coordinator.routing.kvmesh_reference import KvmeshReferencePolicy
 from kvmesh.coordinator.routing.recent_load import RecentLoad
+from kvmesh.coordinator.routing.reused_prefixes import ReusedPrefixes
 from kvmesh.coordinator.routing.routed_prefixes import RoutedPrefixes
 from kvmesh.coordinator.routing.router import (
     KvmeshPolicy,
@@ -240,3 +242,89 @@ def test_a_hot_prefix_is_replicated_once_its_holders_batch_outweighs_recomputing
         )
         extra_kv = 2 * 16 * 1e-4 * (16 * 129 + 5)
         assert first_b == pytest.approx(saving / extra_kv, abs=1.5)
+
+
+def _warmed(policy_type: type[KvmeshPolicy], weights: KvmeshWeights | None = None) -> KvmeshPolicy:
+    """A policy that has sent a and b alike six 150-block prompts each held where they went, on
+    a six times the same prefix, on b six different ones: a has reused 150 blocks of its pool
+    lately, b 900 (of 1,000), and the same work went to each."""
+    p = policy_type(CM, random.Random(0), Clock(), weights)
+    for i in range(6):
+        same, other = hashes(*range(1, 151)), hashes(*range(1000 * i + 1, 1000 * i + 151))
+        p.choose(RouteQuery(f"a{i}", same, 150 * 16, 16), [view("a", matched=150)])
+        p.choose(RouteQuery(f"b{i}", other, 150 * 16, 16), [view("b", matched=150)])
+    return p
+
+
+BLOCK_MS = CM.prefill_per_token_ms * 16
+PROMPT = query("r", hashes(*range(90_001, 90_021)))  # 21 blocks (20 full), held nowhere
+
+
+def _costs(p: KvmeshPolicy, ws: list[WorkerView]) -> dict[WorkerId, float]:
+    return {s.worker_id: s.cost_ms for s in p.choose(PROMPT, ws).scores}
+
+
+@pytest.mark.parametrize("policy_type", [KvmeshPolicy, KvmeshReferencePolicy])
+def test_a_copy_onto_a_pool_full_of_reused_prefixes_costs_more_than_onto_one_with_room(
+    policy_type: type[KvmeshPolicy],
+) -> None:
+    p = _warmed(policy_type)
+    cost = _costs(p, [view("a"), view("b")])
+    # Each of the 21 stored blocks displaces one of the pool, reused with the share of the pool
+    # the worker's reused prefixes fill: 150 / 1,000 on a, 900 / 1,000 on b.
+    assert cost[B] - cost[A] == pytest.approx(4.0 * 21 * BLOCK_MS * (0.9 - 0.15))
+    assert (
+        p.choose(query("r2", hashes(*range(80_001, 80_021))), [view("a"), view("b")]).worker_id
+        == "a"
+    )
+
+
+@pytest.mark.parametrize("policy_type", [KvmeshPolicy, KvmeshReferencePolicy])
+def test_a_holder_stores_only_what_it_lacks_so_a_copy_pays_for_the_whole_prefix(
+    policy_type: type[KvmeshPolicy],
+) -> None:
+    ws = [view("a", matched=20), view("b")]
+    priced = _costs(_warmed(policy_type), ws)
+    free = _costs(_warmed(policy_type, KvmeshWeights(eviction_weight=0.0)), ws)
+    # a lacks only the partial tail block; b all 21.
+    assert priced[A] - free[A] == pytest.approx(4.0 * 1 * BLOCK_MS * 0.15)
+    assert priced[B] - free[B] == pytest.approx(4.0 * 21 * BLOCK_MS * 0.9)
+
+
+@pytest.mark.parametrize("policy_type", [KvmeshPolicy, KvmeshReferencePolicy])
+def test_a_pool_whose_traffic_reused_nothing_lately_stores_for_free(
+    policy_type: type[KvmeshPolicy],
+) -> None:
+    ws = [view("a"), view("b", matched=20)]
+    fresh = _costs(policy_type(CM, random.Random(0), Clock()), ws)
+    unpriced = policy_type(CM, random.Random(0), Clock(), KvmeshWeights(eviction_weight=0.0))
+    assert fresh == _costs(unpriced, ws)
+
+
+def test_the_eviction_weight_is_validated() -> None:
+    with pytest.raises(ValueError, match="eviction_weight must be >= 0, got -1"):
+        KvmeshWeights(eviction_weight=-1)
+
+
+def test_reused_prefixes_sum_distinct_prefixes_per_worker_until_the_horizon() -> None:
+    r = ReusedPrefixes(horizon_s=10.0)
+    r.add(A, BlockHash(7), 8, now_s=0.0)
+    r.add(A, BlockHash(7), 6, now_s=1.0)  # the same prefix again: counted once, longest kept
+    r.add(A, BlockHash(9), 4, now_s=2.0)
+    r.add(B, BlockHash(7), 8, now_s=3.0)  # the same prefix on another worker: its own entry
+    r.check_invariants()
+    assert r.num_blocks(A) == 12 and r.num_blocks(B) == 8
+    assert r.num_blocks_many([B, A, WorkerId("c")]).tolist() == [8, 12, 0]
+    r.expire(11.0)  # (A, 7) was last reused at 1.0
+    assert r.num_blocks(A) == 4
+    r.forget_worker(B)
+    r.check_invariants()
+    assert r.num_blocks(B) == 0 and len(r) == 1
+
+
+def test_reused_prefixes_stay_bounded() -> None:
+    r = ReusedPrefixes(horizon_s=10.0, max_entries=3)
+    for i in range(5):
+        r.add(A, BlockHash(i + 1), 2, now_s=0.0)
+    r.check_invariants()
+    assert len(r) == 3 and r.num_blocks(A) == 6

@@ -2,10 +2,11 @@
 
 `KvmeshPolicy` prices every worker at once over `WorkerColumns`; `KvmeshReferencePolicy` prices
 one `WorkerView` at a time, as the router did before. Both are driven through the same long,
-random sequence of routes (sessions, routed prefixes, pulls, memory pressure, calibrated decode,
-answers of unknown, short and long length, requests finishing, workers leaving, time passing),
-each fed the other's state changes only through its own decisions; any term that drifts between
-them changes a decision or a cost.
+random sequence of routes (sessions, routed prefixes, pulls, memory pressure, small pools
+full of reused prefixes, calibrated decode, answers of unknown, short and long length, requests
+finishing, workers leaving, time passing), each fed the other's state changes only through its
+own decisions; any term that drifts between them changes a decision or a cost (and a reference
+without one of the terms is caught: the eviction term's check below).
 """
 
 from __future__ import annotations
@@ -46,10 +47,19 @@ def _fleet(rng: random.Random, num_workers: int, chain_len: int) -> list[WorkerV
         device = rng.choice([matched, rng.randrange(matched + 1)])
         running = rng.choice([0, rng.randrange(40)])
         queued = rng.choice([0.0, 0.0, rng.random() * 200])
-        free = rng.choice([100_000, rng.randrange(64)])
+        # Small pools too: there the prefixes reused lately fill much of the pool.
+        num_blocks = rng.choice([100_000, rng.randrange(64, 1024)])
+        free = rng.choice([num_blocks, rng.randrange(64)])
         views.append(
             WorkerView(
-                WorkerId(f"w{w:04d}"), 100_000, free, queued, int(queued), running, matched, device
+                WorkerId(f"w{w:04d}"),
+                num_blocks,
+                free,
+                queued,
+                int(queued),
+                running,
+                matched,
+                device,
             )
         )
     return views
@@ -76,19 +86,26 @@ def _same(fast: RouteDecision, ref: RouteDecision) -> None:
         assert f.cost_ms == pytest.approx(r.cost_ms, rel=1e-12, abs=1e-9)
 
 
-@pytest.mark.parametrize(
-    ("seed", "num_workers", "pulls", "kv_calibrated"),
-    [(0, 3, False, False), (1, 17, True, False), (2, 64, True, True), (3, 256, False, True)],
-)
-def test_vectorised_policy_decides_as_the_scalar_reference(
-    seed: int, num_workers: int, pulls: bool, kv_calibrated: bool
+class _ReferenceWithoutEviction(KvmeshReferencePolicy):
+    """The reference with one term dropped: the drive below must tell it apart."""
+
+    def _eviction_ms(self, query: RouteQuery, w: WorkerView, indexed: WorkerView) -> float:
+        return 0.0
+
+
+def _drive(
+    seed: int,
+    num_workers: int,
+    pulls: bool,
+    kv_calibrated: bool,
+    reference: type[KvmeshReferencePolicy] = KvmeshReferencePolicy,
 ) -> None:
     rng = random.Random(seed)
     cm = CostModel(decode_per_kv_token_ms=1e-5 if kv_calibrated else 0.0)
     weights = KvmeshWeights(routed_prefix_ttl_s=5.0, session_affinity_blocks=2.0)
     clock = Clock()
     fast = KvmeshPolicy(cm, random.Random(seed), clock, weights)
-    ref = KvmeshReferencePolicy(cm, random.Random(seed), clock, weights)
+    ref = reference(cm, random.Random(seed), clock, weights)
     if pulls:
         for p in (fast, ref):
             p.transfer_ms = lambda src, dst, num_tokens: (
@@ -118,6 +135,22 @@ def test_vectorised_policy_decides_as_the_scalar_reference(
             gone = rng.choice(views).worker_id
             fast.on_worker_removed(gone)
             ref.on_worker_removed(gone)
+
+
+@pytest.mark.parametrize(
+    ("seed", "num_workers", "pulls", "kv_calibrated"),
+    [(0, 3, False, False), (1, 17, True, False), (2, 64, True, True), (3, 256, False, True)],
+)
+def test_vectorised_policy_decides_as_the_scalar_reference(
+    seed: int, num_workers: int, pulls: bool, kv_calibrated: bool
+) -> None:
+    _drive(seed, num_workers, pulls, kv_calibrated)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_the_drive_catches_a_reference_that_ignores_evictions(seed: int) -> None:
+    with pytest.raises(AssertionError):
+        _drive(seed, 17, seed % 2 == 1, seed >= 2, _ReferenceWithoutEviction)
 
 
 def test_columns_read_back_as_the_views_they_were_built_from() -> None:
