@@ -15,31 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from gpu_nccl import PULL_BYTES, nccl_rows
+from gpu_nccl import PULL_BYTES, nccl_rows, p2p_ceiling
 from prefix_ttft import prefix_ttft_trials, worker_pull_trials
 
 BS = 16
-
-
-def p2p_ceiling(num_bytes: int = 2 << 30) -> float:
-    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda:0")
-    dst = torch.empty(num_bytes, dtype=torch.uint8, device="cuda:1")
-    dst.copy_(src)
-    torch.cuda.synchronize("cuda:0")
-    torch.cuda.synchronize("cuda:1")
-    samples = []
-    for _ in range(5):
-        start = time.perf_counter()
-        dst.copy_(src)
-        torch.cuda.synchronize("cuda:0")
-        torch.cuda.synchronize("cuda:1")
-        samples.append(time.perf_counter() - start)
-    return num_bytes / sorted(samples)[2] / 1e9
 
 
 def through_kvmesh() -> dict[str, Any]:
@@ -80,7 +63,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-results")))
     args = parser.parse_args()
     names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    results: dict[str, Any] = {"devices": names, "p2p_ceiling_GBps": p2p_ceiling()}
+    results: dict[str, Any] = {"devices": names, "p2p_ceiling_GBps": p2p_ceiling(2 << 30)}
     (row,) = nccl_rows(["default"], PULL_BYTES)
     results["bare_send_recv_GBps"] = PULL_BYTES / row["bare_1_ms"] / 1e6
     results["transport_device_GBps"] = PULL_BYTES / row["transport_ms"] / 1e6
