@@ -357,3 +357,17 @@ def test_a_prefix_written_back_ahead_is_promoted_with_the_same_result() -> None:
     assert facts is not None and facts.host_tokens > 0
     assert facts.cached_tokens == 96
     assert_same_as_cold(outs, logits, "again", prompt)
+
+
+def test_write_back_stops_within_half_the_host_tier() -> None:
+    worker, _ = make_worker("w", num_blocks=10, host_slots=6)  # fewer slots than blocks
+    run(worker, "a", PREFIX + [1])
+    run(worker, "b", [(i * 7) % 250 + 3 for i in range(120)])  # every block now holds KV
+    copied = []
+    while n := worker.write_back_host(look_ahead=10):
+        copied.append(n)
+        assert len(copied) < 10, "an idle worker kept copying"
+    assert 0 < sum(copied) <= 3  # half of the 6 slots look ahead; some were there already
+    assert worker.host_pool is not None
+    assert not worker.host_pool.missing([h for _b, h in worker.pool.next_evicted(3)])
+    assert worker.write_back_host(look_ahead=10) == 0

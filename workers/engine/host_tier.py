@@ -63,7 +63,9 @@ class HostTier:
         tier lacks (the blocks a request would take first); returns how many were copied."""
         if self.host_pool is None or look_ahead <= 0:
             return 0
-        candidates = self.pool.next_evicted(look_ahead)
+        # At most half the host tier: copies made ahead must not push each other out (an idle
+        # worker would copy forever) nor crowd out the blocks the device has already let go.
+        candidates = self.pool.next_evicted(min(look_ahead, self.host_pool.num_slots // 2))
         missing = self.host_pool.missing([h for _b, h in candidates])[:max_blocks]
         if not missing:
             return 0
