@@ -26,12 +26,16 @@ def start_deployment(
     *,
     http: HttpConfig | None = None,
     metrics_port: int | None = None,
+    host_cache_gb: float = 0.0,
     **coordinator: object,
 ) -> Deployment:
+    worker = WorkerConfig(
+        worker_id="template", num_blocks=num_blocks, device=TEST_DEVICE, host_cache_gb=host_cache_gb
+    )
     config = DeploymentConfig(
         coordinator=CoordinatorConfig(port=0, **coordinator),  # type: ignore[arg-type]
         num_workers=num_workers,
-        worker=WorkerConfig(worker_id="template", num_blocks=num_blocks, device=TEST_DEVICE),
+        worker=worker,
         http=http,
         metrics_port=metrics_port,
     )

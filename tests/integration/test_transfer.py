@@ -73,3 +73,26 @@ def test_a_pull_from_a_dead_peer_falls_back_to_recompute(ray_session: None) -> N
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         d.stop()
+
+
+def test_a_prompt_pushed_to_the_host_tier_is_served_from_it(ray_session: None) -> None:
+    # 16 device blocks; the idle worker copies its next evictions to the host tier ahead.
+    d = start_deployment(num_workers=1, num_blocks=16, host_cache_gb=0.01)
+    try:
+        assert d.cluster is not None
+        stub = stub_for(d.address)
+        prompt = PREFIX[:96] + [1]  # 6 full blocks
+        first = generate(stub, prompt, max_tokens=4, worker_id="w0")
+        for k in range(3):  # evict it from the device pool (and give the worker idle time)
+            other = [(i * (k + 11)) % 250 + 3 for i in range(200)]
+            generate(stub, other, max_tokens=2, worker_id="w0")
+        again = generate(stub, prompt, max_tokens=4, worker_id="w0")
+        assert again[0].cache.cached_tokens == 96 and again[0].cache.computed_tokens == 1
+        assert [t for r in again for t in r.token_ids] == [t for r in first for t in r.token_ids]
+        wait_for(
+            lambda: stub.Stats(pb.StatsRequest()).cache.host_hit_tokens >= 96,
+            what="the worker's report of its host-tier hit",
+        )
+        assert ray.get(d.cluster.actor("w0").check_invariants.remote())
+    finally:
+        d.stop()
