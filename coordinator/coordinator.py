@@ -804,10 +804,6 @@ class Coordinator:
                 "computed_tokens": c.computed_tokens,
                 "generated_tokens": c.generated_tokens,
                 "num_migrations": c.num_migrations,
-                "num_decision_commits": c.num_commits,
-                "num_decision_retries": c.num_commit_attempts - c.num_commits - c.num_unlogged,
-                "num_forced_commits": c.num_forced_commits,
-                "num_unlogged_decisions": c.num_unlogged,
                 "num_session_turns_refused": self.turns.num_refused,
                 "hit_rate": c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
             }

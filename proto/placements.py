@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 import numpy as np
@@ -90,6 +90,7 @@ def decode_placement(data: bytes) -> Placement:
     ids = [obj.get(k) for k in ("r", "o", "w", "s")]
     if not all(_is_id(x) for x in ids) or not ids[0] or not ids[2]:
         raise PlacementDecodeError(f"bad ids {ids!r}")
+    rid, origin, worker, session = (cast(str, x) for x in ids)
     n, u, ms, raw = obj.get("n"), obj.get("u"), obj.get("p"), obj.get("h", b"")
     if not (_is_u32(n) and _is_u32(u)) or not isinstance(ms, float):
         raise PlacementDecodeError(f"bad sizes n={n!r} u={u!r} p={ms!r}")
@@ -97,7 +98,7 @@ def decode_placement(data: bytes) -> Placement:
         raise PlacementDecodeError("h must be bytes, 8 per hash")
     hashes = _hashes(np.frombuffer(raw, dtype="<u8").tolist())
     try:
-        return Placement(ids[0], ids[1], ids[2], ids[3], n, u, ms, hashes)
+        return Placement(rid, origin, worker, session, cast(int, n), cast(int, u), ms, hashes)
     except ValueError as exc:
         raise PlacementDecodeError(str(exc)) from None
 

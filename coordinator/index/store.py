@@ -379,7 +379,8 @@ class IndexStore:
         a lost commit returns the entries after `expected_seq` (one round trip either way)."""
         keys = [schema.DECISIONS_SEQ_KEY, schema.DECISIONS_STREAM]
         expected = -1 if expected_seq is None else expected_seq
-        args = [expected, encode_placement(placement), schema.DECISIONS_STREAM_MAXLEN, _MAX_MISSED]
+        entry = encode_placement(placement)
+        args: list[bytes | int] = [expected, entry, schema.DECISIONS_STREAM_MAXLEN, _MAX_MISSED]
         reply = self._commit_decision(keys=keys, args=args)
         if int(reply[0]) == 1:
             return CommitResult(True, int(reply[1]))

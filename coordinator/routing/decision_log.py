@@ -42,8 +42,9 @@ class DecisionLog(Protocol):
     """Where replicas commit decisions: Redis live (`index/decision_stream.py`), an in-memory
     log in the simulator."""
 
-    def commit(self, expected_seq: int | None, placement: Placement) -> CommitResult:
-        """Append `placement` if the log ends at `expected_seq` (None: whatever it ends at)."""
+    def commit(self, expected_seq: int | None, placement: Placement) -> CommitResult | None:
+        """Append `placement` if the log ends at `expected_seq` (None: whatever it ends at);
+        None: the log is unreachable (the replica decides alone)."""
         ...
 
 

@@ -3,6 +3,8 @@ commit deciding again on the state one coordinator would have had."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from kvmesh.coordinator.routing.decision_log import LogCursor
@@ -124,3 +126,36 @@ def test_a_replica_that_loses_a_commit_applies_the_winner_and_decides_again() ->
 def placement_of(log: SimDecisionLog, seq: int) -> Placement:
     missed = log.commit(seq - 1, placement("probe")).missed if seq <= len(log) else ()
     return dict(missed)[seq]
+
+
+def test_after_the_retry_bound_a_decision_is_appended_without_the_check() -> None:
+    a, _, _, _ = make(("w0", "w1"))
+    b, _, _, _ = make(("w0", "w1"))
+    b.config = replace(b.config, max_commit_retries=0)
+    log = SimDecisionLog(lambda: 0.0, 1e9, 2)
+    a.decision_log = b.decision_log = log
+    prompt = a.prepare(PROMPT, "", "")
+    list(a.generate(prompt, SamplingConfig(max_tokens=1), request_id="r1"))
+    list(b.generate(prompt, SamplingConfig(max_tokens=1), request_id="r2"))
+    assert b.counters.num_forced_commits == 1 and b.counters.num_commit_attempts == 1
+    assert len(log) == 2
+    # Its own entry waits for the one before it, then both apply in order.
+    assert b.log_cursor.applied_seq == 0
+    b.observe_decisions([(1, placement_of(log, 1))])
+    assert b.log_cursor.applied_seq == 2
+
+
+class AwayLog:
+    """A decision log whose store is unreachable."""
+
+    def commit(self, expected_seq: int | None, placement: Placement) -> None:
+        return None
+
+
+def test_with_the_log_away_a_replica_decides_alone_and_counts_it() -> None:
+    a, backend, _, _ = make(("w0", "w1"))
+    a.decision_log = AwayLog()  # type: ignore[assignment]
+    prompt = a.prepare(PROMPT, "", "")
+    list(a.generate(prompt, SamplingConfig(max_tokens=1), request_id="r1"))
+    assert len(backend.requests) == 1
+    assert a.counters.num_unlogged == 1 and a.log_cursor.applied_seq == 0
