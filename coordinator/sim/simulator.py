@@ -41,7 +41,7 @@ from kvmesh.coordinator.sim.backend import SimBackend
 from kvmesh.coordinator.sim.cost_model import SimCostModel
 from kvmesh.coordinator.sim.decision_log import SimDecisionLog
 from kvmesh.coordinator.sim.report import PolicyResult, Slo, summarize
-from kvmesh.coordinator.sim.worker import SimRequest, SimSequence, SimWorker
+from kvmesh.coordinator.sim.worker import PullSource, SimRequest, SimSequence, SimWorker
 from kvmesh.proto.block_hash import BlockHash, block_hashes, namespace_hash
 from kvmesh.proto.events import EventBatch
 from kvmesh.proto.request_notes import NoteBatch
@@ -321,6 +321,8 @@ class ClusterSimulation:
         )
         self._commit_ms = [0.0] * len(requests)
         """Per request: the decision log's round trips before it reached its worker."""
+        self._dispatches: list[tuple[float, int, int, SimRequest, PullSource | None, str]] = []
+        """Requests on their way to their worker (heap by arrival there)."""
         self.coordinators = [self._build_coordinator(k) for k in range(config.num_coordinators)]
         self.coordinator = self.coordinators[0]
         self._last_report_ms = -math.inf
@@ -404,8 +406,15 @@ class ClusterSimulation:
         start_s = time.perf_counter()
         requests, heap = self.requests, self._heap
         i = 0
-        while i < len(requests) or heap:
-            if heap and (i == len(requests) or heap[0][0] <= requests[i].arrival_ms):
+        dispatches = self._dispatches
+        while i < len(requests) or heap or dispatches:
+            next_ms = min(
+                heap[0][0] if heap else math.inf,
+                requests[i].arrival_ms if i < len(requests) else math.inf,
+            )
+            if dispatches and dispatches[0][0] <= next_ms:
+                self._on_dispatch(heapq.heappop(dispatches))
+            elif heap and (i == len(requests) or heap[0][0] <= requests[i].arrival_ms):
                 t, _, w, epoch = heapq.heappop(heap)
                 if epoch == self.workers[w].epoch:
                     self.now_ms = t
@@ -458,17 +467,37 @@ class ClusterSimulation:
             self.decision_log.deliver(self.coordinators)
         coordinator = self.coordinators[request.index % len(self.coordinators)]
         attempts = coordinator.counters.num_commit_attempts
+        trip_ms = self.config.commit_trip_ms
+        self.backend.dispatch_delay_ms = lambda: (
+            (coordinator.counters.num_commit_attempts - attempts) * trip_ms
+        )
         start = self._timer()
         self._streams[request.request_id] = coordinator.generate(
             prompt, sampling, session_id=request.session_id, request_id=request.request_id
         )
         self._decision_s += self._timer() - start
         attempts = coordinator.counters.num_commit_attempts - attempts
-        self._commit_ms[request.index] = attempts * self.config.commit_trip_ms
+        self._commit_ms[request.index] = attempts * trip_ms
+        for delay_ms, w, sim_request, pull, origin in self.backend.deferred:
+            self._order += 1
+            entry = (self.now_ms + delay_ms, self._order, w, sim_request, pull, origin)
+            heapq.heappush(self._dispatches, entry)
+        self.backend.deferred.clear()
         for w in self.backend.touched:
             self._admit(w)
             self._schedule(w)
             self._send_notes(w)
+        self.backend.touched.clear()
+
+    def _on_dispatch(
+        self, dispatch: tuple[float, int, int, SimRequest, PullSource | None, str]
+    ) -> None:
+        """A request whose decision was committed reaches its worker."""
+        self.now_ms, _, w, request, pull, origin = dispatch
+        self.backend.deliver(w, request, pull, origin)
+        self._admit(w)
+        self._schedule(w)
+        self._send_notes(w)
         self.backend.touched.clear()
 
     def _report_load(self) -> None:
@@ -507,7 +536,6 @@ class ClusterSimulation:
         if outcome.prefilled is not None:
             request = outcome.prefilled.request
             latency = self.config.cost.service_latency_ms
-            latency += self._commit_ms[request.index]
             self._ttft[request.index] = self.now_ms - request.arrival_ms + latency
             self.backend.first_token(outcome.prefilled)
             next(self._streams[request.request_id])  # the coordinator sees the first token
@@ -522,7 +550,7 @@ class ClusterSimulation:
 
     def _finish(self, seq: SimSequence) -> None:
         request = seq.request
-        latency = self.config.cost.service_latency_ms + self._commit_ms[request.index]
+        latency = self.config.cost.service_latency_ms
         self._e2e[request.index] = self.now_ms - request.arrival_ms + latency
         if request.output_len > 1:  # one token has no time *per output token*
             decode_ms = self.now_ms - seq.first_token_ms
