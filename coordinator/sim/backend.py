@@ -1,7 +1,8 @@
 """The simulated workers as the real `Coordinator` sees them: a `WorkerBackend`.
 
-`generate` queues the request on its `SimWorker` at once, or after `dispatch_delay_ms` (the pull plan the coordinator attached
-becomes a `PullSource` on the peer's pool) and returns the request's stream of outputs, which the
+`generate` queues the request on its `SimWorker` (at once, or once `dispatch_delay_ms` has
+passed: the decision log's commits; the pull plan the coordinator attached becomes a
+`PullSource` on the peer's pool) and returns the request's stream of outputs, which the
 simulation feeds as simulated time produces them: the first token with its `PrefillFacts`, then
 the last. The simulation reads one event from the coordinator's stream per output it feeds, so a
 stream is never read ahead of simulated time.
