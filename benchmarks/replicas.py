@@ -1,22 +1,30 @@
 """Coordinator replicas over one fleet: does routing stay as good with 2 and 4 coordinators?
 
 Usage: python benchmarks/replicas.py [--json bench-results/replicas.json] [--trace PATH]
+                                     [--seeds 0,1,2,3,4] [--trace-seeds 0,1,2]
 
 The simulator drives the real Coordinator; with `--coordinators K` it runs K of them over the
-same simulated workers, arrivals dealt to them in turn. Each has its own load tracker and policy
-state; all read the same index mirror, every worker's own load report (every 500 ms, as the live
-health loop delivers them) and the request notes (a coordinator's of each route, a worker's of
-each prefill and finish), which reach every replica `--note-delay-ms` after they are sent: 1 ms
-(what a note's trip through a local Redis measured, `benchmarks/note_trip.py`) and 0 (the bound:
-replicas that hear each other at once). Printed per workload: hit rate, pulled share and p90
-TTFT at 1, 2 and 4 coordinators, each beside the 1-coordinator baseline of the same run.
-Goal (issue): within 5% of one coordinator.
+same simulated workers, arrivals dealt to them in turn. All read the same index mirror, every
+worker's own load report (every 500 ms) and the request notes (a coordinator's of each route, a
+worker's of each prefill and finish), which reach every replica 1 ms after they are sent (what a
+note's trip through a local Redis measured, `benchmarks/note_trip.py`). Two ways to share the
+routing state are compared:
+
+  notes   each replica replays its peers' requests into its load tracker only
+  log     every decision is committed to one ordered log (compare-and-set on its sequence, one
+          1 ms round trip per attempt, added to the request's times); every replica applies the
+          log in order to its load tracker and its policy state (`--decision-log`)
+
+Per workload and seed: hit rate, pulled share and p90 TTFT, each against one coordinator without
+the log on the same seed; printed as the median over the seeds and their range. Goal (issue):
+within 5% of one coordinator.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -34,55 +42,78 @@ WORKLOADS = {
 }
 TRACE = "../shared/traces/conversation_trace.jsonl"
 
+# (label, coordinators, extra flags); "1" is the baseline every ratio is taken against.
+SETUPS = (
+    ("1", 1, []),
+    ("1 log", 1, ["--decision-log"]),
+    ("2 notes", 2, []),
+    ("2 log", 2, ["--decision-log"]),
+    ("4 notes", 4, []),
+    ("4 log", 4, ["--decision-log"]),
+)
+KEYS = ("hit_rate", "pulled_rate", "ttft_p90_ms", "commit_attempts_per_request", "commit_ms_mean")
 
-NOTE_DELAYS_MS = (1.0, 0.0)
 
-
-def simulate(args: list[str], coordinators: int, note_delay_ms: float) -> dict[str, float]:
-    cmd = ["kvmesh", "simulate", *args, "--policies", "kvmesh", "--json"]
-    cmd += ["--coordinators", str(coordinators), "--note-delay-ms", f"{note_delay_ms:g}"]
+def simulate(args: list[str], coordinators: int, extra: list[str], seed: int) -> dict[str, float]:
+    cmd = ["kvmesh", "simulate", *args, "--policies", "kvmesh", "--json", "--seed", str(seed)]
+    cmd += ["--coordinators", str(coordinators), "--note-delay-ms", "1", *extra]
     print("$", " ".join(cmd), file=sys.stderr, flush=True)
     bin_dir = Path(sys.executable).parent
     out = subprocess.run([str(bin_dir / cmd[0]), *cmd[1:]], capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(out.stderr.strip().splitlines()[-1])
-    doc = json.loads(out.stdout)
-    m = doc["policies"]["kvmesh"]
-    return {k: float(m[k]) for k in ("hit_rate", "pulled_rate", "ttft_p90_ms", "imbalance")}
+    m = json.loads(out.stdout)["policies"]["kvmesh"]
+    return {k: float(m.get(k, 0.0)) for k in KEYS}
+
+
+def _seeds(text: str) -> list[int]:
+    return [int(s) for s in text.split(",") if s]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path)
     parser.add_argument("--trace", default=TRACE)
+    parser.add_argument("--seeds", type=_seeds, default=[0, 1, 2, 3, 4])
+    parser.add_argument("--trace-seeds", type=_seeds, default=[0, 1, 2])
     args = parser.parse_args()
-    runs = dict(WORKLOADS)
+    runs = {name: (a, args.seeds) for name, a in WORKLOADS.items()}
     if Path(args.trace).exists():
-        runs["conversation-trace"] = [
-            "--trace", args.trace, "--workers", "8", "--capacity-tokens", "1000000",
-        ]  # fmt: skip
-    # results[workload][f"{K}@{note delay ms}"]: one coordinator hears only itself (any delay).
-    results: dict[str, dict[str, dict[str, float]]] = {}
-    for name, sim_args in runs.items():
-        results[name] = {"1": simulate(sim_args, 1, NOTE_DELAYS_MS[0])}
-        for k in (2, 4):
-            for delay in NOTE_DELAYS_MS:
-                results[name][f"{k}@{delay:g}"] = simulate(sim_args, k, delay)
-    header = f"{'workload':20} {'K':>2} {'notes':>6} {'hit %':>7} {'pulled %':>9}"
-    print(header + f" {'p90 TTFT ms':>12} {'vs K=1':>8}")
-    for name, runs_of in results.items():
-        base = runs_of["1"]
-        for key, m in runs_of.items():
-            k, _, delay = key.partition("@")
-            notes = f"{delay} ms" if delay else "-"
-            print(
-                f"{name:20} {k:>2} {notes:>6} {100 * m['hit_rate']:7.2f}"
-                f" {100 * m['pulled_rate']:9.2f} {m['ttft_p90_ms']:12.1f}"
-                f" {m['ttft_p90_ms'] / base['ttft_p90_ms']:8.2f}"
-            )
+        trace_args = ["--trace", args.trace, "--workers", "8", "--capacity-tokens", "1000000"]
+        runs["conversation-trace"] = (trace_args, args.trace_seeds)
+    # results[workload][setup][seed] = metrics
+    results: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
+    for name, (sim_args, seeds) in runs.items():
+        results[name] = {
+            label: {str(s): simulate(sim_args, k, extra, s) for s in seeds}
+            for label, k, extra in SETUPS
+        }
+    print(_table(results))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2))
+
+
+def _table(results: dict[str, dict[str, dict[str, dict[str, float]]]]) -> str:
+    lines = [
+        f"{'workload':19} {'setup':8} {'hit %':>6} {'pulled %':>9} {'p90 TTFT ms':>12}"
+        f" {'vs K=1 median [range]':>22} {'commits/req':>12} {'commit ms':>10}"
+    ]
+    for name, setups in results.items():
+        base = setups["1"]
+        for label, by_seed in setups.items():
+            ratios = [m["ttft_p90_ms"] / base[s]["ttft_p90_ms"] for s, m in by_seed.items()]
+
+            def med(key: str, by_seed: dict[str, dict[str, float]] = by_seed) -> float:
+                return statistics.median(m[key] for m in by_seed.values())
+
+            lines.append(
+                f"{name:19} {label:8} {100 * med('hit_rate'):6.2f} {100 * med('pulled_rate'):9.2f}"
+                f" {med('ttft_p90_ms'):12.1f} {statistics.median(ratios):8.3f}"
+                f" [{min(ratios):.3f}, {max(ratios):.3f}]"
+                f" {med('commit_attempts_per_request'):12.3f} {med('commit_ms_mean'):10.3f}"
+            )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -54,6 +54,12 @@ def _add_model_options(parser: argparse.ArgumentParser, env: CliEnvironment) -> 
         default=env.policy,
         help="routing policy: kvmesh, round_robin, least_loaded, session_sticky, ...",
     )
+    parser.add_argument(
+        "--decision-log",
+        action="store_true",
+        help="coordinator replicas share one ordered log of routing decisions in Redis"
+        " (one round trip per decision; use with several coordinators over one fleet)",
+    )
 
 
 def _add_worker_options(

@@ -88,6 +88,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="MS",
         help="how long request notes (routes, prefills, finishes) take to reach the coordinators",
     )
+    parser.add_argument(
+        "--decision-log",
+        action="store_true",
+        help="replicas commit every decision to one ordered log and apply each other's from it",
+    )
+    parser.add_argument(
+        "--commit-trip-ms",
+        type=float,
+        default=1.0,
+        metavar="MS",
+        help="a decision-log commit's round trip, added per attempt to the request's times",
+    )
     add_slo_arguments(parser)
     parser.add_argument("--plot", metavar="DIR", help="write PNG charts into DIR")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
@@ -116,6 +128,8 @@ def run_simulate(args: argparse.Namespace) -> int:
         num_coordinators=args.coordinators,
         report_interval_ms=args.report_interval_ms,
         note_delay_ms=args.note_delay_ms,
+        decision_log=args.decision_log,
+        commit_trip_ms=args.commit_trip_ms,
     )
     start = time.perf_counter()
     requests = simulator.prepare_requests(load_requests(args), block_size)
@@ -148,7 +162,7 @@ def _progress(message: str) -> None:
 
 def _document(results: dict[str, Any], config: Any, source: str, num_requests: int) -> dict:
     return {
-        "policies": {name: r.metrics() for name, r in results.items()},
+        "policies": {name: _metrics(r, config) for name, r in results.items()},
         "config": {
             "source": source,
             "num_requests": num_requests,
@@ -161,6 +175,14 @@ def _document(results: dict[str, Any], config: Any, source: str, num_requests: i
             "cost_model": config.cost.as_dict(),
         },
     }
+
+
+def _metrics(result: Any, config: Any) -> dict[str, float]:
+    metrics = result.metrics()
+    if config.decision_log:
+        metrics["commit_attempts_per_request"] = result.commit_attempts_per_request
+        metrics["commit_ms_mean"] = result.commit_ms_mean
+    return metrics
 
 
 def _table(results: dict[str, Any]) -> str:

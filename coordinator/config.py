@@ -40,6 +40,13 @@ class CoordinatorConfig:
     it has work is treated as dead: killed, its streams moved, its index entries purged."""
     route_seed: int = 0
     """Seed of the router's tie-breaking randomness."""
+    decision_log: bool = False
+    """Commit every routing decision to the fleet-wide decision log in Redis, and apply every
+    replica's decisions from it in order (`routing/decision_log.py`): replicas over one fleet
+    then share one policy state. Costs one Redis round trip per decision."""
+    max_commit_retries: int = 3
+    """Lost commits (a peer committed first) a decision is retried after; then it is appended
+    without the check, and counted."""
     session_affinity_blocks: float = 1.0
     """What keeping a session on the worker its last turn went to is worth to the kvmesh policy,
     in blocks of prefill: that worker's cost is lowered by this many blocks' prefill time (a
@@ -105,7 +112,8 @@ class CoordinatorConfig:
         self._check_security()
 
     def _check_limits(self) -> None:
-        for name in ("max_prompt_tokens", "max_concurrent_streams", "rate_limit_burst"):
+        names = ("max_prompt_tokens", "max_concurrent_streams", "rate_limit_burst")
+        for name in (*names, "max_commit_retries"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not (math.isfinite(self.stream_send_timeout_s) and self.stream_send_timeout_s >= 0):

@@ -34,6 +34,7 @@ from kvmesh.coordinator.fleet_view import FleetView, FreeBlocksMany
 from kvmesh.coordinator.index.mirror import WorkerId
 from kvmesh.coordinator.prompt_preparer import PreparedPrompt, PromptPreparer, TextCodec
 from kvmesh.coordinator.routing.cost_model import CostModel
+from kvmesh.coordinator.routing.decision_log import CommitResult, DecisionLog, LogCursor
 from kvmesh.coordinator.routing.load_tracker import LoadTracker, ReportedLoad
 from kvmesh.coordinator.routing.peer_routes import PeerRoutes
 from kvmesh.coordinator.routing.pull_planner import PullPlan, best_peer, cheapest_prefill
@@ -50,7 +51,8 @@ from kvmesh.coordinator.telemetry.request_record import (
     RequestRecord,
     finished_record,
 )
-from kvmesh.proto.block_hash import num_reusable_blocks, num_reusable_tokens
+from kvmesh.proto.block_hash import BlockHash, num_reusable_blocks, num_reusable_tokens
+from kvmesh.proto.placements import Placement
 from kvmesh.proto.request_notes import NoteBatch, RequestTaken
 from kvmesh.workers.contract.replies import (
     PrefillFacts,
@@ -112,7 +114,10 @@ class Coordinator:
         observers: Sequence[RequestObserver] = (),
         kv_dtype: str = "float32",
         cache_epoch: Callable[[], int] = lambda: 0,
+        decision_log: DecisionLog | None = None,
     ) -> None:
+        """`decision_log`: where this replica commits its decisions (used when
+        `config.decision_log` is on and the policy is `replicable`)."""
         self.config = config
         self.model = model
         self.backend = backend
@@ -142,7 +147,10 @@ class Coordinator:
         """The fleet as the router sees it for a prompt: `match`, and `columns` for routing."""
         self.origin = uuid.uuid4().hex[:16]
         """This replica's id in the requests it sends (`WorkerRequest.origin`)."""
-        self.peer_routes = PeerRoutes(self.origin, self.load)
+        self.peer_routes = PeerRoutes(self.origin, self.load, on_let_go=self._peer_done)
+        self.decision_log = decision_log if config.decision_log else None
+        self.log_cursor = LogCursor()
+        """How far this replica has applied the decision log."""
         self.note_sink: Callable[[NoteBatch], None] | None = None
         """Where each routing decision goes as a `RequestTaken` note for the other replicas
         (the deployment's `NoteSender`; None: peers hear of it from the worker only)."""
@@ -164,9 +172,13 @@ class Coordinator:
         session_id: str = "",
         request_id: str = "",
         max_tokens: int | None = None,
+        *,
+        commit: bool = False,
     ) -> RouteDecision:
         """`max_tokens`: what the request may generate, when the caller said (its decode load
-        is priced over it); None routes as for an answer of unknown length."""
+        is priced over it); None routes as for an answer of unknown length. `commit`: the
+        request will run (Generate), so the decision goes to the decision log when there is
+        one; a decision-only call (Route) stays this replica's."""
         live = self._routable_for(prompt.adapter)
         query = RouteQuery(
             request_id or uuid.uuid4().hex,
@@ -176,6 +188,8 @@ class Coordinator:
             session_id,
             max_tokens,
         )
+        if commit and self.decision_log is not None and self.policy.replicable:
+            return self._route_committed(prompt, query, live)
         with self._lock:
             started = self._clock()
             decision = self.policy.choose(query, self.fleet.columns(prompt, live, self.cost_model))
@@ -183,6 +197,111 @@ class Coordinator:
         for observer in self.observers:
             observer.on_routed(elapsed)
         return decision
+
+    def _route_committed(
+        self, prompt: PreparedPrompt, query: RouteQuery, live: Sequence[str]
+    ) -> RouteDecision:
+        """Decide on the state after the log entries applied here, commit by compare-and-set;
+        a lost commit applies the entries it missed and decides again (`decision_log.py`)."""
+        log = self.decision_log
+        assert log is not None
+        attempt = 0
+        while True:
+            with self._lock:
+                started = self._clock()
+                decision = self.policy.propose(
+                    query, self.fleet.columns(prompt, live, self.cost_model)
+                )
+                expected = self.log_cursor.applied_seq
+                elapsed = self._clock() - started
+            for observer in self.observers:
+                observer.on_routed(elapsed)
+            placement = self._placement(prompt, query, decision)
+            forced = attempt >= self.config.max_commit_retries
+            sent = self._clock()
+            result = log.commit(None if forced else expected, placement)
+            with self._lock:
+                self.counters.commit_s += self._clock() - sent
+                self.counters.num_commit_attempts += 1
+                if result is None or result.committed:
+                    self._committed(result, placement, forced)
+                    return decision
+                self._apply_log(result.missed, result.seq)
+            attempt += 1
+
+    def _placement(
+        self, prompt: PreparedPrompt, query: RouteQuery, decision: RouteDecision
+    ) -> Placement:
+        matched = decision.pull.num_blocks if decision.pull is not None else decision.matched_blocks
+        return Placement(
+            query.request_id,
+            self.origin,
+            decision.worker_id,
+            query.session_id,
+            query.prompt_len,
+            self._uncached_tokens(query.prompt_len, matched),
+            decision.predicted_prefill_ms,
+            tuple(prompt.block_hashes[decision.indexed_blocks :]),
+            matched,
+            prompt.block_hashes[matched - 1] if matched else BlockHash(0),
+        )
+
+    def _committed(self, result: CommitResult | None, placement: Placement, forced: bool) -> None:
+        """Under the lock: this replica's decision is in the log (None: the log is away, so it
+        is applied here only)."""
+        if result is None:
+            self.counters.num_unlogged += 1
+            self.policy.place(placement, self._clock())
+            return
+        self.counters.num_commits += 1
+        self.counters.num_forced_commits += forced
+        # Committed against the seq applied here, so every earlier entry is applied, unless
+        # forced (then the entries between arrive through the log's stream, in order).
+        self._apply_log(((result.seq, placement),), None)
+
+    def observe_decisions(self, entries: Sequence[tuple[int, Placement]]) -> None:
+        """Entries of the decision log as its stream delivers them (any replica's)."""
+        with self._lock:
+            self._apply_log(entries, None)
+
+    def skip_decisions_to(self, seq: int) -> None:
+        """The log's entries up to `seq` are not to be had (a start, a trimmed log)."""
+        with self._lock:
+            for placement in self.log_cursor.skip_to(seq):
+                self._apply_placement(placement)
+
+    def _apply_log(self, entries: Sequence[tuple[int, Placement]], log_seq: int | None) -> None:
+        """Under the lock: apply entries in log order, each once. `log_seq`: where the log
+        ends; entries before it that it no longer holds are stepped over."""
+        if log_seq is not None and log_seq < self.log_cursor.applied_seq:
+            self.log_cursor.skip_to(log_seq)  # the log went back (Redis lost it)
+        for placement in self.log_cursor.offer(entries):
+            self._apply_placement(placement)
+        if log_seq is not None and self.log_cursor.applied_seq < log_seq:
+            first_missed = min((s for s, _ in entries), default=log_seq + 1)
+            if first_missed > self.log_cursor.applied_seq + 1:  # trimmed from the log
+                for placement in self.log_cursor.skip_to(first_missed - 1):
+                    self._apply_placement(placement)
+
+    def _apply_placement(self, placement: Placement) -> None:
+        """One log entry, as if this replica had decided it (its own: the policy only; the
+        load tracker counted it when it was routed)."""
+        now = self._clock()
+        self.policy.place(placement, now)
+        if placement.origin == self.origin or not self.registry.is_known(placement.worker_id):
+            return
+        taken = RequestTaken(
+            placement.request_id, placement.origin, placement.prompt_len, placement.uncached_len
+        )
+        rid = placement.request_id
+        worker = WorkerId(placement.worker_id)
+        self.peer_routes.take(worker, taken, placement.predicted_prefill_ms, now)
+        if self.peer_routes.has_ended(rid):  # its end was heard before its decision
+            self.policy.on_request_done(rid)
+
+    def _peer_done(self, request_id: str) -> None:
+        """A peer's request ended (PeerRoutes, under the lock)."""
+        self.policy.on_request_done(request_id)
 
     # ---- generation ---------------------------------------------------------------------------
 
@@ -240,7 +359,7 @@ class Coordinator:
         if worker_id:
             chosen, predicted, pull, matched = self._forced(prompt, worker_id, allow_pull)
         else:
-            decision = self.route(prompt, session_id, request_id, turn.max_tokens)
+            decision = self.route(prompt, session_id, request_id, turn.max_tokens, commit=True)
             chosen, predicted, pull = (
                 decision.worker_id,
                 decision.predicted_prefill_ms,
@@ -441,7 +560,7 @@ class Coordinator:
         )
         request_id = f"{original.request_id}.m{attempt}"
         # raises NoLiveWorker if none; the session's affinity moves with the turn
-        decision = self.route(prompt, original.session_id, request_id, remaining)
+        decision = self.route(prompt, original.session_id, request_id, remaining, commit=True)
         with self._lock:
             uncached = self._uncached_tokens(len(prompt.token_ids), decision.matched_blocks)
             self.load.on_routed(

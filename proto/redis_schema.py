@@ -61,6 +61,15 @@ SERVICES_SET = f"{_FLEET_TAG}:services"
 """SET of worker ids running as long-lived services (what a coordinator attaches to)."""
 
 
+_DECISIONS_TAG = f"{PREFIX}:{{decisions}}"
+DECISIONS_SEQ_KEY = f"{_DECISIONS_TAG}:seq"
+"""STRING: the decision log's sequence (entries committed so far, fleet-wide)."""
+DECISIONS_STREAM = f"{_DECISIONS_TAG}:log"
+"""STREAM: the decision log; entry id `<seq>-0`, field `d` a placement (`proto/placements.py`).
+One hash tag with the sequence, so the commit script touches one slot on a cluster."""
+DECISIONS_STREAM_MAXLEN = 100_000
+
+
 def service_key(worker_id: str) -> str:
     """HASH: how to reach a service worker (Ray actor name and namespace) and its config."""
     return f"{_FLEET_TAG}:service:{worker_id}"

@@ -29,6 +29,7 @@ from kvmesh.coordinator.contract import WorkerBackend
 from kvmesh.coordinator.coordinator import Coordinator
 from kvmesh.coordinator.engines.engine_backend import EngineBackend
 from kvmesh.coordinator.engines.engine_fleet import EngineFleet, EngineFleetConfig, EngineSpec
+from kvmesh.coordinator.index.decision_stream import DecisionStream
 from kvmesh.coordinator.index.follower import IndexFollower
 from kvmesh.coordinator.index.locked_mirror import LockedMirror
 from kvmesh.coordinator.index.note_sender import NoteSender
@@ -109,6 +110,7 @@ class Deployment:
         self.fleet: Fleet | None = None
         self.follower: IndexFollower | None = None
         self.notes: NoteSender | None = None
+        self.decisions: DecisionStream | None = None
         self.coordinator: Coordinator | None = None
         self.server: grpc.Server | None = None
         self.gate: GateInterceptor | None = None
@@ -206,6 +208,7 @@ class Deployment:
             )
             backend = EngineBackend(self.engines.endpoints(), cluster, self.engines.mark_down)
         mirror = LockedMirror()
+        decisions = DecisionStream(store) if cc.decision_log else None
         self.follower = follower = IndexFollower(
             store, mirror, ns=ns, on_lapsed=registry.report_lapsed
         )
@@ -222,6 +225,7 @@ class Deployment:
             observers=(self.request_metrics, RequestLog()),
             kv_dtype=first.cache.kv_dtype if first is not None else "float32",
             cache_epoch=lambda: follower.cache_epoch,
+            decision_log=decisions,
         )
         # One judge of liveness, fanned out to everything that keeps per-worker state.
         registry.on_dead(coordinator.forget_worker)
@@ -239,6 +243,11 @@ class Deployment:
         self.notes = notes = NoteSender(store)
         coordinator.note_sink = notes.send
         notes.start()
+        if decisions is not None:
+            decisions.on_entries = coordinator.observe_decisions
+            decisions.on_jump = coordinator.skip_decisions_to
+            self.decisions = decisions
+            decisions.start()
         self.follower.start()
         if self.engines is not None:
             self.engines.start()
@@ -391,6 +400,9 @@ class Deployment:
         if self.notes is not None:
             self.notes.stop()
             self.notes = None
+        if self.decisions is not None:
+            self.decisions.stop()
+            self.decisions = None
         if self.fleet is not None:
             self.fleet.stop()  # a service fleet's workers keep running
             self.fleet = None

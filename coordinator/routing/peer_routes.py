@@ -26,6 +26,7 @@ the follower rebuilds from Redis, which skips the notes written meanwhile (`clea
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvmesh.coordinator.index.mirror import WorkerId
@@ -51,7 +52,10 @@ class PeerRoutes:
         load: LoadTracker,
         ttl_s: float = 600.0,
         max_entries: int = 100_000,
+        on_let_go: Callable[[str], None] | None = None,
     ) -> None:
+        """`on_let_go`: told of every peer request let go (the policy drops what it placed of
+        it, when the decision log replays peers' decisions into the policy)."""
         if not origin:
             raise ValueError("a replica needs a non-empty origin id")
         if not ttl_s > 0 or max_entries < 1:
@@ -60,6 +64,7 @@ class PeerRoutes:
         self.load = load
         self.ttl_s = ttl_s
         self.max_entries = max_entries
+        self.on_let_go = on_let_go
         self._seen: OrderedDict[str, _Seen] = OrderedDict()
         self._ended: OrderedDict[str, None] = OrderedDict()
         self.num_taken = 0
@@ -86,18 +91,26 @@ class PeerRoutes:
     def _taken(
         self, worker: WorkerId, note: RequestTaken, cost_model: CostModel, now_s: float
     ) -> None:
+        cached = note.prompt_len - note.uncached_len
+        self.take(worker, note, cost_model.prefill_ms(note.uncached_len, cached), now_s)
+
+    def take(self, worker: WorkerId, note: RequestTaken, prefill_ms: float, now_s: float) -> None:
+        """A peer's request, its prefill priced by the caller (the decision log carries the
+        deciding replica's prediction, a pull's transfer included)."""
         rid = note.request_id
         if note.origin == self.origin or rid in self._seen or rid in self._ended:
             return  # ours (counted when routed), noted twice, or noted after its end
         if self.load.is_pending(rid):
             return  # an id this replica routed too (ids come from clients): count it once
-        cached = note.prompt_len - note.uncached_len
-        prefill_ms = cost_model.prefill_ms(note.uncached_len, cached)
         self.load.on_routed(rid, worker, prefill_ms, note.uncached_len)
         self._seen[rid] = _Seen(worker, now_s)
         self.num_taken += 1
         if len(self._seen) > self.max_entries:
             self._let_go(next(iter(self._seen)))
+
+    def has_ended(self, request_id: str) -> bool:
+        """A peer request whose end was heard of (among the last `max_entries` ended)."""
+        return request_id in self._ended
 
     def _let_go(self, request_id: str) -> None:
         del self._seen[request_id]
@@ -105,6 +118,8 @@ class PeerRoutes:
         if len(self._ended) > self.max_entries:
             self._ended.popitem(last=False)
         self.load.on_finished(request_id)
+        if self.on_let_go is not None:
+            self.on_let_go(request_id)
 
     def expire(self, now_s: float) -> None:
         while self._seen:

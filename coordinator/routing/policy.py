@@ -28,6 +28,7 @@ from kvmesh.proto.block_hash import BlockHash, num_reusable_tokens
 
 if TYPE_CHECKING:
     from kvmesh.coordinator.routing.pull_planner import PullPlan, TransferPrice, TransferPrices
+    from kvmesh.proto.placements import Placement
 
 _TIE_EPSILON_MS = 1e-9
 
@@ -245,6 +246,9 @@ class RouteDecision:
     """The worker the request's session last went to (kvmesh's policy; empty: none known)."""
     session_affinity_ms: float = 0.0
     """What that worker's cost was lowered by for the session (included in the scores)."""
+    indexed_blocks: int = 0
+    """Leading prompt blocks the chosen worker holds by the index alone (kvmesh's policy counts
+    blocks routed there lately too, in `matched_blocks`)."""
 
 
 class RoutingPolicy(ABC):
@@ -255,6 +259,9 @@ class RoutingPolicy(ABC):
     """
 
     name: ClassVar[str]
+    replicable: ClassVar[bool] = False
+    """True if the policy splits `choose` into `propose` and `place`, so replicas can share its
+    state through the decision log (`decision_log.py`); others commit without conditions."""
 
     def __init__(
         self,
@@ -272,6 +279,14 @@ class RoutingPolicy(ABC):
 
     @abstractmethod
     def choose(self, query: RouteQuery, workers: Sequence[WorkerView]) -> RouteDecision: ...
+
+    def propose(self, query: RouteQuery, workers: Sequence[WorkerView]) -> RouteDecision:
+        """`choose` without remembering the decision (only where `replicable`)."""
+        raise NotImplementedError(f"policy {self.name} cannot propose without choosing")
+
+    def place(self, placement: Placement, now_s: float) -> None:  # noqa: B027 - optional hook
+        """Remember a committed decision, this replica's or a peer's, as `choose` would have
+        (only where `replicable`); `choose` = `propose`, then `place` of its result."""
 
     def on_worker_removed(self, worker_id: WorkerId) -> None:  # noqa: B027 - optional hook
         """Forget any state about a worker that left."""

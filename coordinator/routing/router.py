@@ -36,6 +36,7 @@ from kvmesh.coordinator.routing.reused_prefixes import ReusedPrefixes
 from kvmesh.coordinator.routing.routed_prefixes import RoutedPrefixes
 from kvmesh.coordinator.routing.running_context import RunningContext
 from kvmesh.proto.block_hash import num_reusable_blocks, num_reusable_tokens
+from kvmesh.proto.placements import Placement
 
 __all__ = [
     "POLICIES",
@@ -275,7 +276,30 @@ class KvmeshPolicy(RoutingPolicy):
         self._running = RunningContext()
         self._reused = ReusedPrefixes(self.weights.balance_horizon_s)
 
+    replicable = True
+
     def choose(self, query: RouteQuery, workers: Sequence[WorkerView]) -> RouteDecision:
+        decision, now = self._propose(query, workers)
+        self._remember(query, decision, decision.indexed_blocks, now)
+        return decision
+
+    def propose(self, query: RouteQuery, workers: Sequence[WorkerView]) -> RouteDecision:
+        return self._propose(query, workers)[0]
+
+    def place(self, placement: Placement, now_s: float) -> None:
+        """What `choose` remembers of its own decision, from a committed log entry."""
+        worker = WorkerId(placement.worker_id)
+        self._routed.add(placement.request_id, worker, placement.new_hashes, now_s)
+        self._recent.add(worker, placement.predicted_prefill_ms, now_s)
+        self._running.add(placement.request_id, worker, placement.prompt_len, now_s)
+        self._sessions.remember(placement.session_id, worker)
+        if placement.num_reused_blocks:
+            self._reused.add(worker, placement.last_reused_hash, placement.num_reused_blocks, now_s)
+
+    def _propose(
+        self, query: RouteQuery, workers: Sequence[WorkerView]
+    ) -> tuple[RouteDecision, float]:
+        """The decision and the time it was priced at, remembering nothing."""
         if not workers:
             raise ValueError("no workers to route to")
         cols = WorkerColumns.from_views(workers)
@@ -313,9 +337,9 @@ class KvmeshPolicy(RoutingPolicy):
             pull,
             sticky or "",
             0.0 if sticky is None else self._session_affinity_ms(query),
+            int(cols.matched_blocks[i]),
         )
-        self._remember(query, decision, int(cols.matched_blocks[i]), now)
-        return decision
+        return decision, now
 
     def _lowest(self, costs: np.ndarray) -> int:
         """The row of the lowest cost; ties (within `_TIE_EPSILON_MS`) broken by the rng, drawing

@@ -1,7 +1,8 @@
 """The simulated workers as the real `Coordinator` sees them: a `WorkerBackend`.
 
-`generate` queues the request on its `SimWorker` at once (the pull plan the coordinator attached
-becomes a `PullSource` on the peer's pool) and returns the request's stream of outputs, which the
+`generate` queues the request on its `SimWorker` (at once, or once `dispatch_delay_ms` has
+passed: the decision log's commits; the pull plan the coordinator attached becomes a
+`PullSource` on the peer's pool) and returns the request's stream of outputs, which the
 simulation feeds as simulated time produces them: the first token with its `PrefillFacts`, then
 the last. The simulation reads one event from the coordinator's stream per output it feeds, so a
 stream is never read ahead of simulated time.
@@ -10,7 +11,7 @@ stream is never read ahead of simulated time.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from kvmesh.coordinator.sim.worker import PullSource, SimRequest, SimSequence, SimWorker
 from kvmesh.workers.contract.replies import PrefillFacts, RequestOutput
@@ -29,6 +30,12 @@ class SimBackend:
         """Prompt tokens each prefill promoted from a host tier (in prefill order)."""
         self.touched: list[int] = []
         """Workers that got a request since the simulation last looked (it admits on them)."""
+        self.dispatch_delay_ms: Callable[[], float] = lambda: 0.0
+        """How long a request being sent now takes to reach its worker (the decision log's
+        commits before it); 0: at once."""
+        self.deferred: list[tuple[float, int, SimRequest, PullSource | None, str]] = []
+        """Requests on their way, as (delay ms, worker, request, pull, origin): the simulation
+        hands each to `deliver` once its delay has passed."""
 
     def expect(self, request: SimRequest) -> None:
         """The simulated request behind the `WorkerRequest` the coordinator is about to send."""
@@ -41,11 +48,19 @@ class SimBackend:
             source = self.workers[self._index_of[request.pull.source]]
             pull = PullSource(source.pool, request.pull.end_block)
         w = self._index_of[worker_id]
-        self.workers[w].enqueue(sim_request, pull, request.origin)
-        self.touched.append(w)
+        delay_ms = self.dispatch_delay_ms()
+        if delay_ms > 0:
+            self.deferred.append((delay_ms, w, sim_request, pull, request.origin))
+        else:
+            self.deliver(w, sim_request, pull, request.origin)
         outbox: deque[RequestOutput] = deque()
         self._outboxes[request.request_id] = outbox
         return _read(outbox)
+
+    def deliver(self, w: int, request: SimRequest, pull: PullSource | None, origin: str) -> None:
+        """The request reaches worker `w` now."""
+        self.workers[w].enqueue(request, pull, origin)
+        self.touched.append(w)
 
     def first_token(self, seq: SimSequence) -> None:
         request = seq.request

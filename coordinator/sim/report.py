@@ -100,6 +100,10 @@ class PolicyResult:
     """Every request's arrival-to-last-token latency."""
     wall_s: float
     """Real time the simulation of this policy took."""
+    commit_attempts_per_request: float = 0.0
+    """Decision-log commits per request, lost ones included (0: no log)."""
+    commit_ms_mean: float = 0.0
+    """Mean time a request spent committing its decision (attempts x the round trip)."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.hit_rate <= 1.0:

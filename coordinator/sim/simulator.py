@@ -25,7 +25,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
@@ -40,8 +40,9 @@ from kvmesh.coordinator.routing.load_tracker import LoadTracker, ReportedLoad
 from kvmesh.coordinator.routing.router import POLICIES, RoutingPolicy
 from kvmesh.coordinator.sim.backend import SimBackend
 from kvmesh.coordinator.sim.cost_model import SimCostModel
+from kvmesh.coordinator.sim.decision_log import SimDecisionLog
 from kvmesh.coordinator.sim.report import PolicyResult, Slo, summarize
-from kvmesh.coordinator.sim.worker import SimRequest, SimSequence, SimWorker
+from kvmesh.coordinator.sim.worker import PullSource, SimRequest, SimSequence, SimWorker
 from kvmesh.proto.block_hash import BlockHash, block_hashes, namespace_hash
 from kvmesh.proto.events import EventBatch
 from kvmesh.proto.request_notes import NoteBatch
@@ -100,6 +101,13 @@ class SimConfig:
     """How long request notes take to reach the coordinators: a coordinator's note of each
     route it makes, a worker's of each request it prefills and finishes (live: one append to a
     Redis stream, which every coordinator's follower is blocked reading)."""
+    decision_log: bool = False
+    """Replicas commit every decision to one ordered log and apply each other's from it in
+    order (`routing/decision_log.py`), modelled by `SimDecisionLog`: entries reach replicas
+    `note_delay_ms` after their commit, and each commit attempt costs `commit_trip_ms`."""
+    commit_trip_ms: float = 1.0
+    """A commit's round trip to Redis (`benchmarks/note_trip.py` measured a stream trip of
+    0.74 ms p50 on a local Redis), added to the request's times per attempt."""
     sessions: WarmSessionConfig | None = None
     """Workers keep idle sessions warm (as live workers do); None: plain LRU, as before. The
     oracle stays the shared-LRU bound either way."""
@@ -112,8 +120,11 @@ class SimConfig:
             raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if not self.note_delay_ms >= 0:
-            raise ValueError(f"note_delay_ms must be >= 0, got {self.note_delay_ms}")
+        if not self.note_delay_ms >= 0 or not self.commit_trip_ms >= 0:
+            raise ValueError(
+                f"note_delay_ms and commit_trip_ms must be >= 0, got {self.note_delay_ms}"
+                f" and {self.commit_trip_ms}"
+            )
         if self.num_coordinators < 1 or self.report_interval_ms <= 0:
             raise ValueError(
                 f"need >= 1 coordinator and a report interval > 0, got {self.num_coordinators}"
@@ -304,6 +315,15 @@ class ClusterSimulation:
         self._event_seq = [0] * n
         self.backend = SimBackend(self.workers)
         self._fleet_pools = _FleetPools(self.worker_ids, [w.pool for w in self.workers])
+        self.decision_log = (
+            SimDecisionLog(self._clock_ms, config.note_delay_ms, config.num_coordinators)
+            if config.decision_log
+            else None
+        )
+        self._commit_ms = [0.0] * len(requests)
+        """Per request: the decision log's round trips before it reached its worker."""
+        self._dispatches: list[tuple[float, int, int, SimRequest, PullSource | None, str]] = []
+        """Requests on their way to their worker (heap by arrival there)."""
         self.coordinators = [self._build_coordinator(k) for k in range(config.num_coordinators)]
         self.coordinator = self.coordinators[0]
         self._last_report_ms = -math.inf
@@ -359,6 +379,7 @@ class ClusterSimulation:
             block_size=config.block_size,
             policy="least_loaded" if self.oracle else self.policy_name,
             route_seed=config.seed + k,
+            decision_log=self.decision_log is not None,
         )
         index = SharedPoolIndex(self.workers[0].pool, self.worker_ids) if self.oracle else None
         pools = {wid: w.pool for wid, w in zip(self.worker_ids, self.workers, strict=True)}
@@ -376,6 +397,7 @@ class ClusterSimulation:
             cost_model=config.cost.router_cost_model(),
             transfers=SimPulls(config.cost) if config.pulls and not self.oracle else None,
             clock=lambda: self.now_ms / 1000.0,
+            decision_log=self.decision_log,
         )
 
     def _clock_ms(self) -> float:
@@ -385,8 +407,15 @@ class ClusterSimulation:
         start_s = time.perf_counter()
         requests, heap = self.requests, self._heap
         i = 0
-        while i < len(requests) or heap:
-            if heap and (i == len(requests) or heap[0][0] <= requests[i].arrival_ms):
+        dispatches = self._dispatches
+        while i < len(requests) or heap or dispatches:
+            next_ms = min(
+                heap[0][0] if heap else math.inf,
+                requests[i].arrival_ms if i < len(requests) else math.inf,
+            )
+            if dispatches and dispatches[0][0] <= next_ms:
+                self._on_dispatch(heapq.heappop(dispatches))
+            elif heap and (i == len(requests) or heap[0][0] <= requests[i].arrival_ms):
                 t, _, w, epoch = heapq.heappop(heap)
                 if epoch == self.workers[w].epoch:
                     self.now_ms = t
@@ -398,7 +427,7 @@ class ClusterSimulation:
         if any(math.isnan(t) for t in self._e2e):
             raise AssertionError("a request never got its last token")
         counts = np.bincount(self._worker_of, minlength=len(self.workers))
-        return summarize(
+        result = summarize(
             self.policy_name,
             [r.prompt_len for r in requests],
             self._cached,
@@ -414,6 +443,14 @@ class ClusterSimulation:
             self._decision_s,
             time.perf_counter() - start_s,
         )
+        if self.decision_log is None or not requests:
+            return result
+        attempts = sum(c.counters.num_commit_attempts for c in self.coordinators)
+        return replace(
+            result,
+            commit_attempts_per_request=attempts / len(requests),
+            commit_ms_mean=float(np.mean(self._commit_ms)),
+        )
 
     def request_times(self) -> list[tuple[float, float, float]]:
         """(TTFT, TPOT, end-to-end) in ms of every request, in workload order, after `run`
@@ -427,16 +464,41 @@ class ClusterSimulation:
         self.backend.expect(request)
         self._report_load()
         self._deliver_notes()
+        if self.decision_log is not None:
+            self.decision_log.deliver(self.coordinators)
         coordinator = self.coordinators[request.index % len(self.coordinators)]
+        attempts = coordinator.counters.num_commit_attempts
+        trip_ms = self.config.commit_trip_ms
+        self.backend.dispatch_delay_ms = lambda: (
+            (coordinator.counters.num_commit_attempts - attempts) * trip_ms
+        )
         start = self._timer()
         self._streams[request.request_id] = coordinator.generate(
             prompt, sampling, session_id=request.session_id, request_id=request.request_id
         )
         self._decision_s += self._timer() - start
+        attempts = coordinator.counters.num_commit_attempts - attempts
+        self._commit_ms[request.index] = attempts * trip_ms
+        for delay_ms, w, sim_request, pull, origin in self.backend.deferred:
+            self._order += 1
+            entry = (self.now_ms + delay_ms, self._order, w, sim_request, pull, origin)
+            heapq.heappush(self._dispatches, entry)
+        self.backend.deferred.clear()
         for w in self.backend.touched:
             self._admit(w)
             self._schedule(w)
             self._send_notes(w)
+        self.backend.touched.clear()
+
+    def _on_dispatch(
+        self, dispatch: tuple[float, int, int, SimRequest, PullSource | None, str]
+    ) -> None:
+        """A request whose decision was committed reaches its worker."""
+        self.now_ms, _, w, request, pull, origin = dispatch
+        self.backend.deliver(w, request, pull, origin)
+        self._admit(w)
+        self._schedule(w)
+        self._send_notes(w)
         self.backend.touched.clear()
 
     def _report_load(self) -> None:

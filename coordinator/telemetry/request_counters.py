@@ -22,6 +22,16 @@ class RequestCounters:
     computed_tokens: int = 0
     generated_tokens: int = 0
     num_migrations: int = 0
+    num_commits: int = 0
+    """Decisions committed to the decision log."""
+    num_commit_attempts: int = 0
+    """Commit calls, lost ones included (attempts - commits = decisions retried)."""
+    num_forced_commits: int = 0
+    """Decisions appended without the check after `max_commit_retries` lost commits."""
+    num_unlogged: int = 0
+    """Decisions made while the log was unreachable (applied here only)."""
+    commit_s: float = 0.0
+    """Time spent in commit calls, on this coordinator's clock."""
     per_worker: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def on_prefilled(self, worker: str, facts: PrefillFacts) -> None:

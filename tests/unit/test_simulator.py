@@ -250,3 +250,45 @@ def test_one_coordinator_is_not_changed_by_the_notes(shared_prefix: list[SimRequ
         b.pulled_tokens,
         b.ttft_ms,
     )
+
+
+def test_one_coordinator_places_the_same_with_the_decision_log(
+    shared_prefix: list[SimRequest],
+) -> None:
+    a = ClusterSimulation(small_config(), "kvmesh", shared_prefix).run()
+    free = ClusterSimulation(
+        small_config(decision_log=True, commit_trip_ms=0.0), "kvmesh", shared_prefix
+    ).run()
+    assert (a.cached_tokens, a.pulled_tokens, a.ttft_ms, a.requests_per_worker) == (
+        free.cached_tokens,
+        free.pulled_tokens,
+        free.ttft_ms,
+        free.requests_per_worker,
+    )
+    # A 1 ms commit holds each request back from its worker by one trip.
+    trip = ClusterSimulation(
+        small_config(decision_log=True, commit_trip_ms=1.0), "kvmesh", shared_prefix
+    ).run()
+    assert trip.commit_attempts_per_request == 1.0 and trip.commit_ms_mean == 1.0
+    assert min(trip.ttft_ms) >= min(a.ttft_ms) + 1.0 - 1e-9
+
+
+def test_replicas_with_the_decision_log_apply_every_decision_in_order(
+    shared_prefix: list[SimRequest],
+) -> None:
+    sim = ClusterSimulation(
+        small_config(num_coordinators=2, decision_log=True), "kvmesh", shared_prefix
+    )
+    sim.run()
+    log = sim.decision_log
+    assert log is not None
+    assert len(log) == len(shared_prefix)  # one entry per decision, lost commits retried
+    log.check_invariants()
+    attempts = sum(c.counters.num_commit_attempts for c in sim.coordinators)
+    assert attempts > len(shared_prefix)  # replicas deciding at the same time lost some
+    for coordinator in sim.coordinators:
+        # Every entry, but those still on their way when arrivals ended.
+        assert len(log) - 2 <= coordinator.log_cursor.applied_seq <= len(log)
+        assert coordinator.counters.num_forced_commits == 0
+        coordinator.log_cursor.check_invariants()
+        coordinator.load.check_invariants()
