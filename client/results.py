@@ -190,6 +190,14 @@ class Stats:
     """Prefix-cache figures summed over the workers' last reports."""
     num_tree_nodes: int
     """Blocks the coordinator's radix tree links to a parent."""
+    num_decision_commits: int
+    """This replica's routing decisions committed to the decision log (`--decision-log`)."""
+    num_decision_lost_commits: int
+    """Commits lost to another replica's decision (the decision was made again)."""
+    num_decision_forced_commits: int
+    num_decisions_unlogged: int
+    """Decisions made while the decision log was unreachable (applied here only)."""
+    decision_commit_seconds: float
 
 
 @dataclass(frozen=True, slots=True)

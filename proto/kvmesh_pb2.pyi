@@ -231,7 +231,7 @@ class CacheStats(_message.Message):
     def __init__(self, enabled: _Optional[bool] = ..., block_size: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., cache_epoch: _Optional[int] = ..., num_lookup_hits: _Optional[int] = ..., num_lookup_misses: _Optional[int] = ..., local_hit_tokens: _Optional[int] = ..., host_hit_tokens: _Optional[int] = ..., pulled_hit_tokens: _Optional[int] = ..., saved_prefill_tokens: _Optional[int] = ..., num_device_evictions: _Optional[int] = ..., num_host_evictions: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_entries: _Optional[int] = ..., num_device_entries: _Optional[int] = ..., num_host_entries: _Optional[int] = ..., num_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("num_workers", "num_live_workers", "num_indexed_blocks", "num_requests", "num_failed_requests", "prompt_tokens", "cached_tokens", "computed_tokens", "generated_tokens", "hit_rate", "policy", "redis_connected", "num_events_applied", "num_resyncs", "block_size", "model", "pulled_tokens", "num_pulls", "num_failed_pulls", "num_migrations", "routing", "num_decode_errors", "num_drained_workers", "num_rejected_requests", "num_cancelled_requests", "num_slow_streams_cancelled", "num_warm_sessions", "warm_session_bytes", "num_sessions_evicted_ttl", "num_sessions_evicted_budget", "num_sessions_evicted_pressure", "num_session_turns_refused", "cache", "num_tree_nodes")
+    __slots__ = ("num_workers", "num_live_workers", "num_indexed_blocks", "num_requests", "num_failed_requests", "prompt_tokens", "cached_tokens", "computed_tokens", "generated_tokens", "hit_rate", "policy", "redis_connected", "num_events_applied", "num_resyncs", "block_size", "model", "pulled_tokens", "num_pulls", "num_failed_pulls", "num_migrations", "routing", "num_decode_errors", "num_drained_workers", "num_rejected_requests", "num_cancelled_requests", "num_slow_streams_cancelled", "num_warm_sessions", "warm_session_bytes", "num_sessions_evicted_ttl", "num_sessions_evicted_budget", "num_sessions_evicted_pressure", "num_session_turns_refused", "cache", "num_tree_nodes", "num_decision_commits", "num_decision_lost_commits", "num_decision_forced_commits", "num_decisions_unlogged", "decision_commit_seconds")
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     NUM_LIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
     NUM_INDEXED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -266,6 +266,11 @@ class StatsResponse(_message.Message):
     NUM_SESSION_TURNS_REFUSED_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
     NUM_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    NUM_DECISION_COMMITS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DECISION_LOST_COMMITS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DECISION_FORCED_COMMITS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DECISIONS_UNLOGGED_FIELD_NUMBER: _ClassVar[int]
+    DECISION_COMMIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     num_workers: int
     num_live_workers: int
     num_indexed_blocks: int
@@ -300,7 +305,12 @@ class StatsResponse(_message.Message):
     num_session_turns_refused: int
     cache: CacheStats
     num_tree_nodes: int
-    def __init__(self, num_workers: _Optional[int] = ..., num_live_workers: _Optional[int] = ..., num_indexed_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_failed_requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., hit_rate: _Optional[float] = ..., policy: _Optional[str] = ..., redis_connected: _Optional[bool] = ..., num_events_applied: _Optional[int] = ..., num_resyncs: _Optional[int] = ..., block_size: _Optional[int] = ..., model: _Optional[str] = ..., pulled_tokens: _Optional[int] = ..., num_pulls: _Optional[int] = ..., num_failed_pulls: _Optional[int] = ..., num_migrations: _Optional[int] = ..., routing: _Optional[str] = ..., num_decode_errors: _Optional[int] = ..., num_drained_workers: _Optional[int] = ..., num_rejected_requests: _Optional[int] = ..., num_cancelled_requests: _Optional[int] = ..., num_slow_streams_cancelled: _Optional[int] = ..., num_warm_sessions: _Optional[int] = ..., warm_session_bytes: _Optional[int] = ..., num_sessions_evicted_ttl: _Optional[int] = ..., num_sessions_evicted_budget: _Optional[int] = ..., num_sessions_evicted_pressure: _Optional[int] = ..., num_session_turns_refused: _Optional[int] = ..., cache: _Optional[_Union[CacheStats, _Mapping]] = ..., num_tree_nodes: _Optional[int] = ...) -> None: ...
+    num_decision_commits: int
+    num_decision_lost_commits: int
+    num_decision_forced_commits: int
+    num_decisions_unlogged: int
+    decision_commit_seconds: float
+    def __init__(self, num_workers: _Optional[int] = ..., num_live_workers: _Optional[int] = ..., num_indexed_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_failed_requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., hit_rate: _Optional[float] = ..., policy: _Optional[str] = ..., redis_connected: _Optional[bool] = ..., num_events_applied: _Optional[int] = ..., num_resyncs: _Optional[int] = ..., block_size: _Optional[int] = ..., model: _Optional[str] = ..., pulled_tokens: _Optional[int] = ..., num_pulls: _Optional[int] = ..., num_failed_pulls: _Optional[int] = ..., num_migrations: _Optional[int] = ..., routing: _Optional[str] = ..., num_decode_errors: _Optional[int] = ..., num_drained_workers: _Optional[int] = ..., num_rejected_requests: _Optional[int] = ..., num_cancelled_requests: _Optional[int] = ..., num_slow_streams_cancelled: _Optional[int] = ..., num_warm_sessions: _Optional[int] = ..., warm_session_bytes: _Optional[int] = ..., num_sessions_evicted_ttl: _Optional[int] = ..., num_sessions_evicted_budget: _Optional[int] = ..., num_sessions_evicted_pressure: _Optional[int] = ..., num_session_turns_refused: _Optional[int] = ..., cache: _Optional[_Union[CacheStats, _Mapping]] = ..., num_tree_nodes: _Optional[int] = ..., num_decision_commits: _Optional[int] = ..., num_decision_lost_commits: _Optional[int] = ..., num_decision_forced_commits: _Optional[int] = ..., num_decisions_unlogged: _Optional[int] = ..., decision_commit_seconds: _Optional[float] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("worker_id", "pid", "node", "device", "num_blocks", "num_free_blocks", "alive", "cached_tokens", "computed_tokens", "num_requests", "num_running", "num_waiting", "generation", "num_indexed_blocks", "drained", "num_warm_sessions", "warm_session_bytes", "cache", "adapters", "kind")

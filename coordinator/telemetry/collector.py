@@ -49,6 +49,31 @@ _TOKEN_COUNTERS = (
     ("computed_tokens", "kvmesh_computed_tokens_total", "Prompt tokens prefilled from scratch."),
     ("generated_tokens", "kvmesh_generated_tokens_total", "Tokens generated and streamed."),
     ("num_migrations", "kvmesh_migrations_total", "Requests moved after their worker died."),
+    (
+        "num_decision_commits",
+        "kvmesh_decision_commits_total",
+        "Routing decisions this replica committed to the decision log.",
+    ),
+    (
+        "num_decision_lost_commits",
+        "kvmesh_decision_lost_commits_total",
+        "Decision-log commits lost to another replica's decision (decided again).",
+    ),
+    (
+        "num_decision_forced_commits",
+        "kvmesh_decision_forced_commits_total",
+        "Decisions appended to the log without the check after the retry bound.",
+    ),
+    (
+        "num_decisions_unlogged",
+        "kvmesh_decisions_unlogged_total",
+        "Decisions made while the decision log was unreachable (applied here only).",
+    ),
+    (
+        "decision_commit_seconds",
+        "kvmesh_decision_commit_seconds_total",
+        "Time spent committing routing decisions to the decision log.",
+    ),
 )
 
 # (WorkerInfo field or counters field, metric name, kind, help)

@@ -111,6 +111,9 @@ def test_a_replica_that_loses_a_commit_applies_the_winner_and_decides_again() ->
     stream_a = a.generate(prompt, sampling, request_id="r1")  # routed and committed
     stream_b = b.generate(prompt, sampling, request_id="r2")
     assert b.counters.num_commit_attempts == 2 and b.counters.num_commits == 1
+    stats = b.stats()  # what Stats and the metrics endpoint report
+    assert (stats["num_decision_commits"], stats["num_decision_lost_commits"]) == (1, 1)
+    assert a.stats()["num_decision_lost_commits"] == 0
     assert b.log_cursor.applied_seq == 2 and a.log_cursor.applied_seq == 1
     a.observe_decisions([(1, placement_of(log, 1)), (2, placement_of(log, 2))])
     assert a.log_cursor.applied_seq == 2
