@@ -73,9 +73,7 @@ class RunningContext:
     ) -> None:
         """`num_output_tokens`: the request's answer length (its max_tokens; 0 if unknown)."""
         if num_tokens < 0 or num_output_tokens < 0:
-            raise ValueError(
-                f"token counts must be >= 0, got {num_tokens} and {num_output_tokens}"
-            )
+            raise ValueError(f"token counts must be >= 0, got {num_tokens} and {num_output_tokens}")
         self.discard(request_id)
         self._entries[request_id] = _Running(worker, num_tokens, now_s, num_output_tokens)
         self._rows.add("tokens", worker, num_tokens)
