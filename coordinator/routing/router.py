@@ -229,9 +229,13 @@ class KvmeshPolicy(RoutingPolicy):
                 + ready(w)                 prefill of what w lacks (after a pull, when cheaper)
                 + r * recompute(w)         that recompute again, as work taken from later requests
                 + decode_step(w)           the running batch rides along the prefill
+                + queued(w) * step(w)      each prefill queued at w runs at least one step,
+                                           which carries w's batch and the KV it reads
                 + decode_batch(w)          2 * tokens * (step_load(w) - least step_load),
                                            tokens: a share of the request's max_tokens
-                + memory(w)                ramps up as the prompt's new blocks outgrow w's free ones
+                + wait(w)                  deficit(w) / pool(w) * mean answer on w * step(w):
+                                           deficit = blocks w's queue and this request need
+                                           (prompt it lacks + answer) beyond w's free ones
                 + e * stored(w) * block_prefill * reused_share(w)
                                            what the prompt's new blocks displace on w
                 + p * recent_work(w) * uncached_share(w)
@@ -254,7 +258,11 @@ class KvmeshPolicy(RoutingPolicy):
     the prefix is replicated as soon as, and only as far as, balance asks. The index only learns
     of a prefix once its prefill is done, so prompts routed in the last `routed_prefix_ttl_s`
     count as held by their worker (`RoutedPrefixes`): a burst sharing a new prefix lands together
-    instead of being recomputed everywhere.
+    instead of being recomputed everywhere. A worker whose pool is full admits the next request
+    only as its running sequences finish and free their blocks: the wait prices the share of
+    the pool that must turn over first, at the answer lengths running there (the requests'
+    max_tokens, as far as this coordinator routed them), so a hot prefix's holder stops taking
+    followers when they would queue for memory rather than for compute.
     """
 
     name = "kvmesh"
