@@ -103,7 +103,8 @@ def bench_router(
     workers = tuple(WorkerId(f"w{w}") for w in range(num_workers))
     index_of = {w: i for i, w in enumerate(workers)}
     capacity = np.full(num_workers, 10_000, dtype=np.int64)
-    free = np.full(num_workers, 5_000, dtype=np.int64)
+    # every fourth pool is full: its queue and the 512-block prompt wait for blocks there
+    free = np.where(np.arange(num_workers) % 4 == 0, 100, 5_000).astype(np.int64)
     queued_tokens = np.full(num_workers, 100, dtype=np.int64)
     running = np.full(num_workers, 3, dtype=np.int64)
     samples, cpu_samples = [], []

@@ -244,6 +244,7 @@ class Coordinator:
             tuple(prompt.block_hashes[decision.indexed_blocks :]),
             matched,
             prompt.block_hashes[matched - 1] if matched else BlockHash(0),
+            query.max_tokens or 0,
         )
 
     def _committed(self, result: CommitResult | None, placement: Placement, forced: bool) -> None:

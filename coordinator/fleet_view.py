@@ -82,6 +82,7 @@ class FleetView:
             num_matched,
             num_device,
             index_of,
+            self.load.num_queued_many(ids),
         )
 
     def _index_of(self, ids: tuple[WorkerId, ...]) -> dict[WorkerId, int]:

@@ -88,9 +88,10 @@ class KvmeshReferencePolicy(KvmeshPolicy):
             cost = w.queued_prefill_ms + option.prefill_ms + weights.recompute_weight * recompute_ms
             if w.num_running:
                 cost += cm.decode_step_ms(w.num_running)
+            kv_ms = self._kv_read_ms(w)
+            cost += w.num_queued * (cm.decode_step_ms(w.num_running) + kv_ms)
             cost += 2.0 * decode_tokens * (step_load - least_step_load)
-            if query.num_prompt_blocks - w.matched_device_blocks > w.num_free_blocks:
-                cost += self._memory_pressure_ms(query, w)
+            cost += self._memory_wait_ms(query, w, cm.decode_step_ms(w.num_running) + kv_ms)
             cost += self._eviction_ms(query, w, w_indexed)
             uncached_share = 1.0 - self._cached_tokens(query, w) / query.prompt_len
             cost += weights.placement_balance * (w_work - least_work) * uncached_share
@@ -106,12 +107,26 @@ class KvmeshReferencePolicy(KvmeshPolicy):
             return cm.decode_kv_ms(self._running.tokens(w.worker_id))
         return w.num_running * cm.decode_per_seq_ms
 
-    def _memory_pressure_ms(self, query: RouteQuery, w: WorkerView) -> float:
-        needed = query.num_prompt_blocks - w.matched_device_blocks
-        if needed <= 0 or needed <= w.num_free_blocks:
+    def _kv_read_ms(self, w: WorkerView) -> float:
+        """What w's running requests' KV adds to each step (0 without a calibrated model)."""
+        cm = self.cost_model
+        if cm.decode_per_kv_token_ms > 0:
+            return cm.decode_kv_ms(self._running.tokens(w.worker_id))
+        return 0.0
+
+    def _memory_wait_ms(self, query: RouteQuery, w: WorkerView, step_ms: float) -> float:
+        """The blocks w's queue and this request need beyond w's free ones, as the share of w's
+        pool that must turn over first, times the steps of the mean answer running on w."""
+        bs = query.block_size
+        needed = max(query.num_prompt_blocks - w.matched_device_blocks, 0)
+        answer_blocks = (query.max_tokens or 0) / bs
+        deficit = w.queued_prefill_tokens / bs + needed + answer_blocks - w.num_free_blocks
+        if not deficit > 0:
             return 0.0
-        shortfall = (needed - w.num_free_blocks) / needed
-        return shortfall * self.cost_model.decode_step_ms(w.num_running) * query.block_size
+        turnover = self._running.output_tokens(w.worker_id) / max(w.num_running, 1)
+        turnover = max(turnover, bs)
+        share = deficit / max(w.num_blocks, 1)
+        return share * turnover * step_ms
 
     def _eviction_ms(self, query: RouteQuery, w: WorkerView, indexed: WorkerView) -> float:
         """The blocks w stores for the prompt, each priced as its prefill times the share of w's

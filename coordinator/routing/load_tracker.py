@@ -36,7 +36,8 @@ class ReportedLoad:
 
 class LoadTracker:
     """Invariants: queued_ms[w] == sum of prefill_ms of w's requests not yet prefilled (>= 0);
-    num_running[w] == number of w's requests routed and not finished.
+    num_queued[w] == number of them; num_running[w] == number of w's requests routed and not
+    finished.
 
     Own routes are exact but blind to other coordinator replicas; a worker's report sees them
     all but lags. The router takes the larger of the two for each worker (`with_reported`), so
@@ -50,6 +51,7 @@ class LoadTracker:
             queued_ms=np.float64,
             queued_tokens=np.int64,
             num_running=np.int64,
+            num_queued=np.int64,
             reported=np.bool_,
             reported_tokens=np.int64,
             reported_requests=np.int64,
@@ -128,6 +130,15 @@ class LoadTracker:
     def num_running(self, worker: WorkerId) -> int:
         return int(self._rows.value("num_running", worker))
 
+    def num_queued(self, worker: WorkerId) -> int:
+        """Requests this coordinator routed to the worker that have not had their first token
+        (waiting or prefilling); workers' reports do not carry it."""
+        return int(self._rows.value("num_queued", worker))
+
+    def num_queued_many(self, workers: Sequence[WorkerId]) -> np.ndarray:
+        """`num_queued` of each worker, in order, as one array."""
+        return self._rows.gather("num_queued", workers)
+
     def is_pending(self, request_id: str) -> bool:
         return request_id in self._pending
 
@@ -138,12 +149,14 @@ class LoadTracker:
         self._rows.add("queued_ms", worker, prefill_ms)
         self._rows.add("queued_tokens", worker, tokens)
         self._rows.add("num_running", worker, 1)
+        self._rows.add("num_queued", worker, 1)
 
     def on_prefilled(self, request_id: str) -> None:
         p = self._pending.get(request_id)
         if p is None or p.prefilled:
             return
         p.prefilled = True
+        self._rows.add("num_queued", p.worker, -1)
         queued_ms = float(self._rows.value("queued_ms", p.worker))
         self._rows.set("queued_ms", p.worker, max(0.0, queued_ms - p.prefill_ms))
         queued_tokens = int(self._rows.value("queued_tokens", p.worker))
@@ -169,6 +182,8 @@ class LoadTracker:
         for w in workers:
             n = self.num_running(w)
             assert n == sum(1 for p in self._pending.values() if p.worker == w), w
+            queued = sum(1 for p in self._pending.values() if p.worker == w and not p.prefilled)
+            assert self.num_queued(w) == queued, w
             expected = sum(
                 p.prefill_ms for p in self._pending.values() if p.worker == w and not p.prefilled
             )

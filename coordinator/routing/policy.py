@@ -54,6 +54,9 @@ class WorkerView(NamedTuple):
     """Leading prompt blocks this worker holds (any tier)."""
     matched_device_blocks: int
     """... of which the leading run on the device tier."""
+    num_queued: int = 0
+    """Of the requests routed here, those still waiting for or in their prefill (routed by this
+    coordinator): each will run at least one step that carries the worker's decode batch."""
 
 
 class WorkerColumns(Sequence[WorkerView]):
@@ -74,6 +77,7 @@ class WorkerColumns(Sequence[WorkerView]):
         "num_running",
         "matched_blocks",
         "matched_device_blocks",
+        "num_queued",
         "_index_of",
     )
 
@@ -88,7 +92,9 @@ class WorkerColumns(Sequence[WorkerView]):
         matched_blocks: np.ndarray,
         matched_device_blocks: np.ndarray,
         index_of: Mapping[WorkerId, int] | None = None,
+        num_queued: np.ndarray | None = None,
     ) -> None:
+        """`num_queued`: None is 0 for every worker."""
         self.ids = tuple(ids)
         self.num_blocks = np.asarray(num_blocks, dtype=np.int64)
         self.num_free_blocks = np.asarray(num_free_blocks, dtype=np.int64)
@@ -97,6 +103,9 @@ class WorkerColumns(Sequence[WorkerView]):
         self.num_running = np.asarray(num_running, dtype=np.int64)
         self.matched_blocks = np.asarray(matched_blocks, dtype=np.int64)
         self.matched_device_blocks = np.asarray(matched_device_blocks, dtype=np.int64)
+        if num_queued is None:
+            num_queued = np.zeros(len(self.ids), dtype=np.int64)
+        self.num_queued = np.asarray(num_queued, dtype=np.int64)
         self._index_of = index_of
         n = len(self.ids)
         if not (
@@ -107,6 +116,7 @@ class WorkerColumns(Sequence[WorkerView]):
             == len(self.num_running)
             == len(self.matched_blocks)
             == len(self.matched_device_blocks)
+            == len(self.num_queued)
             == n
         ):
             for name in self.__slots__[1:-1]:
@@ -119,7 +129,7 @@ class WorkerColumns(Sequence[WorkerView]):
             return views
         fields = list(zip(*views, strict=True)) if views else [()] * len(WorkerView._fields)
         a = [np.array(f) for f in fields[1:]]
-        return cls(fields[0], a[0], a[1], a[2], a[3], a[4], a[5], a[6])
+        return cls(fields[0], a[0], a[1], a[2], a[3], a[4], a[5], a[6], num_queued=a[7])
 
     @property
     def index_of(self) -> Mapping[WorkerId, int]:
@@ -147,6 +157,7 @@ class WorkerColumns(Sequence[WorkerView]):
             int(self.num_running[i]),
             int(self.matched_blocks[i]),
             int(self.matched_device_blocks[i]),
+            int(self.num_queued[i]),
         )
 
     def __iter__(self) -> Iterator[WorkerView]:
@@ -158,6 +169,7 @@ class WorkerColumns(Sequence[WorkerView]):
             self.num_running.tolist(),
             self.matched_blocks.tolist(),
             self.matched_device_blocks.tolist(),
+            self.num_queued.tolist(),
         )
         return map(WorkerView._make, zip(self.ids, *columns, strict=True))
 

@@ -230,9 +230,13 @@ class KvmeshPolicy(RoutingPolicy):
                 + ready(w)                 prefill of what w lacks (after a pull, when cheaper)
                 + r * recompute(w)         that recompute again, as work taken from later requests
                 + decode_step(w)           the running batch rides along the prefill
+                + queued(w) * step(w)      each prefill queued at w runs at least one step,
+                                           which carries w's batch and the KV it reads
                 + decode_batch(w)          2 * tokens * (step_load(w) - least step_load),
                                            tokens: a share of the request's max_tokens
-                + memory(w)                ramps up as the prompt's new blocks outgrow w's free ones
+                + wait(w)                  deficit(w) / pool(w) * mean answer on w * step(w):
+                                           deficit = blocks w's queue and this request need
+                                           (prompt it lacks + answer) beyond w's free ones
                 + e * stored(w) * block_prefill * reused_share(w)
                                            what the prompt's new blocks displace on w
                 + p * recent_work(w) * uncached_share(w)
@@ -255,7 +259,11 @@ class KvmeshPolicy(RoutingPolicy):
     the prefix is replicated as soon as, and only as far as, balance asks. The index only learns
     of a prefix once its prefill is done, so prompts routed in the last `routed_prefix_ttl_s`
     count as held by their worker (`RoutedPrefixes`): a burst sharing a new prefix lands together
-    instead of being recomputed everywhere.
+    instead of being recomputed everywhere. A worker whose pool is full admits the next request
+    only as its running sequences finish and free their blocks: the wait prices the share of
+    the pool that must turn over first, at the answer lengths running there (the requests'
+    max_tokens, as far as this coordinator routed them), so a hot prefix's holder stops taking
+    followers when they would queue for memory rather than for compute.
     """
 
     name = "kvmesh"
@@ -291,7 +299,9 @@ class KvmeshPolicy(RoutingPolicy):
         worker = WorkerId(placement.worker_id)
         self._routed.add(placement.request_id, worker, placement.new_hashes, now_s)
         self._recent.add(worker, placement.predicted_prefill_ms, now_s)
-        self._running.add(placement.request_id, worker, placement.prompt_len, now_s)
+        self._running.add(
+            placement.request_id, worker, placement.prompt_len, now_s, placement.max_tokens
+        )
         self._sessions.remember(placement.session_id, worker)
         if placement.num_reused_blocks:
             self._reused.add(worker, placement.last_reused_hash, placement.num_reused_blocks, now_s)
@@ -424,16 +434,23 @@ class KvmeshPolicy(RoutingPolicy):
         recompute = weights.recompute_weight * options.recompute_ms
         cost = cols.queued_prefill_ms + options.ready_ms + recompute
         cost = cost + np.where(running != 0, step_ms, 0.0)
+        # Each prefill queued ahead runs at least one step, and the step carries w's batch (its
+        # KV read too): a queue of cheap cache hits is as long in steps as in prefill.
+        kv_ms = step_load if cm.decode_per_kv_token_ms > 0 else 0.0
+        cost = cost + cols.num_queued * (step_ms + kv_ms)
         decode_tokens = weights.decode_tokens_for(query.max_tokens)
         cost = cost + 2.0 * decode_tokens * (step_load - step_load.min())
-        # Memory: 0 while the prompt's new blocks fit in w's free blocks; then up to one block's
-        # worth of decode steps (running sequences must finish, or be preempted, to make room).
-        needed = query.num_prompt_blocks - cols.matched_device_blocks
-        free = cols.num_free_blocks
-        short = (needed > free) & (needed > 0)
+        # Memory: what w's queue and this request still need beyond w's free blocks waits for
+        # running sequences to finish; w's pool turns over about once per answer it is running.
+        needed = np.maximum(query.num_prompt_blocks - cols.matched_device_blocks, 0)
+        answer_blocks = (query.max_tokens or 0) / bs
+        deficit = cols.queued_prefill_tokens / bs + needed + answer_blocks - cols.num_free_blocks
+        short = deficit > 0
         if short.any():
-            shortfall = (needed - free) / np.where(short, needed, 1)
-            cost = cost + np.where(short, shortfall * step_ms * bs, 0.0)
+            turnover = self._running.output_tokens_many(cols.ids) / np.maximum(running, 1)
+            turnover = np.maximum(turnover, bs)
+            share = deficit / np.maximum(cols.num_blocks, 1)
+            cost = cost + np.where(short, share * turnover * (step_ms + kv_ms), 0.0)
         if weights.eviction_weight > 0 and len(self._reused):
             # What w lacks on its device is stored there, computed or pulled, and displaces as
             # much of its pool; so much of that was reused lately as its reused prefixes fill
@@ -471,7 +488,9 @@ class KvmeshPolicy(RoutingPolicy):
         hashes = query.block_hashes
         self._routed.add(query.request_id, decision.worker_id, hashes, now, indexed)
         self._recent.add(decision.worker_id, decision.predicted_prefill_ms, now)
-        self._running.add(query.request_id, decision.worker_id, query.prompt_len, now)
+        self._running.add(
+            query.request_id, decision.worker_id, query.prompt_len, now, query.max_tokens or 0
+        )
         self._sessions.remember(query.session_id, decision.worker_id)
         reused = decision.pull.num_blocks if decision.pull else decision.matched_blocks
         if reused:

@@ -55,7 +55,7 @@ def test_a_log_that_went_back_is_followed_from_its_new_end() -> None:
 
 def test_a_placement_survives_the_wire() -> None:
     hashes = tuple(BlockHash(h) for h in (1, 2**64 - 1))
-    p = Placement("r1", "a", "w3", "s", 1000, 400, 12.25, hashes, 37, BlockHash(2**64 - 2))
+    p = Placement("r1", "a", "w3", "s", 1000, 400, 12.25, hashes, 37, BlockHash(2**64 - 2), 640)
     assert decode_placement(encode_placement(p)) == p
     with pytest.raises(PlacementDecodeError):
         decode_placement(b"\x93\x01\x02")
@@ -70,16 +70,18 @@ def test_choose_is_propose_then_place() -> None:
     assert isinstance(a.policy, KvmeshPolicy) and isinstance(b.policy, KvmeshPolicy)
     for k in range(6):
         prompt = a.prompts.prepare(PROMPT[: 200 + 97 * k], "", "")
-        decision = a.route(prompt, f"s{k % 2}", f"r{k}")
-        query = _query(prompt, f"s{k % 2}", f"r{k}")
+        answer = (None, 8, 640)[k % 3]
+        decision = a.route(prompt, f"s{k % 2}", f"r{k}", answer)
+        query = _query(prompt, f"s{k % 2}", f"r{k}", answer)
         b.policy.place(b._placement(prompt, query, decision), 0.0)
     assert _policy_state(a) == _policy_state(b)
 
 
-def _query(prompt, session: str, rid: str):  # type: ignore[no-untyped-def]
+def _query(prompt, session: str, rid: str, max_tokens: int | None = None):  # type: ignore[no-untyped-def]
     from kvmesh.coordinator.routing.router import RouteQuery
 
-    return RouteQuery(rid, prompt.block_hashes, len(prompt.token_ids), 16, session)
+    n = len(prompt.token_ids)
+    return RouteQuery(rid, prompt.block_hashes, n, 16, session, max_tokens=max_tokens)
 
 
 def _policy_state(c) -> tuple:  # type: ignore[no-untyped-def,type-arg]
@@ -93,7 +95,8 @@ def _policy_state(c) -> tuple:  # type: ignore[no-untyped-def,type-arg]
     routed = [policy._routed.extend(w, hashes, 0) for w in ids]
     sessions = [policy._sessions.get(s) for s in ("s0", "s1")]
     reused = policy._reused.num_blocks_many(ids).tolist()
-    return (work, requests, running, routed, sessions, reused)
+    answers = policy._running.output_tokens_many(ids).tolist()
+    return (work, requests, running, routed, sessions, reused, answers)
 
 
 def test_a_replica_that_loses_a_commit_applies_the_winner_and_decides_again() -> None:

@@ -328,3 +328,56 @@ def test_reused_prefixes_stay_bounded() -> None:
         r.add(A, BlockHash(i + 1), 2, now_s=0.0)
     r.check_invariants()
     assert len(r) == 3 and r.num_blocks(A) == 6
+
+
+@pytest.mark.parametrize("policy_type", [KvmeshPolicy, KvmeshReferencePolicy])
+def test_each_queued_prefill_costs_a_step_of_the_batch_it_carries(
+    policy_type: type[KvmeshPolicy],
+) -> None:
+    p = policy_type(KV_CM, random.Random(0), Clock(), DECODE_ONLY)
+    for i in range(2):  # 20,000 tokens of running context on both: the same KV per step
+        p.choose(RouteQuery(f"a{i}", hashes(500 + i), 10_000, 16), [view("a")])
+        p.choose(RouteQuery(f"b{i}", hashes(600 + i), 10_000, 16), [view("b")])
+    # on a, 5 cache hits wait for their (cheap) prefills besides the 2 running
+    a = WorkerView(A, 1000, 1000, 10.0, 500, 7, 0, 0, 5)
+    b = WorkerView(B, 1000, 1000, 10.0, 500, 2, 0, 0, 0)
+    d = p.choose(query("q", hashes(1, 2)), [a, b])
+    # each queued prefill rides a step of a's batch: fixed + per sequence + its KV read
+    kv_ms = 1e-4 * 20_000
+    per_step_a = KV_CM.decode_step_ms(7) + kv_ms
+    gap = 5 * per_step_a + KV_CM.decode_step_ms(7) - KV_CM.decode_step_ms(2)
+    assert d.worker_id == "b"
+    assert _scores(d)["a"] - _scores(d)["b"] == pytest.approx(gap)
+
+
+@pytest.mark.parametrize("policy_type", [KvmeshPolicy, KvmeshReferencePolicy])
+def test_a_full_pool_is_priced_by_the_share_that_must_turn_over_before_the_request_fits(
+    policy_type: type[KvmeshPolicy],
+) -> None:
+    p = policy_type(CM, random.Random(0), Clock(), DECODE_ONLY)
+    for i in range(4):  # four 640-token answers running on each of a and b
+        for w, base in (("a", 700), ("b", 800)):
+            q = RouteQuery(f"{w}{i}", hashes(base + i), 100, 16, max_tokens=640)
+            p.choose(q, [view(w)])
+    q = RouteQuery("q", hashes(*range(1, 11)), 16 * 10 + 5, 16, max_tokens=160)  # 11 + 10 blocks
+    # both queues need 320 tokens (20 blocks), 41 with the request: a has 30 free, b 50
+    full = WorkerView(A, 1000, 30, 0.0, 320, 4, 0, 0)
+    roomy = WorkerView(B, 1000, 50, 0.0, 320, 4, 0, 0)
+    d = p.choose(q, [full, roomy])
+    # 1.1% of a's pool turns over first, in about one mean answer (640 steps) of a's batch
+    assert d.worker_id == "b"
+    gap = _scores(d)["a"] - _scores(d)["b"]
+    assert gap == pytest.approx(11 / 1000 * 640 * CM.decode_step_ms(4))
+
+
+def test_running_context_sums_answer_tokens_where_known() -> None:
+    r = RunningContext(ttl_s=100.0)
+    r.add("r1", A, 5000, now_s=0.0, num_output_tokens=640)
+    r.add("r2", A, 300, now_s=1.0)  # unknown answer: counts 0
+    r.add("r3", A, 300, now_s=2.0, num_output_tokens=24)
+    assert r.output_tokens(A) == 664 and list(r.output_tokens_many([A, B])) == [664, 0]
+    r.discard("r1")
+    assert r.output_tokens(A) == 24
+    r.check_invariants()
+    with pytest.raises(ValueError, match="token counts must be >= 0, got 1 and -1"):
+        r.add("r4", A, 1, now_s=3.0, num_output_tokens=-1)

@@ -108,13 +108,14 @@ def test_load_tracker_queues_until_prefilled_and_runs_until_finished() -> None:
     w = WorkerId("w0")
     t.on_routed("a", w, 5.0, 100)
     t.on_routed("b", w, 3.0, 50)
-    assert t.queued_prefill_ms(w) == 8.0 and t.num_running(w) == 2
+    assert t.queued_prefill_ms(w) == 8.0 and t.num_running(w) == 2 and t.num_queued(w) == 2
     t.on_prefilled("a")
     t.on_prefilled("a")  # idempotent
-    assert t.queued_prefill_ms(w) == 3.0
+    assert t.queued_prefill_ms(w) == 3.0 and t.num_queued(w) == 1
+    assert list(t.num_queued_many([w, WorkerId("w1")])) == [1, 0]
     t.on_finished("b")
     t.on_finished("a")
-    assert t.queued_prefill_ms(w) == 0.0 and t.num_running(w) == 0
+    assert t.queued_prefill_ms(w) == 0.0 and t.num_running(w) == 0 and t.num_queued(w) == 0
     t.check_invariants()
     with pytest.raises(ValueError, match="already in flight"):
         t.on_routed("c", w, 1.0, 1)

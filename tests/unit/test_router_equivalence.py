@@ -6,12 +6,13 @@ random sequence of routes (sessions, routed prefixes, pulls, memory pressure, sm
 full of reused prefixes, calibrated decode, answers of unknown, short and long length, requests
 finishing, workers leaving, time passing), each fed the other's state changes only through its
 own decisions; any term that drifts between them changes a decision or a cost (and a reference
-without one of the terms is caught: the eviction term's check below).
+without one of the terms is caught: the eviction, queue and memory terms' checks below).
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import replace
 
 import pytest
@@ -19,6 +20,7 @@ import pytest
 from kvmesh.coordinator.index.mirror import WorkerId
 from kvmesh.coordinator.routing.cost_model import CostModel
 from kvmesh.coordinator.routing.kvmesh_reference import KvmeshReferencePolicy
+from kvmesh.coordinator.routing.pull_planner import PrefillOption
 from kvmesh.coordinator.routing.router import (
     KvmeshPolicy,
     KvmeshWeights,
@@ -50,6 +52,7 @@ def _fleet(rng: random.Random, num_workers: int, chain_len: int) -> list[WorkerV
         # Small pools too: there the prefixes reused lately fill much of the pool.
         num_blocks = rng.choice([100_000, rng.randrange(64, 1024)])
         free = rng.choice([num_blocks, rng.randrange(64)])
+        num_queued = rng.choice([0, 0, rng.randrange(1, 12)])
         views.append(
             WorkerView(
                 WorkerId(f"w{w:04d}"),
@@ -60,6 +63,7 @@ def _fleet(rng: random.Random, num_workers: int, chain_len: int) -> list[WorkerV
                 running,
                 matched,
                 device,
+                num_queued,
             )
         )
     return views
@@ -90,6 +94,28 @@ class _ReferenceWithoutEviction(KvmeshReferencePolicy):
     """The reference with one term dropped: the drive below must tell it apart."""
 
     def _eviction_ms(self, query: RouteQuery, w: WorkerView, indexed: WorkerView) -> float:
+        return 0.0
+
+
+class _ReferenceWithoutQueueSteps(KvmeshReferencePolicy):
+    """The reference blind to the steps a worker's queued prefills run (each carries its batch)."""
+
+    def _scalar_costs(
+        self,
+        query: RouteQuery,
+        views: Sequence[WorkerView],
+        options: Sequence[PrefillOption],
+        now: float,
+        indexed: Sequence[WorkerView],
+    ) -> list[float]:
+        views = [w._replace(num_queued=0) for w in views]
+        return super()._scalar_costs(query, views, options, now, indexed)
+
+
+class _ReferenceWithoutMemoryWait(KvmeshReferencePolicy):
+    """The reference that does not price the wait for blocks at a full worker."""
+
+    def _memory_wait_ms(self, query: RouteQuery, w: WorkerView, step_ms: float) -> float:
         return 0.0
 
 
@@ -151,6 +177,15 @@ def test_vectorised_policy_decides_as_the_scalar_reference(
 def test_the_drive_catches_a_reference_that_ignores_evictions(seed: int) -> None:
     with pytest.raises(AssertionError):
         _drive(seed, 17, seed % 2 == 1, seed >= 2, _ReferenceWithoutEviction)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+@pytest.mark.parametrize("reference", [_ReferenceWithoutQueueSteps, _ReferenceWithoutMemoryWait])
+def test_the_drive_catches_a_reference_without_a_queue_or_memory_term(
+    seed: int, reference: type[KvmeshReferencePolicy]
+) -> None:
+    with pytest.raises(AssertionError):
+        _drive(seed, 17, seed % 2 == 1, seed >= 2, reference)
 
 
 def test_columns_read_back_as_the_views_they_were_built_from() -> None:
