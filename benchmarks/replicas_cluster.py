@@ -11,20 +11,26 @@ and TTFT (client side). Each replica hears the other's routes through the reques
 second coordinator's count of the peer requests it replayed is printed too. With
 `--decision-log`, the K=2 coordinators commit every decision to the decision log in Redis and
 apply each other's from it (one coordinator stays without it, the baseline); printed per
-coordinator: decisions committed, lost commits retried, and the mean commit round trip.
+coordinator: decisions committed, lost commits retried, and the mean commit round trip. With
+`--processes`, the second coordinator is its own `kvmesh serve --attach` process, as deployed
+(by default both share this process, and so its GIL); its figures then come from `Stats`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import ray
 
+from kvmesh.client import Client
 from kvmesh.coordinator.cluster.deployment import Deployment, DeploymentConfig
 from kvmesh.coordinator.cluster.redis_server import start_redis_server
 from kvmesh.coordinator.config import CoordinatorConfig
@@ -55,16 +61,46 @@ def deployment(redis_url: str, attach: bool, decision_log: bool) -> Deployment:
     return d
 
 
-def one_run(num_coordinators: int, seed: int, duration_s: float, log: bool) -> dict[str, Any]:
+def serve_attached(redis_url: str, decision_log: bool) -> tuple[subprocess.Popen[bytes], str]:
+    """A second coordinator in its own process (`kvmesh serve --attach`), once it serves."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    cmd = [sys.executable, "-m", "kvmesh.client.cli", "serve", "--attach", "--port", str(port)]
+    cmd += ["--ray-address", ray.get_runtime_context().gcs_address, "--redis-url", redis_url]
+    cmd += ["--decision-log"] if decision_log else []
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    address = f"127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            with Client(address, timeout_s=2) as client:
+                if client.stats().num_live_workers >= 2:
+                    return proc, address
+        except Exception:  # not serving yet
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"kvmesh serve --attach did not come up on {address}")
+        time.sleep(0.5)
+
+
+def one_run(
+    num_coordinators: int, seed: int, duration_s: float, log: bool, processes: bool
+) -> dict[str, Any]:
     redis = start_redis_server()
     coordinators = [deployment(redis.url, attach=False, decision_log=log)]
+    others: list[tuple[subprocess.Popen[bytes], str]] = []
     try:
-        coordinators += [
-            deployment(redis.url, attach=True, decision_log=log)
-            for _ in range(num_coordinators - 1)
-        ]
+        for _ in range(num_coordinators - 1):
+            if processes:
+                others.append(serve_attached(redis.url, log))
+            else:
+                coordinators.append(deployment(redis.url, attach=True, decision_log=log))
+        addresses = [d.address for d in coordinators] + [address for _, address in others]
         cmd = [sys.executable, "-m", "kvmesh.client.cli", "bench", "--address"]
-        cmd += [",".join(d.address for d in coordinators), "--deal", "--workload", "shared_prefix"]
+        cmd += [",".join(addresses), "--deal", "--workload", "shared_prefix"]
         cmd += ["--seed", str(seed), "--duration", str(duration_s), "--json"]
         for key, value in WORKLOAD_ARGS.items():
             cmd += ["--workload-arg", f"{key}={value}"]
@@ -74,6 +110,7 @@ def one_run(num_coordinators: int, seed: int, duration_s: float, log: bool) -> d
         metrics = next(iter(json.loads(out.stdout)["policies"].values()))
         return {
             "coordinators": num_coordinators,
+            "separate_processes": bool(others),
             "seed": seed,
             "hit_rate": metrics["hit_rate"],
             "pulled_rate": metrics["pulled_rate"],
@@ -83,9 +120,13 @@ def one_run(num_coordinators: int, seed: int, duration_s: float, log: bool) -> d
             "num_failed": metrics["num_failed"],
             "peer_requests_replayed": [d.coordinator.peer_routes.num_taken for d in coordinators],
             "decision_log": log,
-            "decisions": [_decisions(d) for d in coordinators],
+            "decisions": [_decisions(d) for d in coordinators]
+            + [_served_decisions(address) for _, address in others],
         }
     finally:
+        for proc, _ in others:
+            proc.terminate()
+            proc.wait(timeout=30)
         for d in reversed(coordinators):
             d.stop()
         for service in IndexStore(redis.url).services():  # service workers outlive coordinators
@@ -94,6 +135,19 @@ def one_run(num_coordinators: int, seed: int, duration_s: float, log: bool) -> d
             except ValueError:
                 pass
         redis.stop()
+
+
+def _served_decisions(address: str) -> dict[str, float]:
+    with Client(address, timeout_s=10) as client:
+        s = client.stats()
+    attempts = s.num_decision_commits + s.num_decision_lost_commits + s.num_decisions_unlogged
+    return {
+        "commits": s.num_decision_commits,
+        "retries": s.num_decision_lost_commits,
+        "forced": s.num_decision_forced_commits,
+        "unlogged": s.num_decisions_unlogged,
+        "commit_ms_mean": 1e3 * s.decision_commit_seconds / attempts if attempts else 0.0,
+    }
 
 
 def _decisions(d: Deployment) -> dict[str, float]:
@@ -114,12 +168,15 @@ def main() -> int:
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals")
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--decision-log", action="store_true", help="K=2 replicas share the log")
+    p.add_argument(
+        "--processes", action="store_true", help="the second coordinator in its own process"
+    )
     args = p.parse_args()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
     rows = []
     for seed in (int(s) for s in args.seeds.split(",")):
         for k in (1, 2):
-            row = one_run(k, seed, args.duration, args.decision_log and k > 1)
+            row = one_run(k, seed, args.duration, args.decision_log and k > 1, args.processes)
             rows.append(row)
             print(
                 f"K={k} seed {seed}: hit {row['hit_rate']:.1%} pulled {row['pulled_rate']:.1%}"

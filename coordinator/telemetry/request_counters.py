@@ -58,7 +58,9 @@ class RequestCounters:
             "num_migrations": self.num_migrations,
             "num_session_turns_refused": num_session_turns_refused,
             "num_decision_commits": self.num_commits,
-            "num_decision_lost_commits": self.num_commit_attempts - self.num_commits,
+            "num_decision_lost_commits": (
+                self.num_commit_attempts - self.num_commits - self.num_unlogged
+            ),
             "num_decision_forced_commits": self.num_forced_commits,
             "num_decisions_unlogged": self.num_unlogged,
             "decision_commit_seconds": self.commit_s,
