@@ -24,6 +24,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -69,8 +70,8 @@ def serve_attached(redis_url: str, decision_log: bool) -> tuple[subprocess.Popen
     cmd = [sys.executable, "-m", "kvmesh.client.cli", "serve", "--attach", "--port", str(port)]
     cmd += ["--ray-address", ray.get_runtime_context().gcs_address, "--redis-url", redis_url]
     cmd += ["--decision-log"] if decision_log else []
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     address = f"127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:
@@ -82,7 +83,9 @@ def serve_attached(redis_url: str, decision_log: bool) -> tuple[subprocess.Popen
             pass
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
-            raise RuntimeError(f"kvmesh serve --attach did not come up on {address}")
+            log.seek(0)
+            tail = log.read().decode(errors="replace")[-1500:]
+            raise RuntimeError(f"kvmesh serve --attach did not come up on {address}:\n{tail}")
         time.sleep(0.5)
 
 
@@ -172,6 +175,8 @@ def main() -> int:
         "--processes", action="store_true", help="the second coordinator in its own process"
     )
     args = p.parse_args()
+    # A private local Ray on loopback; the --processes coordinator joins it with the same mode.
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
     rows = []
     for seed in (int(s) for s in args.seeds.split(",")):
