@@ -75,10 +75,11 @@ class NcclLink:
         as it is staged, so staging the next chunk overlaps sending this one."""
         import torch.distributed as dist  # only multi-GPU deployments need it
 
-        works = []
+        works, stagings = [], []  # each chunk's staging lives until every send is done
         for lo, hi in chunk_spans(len(ids)):
             staging = cache.new_empty((*cache.shape[:2], hi - lo, *cache.shape[3:]))
             copy_blocks(staging, list(range(hi - lo)), cache, ids[lo:hi])
+            stagings.append(staging)
             works.append(dist.isend(staging, dst=dst_rank))  # waits for its own staging only
         for work in works:
             assert work is not None  # a process-group op always returns its handle
