@@ -26,10 +26,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import ray
+from result_rows import write_rows
 
 from kvmesh.client import Client
 from kvmesh.coordinator.cluster.deployment import Deployment, DeploymentConfig
@@ -191,9 +191,7 @@ def main() -> int:
                 f"  decisions {row['decisions'] if row['decision_log'] else '-'}",
                 flush=True,
             )
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+    write_rows(args.json, rows)
     return 0
 
 

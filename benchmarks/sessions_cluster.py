@@ -16,10 +16,10 @@ import argparse
 import json
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import ray
+from result_rows import write_rows
 
 from kvmesh.coordinator.cluster.deployment import Deployment, DeploymentConfig
 from kvmesh.coordinator.config import CoordinatorConfig
@@ -119,9 +119,7 @@ def main() -> int:
                     f"{row['warm_sessions_evicted_budget']}/{row['warm_sessions_evicted_pressure']}",
                     flush=True,
                 )
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+    write_rows(args.json, rows)
     return 0
 
 

@@ -11,11 +11,11 @@ the median over the seeds of the prompt tokens reused (local + pulled) and of p9
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-from pathlib import Path
 from typing import Any
+
+from result_rows import write_rows
 
 from kvmesh.client import workloads
 from kvmesh.coordinator.sim.simulator import ClusterSimulation, SimConfig, prepare_requests
@@ -88,9 +88,7 @@ def main() -> int:
                     ),
                     flush=True,
                 )
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+    write_rows(args.json, rows)
     return 0
 
 
