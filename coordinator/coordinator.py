@@ -51,7 +51,7 @@ from kvmesh.coordinator.telemetry.request_record import (
     RequestRecord,
     finished_record,
 )
-from kvmesh.proto.block_hash import BlockHash, num_reusable_blocks, num_reusable_tokens
+from kvmesh.proto.block_hash import num_reusable_blocks, num_reusable_tokens
 from kvmesh.proto.placements import Placement
 from kvmesh.proto.request_notes import NoteBatch, RequestTaken
 from kvmesh.workers.contract.replies import (
@@ -216,7 +216,7 @@ class Coordinator:
                 elapsed = self._clock() - started
             for observer in self.observers:
                 observer.on_routed(elapsed)
-            placement = self._placement(prompt, query, decision)
+            placement = self._placement(query, decision)
             forced = attempt >= self.config.max_commit_retries
             sent = self._clock()
             result = log.commit(None if forced else expected, placement)
@@ -229,23 +229,8 @@ class Coordinator:
                 self._apply_log(result.missed, result.seq)
             attempt += 1
 
-    def _placement(
-        self, prompt: PreparedPrompt, query: RouteQuery, decision: RouteDecision
-    ) -> Placement:
-        matched = decision.pull.num_blocks if decision.pull is not None else decision.matched_blocks
-        return Placement(
-            query.request_id,
-            self.origin,
-            decision.worker_id,
-            query.session_id,
-            query.prompt_len,
-            self._uncached_tokens(query.prompt_len, matched),
-            decision.predicted_prefill_ms,
-            tuple(prompt.block_hashes[decision.indexed_blocks :]),
-            matched,
-            prompt.block_hashes[matched - 1] if matched else BlockHash(0),
-            query.max_tokens or 0,
-        )
+    def _placement(self, query: RouteQuery, decision: RouteDecision) -> Placement:
+        return self.policy.placement_of(query, decision, decision.indexed_blocks, self.origin)
 
     def _committed(self, result: CommitResult | None, placement: Placement, forced: bool) -> None:
         """Under the lock: this replica's decision is in the log (None: the log is away, so it

@@ -296,6 +296,13 @@ class RoutingPolicy(ABC):
         """`choose` without remembering the decision (only where `replicable`)."""
         raise NotImplementedError(f"policy {self.name} cannot propose without choosing")
 
+    def placement_of(
+        self, query: RouteQuery, decision: RouteDecision, indexed: int, origin: str = ""
+    ) -> Placement:
+        """The decision as the decision log carries it, for `place` (only where `replicable`;
+        `indexed`: the chosen worker's match in the index, before routed prefixes)."""
+        raise NotImplementedError(f"policy {self.name} keeps no state the log can carry")
+
     def place(self, placement: Placement, now_s: float) -> None:  # noqa: B027 - optional hook
         """Remember a committed decision, this replica's or a peer's, as `choose` would have
         (only where `replicable`); `choose` = `propose`, then `place` of its result."""

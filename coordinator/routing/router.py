@@ -35,7 +35,7 @@ from kvmesh.coordinator.routing.recent_load import RecentLoad
 from kvmesh.coordinator.routing.reused_prefixes import ReusedPrefixes
 from kvmesh.coordinator.routing.routed_prefixes import RoutedPrefixes
 from kvmesh.coordinator.routing.running_context import RunningContext
-from kvmesh.proto.block_hash import num_reusable_blocks, num_reusable_tokens
+from kvmesh.proto.block_hash import BlockHash, num_reusable_blocks, num_reusable_tokens
 from kvmesh.proto.placements import Placement
 
 __all__ = [
@@ -484,17 +484,30 @@ class KvmeshPolicy(RoutingPolicy):
     def _remember(
         self, query: RouteQuery, decision: RouteDecision, indexed: int, now: float
     ) -> None:
-        """`indexed`: the chosen worker's match in the index, before routed prefixes."""
-        hashes = query.block_hashes
-        self._routed.add(query.request_id, decision.worker_id, hashes, now, indexed)
-        self._recent.add(decision.worker_id, decision.predicted_prefill_ms, now)
-        self._running.add(
-            query.request_id, decision.worker_id, query.prompt_len, now, query.max_tokens or 0
+        """`indexed`: the chosen worker's match in the index, before routed prefixes. What is
+        remembered is the decision's placement, as a replica applies it from the decision log:
+        one path, so `choose` is `propose` + `place` by construction."""
+        self.place(self.placement_of(query, decision, indexed), now)
+
+    def placement_of(
+        self, query: RouteQuery, decision: RouteDecision, indexed: int, origin: str = ""
+    ) -> Placement:
+        """The decision as the decision log carries it (`indexed`: as for `_remember`)."""
+        n, hashes = query.prompt_len, query.block_hashes
+        reused = decision.pull.num_blocks if decision.pull is not None else decision.matched_blocks
+        return Placement(
+            query.request_id,
+            origin,
+            decision.worker_id,
+            query.session_id,
+            n,
+            n - num_reusable_tokens(n, reused, query.block_size),
+            decision.predicted_prefill_ms,
+            tuple(hashes[indexed:]),
+            reused,
+            hashes[reused - 1] if reused else BlockHash(0),
+            query.max_tokens or 0,
         )
-        self._sessions.remember(query.session_id, decision.worker_id)
-        reused = decision.pull.num_blocks if decision.pull else decision.matched_blocks
-        if reused:
-            self._reused.add(decision.worker_id, hashes[reused - 1], reused, now)
 
     def on_request_done(self, request_id: str) -> None:
         self._routed.discard(request_id)

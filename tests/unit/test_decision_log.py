@@ -73,7 +73,7 @@ def test_choose_is_propose_then_place() -> None:
         answer = (None, 8, 640)[k % 3]
         decision = a.route(prompt, f"s{k % 2}", f"r{k}", answer)
         query = _query(prompt, f"s{k % 2}", f"r{k}", answer)
-        b.policy.place(b._placement(prompt, query, decision), 0.0)
+        b.policy.place(b._placement(query, decision), 0.0)
     assert _policy_state(a) == _policy_state(b)
 
 
