@@ -165,10 +165,14 @@ def cached_prefill_attention_report(
     num_sms: int, prefix_len: int = 7680, query_len: int = 512
 ) -> dict[str, Any]:
     """Attention of `query_len` new tokens behind a `prefix_len` cached prefix (Llama-3-8B heads,
-    bf16, 16-token pages): the paged Triton kernel and the prefix / causal-square split (the
-    split's time includes gathering the prefix's pages), in TFLOP/s of the attention's FLOPs."""
+    bf16, 16-token pages): the paged Triton kernel and the bucketed split the runner uses (its
+    time includes gathering the sequence's pages), in TFLOP/s of the attention's FLOPs."""
     from kvmesh.workers.model.paged_attention import PREFILL_TILE
-    from kvmesh.workers.model.split_attention import cudnn_attention_usable, split_prefix_attention
+    from kvmesh.workers.model.split_attention import (
+        SplitShape,
+        cudnn_attention_usable,
+        split_prefix_attention,
+    )
 
     page, group = 16, 4
     total = prefix_len + query_len
@@ -183,23 +187,20 @@ def cached_prefill_attention_report(
     )
     out = torch.empty_like(q)
     paged_ms = median_ms(lambda: launch_paged_attention(q, k, v, out, layout, num_sms=num_sms))
-    num_prefix_blocks = -(-prefix_len // page)
-
     split_out = torch.empty_like(q)
+    shape = SplitShape.bucketed(prefix_len, query_len)
 
     def split() -> torch.Tensor:
-        keys = k.index_select(0, table).flatten(0, 1)
-        values = v.index_select(0, table).flatten(0, 1)
-        prefix, new = slice(0, prefix_len), slice(prefix_len, total)
-        split_prefix_attention(q, keys[prefix], values[prefix], keys[new], values[new], split_out)
+        keys = k.index_select(0, table).flatten(0, 1)[:total]
+        values = v.index_select(0, table).flatten(0, 1)[:total]
+        split_prefix_attention(q, keys, values, shape, split_out)
         return split_out
 
-    def split_prefix_pages_only() -> tuple[torch.Tensor, torch.Tensor]:  # what the runner gathers
-        ids = table[:num_prefix_blocks]
-        return k.index_select(0, ids), v.index_select(0, ids)
+    def split_pages_only() -> tuple[torch.Tensor, torch.Tensor]:  # what the runner gathers
+        return k.index_select(0, table), v.index_select(0, table)
 
     split_ms = median_ms(split)
-    gather_ms = median_ms(split_prefix_pages_only)
+    gather_ms = median_ms(split_pages_only)
     ref = torch.full_like(q, float("nan"))
     paged_attention_reference(q, k, v, ref, layout)
     err = (split().double() - ref.double()).norm() / ref.double().norm()
@@ -209,6 +210,7 @@ def cached_prefill_attention_report(
         "cudnn": cudnn_attention_usable(q.device),
         "paged_triton_ms": paged_ms,
         "paged_triton_tflops": flops / paged_ms / 1e9,
+        "split_shape": list(shape),
         "split_ms": split_ms,
         "split_tflops": flops / split_ms / 1e9,
         "split_gather_ms": gather_ms,

@@ -18,7 +18,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kvmesh.workers.model.split_attention import split_prefix_attention
+from kvmesh.workers.model.split_attention import SplitShape, split_prefix_attention
 
 HEADS, KV_HEADS, DIM = 32, 8, 128
 NEW, TOTAL = 512, 8192
@@ -58,7 +58,7 @@ def split_profile() -> None:
     out = torch.empty_like(q)
 
     def split() -> None:
-        split_prefix_attention(q, k[:PREFIX], k[:PREFIX], k[PREFIX:], k[PREFIX:], out)
+        split_prefix_attention(q, k, k, SplitShape.exact(PREFIX, NEW), out)
 
     for _ in range(5):
         split()
@@ -79,7 +79,7 @@ def plan_per_shape() -> None:
         torch.cuda.synchronize()
         start = time.perf_counter()
         end = prefix + new
-        split_prefix_attention(q, k[:prefix], k[:prefix], k[prefix:end], k[prefix:end], out)
+        split_prefix_attention(q, k[:end], k[:end], SplitShape.exact(prefix, new), out)
         torch.cuda.synchronize()
         return (time.perf_counter() - start) * 1e3
 

@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from kvmesh.workers.model import batch_plan
 from kvmesh.workers.model.batch_plan import AttentionMode
 from kvmesh.workers.model.model_config import ModelConfig, preset
 from kvmesh.workers.model.paged_attention import (
@@ -135,12 +136,17 @@ def small_config() -> ModelConfig:
         AttentionMode(
             paged_decode=True, paged_prefill=False, explicit_masks=False, split_prefill=True
         ),
+        AttentionMode(
+            paged_decode=True, paged_prefill=True, explicit_masks=False, bucketed_prefill=True
+        ),
     ],
-    ids=["triton", "gather+flash", "split"],
+    ids=["triton", "gather+flash", "split", "bucketed"],
 )
 def test_runner_gpu_paths_match_the_explicit_mask_path(
-    mode: AttentionMode, dtype: torch.dtype
+    mode: AttentionMode, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # Prefixes of 40 and 700 tokens split at bucketed points; the 17- and 90-token ones stay paged.
+    monkeypatch.setattr(batch_plan, "BUCKETED_MIN_PREFIX", 32)
     config = small_config()
     shapes = [(0, 150), (40, 60), (90, 1), (17, 1), (0, 1), (700, 300), (1200, 1)]
     rng = random.Random(3)
@@ -172,7 +178,7 @@ def test_split_prefix_attention_matches_float64_reference(
     dtype: torch.dtype, prefix_len: int, query_len: int
 ) -> None:
     """The fused parts (cuDNN on Hopper, else flash) and their merge vs one float64 softmax."""
-    from kvmesh.workers.model.split_attention import split_prefix_attention
+    from kvmesh.workers.model.split_attention import SplitShape, split_prefix_attention
 
     gen = torch.Generator(device="cuda").manual_seed(prefix_len + query_len)
     heads, kv_heads, dim = 32, 8, 128
@@ -182,10 +188,6 @@ def test_split_prefix_attention_matches_float64_reference(
         return torch.randn(shape, device="cuda", generator=gen).to(dtype)
 
     q, k, v = randn(query_len, heads, dim), randn(total, kv_heads, dim), randn(total, kv_heads, dim)
-    rows = torch.full((query_len + 6, heads, dim), float("nan"), device="cuda", dtype=dtype)
-    got = rows[3 : 3 + query_len]  # rows around it belong to nobody: they must stay untouched
-    split_prefix_attention(q, k[:prefix_len], v[:prefix_len], k[prefix_len:], v[prefix_len:], got)
-    assert rows[:3].isnan().all() and rows[3 + query_len :].isnan().all()
     keys, values = (x.double().repeat_interleave(heads // kv_heads, dim=1) for x in (k, v))
     scores = torch.einsum("qhd,khd->hqk", q.double(), keys) / dim**0.5
     query_pos = torch.arange(prefix_len, total, device="cuda")
@@ -193,5 +195,14 @@ def test_split_prefix_attention_matches_float64_reference(
     want = torch.einsum(
         "hqk,khd->qhd", scores.masked_fill(hidden, float("-inf")).softmax(-1), values
     )
-    error = (got.double() - want).norm() / want.norm()
-    assert error.item() < TOLERANCE[dtype], error.item()
+    for shape in (
+        SplitShape.exact(prefix_len, query_len),
+        SplitShape.bucketed(prefix_len, query_len),
+        SplitShape(max(1, prefix_len // 2), query_len + 5),  # a long causal tail, odd padding
+    ):
+        rows = torch.full((query_len + 6, heads, dim), float("nan"), device="cuda", dtype=dtype)
+        got = rows[3 : 3 + query_len]  # rows around it belong to nobody: they must stay untouched
+        split_prefix_attention(q, k, v, shape, got)
+        assert rows[:3].isnan().all() and rows[3 + query_len :].isnan().all()
+        error = (got.double() - want).norm() / want.norm()
+        assert error.item() < TOLERANCE[dtype], (shape, error.item())

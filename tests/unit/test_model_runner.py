@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvmesh.workers.model import batch_plan
 from kvmesh.workers.model.batch_plan import AttentionMode
 from kvmesh.workers.model.model_config import ModelConfig, RopeScaling, load_model_config, preset
 from kvmesh.workers.model.runner import ModelRunner, SeqChunk, rope_inv_freq
@@ -183,6 +184,27 @@ def test_split_prefix_attention_gives_the_masked_paths_logits(tiny: ModelRunner)
             paged_decode=False, paged_prefill=False, explicit_masks=True, split_prefill=True
         )
         runner.forward([SeqChunk(ids[:cached], 0, table)])
+        got = runner.forward_all_logits([SeqChunk(ids[cached:], cached, table)])[0]
+        torch.testing.assert_close(got, expected[cached:], atol=1e-5, rtol=0)
+
+
+def test_bucketed_split_gives_the_masked_paths_logits(
+    tiny: ModelRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Long prefixes split at a bucketed point with padded rows (the threshold lowered so the
+    tiny model reaches it), shorter ones on the masked path: the same logits either way."""
+    monkeypatch.setattr(batch_plan, "BUCKETED_MIN_PREFIX", 12)
+    ids = prompt(45, seed=13)
+    table = shuffled_table(12, seed=14)
+    expected = fresh_runner(tiny).forward_all_logits([SeqChunk(ids, 0, list(range(12)))])[0]
+    for cached in (5, 12, 30, 40):
+        runner = fresh_runner(tiny)
+        runner.attention_mode = AttentionMode(
+            paged_decode=False, paged_prefill=False, explicit_masks=True, bucketed_prefill=True
+        )
+        runner.forward([SeqChunk(ids[:cached], 0, table)])
+        plan = runner._plan([SeqChunk(ids[cached:], cached, table)])
+        assert (plan.cached[0].split is not None) == (cached >= 12)
         got = runner.forward_all_logits([SeqChunk(ids[cached:], cached, table)])[0]
         torch.testing.assert_close(got, expected[cached:], atol=1e-5, rtol=0)
 

@@ -16,7 +16,9 @@ plan sorts chunks three ways:
   * chunked prefill (several tokens behind a cached prefix): causal mask shifted by start_pos.
 The last two read the cache. With `AttentionMode.paged_*` they go to the paged Triton kernel (one
 launch each, straight from the block tables); otherwise to SDPA over gathered blocks: decode
-right-padded to the longest with a padding mask, chunked prefill one call per chunk.
+right-padded to the longest with a padding mask, chunked prefill one call per chunk. With
+`AttentionMode.bucketed_prefill` a chunked prefill behind a long prefix is attended in two merged
+parts instead (`split_attention`: unmasked on cuDNN at bucketed shapes, a causal tail on flash).
 
 Planning runs on the host for every step, so it sticks to Python integers and numpy and crosses to
 the device in a few packed transfers; nothing in a layer waits on the host.
@@ -39,6 +41,7 @@ from kvmesh.workers.model.paged_attention import (
     TileShape,
     build_paged_layout,
 )
+from kvmesh.workers.model.split_attention import SplitShape
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,9 +80,18 @@ class AttentionMode:
     explicit_masks: bool
     """SDPA paths take boolean masks (CPU); else a lower-right causal bias (CUDA flash kernels)."""
     split_prefill: bool = False
-    """Chunked prefills not on the paged kernel split into the unmasked prefix (one fused call
-    with its log-sum-exp) and the causal square of the new tokens, merged exactly
-    (`split_attention`); else one SDPA call under a shifted causal mask."""
+    """Chunked prefills not on the paged kernel split at the prefix boundary into the unmasked
+    prefix (one fused call with its log-sum-exp) and the causal square of the new tokens, merged
+    exactly (`split_attention`); else one SDPA call under a shifted causal mask."""
+    bucketed_prefill: bool = False
+    """Chunked prefills behind a prefix of at least `BUCKETED_MIN_PREFIX` tokens split at a
+    bucketed point with padded rows (`SplitShape.bucketed`: few cuDNN plans); shorter prefixes
+    take the paths above."""
+
+
+BUCKETED_MIN_PREFIX = 2048
+"""Below this many cached tokens the unmasked part is too small for cuDNN to beat the paged
+kernel by more than its extra launches."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +103,7 @@ class CachedChunk:
     block_ids: torch.Tensor  # [ceil(end_pos / block_size)] blocks holding positions 0..end_pos-1
     start_pos: int  # cached prefix length: the new tokens are positions [start_pos, end_pos)
     mask: torch.Tensor | None  # [num_queries_per_kv * num_new, end_pos]; True = may attend
+    split: SplitShape | None = None  # set: attended as two merged parts (`split_attention`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +230,10 @@ def plan_batch(
     host = torch.from_numpy(packed).to(device, non_blocking=True)
     n = len(token_ids)
     fresh, cached_indices, decode_indices = _sort_chunks(batch)
+    split_indices = []
+    if mode.bucketed_prefill:
+        split_indices = [i for i in cached_indices if batch[i].start_pos >= BUCKETED_MIN_PREFIX]
+        cached_indices = [i for i in cached_indices if batch[i].start_pos < BUCKETED_MIN_PREFIX]
     paged = []
     for indices, use_kernel, tile in (
         (decode_indices, mode.paged_decode, DECODE_TILE),
@@ -232,6 +249,7 @@ def plan_batch(
         _cached_chunk(batch[i], rows[i], block_size, num_queries_per_kv, device, mode)
         for i in ([] if mode.paged_prefill else cached_indices)
     ]
+    cached += [_split_chunk(batch[i], rows[i], block_size, device) for i in split_indices]
     decode = None
     if decode_indices and not mode.paged_decode:
         decode_rows = [ends[i] - 1 for i in decode_indices]
@@ -257,9 +275,11 @@ def _cached_chunk(
     device: torch.device,
     mode: AttentionMode,
 ) -> CachedChunk:
-    num_blocks = -(-chunk.end_pos // block_size)
-    block_ids = torch.tensor(chunk.block_table[:num_blocks], dtype=torch.int64).to(device)
-    if not mode.explicit_masks or mode.split_prefill:
+    if mode.split_prefill:
+        split = SplitShape.exact(chunk.start_pos, len(chunk.token_ids))
+        return _split_chunk(chunk, rows, block_size, device, split)
+    block_ids = _block_ids(chunk, block_size, device)
+    if not mode.explicit_masks:
         return CachedChunk(rows, chunk.end_pos, block_ids, chunk.start_pos, None)
     query_pos = torch.arange(chunk.start_pos, chunk.end_pos, device=device)
     key_pos = torch.arange(chunk.end_pos, device=device)
@@ -267,6 +287,26 @@ def _cached_chunk(
     # Rows are (g, i): query head g of a KV group, token i. So the causal block repeats g times.
     mask = causal.repeat(num_queries_per_kv, 1)
     return CachedChunk(rows, chunk.end_pos, block_ids, chunk.start_pos, mask)
+
+
+def _split_chunk(
+    chunk: SeqChunk,
+    rows: slice,
+    block_size: int,
+    device: torch.device,
+    split: SplitShape | None = None,
+) -> CachedChunk:
+    """A chunk attended as two merged parts; bucketed unless `split` says otherwise."""
+    if split is None:
+        split = SplitShape.bucketed(chunk.start_pos, len(chunk.token_ids))
+    block_ids = _block_ids(chunk, block_size, device)
+    return CachedChunk(rows, chunk.end_pos, block_ids, chunk.start_pos, None, split)
+
+
+def _block_ids(chunk: SeqChunk, block_size: int, device: torch.device) -> torch.Tensor:
+    """The blocks holding positions 0..end_pos-1, on the device."""
+    num_blocks = -(-chunk.end_pos // block_size)
+    return torch.tensor(chunk.block_table[:num_blocks], dtype=torch.int64).to(device)
 
 
 def _decode_group(

@@ -51,7 +51,13 @@ def _load_tile_rows(
     return seq, first, seq_len, query_len, query_row, local_start, token, head, valid
 
 
-@triton.jit
+# Triton compiles a kernel again for each new class of its integer arguments (== 1, divisible by
+# 16): the sizes and the table's stride change with every batch, so new lengths cost 1-3 s compiles
+# in the middle of serving. These stay unspecialised: one compile per tile shape.
+_PER_BATCH = ["num_seqs", "num_tiles", "num_local_tokens"]
+
+
+@triton.jit(do_not_specialize=[*_PER_BATCH, "split_len", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr,
     k_ptr,
@@ -167,7 +173,7 @@ def _paged_attention_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=[*_PER_BATCH, "num_splits"])
 def _merge_splits_kernel(
     out_ptr,
     part_out_ptr,

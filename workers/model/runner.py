@@ -3,8 +3,9 @@
 All chunks' tokens go through the matmuls as one flattened token dimension; attention is the only
 per-sequence step, grouped as `batch_plan` describes. On CUDA, attention over cached K/V (decode
 and chunked prefill) reads the cache through block tables in the paged Triton kernel
-(`paged_attention`; `split_attention` is an opt-in alternative for chunked prefill); fresh prompts
-use flash SDPA on their own new K/V; RoPE, SiLU x up and add + RMSNorm are single Triton kernels
+(`paged_attention`), except a chunked prefill behind a long prefix, which splits into an unmasked
+part on cuDNN and a causal tail on flash (`split_attention`); fresh prompts use flash SDPA on
+their own new K/V; RoPE, SiLU x up and add + RMSNorm are single Triton kernels
 (`elementwise_kernels`); decode-only steps replay CUDA graphs (`decode_graphs`). On CPU (the
 reference path, matched against transformers in the unit tests) cached K/V is gathered into
 contiguous buffers for SDPA, and GQA is folded into the query length (a KV head's query heads
@@ -24,6 +25,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from kvmesh.workers.kv.layer_load import LayerLoad, can_load_layers
 from kvmesh.workers.model.batch_plan import (
+    BUCKETED_MIN_PREFIX,
     AttentionMode,
     BatchPlan,
     CachedChunk,
@@ -36,7 +38,11 @@ from kvmesh.workers.model.lora import LoraAdapter, LoraBatch, load_peft_adapter
 from kvmesh.workers.model.model_config import ModelConfig, checkpoint_source
 from kvmesh.workers.model.paged_attention import paged_attention
 from kvmesh.workers.model.rope import Rope, apply_rope, rope_inv_freq, rope_tables
-from kvmesh.workers.model.split_attention import split_prefix_attention
+from kvmesh.workers.model.split_attention import (
+    SplitShape,
+    cudnn_attention_usable,
+    split_prefix_attention,
+)
 from kvmesh.workers.model.weights import LayerWeights, ModelWeights, load_checkpoint, random_weights
 
 __all__ = ["ModelRunner", "SeqChunk", "apply_rope", "rms_norm", "rope_inv_freq", "rope_tables"]
@@ -45,6 +51,12 @@ __all__ = ["ModelRunner", "SeqChunk", "apply_rope", "rms_norm", "rope_inv_freq",
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm; torch's fused kernel accumulates in float32 even for bf16 inputs."""
     return F.rms_norm(x, weight.shape, weight, eps)
+
+
+WARM_MAX_LEN = 16_384
+"""Longest sequence whose split shapes `warm_up_split` builds before serving."""
+WARM_MAX_NEW = 2048
+"""Longest chunk whose split shapes `warm_up_split` builds before serving."""
 
 
 class ModelRunner:
@@ -99,12 +111,16 @@ class ModelRunner:
         """LoRA adapters by name (see `lora.py`); a chunk's `adapter` picks one."""
         on_gpu = self.device.type == "cuda" and importlib.util.find_spec("triton") is not None
         # Benchmarks and tests may switch paths on a live runner; results must not change.
-        # Chunked prefill stays on the paged kernel: the prefix / causal-square split on cuDNN
-        # is ~10% faster per forward at a fixed shape, but cuDNN builds an execution plan for
-        # every new (prefix, chunk) length, ~120 ms each on an H100, and serving sees new
-        # lengths all the time (docs/benchmarks.md). `split_prefill` remains an opt-in mode.
+        # Chunked prefill behind a long prefix splits into an unmasked part on cuDNN, at
+        # bucketed shapes so that a few execution plans serve every length, and a causal tail
+        # on flash (`split_attention`); shorter prefixes stay on the paged kernel.
         self.attention_mode = AttentionMode(
-            paged_decode=on_gpu, paged_prefill=on_gpu, explicit_masks=self.device.type != "cuda"
+            paged_decode=on_gpu,
+            paged_prefill=on_gpu,
+            explicit_masks=self.device.type != "cuda",
+            bucketed_prefill=on_gpu
+            and self.dtype in (torch.bfloat16, torch.float16)
+            and cudnn_attention_usable(self.device),
         )
         self._num_sms = (
             torch.cuda.get_device_properties(self.device).multi_processor_count if on_gpu else 0
@@ -315,8 +331,13 @@ class ModelRunner:
             attn = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
             out[rows] = attn.squeeze(0).transpose(0, 1)
         for chunk in plan.cached:
-            if self.attention_mode.split_prefill:
-                self._attend_split(q, k, v, kv_blocks, chunk, out)
+            if chunk.split is not None:
+                keys, values = self._gather(kv_blocks, chunk.block_ids, 1)
+                end = chunk.end_pos
+                rows = chunk.rows
+                split_prefix_attention(
+                    q[rows], keys[0, :end], values[0, :end], chunk.split, out[rows]
+                )
             else:
                 out[chunk.rows] = self._attend_cached(q, kv_blocks, chunk)
         if plan.decode is not None:
@@ -344,23 +365,28 @@ class ModelRunner:
         attn = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=bias, enable_gqa=True)
         return attn.squeeze(0).transpose(0, 1)
 
-    def _attend_split(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_blocks: torch.Tensor,
-        chunk: CachedChunk,
-        out: torch.Tensor,
-    ) -> None:
-        """One chunked prefill as prefix part + causal square (see `split_attention`), into its
-        rows of out; the new tokens' own K/V comes straight from this step, only the prefix
-        from the cache."""
-        num_prefix_blocks = -(-chunk.start_pos // self.block_size)
-        keys, values = self._gather(kv_blocks, chunk.block_ids[:num_prefix_blocks], 1)
-        prefix_k, prefix_v = keys[0, : chunk.start_pos], values[0, : chunk.start_pos]
-        rows = chunk.rows
-        split_prefix_attention(q[rows], prefix_k, prefix_v, k[rows], v[rows], out[rows])
+    def warm_up_split(self, max_new: int) -> int:
+        """Build cuDNN's plans for the bucketed split now (~65 ms each on an H100, ~0.6 s the
+        first), not in the middle of serving: every shape of a prefix up to the cache's size (at
+        most `WARM_MAX_LEN`) and a chunk up to `max_new` (at most `WARM_MAX_NEW`), on scratch
+        tensors (the cache is not touched). Returns the number of shapes; longer ones build on
+        first use."""
+        if not self.attention_mode.bucketed_prefill:
+            return 0
+        c = self.config
+        max_len = min(self.num_blocks * self.block_size, WARM_MAX_LEN)
+        shapes = SplitShape.all_bucketed(BUCKETED_MIN_PREFIX, max_len, min(max_new, WARM_MAX_NEW))
+        if not shapes:
+            return 0
+        longest = max(split + rows for split, rows in shapes)
+        keys = torch.zeros(
+            (longest, c.num_kv_heads, c.head_dim), device=self.device, dtype=self.dtype
+        )
+        for split, rows in shapes:
+            q = keys.new_zeros((rows, c.num_heads, c.head_dim))
+            end = split + rows
+            split_prefix_attention(q, keys[:end], keys[:end], SplitShape(split, rows), q.clone())
+        return len(shapes)
 
     def _gather(
         self, kv_blocks: torch.Tensor, block_ids: torch.Tensor, num_seqs: int
@@ -369,7 +395,12 @@ class ModelRunner:
 
         Whole blocks are copied (one contiguous slab each), far faster than gathering slot by slot.
         """
-        keys, values = kv_blocks.index_select(1, block_ids)
+        # One dim-0 select per half: a block copy each (~1.9 TB/s on an H100), where one select
+        # along dim 1 of both halves runs as an element gather (~1.1 TB/s).
+        keys, values = (
+            kv_blocks[0].index_select(0, block_ids),
+            kv_blocks[1].index_select(0, block_ids),
+        )
         shape = (num_seqs, -1, self.config.num_kv_heads, self.config.head_dim)
         return keys.view(shape), values.view(shape)
 

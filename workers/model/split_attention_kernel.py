@@ -2,7 +2,7 @@
 
 Imported only on CUDA (and by the kernel tests under Triton's interpreter). One program owns
 `BLOCK_T` tokens of one query head: it reads that head's prefix partial from the folded layout
-(row g * n + i of KV head h // group, g = h % group), the causal square's partial, both
+(row g * padded + i of KV head h // group, g = h % group), the causal part's partial, both
 log-sum-exps, and writes the softmax-weighted sum straight into the output rows, in one pass.
 
     grid (ceil(n / BLOCK_T), num_heads)
@@ -17,7 +17,7 @@ import triton.language as tl
 _BLOCK_T = 16
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "padded_tokens"])  # one compile for all lengths
 def _merge_kernel(
     prefix_out_ptr,
     prefix_lse_ptr,
@@ -25,6 +25,7 @@ def _merge_kernel(
     own_lse_ptr,
     out_ptr,
     num_tokens,
+    padded_tokens,
     stride_po_h,
     stride_po_r,
     stride_pl_h,
@@ -46,7 +47,7 @@ def _merge_kernel(
     valid = token < num_tokens
     dims = tl.arange(0, DIM_PAD)
     cell = valid[:, None] & (dims[None, :] < DIM)
-    folded_row = (head % GROUP) * num_tokens + token
+    folded_row = (head % GROUP) * padded_tokens + token
     lse_p = tl.load(
         prefix_lse_ptr + kv_head * stride_pl_h + folded_row * stride_pl_r, mask=valid, other=0.0
     )
@@ -79,8 +80,10 @@ def launch_merge(
     own_out: torch.Tensor,
     own_lse: torch.Tensor,
     out: torch.Tensor,
+    padded_tokens: int,
 ) -> None:
-    """prefix_out [kv_heads, group * n, dim] and prefix_lse [kv_heads, group * n] (folded rows);
+    """prefix_out [kv_heads, group * padded_tokens, dim] and prefix_lse [kv_heads, group *
+    padded_tokens] (folded rows, padded_tokens >= n);
     own_out [heads, n, dim] and own_lse [heads, n]; writes out [n, heads, dim]. Any strides, but
     the last dim of the three outputs must be contiguous."""
     num_tokens, num_heads, dim = out.shape
@@ -96,6 +99,7 @@ def launch_merge(
         own_lse,
         out,
         num_tokens,
+        padded_tokens,
         prefix_out.stride(0),
         prefix_out.stride(1),
         prefix_lse.stride(0),
