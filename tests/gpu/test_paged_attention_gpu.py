@@ -147,6 +147,7 @@ def test_runner_gpu_paths_match_the_explicit_mask_path(
 ) -> None:
     # Prefixes of 40 and 700 tokens split at bucketed points; the 17- and 90-token ones stay paged.
     monkeypatch.setattr(batch_plan, "BUCKETED_MIN_PREFIX", 32)
+    monkeypatch.setattr(batch_plan, "BUCKETED_MIN_NEW", 2)
     config = small_config()
     shapes = [(0, 150), (40, 60), (90, 1), (17, 1), (0, 1), (700, 300), (1200, 1)]
     rng = random.Random(3)

@@ -194,6 +194,7 @@ def test_bucketed_split_gives_the_masked_paths_logits(
     """Long prefixes split at a bucketed point with padded rows (the threshold lowered so the
     tiny model reaches it), shorter ones on the masked path: the same logits either way."""
     monkeypatch.setattr(batch_plan, "BUCKETED_MIN_PREFIX", 12)
+    monkeypatch.setattr(batch_plan, "BUCKETED_MIN_NEW", 2)
     ids = prompt(45, seed=13)
     table = shuffled_table(12, seed=14)
     expected = fresh_runner(tiny).forward_all_logits([SeqChunk(ids, 0, list(range(12)))])[0]

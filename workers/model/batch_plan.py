@@ -84,14 +84,19 @@ class AttentionMode:
     prefix (one fused call with its log-sum-exp) and the causal square of the new tokens, merged
     exactly (`split_attention`); else one SDPA call under a shifted causal mask."""
     bucketed_prefill: bool = False
-    """Chunked prefills behind a prefix of at least `BUCKETED_MIN_PREFIX` tokens split at a
-    bucketed point with padded rows (`SplitShape.bucketed`: few cuDNN plans); shorter prefixes
-    take the paths above."""
+    """Chunked prefills of at least `BUCKETED_MIN_NEW` tokens behind a prefix of at least
+    `BUCKETED_MIN_PREFIX` split at a bucketed point with padded rows (`SplitShape.bucketed`: few
+    cuDNN plans); other chunks take the paths above."""
 
 
 BUCKETED_MIN_PREFIX = 2048
 """Below this many cached tokens the unmasked part is too small for cuDNN to beat the paged
 kernel by more than its extra launches."""
+BUCKETED_MIN_NEW = 512
+"""Below this many new tokens the split's extra launches (gather, fold, two attention calls,
+merge) cost more than cuDNN saves: on an H100, chunks of 54-460 tokens behind 2.4-7.3K cached
+ran 1.0-2.2x slower split than on the paged kernel, chunks of 512-682 tokens 0.75-0.98x
+(docs/benchmarks.md)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,8 +237,8 @@ def plan_batch(
     fresh, cached_indices, decode_indices = _sort_chunks(batch)
     split_indices = []
     if mode.bucketed_prefill:
-        split_indices = [i for i in cached_indices if batch[i].start_pos >= BUCKETED_MIN_PREFIX]
-        cached_indices = [i for i in cached_indices if batch[i].start_pos < BUCKETED_MIN_PREFIX]
+        split_indices = [i for i in cached_indices if _splits_well(batch[i])]
+        cached_indices = [i for i in cached_indices if not _splits_well(batch[i])]
     paged = []
     for indices, use_kernel, tile in (
         (decode_indices, mode.paged_decode, DECODE_TILE),
@@ -287,6 +292,11 @@ def _cached_chunk(
     # Rows are (g, i): query head g of a KV group, token i. So the causal block repeats g times.
     mask = causal.repeat(num_queries_per_kv, 1)
     return CachedChunk(rows, chunk.end_pos, block_ids, chunk.start_pos, mask)
+
+
+def _splits_well(chunk: SeqChunk) -> bool:
+    """A chunk long enough, behind a prefix long enough, for the bucketed split to pay."""
+    return chunk.start_pos >= BUCKETED_MIN_PREFIX and len(chunk.token_ids) >= BUCKETED_MIN_NEW
 
 
 def _split_chunk(

@@ -25,6 +25,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from kvmesh.workers.kv.layer_load import LayerLoad, can_load_layers
 from kvmesh.workers.model.batch_plan import (
+    BUCKETED_MIN_NEW,
     BUCKETED_MIN_PREFIX,
     AttentionMode,
     BatchPlan,
@@ -111,9 +112,9 @@ class ModelRunner:
         """LoRA adapters by name (see `lora.py`); a chunk's `adapter` picks one."""
         on_gpu = self.device.type == "cuda" and importlib.util.find_spec("triton") is not None
         # Benchmarks and tests may switch paths on a live runner; results must not change.
-        # Chunked prefill behind a long prefix splits into an unmasked part on cuDNN, at
+        # A long chunked prefill behind a long prefix splits into an unmasked part on cuDNN, at
         # bucketed shapes so that a few execution plans serve every length, and a causal tail
-        # on flash (`split_attention`); shorter prefixes stay on the paged kernel.
+        # on flash (`split_attention`); other chunks stay on the paged kernel.
         self.attention_mode = AttentionMode(
             paged_decode=on_gpu,
             paged_prefill=on_gpu,
@@ -366,16 +367,18 @@ class ModelRunner:
         return attn.squeeze(0).transpose(0, 1)
 
     def warm_up_split(self, max_new: int) -> int:
-        """Build cuDNN's plans for the bucketed split now (~65 ms each on an H100, ~0.6 s the
+        """Build cuDNN's plans for the bucketed split now (~50 ms each on an H100, ~0.6 s the
         first), not in the middle of serving: every shape of a prefix up to the cache's size (at
-        most `WARM_MAX_LEN`) and a chunk up to `max_new` (at most `WARM_MAX_NEW`), on scratch
+        most `WARM_MAX_LEN`) and a split chunk up to `max_new` (at most `WARM_MAX_NEW`), on scratch
         tensors (the cache is not touched). Returns the number of shapes; longer ones build on
         first use."""
         if not self.attention_mode.bucketed_prefill:
             return 0
         c = self.config
         max_len = min(self.num_blocks * self.block_size, WARM_MAX_LEN)
-        shapes = SplitShape.all_bucketed(BUCKETED_MIN_PREFIX, max_len, min(max_new, WARM_MAX_NEW))
+        shapes = SplitShape.all_bucketed(
+            BUCKETED_MIN_PREFIX, max_len, BUCKETED_MIN_NEW, min(max_new, WARM_MAX_NEW)
+        )
         if not shapes:
             return 0
         longest = max(split + rows for split, rows in shapes)

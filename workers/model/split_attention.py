@@ -20,8 +20,9 @@ cuDNN builds an execution plan for every new shape (~50 ms on an H100, ~600 ms t
 and a server meets new (prefix, chunk) lengths all the time. So the unmasked part's shape is
 *bucketed* (`SplitShape`): its keys stop at the largest grid point at or below `prefix_len` (8
 points an octave, so the tail is under 1/8 of the prefix) and its query rows are padded up to a
-power of two (padding rows are zeros whose outputs are dropped; rows are independent). 144 plans
-cover every length up to 16K tokens, built before a worker serves (`all_bucketed`). On CPU the
+power of two (padding rows are zeros whose outputs are dropped; rows are independent). 72 plans
+cover every chunk of 512-2K tokens behind a prefix of 2-16K (the chunks the runner splits, see
+`batch_plan`), built before a worker serves (`all_bucketed`). On CPU the
 same split runs in plain float32 math (tests check the split, the bucketing and the merge there;
 the GPU tests check the fused kernels against the float64 reference).
 """
@@ -76,11 +77,11 @@ class SplitShape(NamedTuple):
         return cls(_round_down(prefix_len, 3), max(MIN_PADDED_ROWS, _round_up(num_new, 0)))
 
     @staticmethod
-    def all_bucketed(min_prefix: int, max_len: int, max_new: int) -> list[SplitShape]:
-        """Every bucketed shape of a prefix >= min_prefix and a chunk <= max_new within max_len
-        tokens (what a worker warms up before it serves)."""
+    def all_bucketed(min_prefix: int, max_len: int, min_new: int, max_new: int) -> list[SplitShape]:
+        """Every bucketed shape of a prefix >= min_prefix and a chunk of min_new..max_new tokens
+        within max_len tokens (what a worker warms up before it serves)."""
         splits = sorted({_round_down(p, 3) for p in _grid(min_prefix, max_len)})
-        rows = sorted({max(MIN_PADDED_ROWS, _round_up(n, 0)) for n in _grid(1, max_new)})
+        rows = sorted({max(MIN_PADDED_ROWS, _round_up(n, 0)) for n in _grid(min_new, max_new)})
         return [SplitShape(s, r) for s in splits for r in rows if s < max_len and s >= min_prefix]
 
 
