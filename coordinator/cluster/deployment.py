@@ -244,8 +244,8 @@ class Deployment:
         coordinator.note_sink = notes.send
         notes.start()
         if decisions is not None:
-            decisions.on_entries = coordinator.observe_decisions
-            decisions.on_jump = coordinator.skip_decisions_to
+            decisions.on_entries = coordinator.decisions.observe
+            decisions.on_jump = coordinator.decisions.skip_to
             self.decisions = decisions
             decisions.start()
         self.follower.start()
