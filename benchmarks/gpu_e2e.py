@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 import ray
 
+from kvmesh.client.async_client import AsyncClient
 from kvmesh.client.bench import BenchSample, send_times, summarize
-from kvmesh.client.client import AsyncClient
 from kvmesh.client.errors import KVMeshError
 from kvmesh.client.workloads import SharedPrefixConfig, WorkloadRequest, shared_prefix
 from kvmesh.coordinator.cluster.deployment import Deployment, DeploymentConfig

@@ -161,7 +161,7 @@ def _decisions(d: Deployment) -> dict[str, float]:
         "forced": c.num_forced_commits,
         "unlogged": c.num_unlogged,
         "commit_ms_mean": 1e3 * c.commit_s / c.num_commit_attempts if c.num_commit_attempts else 0,
-        "applied_seq": d.coordinator.log_cursor.applied_seq,
+        "applied_seq": d.coordinator.decisions.cursor.applied_seq,
     }
 
 

@@ -7,7 +7,8 @@ with Client("127.0.0.1:50051") as client:
 
 from __future__ import annotations
 
-from kvmesh.client.client import AsyncClient, Client
+from kvmesh.client.async_client import AsyncClient
+from kvmesh.client.client import Client
 from kvmesh.client.credentials import tls_credentials
 from kvmesh.client.errors import (
     DeadlineExceeded,

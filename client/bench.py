@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvmesh.client.client import AsyncClient
+from kvmesh.client.async_client import AsyncClient
 from kvmesh.client.environment import read_environment
 from kvmesh.client.errors import KVMeshError
 from kvmesh.client.flag_types import positive_float, positive_int

@@ -1,4 +1,4 @@
-"""Python clients for a kvmesh coordinator: `Client` (blocking) and `AsyncClient` (asyncio).
+"""The blocking Python client for a kvmesh coordinator (`AsyncClient` is its asyncio twin).
 
 Both speak the `kvmesh.v1.KVMesh` gRPC service and share one API:
 
@@ -16,16 +16,15 @@ admin calls need an admin token); `credentials` (see `kvmesh.client.credentials`
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
 
 import grpc
 
 from kvmesh.client import wire
-from kvmesh.client.address_ring import AddressRing
-from kvmesh.client.errors import DeadlineExceeded, from_rpc_error
+from kvmesh.client.channel_options import DEFAULT_MAX_MESSAGE_BYTES
+from kvmesh.client.errors import DeadlineExceeded
+from kvmesh.client.failover_channels import FailoverChannels
 from kvmesh.client.results import (
     GenerateResult,
     IndexReport,
@@ -39,34 +38,7 @@ from kvmesh.client.results import (
 )
 from kvmesh.client.stream_accumulator import StreamAccumulator
 from kvmesh.proto import kvmesh_pb2 as pb
-from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
 from kvmesh.proto.block_hash import MediaItem
-
-DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
-
-
-def _auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
-    if token is None:
-        return ()
-    if not token or any(c.isspace() or not c.isprintable() for c in token):
-        raise ValueError("token must be non-empty printable text without spaces")
-    return (("authorization", f"Bearer {token}"),)
-
-
-def _channel_options(
-    address: str, timeout_s: float | None, max_message_bytes: int
-) -> list[tuple[str, int]]:
-    """gRPC channel options after checking the constructor's arguments."""
-    if not address or address != address.strip():
-        raise ValueError(f"address must be a non-empty HOST:PORT, got {address!r}")
-    if timeout_s is not None and not timeout_s > 0:
-        raise ValueError(f"timeout_s must be > 0 or None, got {timeout_s}")
-    if max_message_bytes < 1024:
-        raise ValueError(f"max_message_bytes must be >= 1024, got {max_message_bytes}")
-    return [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-    ]
 
 
 class Client:
@@ -89,32 +61,22 @@ class Client:
         credentials: grpc.ChannelCredentials | None = None,
         token: str | None = None,
     ) -> None:
-        self.ring = AddressRing([address] if isinstance(address, str) else list(address))
+        self.channels = FailoverChannels(
+            [address] if isinstance(address, str) else list(address),
+            timeout_s=timeout_s,
+            max_message_bytes=max_message_bytes,
+            credentials=credentials,
+            token=token,
+        )
+        """Where calls go, and how they fail over (`failover_channels.py`)."""
         self.timeout_s = timeout_s
-        self._metadata = _auth_metadata(token)
         self.last_cache_epoch = 0
         """The cache epoch the last `clear_cache` moved the fleet to."""
-        self._channels = []
-        for a in self.ring.addresses:
-            options = _channel_options(a, timeout_s, max_message_bytes)
-            if credentials is None:
-                self._channels.append(grpc.insecure_channel(a, options=options))
-            else:
-                self._channels.append(grpc.secure_channel(a, credentials, options=options))
-        self._stubs = [pb_grpc.KVMeshStub(c) for c in self._channels]
 
     @property
     def address(self) -> str:
         """The coordinator calls go to now."""
-        return self.ring.current
-
-    @property
-    def _channel(self) -> grpc.Channel:
-        return self._channels[self.ring.index]
-
-    @property
-    def _stub(self) -> pb_grpc.KVMeshStub:
-        return self._stubs[self.ring.index]
+        return self.channels.address
 
     def __enter__(self) -> Client:
         return self
@@ -124,13 +86,12 @@ class Client:
 
     def close(self) -> None:
         """Close the channels; calls in flight are cancelled. Closing twice is harmless."""
-        for channel in self._channels:
-            channel.close()
+        self.channels.close()
 
     def wait_ready(self, timeout_s: float) -> None:
         """Block until the coordinator accepts connections; DeadlineExceeded after `timeout_s`."""
         try:
-            grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
+            grpc.channel_ready_future(self.channels.channel).result(timeout=timeout_s)
         except grpc.FutureTimeoutError:
             raise DeadlineExceeded(
                 "DEADLINE_EXCEEDED", f"{self.address} not ready after {timeout_s} s"
@@ -166,10 +127,10 @@ class Client:
         `session_id`, refuse (`SessionBusy`) or wait while another turn of it is in flight.
         `bypass_cache` reuses no cached KV and leaves none behind (routed by load only).
         """
-        request = wire.build_generate_request(**_generate_kwargs(locals()))
+        request = wire.build_generate_request(**wire.generate_kwargs(locals()))
         start_s = time.perf_counter()
         accumulator = StreamAccumulator(start_s)
-        for chunk in self._chunks(request):
+        for chunk in self.channels.chunks(request):
             accumulator.add(chunk, time.perf_counter())
         return accumulator.result(time.perf_counter())
 
@@ -197,8 +158,8 @@ class Client:
     ) -> Iterator[StreamChunk]:
         """Like `generate`, but yield each chunk as it arrives. Arguments are checked at once;
         abandoning the iterator (break, close()) cancels the request on the server."""
-        request = wire.build_generate_request(**_generate_kwargs(locals()))
-        return self._chunks(request)
+        request = wire.build_generate_request(**wire.generate_kwargs(locals()))
+        return self.channels.chunks(request)
 
     def route(
         self,
@@ -224,7 +185,7 @@ class Client:
             media=media,
             max_tokens=max_tokens,
         )
-        return wire.route_from_proto(self._unary("Route", request))
+        return wire.route_from_proto(self.channels.unary("Route", request))
 
     def lookup(
         self,
@@ -239,13 +200,13 @@ class Client:
         request = wire.build_lookup_request(
             token_ids, prompt=prompt, cache_salt=cache_salt, adapter=adapter, media=media
         )
-        return wire.lookup_from_proto(self._unary("Lookup", request))
+        return wire.lookup_from_proto(self.channels.unary("Lookup", request))
 
     def stats(self) -> Stats:
-        return wire.stats_from_proto(self._unary("Stats", pb.StatsRequest()))
+        return wire.stats_from_proto(self.channels.unary("Stats", pb.StatsRequest()))
 
     def list_workers(self) -> list[WorkerInfo]:
-        return wire.workers_from_proto(self._unary("ListWorkers", pb.ListWorkersRequest()))
+        return wire.workers_from_proto(self.channels.unary("ListWorkers", pb.ListWorkersRequest()))
 
     # Admin calls: with auth on, the client's token must be an admin token.
 
@@ -253,255 +214,30 @@ class Client:
         """Stop routing new requests to `worker_id` (its running streams finish), or route to it
         again with `undrain=True`; returns every drained worker."""
         request = pb.DrainRequest(worker_id=worker_id, undrain=undrain)
-        return list(self._unary("Drain", request).drained_worker_ids)
+        return list(self.channels.unary("Drain", request).drained_worker_ids)
 
     def scale(self, num_workers: int, *, drain_timeout_s: float = 0.0) -> ScaleResult:
         """Grow or shrink the fleet to `num_workers`; leaving workers finish their streams first
         (at most `drain_timeout_s`, 0: the server's 600 s)."""
         request = pb.ScaleRequest(num_workers=num_workers, drain_timeout_s=drain_timeout_s)
-        return wire.scale_from_proto(self._unary("Scale", request))
+        return wire.scale_from_proto(self.channels.unary("Scale", request))
 
     def clear_cache(self) -> dict[str, int]:
         """Reset the cache: every worker drops its cached (unreferenced) blocks and the fleet
         moves to a new cache epoch (then in `last_cache_epoch`), so nothing computed before can
         be matched; returns blocks freed per worker."""
-        response = self._unary("ClearCache", pb.ClearCacheRequest())
+        response = self.channels.unary("ClearCache", pb.ClearCacheRequest())
         self.last_cache_epoch = response.cache_epoch
         return {w.worker_id: w.num_freed_blocks for w in response.workers}
 
     def index_tree(self, *, max_nodes: int = 0, hottest: bool = False) -> IndexTree:
         """The coordinator's prefix tree (`kvmesh index tree`), or its most hit nodes."""
         request = pb.IndexTreeRequest(max_nodes=max_nodes, hottest=hottest)
-        return wire.index_tree_from_proto(self._unary("IndexTree", request))
+        return wire.index_tree_from_proto(self.channels.unary("IndexTree", request))
 
     def index_views(self) -> IndexReport:
         """Per worker, the coordinator's index mirror and the worker's pool (`kvmesh index
         verify` compares them, and Redis)."""
-        return wire.index_report_from_proto(self._unary("VerifyIndex", pb.VerifyIndexRequest()))
-
-    def _unary(self, name: str, request: Any) -> Any:
-        """Call the RPC `name` on the current coordinator (failing over, see the class)."""
-        for attempt in range(len(self.ring.addresses)):
-            call = getattr(self._stub, name)
-            try:
-                return call(request, timeout=self.timeout_s, metadata=self._metadata)
-            except grpc.RpcError as err:
-                if not self._fail_over(err, attempt):
-                    raise from_rpc_error(err) from err
-        raise AssertionError("unreachable: the last attempt raises")
-
-    def _chunks(self, request: pb.GenerateRequest) -> Iterator[StreamChunk]:
-        for attempt in range(len(self.ring.addresses)):
-            call = self._stub.Generate(request, timeout=self.timeout_s, metadata=self._metadata)
-            answered = False
-            try:
-                for response in call:
-                    answered = True
-                    yield wire.chunk_from_proto(response)
-                return
-            except grpc.RpcError as err:
-                if answered or not self._fail_over(err, attempt):
-                    raise from_rpc_error(err) from err
-            finally:
-                call.cancel()  # a no-op once the stream has ended; frees the server if abandoned
-
-    def _fail_over(self, err: grpc.RpcError, attempt: int) -> bool:
-        """Move to the next address after an UNAVAILABLE, unless every one was tried."""
-        code = err.code() if hasattr(err, "code") else None
-        if code is not grpc.StatusCode.UNAVAILABLE or attempt + 1 >= len(self.ring.addresses):
-            return False
-        self.ring.advance()
-        return True
-
-
-class AsyncClient:
-    """The asyncio twin of `Client`: same arguments, same results, awaitable methods.
-
-    Create it inside the running event loop that will use it (grpc.aio binds to that loop).
-    """
-
-    def __init__(
-        self,
-        address: str,
-        *,
-        timeout_s: float | None = None,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        credentials: grpc.ChannelCredentials | None = None,
-        token: str | None = None,
-    ) -> None:
-        options = _channel_options(address, timeout_s, max_message_bytes)
-        self.address = address
-        self.timeout_s = timeout_s
-        self._metadata = _auth_metadata(token)
-        self.last_cache_epoch = 0
-        """The cache epoch the last `clear_cache` moved the fleet to."""
-        if credentials is None:
-            self._channel = grpc.aio.insecure_channel(address, options=options)
-        else:
-            self._channel = grpc.aio.secure_channel(address, credentials, options=options)
-        self._stub = pb_grpc.KVMeshStub(self._channel)
-
-    async def __aenter__(self) -> AsyncClient:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.close()
-
-    async def close(self) -> None:
-        await self._channel.close()
-
-    async def wait_ready(self, timeout_s: float) -> None:
-        """Wait until the coordinator accepts connections; DeadlineExceeded after `timeout_s`."""
-        try:
-            await asyncio.wait_for(self._channel.channel_ready(), timeout=timeout_s)
-        except asyncio.TimeoutError:
-            raise DeadlineExceeded(
-                "DEADLINE_EXCEEDED", f"{self.address} not ready after {timeout_s} s"
-            ) from None
-
-    async def generate(
-        self,
-        token_ids: Sequence[int] | None = None,
-        *,
-        prompt: str | None = None,
-        max_tokens: int = 16,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        min_p: float = 0.0,
-        seed: int = 0,
-        stop_token_ids: Sequence[int] = (),
-        ignore_eos: bool = False,
-        session_id: str = "",
-        turn_mode: str = "concurrent",
-        cache_salt: str = "",
-        worker_id: str = "",
-        request_id: str = "",
-        bypass_cache: bool = False,
-        adapter: str = "",
-        media: Sequence[MediaItem] = (),
-    ) -> GenerateResult:
-        """See `Client.generate`."""
-        request = wire.build_generate_request(**_generate_kwargs(locals()))
-        start_s = time.perf_counter()
-        accumulator = StreamAccumulator(start_s)
-        async for chunk in self._chunks(request):
-            accumulator.add(chunk, time.perf_counter())
-        return accumulator.result(time.perf_counter())
-
-    def stream(
-        self,
-        token_ids: Sequence[int] | None = None,
-        *,
-        prompt: str | None = None,
-        max_tokens: int = 16,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        min_p: float = 0.0,
-        seed: int = 0,
-        stop_token_ids: Sequence[int] = (),
-        ignore_eos: bool = False,
-        session_id: str = "",
-        turn_mode: str = "concurrent",
-        cache_salt: str = "",
-        worker_id: str = "",
-        request_id: str = "",
-        bypass_cache: bool = False,
-        adapter: str = "",
-        media: Sequence[MediaItem] = (),
-    ) -> AsyncIterator[StreamChunk]:
-        """See `Client.stream`; use with `async for`. Arguments are checked at once."""
-        request = wire.build_generate_request(**_generate_kwargs(locals()))
-        return self._chunks(request)
-
-    async def route(
-        self,
-        token_ids: Sequence[int] | None = None,
-        *,
-        prompt: str | None = None,
-        session_id: str = "",
-        cache_salt: str = "",
-        bypass_cache: bool = False,
-        adapter: str = "",
-        media: Sequence[MediaItem] = (),
-        max_tokens: int | None = None,
-    ) -> RouteResult:
-        request = wire.build_route_request(
-            token_ids,
-            prompt=prompt,
-            session_id=session_id,
-            cache_salt=cache_salt,
-            bypass_cache=bypass_cache,
-            adapter=adapter,
-            media=media,
-            max_tokens=max_tokens,
+        return wire.index_report_from_proto(
+            self.channels.unary("VerifyIndex", pb.VerifyIndexRequest())
         )
-        return wire.route_from_proto(await self._unary(self._stub.Route, request))
-
-    async def lookup(
-        self,
-        token_ids: Sequence[int] | None = None,
-        *,
-        prompt: str | None = None,
-        cache_salt: str = "",
-        adapter: str = "",
-        media: Sequence[MediaItem] = (),
-    ) -> LookupResult:
-        request = wire.build_lookup_request(
-            token_ids, prompt=prompt, cache_salt=cache_salt, adapter=adapter, media=media
-        )
-        return wire.lookup_from_proto(await self._unary(self._stub.Lookup, request))
-
-    async def stats(self) -> Stats:
-        return wire.stats_from_proto(await self._unary(self._stub.Stats, pb.StatsRequest()))
-
-    async def list_workers(self) -> list[WorkerInfo]:
-        response = await self._unary(self._stub.ListWorkers, pb.ListWorkersRequest())
-        return wire.workers_from_proto(response)
-
-    async def drain(self, worker_id: str, *, undrain: bool = False) -> list[str]:
-        request = pb.DrainRequest(worker_id=worker_id, undrain=undrain)
-        return list((await self._unary(self._stub.Drain, request)).drained_worker_ids)
-
-    async def scale(self, num_workers: int, *, drain_timeout_s: float = 0.0) -> ScaleResult:
-        request = pb.ScaleRequest(num_workers=num_workers, drain_timeout_s=drain_timeout_s)
-        return wire.scale_from_proto(await self._unary(self._stub.Scale, request))
-
-    async def clear_cache(self) -> dict[str, int]:
-        response = await self._unary(self._stub.ClearCache, pb.ClearCacheRequest())
-        self.last_cache_epoch = response.cache_epoch
-        return {w.worker_id: w.num_freed_blocks for w in response.workers}
-
-    async def index_tree(self, *, max_nodes: int = 0, hottest: bool = False) -> IndexTree:
-        request = pb.IndexTreeRequest(max_nodes=max_nodes, hottest=hottest)
-        return wire.index_tree_from_proto(await self._unary(self._stub.IndexTree, request))
-
-    async def index_views(self) -> IndexReport:
-        response = await self._unary(self._stub.VerifyIndex, pb.VerifyIndexRequest())
-        return wire.index_report_from_proto(response)
-
-    async def _unary(self, method: Any, request: Any) -> Any:
-        try:
-            return await method(request, timeout=self.timeout_s, metadata=self._metadata)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from err
-
-    async def _chunks(self, request: pb.GenerateRequest) -> AsyncIterator[StreamChunk]:
-        call = self._stub.Generate(request, timeout=self.timeout_s, metadata=self._metadata)
-        try:
-            async for response in call:
-                yield wire.chunk_from_proto(response)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from err
-        finally:
-            call.cancel()
-
-
-def _generate_kwargs(call_locals: dict[str, Any]) -> dict[str, Any]:
-    """The `generate`/`stream` arguments out of that method's locals(), minus `self`.
-
-    The four generate-shaped methods keep explicit signatures (for users and type checkers) and
-    forward them here in one line each, so adding a parameter cannot miss one of them.
-    """
-    return {k: v for k, v in call_locals.items() if k != "self"}

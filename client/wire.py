@@ -125,6 +125,16 @@ def build_generate_request(
     return request
 
 
+def generate_kwargs(call_locals: dict[str, Any]) -> dict[str, Any]:
+    """The `generate`/`stream` arguments out of that method's locals(), minus `self`, for
+    `build_generate_request`.
+
+    The four generate-shaped methods keep explicit signatures (for users and type checkers) and
+    forward them here in one line each, so adding a parameter cannot miss one of them.
+    """
+    return {k: v for k, v in call_locals.items() if k != "self"}
+
+
 def build_route_request(
     token_ids: Sequence[int] | None,
     *,

@@ -2,7 +2,8 @@
 
 prompts    token ids (or text) -> validated prompt + chained block hashes (prompt_preparer.py)
 fleet      block hashes -> per-worker held prefix, from the in-memory mirror (fleet_view.py)
-route()    prices every routable worker and picks one, maybe with a pull plan   (routing/)
+route()    prices every routable worker and picks one, maybe with a pull plan   (routing/);
+           one that will run is committed to the decision log (decision_replica.py)
 generate() sends the chosen worker a `WorkerRequest` (with its pull plan: the worker runs the
            pull itself) and streams its outputs, keeping the load tracker honest
 
@@ -30,11 +31,12 @@ from kvmesh.coordinator.contract import (
     WorkerBackend,
     WorkerDied,
 )
+from kvmesh.coordinator.decision_replica import DecisionReplica
 from kvmesh.coordinator.fleet_view import FleetView, FreeBlocksMany
 from kvmesh.coordinator.index.mirror import WorkerId
 from kvmesh.coordinator.prompt_preparer import PreparedPrompt, PromptPreparer, TextCodec
 from kvmesh.coordinator.routing.cost_model import CostModel
-from kvmesh.coordinator.routing.decision_log import CommitResult, DecisionLog, LogCursor
+from kvmesh.coordinator.routing.decision_log import DecisionLog
 from kvmesh.coordinator.routing.load_tracker import LoadTracker, ReportedLoad
 from kvmesh.coordinator.routing.peer_routes import PeerRoutes
 from kvmesh.coordinator.routing.pull_planner import PullPlan, best_peer, cheapest_prefill
@@ -148,9 +150,6 @@ class Coordinator:
         self.origin = uuid.uuid4().hex[:16]
         """This replica's id in the requests it sends (`WorkerRequest.origin`)."""
         self.peer_routes = PeerRoutes(self.origin, self.load, on_let_go=self._peer_done)
-        self.decision_log = decision_log if config.decision_log else None
-        self.log_cursor = LogCursor()
-        """How far this replica has applied the decision log."""
         self.note_sink: Callable[[NoteBatch], None] | None = None
         """Where each routing decision goes as a `RequestTaken` note for the other replicas
         (the deployment's `NoteSender`; None: peers hear of it from the worker only)."""
@@ -163,6 +162,20 @@ class Coordinator:
         self._clock = clock
         self.observers = tuple(observers)
         """Told of every routing decision and every request's end (metrics, the request log)."""
+        self.decisions = DecisionReplica(
+            decision_log if config.decision_log else None,
+            self.policy,
+            self.peer_routes,
+            registry,
+            self.counters,
+            self._lock,
+            origin=self.origin,
+            max_commit_retries=config.max_commit_retries,
+            clock=clock,
+            observers=self.observers,
+        )
+        """Commits this replica's decisions to the decision log and applies the log's entries
+        (`decision_replica.py`)."""
 
     # ---- lookup and routing -------------------------------------------------------------------
 
@@ -188,8 +201,10 @@ class Coordinator:
             session_id,
             max_tokens,
         )
-        if commit and self.decision_log is not None and self.policy.replicable:
-            return self._route_committed(prompt, query, live)
+        if commit and self.decisions.commits:
+            return self.decisions.route(
+                query, lambda: self.fleet.columns(prompt, live, self.cost_model)
+            )
         with self._lock:
             started = self._clock()
             decision = self.policy.choose(query, self.fleet.columns(prompt, live, self.cost_model))
@@ -198,92 +213,10 @@ class Coordinator:
             observer.on_routed(elapsed)
         return decision
 
-    def _route_committed(
-        self, prompt: PreparedPrompt, query: RouteQuery, live: Sequence[str]
-    ) -> RouteDecision:
-        """Decide on the state after the log entries applied here, commit by compare-and-set;
-        a lost commit applies the entries it missed and decides again (`decision_log.py`)."""
-        log = self.decision_log
-        assert log is not None
-        attempt = 0
-        while True:
-            with self._lock:
-                started = self._clock()
-                decision = self.policy.propose(
-                    query, self.fleet.columns(prompt, live, self.cost_model)
-                )
-                expected = self.log_cursor.applied_seq
-                elapsed = self._clock() - started
-            for observer in self.observers:
-                observer.on_routed(elapsed)
-            placement = self._placement(query, decision)
-            forced = attempt >= self.config.max_commit_retries
-            sent = self._clock()
-            result = log.commit(None if forced else expected, placement)
-            with self._lock:
-                self.counters.commit_s += self._clock() - sent
-                self.counters.num_commit_attempts += 1
-                if result is None or result.committed:
-                    self._committed(result, placement, forced)
-                    return decision
-                self._apply_log(result.missed, result.seq)
-            attempt += 1
-
-    def _placement(self, query: RouteQuery, decision: RouteDecision) -> Placement:
-        return self.policy.placement_of(query, decision, decision.indexed_blocks, self.origin)
-
-    def _committed(self, result: CommitResult | None, placement: Placement, forced: bool) -> None:
-        """Under the lock: this replica's decision is in the log (None: the log is away, so it
-        is applied here only)."""
-        if result is None:
-            self.counters.num_unlogged += 1
-            self.policy.place(placement, self._clock())
-            return
-        self.counters.num_commits += 1
-        self.counters.num_forced_commits += forced
-        # Committed against the seq applied here, so every earlier entry is applied, unless
-        # forced (then the entries between arrive through the log's stream, in order).
-        self._apply_log(((result.seq, placement),), None)
-
     def observe_decisions(self, entries: Sequence[tuple[int, Placement]]) -> None:
-        """Entries of the decision log as its stream delivers them (any replica's)."""
-        with self._lock:
-            self._apply_log(entries, None)
-
-    def skip_decisions_to(self, seq: int) -> None:
-        """The log's entries up to `seq` are not to be had (a start, a trimmed log)."""
-        with self._lock:
-            for placement in self.log_cursor.skip_to(seq):
-                self._apply_placement(placement)
-
-    def _apply_log(self, entries: Sequence[tuple[int, Placement]], log_seq: int | None) -> None:
-        """Under the lock: apply entries in log order, each once. `log_seq`: where the log
-        ends; entries before it that it no longer holds are stepped over."""
-        if log_seq is not None and log_seq < self.log_cursor.applied_seq:
-            self.log_cursor.skip_to(log_seq)  # the log went back (Redis lost it)
-        for placement in self.log_cursor.offer(entries):
-            self._apply_placement(placement)
-        if log_seq is not None and self.log_cursor.applied_seq < log_seq:
-            first_missed = min((s for s, _ in entries), default=log_seq + 1)
-            if first_missed > self.log_cursor.applied_seq + 1:  # trimmed from the log
-                for placement in self.log_cursor.skip_to(first_missed - 1):
-                    self._apply_placement(placement)
-
-    def _apply_placement(self, placement: Placement) -> None:
-        """One log entry, as if this replica had decided it (its own: the policy only; the
-        load tracker counted it when it was routed)."""
-        now = self._clock()
-        self.policy.place(placement, now)
-        if placement.origin == self.origin or not self.registry.is_known(placement.worker_id):
-            return
-        taken = RequestTaken(
-            placement.request_id, placement.origin, placement.prompt_len, placement.uncached_len
-        )
-        rid = placement.request_id
-        worker = WorkerId(placement.worker_id)
-        self.peer_routes.take(worker, taken, placement.predicted_prefill_ms, now)
-        if self.peer_routes.has_ended(rid):  # its end was heard before its decision
-            self.policy.on_request_done(rid)
+        """The simulator's `LogReader` (`sim/decision_log.py` hands its entries to the
+        coordinators it runs); a deployment feeds `decisions` directly."""
+        self.decisions.observe(entries)
 
     def _peer_done(self, request_id: str) -> None:
         """A peer's request ended (PeerRoutes, under the lock)."""

@@ -39,10 +39,11 @@ from kvmesh.coordinator.routing.transfer_planner import TransferPlanner
 from kvmesh.coordinator.service.admin import Admin
 from kvmesh.coordinator.service.chat_template import load_chat_template
 from kvmesh.coordinator.service.field_limits import FieldLimits
+from kvmesh.coordinator.service.grpc_server import build_server, set_serving
 from kvmesh.coordinator.service.http_server import HttpGate, HttpServer, build_app
 from kvmesh.coordinator.service.interceptor import GateInterceptor, gate_from_config
 from kvmesh.coordinator.service.openai_frontend import OpenAIFrontend
-from kvmesh.coordinator.service.servicer import KVMeshServicer, build_server, set_serving
+from kvmesh.coordinator.service.servicer import KVMeshServicer
 from kvmesh.coordinator.service.tls import load_server_tls
 from kvmesh.coordinator.telemetry.collector import MetricsCollector
 from kvmesh.coordinator.telemetry.exporter import MetricsExporter
@@ -244,8 +245,8 @@ class Deployment:
         coordinator.note_sink = notes.send
         notes.start()
         if decisions is not None:
-            decisions.on_entries = coordinator.observe_decisions
-            decisions.on_jump = coordinator.skip_decisions_to
+            decisions.on_entries = coordinator.decisions.observe
+            decisions.on_jump = coordinator.decisions.skip_to
             self.decisions = decisions
             decisions.start()
         self.follower.start()

@@ -32,9 +32,9 @@ class DecisionStream:
     def __init__(self, store: IndexStore) -> None:
         self.store = store
         self.on_entries: Callable[[Entries], None] = lambda _entries: None
-        """The coordinator's `observe_decisions`."""
+        """The coordinator's `decisions.observe` (`DecisionReplica`)."""
         self.on_jump: Callable[[int], None] = lambda _seq: None
-        """The coordinator's `skip_decisions_to`: the log's entries up to a seq are not to be
+        """The coordinator's `decisions.skip_to`: the log's entries up to a seq are not to be
         had (a start, a trimmed or lost log)."""
         self.after_seq = 0
         self.num_failed_commits = 0

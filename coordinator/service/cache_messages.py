@@ -1,16 +1,34 @@
-"""Prefix-cache figures and the radix tree as wire messages (Stats, ListWorkers, IndexTree,
-VerifyIndex): kept out of the servicer so it stays the RPC plumbing."""
+"""Prefix-cache figures and the radix tree as wire messages (a Generate stream's cache facts,
+Stats, ListWorkers, IndexTree, VerifyIndex): kept out of the servicer so it stays the RPC
+plumbing."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
+from kvmesh.coordinator.coordinator import StreamEvent
 from kvmesh.coordinator.index.locked_mirror import NodeView
 from kvmesh.coordinator.index.radix_tree import LinkCheck
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto.events import TIER_DEVICE
 from kvmesh.workers.contract.replies import CacheStats
+
+
+def cache_facts_message(event: StreamEvent, policy: str) -> pb.CacheFacts:
+    """A Generate stream's first event as the response's `CacheFacts`: where the prompt's KV
+    came from (host-tier hits count as cached)."""
+    facts = event.prefill
+    if facts is None:  # the worker's stream ended before its first token
+        return pb.CacheFacts(worker_id=event.worker_id, policy=policy)
+    return pb.CacheFacts(
+        worker_id=event.worker_id,
+        prompt_tokens=facts.prompt_tokens,
+        cached_tokens=facts.local_tokens + facts.host_tokens,
+        pulled_tokens=facts.pulled_tokens,
+        computed_tokens=facts.computed_tokens,
+        policy=policy,
+    )
 
 
 def cache_stats_message(stats: CacheStats) -> pb.CacheStats:

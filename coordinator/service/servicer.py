@@ -1,5 +1,5 @@
-"""The gRPC face of the coordinator: with its gate (`interceptor.py`), the only server-side
-module that imports grpc.
+"""The gRPC face of the coordinator: with its gate (`interceptor.py`) and its server
+(`grpc_server.py`), the only server-side modules that import grpc.
 
 Every RPC maps the coordinator's exceptions to a status code and never lets one request's failure
 stop the server:
@@ -9,8 +9,10 @@ stop the server:
     WorkerFailed (the worker failed the request), anything else -> INTERNAL
 Oversized messages are refused by gRPC itself with RESOURCE_EXHAUSTED (max_receive_message_length).
 Authentication, rate and stream limits, field sizes and unparsable bytes are answered before a
-call gets here, by the interceptor (`service/interceptor.py`). The admin RPCs (Drain, ClearCache,
-VerifyIndex, IndexTree) delegate to `coordinator/service/admin.py`.
+call gets here, by the interceptor (`service/interceptor.py`). Request messages become the
+coordinator's inputs in `request_messages.py`; replies are built in `cache_messages.py` and
+`worker_messages.py`; the server around the servicer is `grpc_server.py`. The admin RPCs (Drain,
+ClearCache, VerifyIndex, IndexTree) delegate to `coordinator/service/admin.py`.
 """
 
 from __future__ import annotations
@@ -18,45 +20,42 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
-from concurrent import futures
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from typing import Any, TypeVar
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from kvmesh.coordinator.contract import InvalidRequest, NoLiveWorker, WorkerDied
-from kvmesh.coordinator.coordinator import Coordinator, StreamEvent
+from kvmesh.coordinator.coordinator import Coordinator
 from kvmesh.coordinator.index.follower import IndexFollower
 from kvmesh.coordinator.prompt_preparer import PreparedPrompt
 from kvmesh.coordinator.service.admin import Admin, Fleet
 from kvmesh.coordinator.service.cache_messages import (
+    cache_facts_message,
     cache_stats_message,
     link_check_fields,
     tree_message,
 )
 from kvmesh.coordinator.service.detokenizer import IncrementalDetokenizer
 from kvmesh.coordinator.service.interceptor import GateInterceptor
-from kvmesh.coordinator.service.tls import ServerTls
-from kvmesh.coordinator.session_turns import SessionBusy, TurnMode
+from kvmesh.coordinator.service.request_messages import (
+    prepared_prompt,
+    sampling_of,
+    turn_mode_of,
+)
+from kvmesh.coordinator.service.worker_messages import (
+    cache_totals,
+    session_totals,
+    workers_message,
+)
+from kvmesh.coordinator.session_turns import SessionBusy
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
-from kvmesh.proto.block_hash import MediaItem
-from kvmesh.workers.contract.replies import CacheStats, RequestRejected
-from kvmesh.workers.contract.requests import SamplingConfig
+from kvmesh.workers.contract.replies import RequestRejected
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-SERVICE_NAME = "kvmesh.v1.KVMesh"
-
-
-_TURN_MODES = {
-    pb.TURN_MODE_CONCURRENT: TurnMode.CONCURRENT,
-    pb.TURN_MODE_REFUSE: TurnMode.REFUSE,
-    pb.TURN_MODE_QUEUE: TurnMode.QUEUE,
-}
 
 
 def _status_for(exc: BaseException) -> grpc.StatusCode:
@@ -118,7 +117,7 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
                     )
                 if first:
                     resp.ttft_ms = (time.perf_counter() - started) * 1e3
-                    resp.cache.CopyFrom(self._cache_facts(event))
+                    resp.cache.CopyFrom(cache_facts_message(event, self.coordinator.policy.name))
                     first = False
                 if event.finished:
                     resp.finish_reason = event.finish_reason
@@ -133,19 +132,6 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
             if close is not None:
                 close()  # a cancelled client: stop the worker now, count it as cancelled
 
-    def _cache_facts(self, event: StreamEvent) -> pb.CacheFacts:
-        facts = event.prefill
-        if facts is None:  # the worker's stream ended before its first token
-            return pb.CacheFacts(worker_id=event.worker_id, policy=self.coordinator.policy.name)
-        return pb.CacheFacts(
-            worker_id=event.worker_id,
-            prompt_tokens=facts.prompt_tokens,
-            cached_tokens=facts.local_tokens + facts.host_tokens,
-            pulled_tokens=facts.pulled_tokens,
-            computed_tokens=facts.computed_tokens,
-            policy=self.coordinator.policy.name,
-        )
-
     def _start_generate(self, request: pb.GenerateRequest, label: str) -> Iterator[Any]:
         try:
             return self._try_generate(request, label)
@@ -157,25 +143,10 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
             raise
 
     def _try_generate(self, request: pb.GenerateRequest, label: str) -> Iterator[Any]:
-        c = self.coordinator
-        prompt = self._prepare(request.token_ids, request.prompt, request.cache_salt, request)
-        s = request.sampling
-        if not request.HasField("sampling") or s.max_tokens == 0:
-            raise InvalidRequest("sampling.max_tokens must be >= 1")
-        sampling = SamplingConfig(  # raises ValueError (INVALID_ARGUMENT) outside the safe ranges
-            max_tokens=s.max_tokens,
-            temperature=s.temperature,
-            top_p=1.0 if s.top_p == 0 else s.top_p,  # proto3's default 0 means "not set"
-            top_k=s.top_k,
-            seed=s.seed,
-            stop_token_ids=tuple(s.stop_token_ids),
-            ignore_eos=s.ignore_eos,
-            min_p=s.min_p,
-        )
-        mode = _TURN_MODES.get(request.turn_mode)
-        if mode is None:
-            raise InvalidRequest(f"unknown turn_mode {request.turn_mode}")
-        return c.generate(
+        prompt = self._prepare(request)
+        sampling = sampling_of(request)
+        mode = turn_mode_of(request)
+        return self.coordinator.generate(
             prompt,
             sampling,
             session_id=request.session_id,
@@ -184,35 +155,14 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
             label=label,
         )
 
-    def _prepare(
-        self, token_ids: Any, prompt: str, cache_salt: str, request: Any = None
-    ) -> PreparedPrompt:
-        """`PromptPreparer.prepare` within `max_prompt_tokens` (checked before hashing, and again
-        after tokenizing a text prompt), with the request's adapter, media items and
-        `bypass_cache` (Generate and Route have one)."""
-        limit = self.coordinator.config.max_prompt_tokens
-        prepared = None
-        if not limit or len(token_ids) <= limit:
-            adapter, media = adapter_and_media(request)
-            prepared = self.coordinator.prompts.prepare(
-                list(token_ids),
-                prompt,
-                cache_salt,
-                adapter=adapter,
-                media=media,
-                bypass_cache=bool(getattr(request, "bypass_cache", False)),
-            )
-            if not limit or len(prepared.token_ids) <= limit:
-                return prepared
-        n = len(token_ids) if prepared is None else len(prepared.token_ids)
-        raise InvalidRequest(
-            f"prompt of {n} tokens is over this server's max_prompt_tokens {limit}"
-        )
+    def _prepare(self, request: Any) -> PreparedPrompt:
+        c = self.coordinator
+        return prepared_prompt(c.prompts, c.config.max_prompt_tokens, request)
 
     def Route(self, request: pb.RouteRequest, context: grpc.ServicerContext) -> pb.RouteResponse:
         def run() -> pb.RouteResponse:
             c = self.coordinator
-            prompt = self._prepare(request.token_ids, request.prompt, request.cache_salt, request)
+            prompt = self._prepare(request)
             if request.max_tokens > c.config.max_tokens_limit:
                 raise InvalidRequest(
                     f"max_tokens {request.max_tokens} is over the limit {c.config.max_tokens_limit}"
@@ -239,7 +189,7 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
     def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
         def run() -> pb.LookupResponse:
             c = self.coordinator
-            prompt = self._prepare(request.token_ids, request.prompt, request.cache_salt, request)
+            prompt = self._prepare(request)
             matches = c.fleet.match(prompt)
             bs = c.config.block_size
             return pb.LookupResponse(
@@ -276,39 +226,13 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
                 ),
                 num_pulls=c.transfers.num_pulls if c.transfers is not None else 0,
                 num_failed_pulls=c.transfers.num_failed_pulls if c.transfers is not None else 0,
-                **self._session_totals(),
+                **session_totals(self.cluster),
                 **s,
-                cache=cache_stats_message(self._cache_totals()),
+                cache=cache_stats_message(cache_totals(self.cluster)),
                 num_tree_nodes=self.follower.mirror.num_tree_nodes if self.follower else 0,
             )
 
         return self._guard(context, run)
-
-    def _cache_totals(self) -> CacheStats:
-        """The workers' last cache reports, summed (so ListWorkers' figures add up to it)."""
-        reports = [self.cluster.latest_info(w) for w in self.cluster.registry.known()]
-        return CacheStats.total(i.cache for i in reports if i is not None)
-
-    def _session_totals(self) -> dict[str, int]:
-        """Warm-session counters summed over the workers' last reports (the health watcher's:
-        Stats never waits on a worker)."""
-        totals = dict.fromkeys(
-            (
-                "num_warm_sessions",
-                "warm_session_bytes",
-                "num_sessions_evicted_ttl",
-                "num_sessions_evicted_budget",
-                "num_sessions_evicted_pressure",
-            ),
-            0,
-        )
-        for w in self.cluster.registry.known():
-            info = self.cluster.latest_info(w)
-            if info is None:
-                continue
-            for name in totals:
-                totals[name] += getattr(info.counters, name)
-        return totals
 
     def ListWorkers(
         self, request: pb.ListWorkersRequest, context: grpc.ServicerContext
@@ -316,41 +240,7 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
         return self._guard(context, self._list_workers)
 
     def _list_workers(self) -> pb.ListWorkersResponse:
-        infos = self.cluster.infos()
-        registry = self.cluster.registry
-        out = []
-        for w in registry.known():
-            i = infos.get(w) or self.cluster.latest_info(w)
-            report: dict[str, Any] = {}
-            if i is not None:
-                report = {
-                    "pid": i.pid,
-                    "node": i.node,
-                    "device": i.device,
-                    "num_blocks": i.num_blocks,
-                    "num_free_blocks": i.num_free_blocks,
-                    "cached_tokens": i.counters.cached_tokens,
-                    "computed_tokens": i.counters.computed_tokens,
-                    "num_requests": i.counters.num_requests,
-                    "num_running": i.num_running,
-                    "num_waiting": i.num_waiting,
-                    "generation": i.generation,
-                    "num_warm_sessions": i.counters.num_warm_sessions,
-                    "warm_session_bytes": i.counters.warm_session_bytes,
-                    "cache": cache_stats_message(i.cache),
-                    "adapters": list(i.adapters),
-                }
-            out.append(
-                pb.WorkerInfo(
-                    worker_id=w,
-                    alive=registry.is_alive(w),
-                    num_indexed_blocks=self.coordinator.indexed_blocks_of(w),
-                    drained=registry.is_drained(w),
-                    kind=self.worker_kind(w),
-                    **report,
-                )
-            )
-        return pb.ListWorkersResponse(workers=out)
+        return workers_message(self.cluster, self.coordinator.indexed_blocks_of, self.worker_kind)
 
     # ---- admin RPCs (admin token required when auth is on: see auth.py) ------------------------
 
@@ -409,69 +299,3 @@ class KVMeshServicer(pb_grpc.KVMeshServicer):
             return tree_message(views, num_nodes, self.coordinator.config.block_size)
 
         return self._guard(context, run)
-
-
-def adapter_and_media(request: Any) -> tuple[str, tuple[MediaItem, ...]]:
-    """The adapter name and media items of a Generate / Route / Lookup request (none: base)."""
-    if request is None:
-        return "", ()
-    media = tuple(MediaItem(m.hash, m.offset, m.length) for m in request.media)
-    return request.adapter, media
-
-
-def build_server(
-    servicer: KVMeshServicer,
-    host: str,
-    port: int,
-    *,
-    max_message_bytes: int,
-    max_workers: int,
-    interceptors: Sequence[grpc.ServerInterceptor] = (),
-    tls: ServerTls | None = None,
-) -> tuple[grpc.Server, int, health.HealthServicer]:
-    """A configured, not yet started server with health checking and reflection, and its port.
-    With `tls` the port speaks TLS only (and requires client certificates if it has a CA)."""
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvmesh-rpc"),
-        interceptors=list(interceptors),
-        maximum_concurrent_rpcs=max_workers,
-        options=[
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes),
-            # A port another server holds is an error, not a second listener sharing it.
-            ("grpc.so_reuseport", 0),
-        ],
-    )
-    pb_grpc.add_KVMeshServicer_to_server(servicer, server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = (
-        pb.DESCRIPTOR.services_by_name["KVMesh"].full_name,
-        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-        reflection.SERVICE_NAME,
-    )
-    reflection.enable_server_reflection(names, server)
-    if tls is None:
-        bound = server.add_insecure_port(f"{host}:{port}")
-    else:
-        credentials = grpc.ssl_server_credentials(
-            [(tls.private_key, tls.certificate_chain)],
-            root_certificates=tls.client_ca,
-            require_client_auth=tls.client_ca is not None,
-        )
-        bound = server.add_secure_port(f"{host}:{port}", credentials)
-    if bound == 0:
-        raise OSError(f"cannot listen on {host}:{port}")
-    set_serving(health_servicer, True)
-    return server, bound, health_servicer
-
-
-def set_serving(health_servicer: health.HealthServicer, serving: bool) -> None:
-    """The health answer for the service and the server as a whole."""
-    status = (
-        health_pb2.HealthCheckResponse.SERVING
-        if serving
-        else health_pb2.HealthCheckResponse.NOT_SERVING
-    )
-    for name in (SERVICE_NAME, ""):
-        health_servicer.set(name, status)

@@ -64,8 +64,8 @@ def replica(url: str) -> tuple[Coordinator, DecisionStream]:
         decision_log=stream,
         clock=lambda: 100.0,  # one instant: the recent-load decay is the same on both
     )
-    stream.on_entries = coordinator.observe_decisions
-    stream.on_jump = coordinator.skip_decisions_to
+    stream.on_entries = coordinator.decisions.observe
+    stream.on_jump = coordinator.decisions.skip_to
     return coordinator, stream
 
 
@@ -86,8 +86,8 @@ def test_conflicting_replicas_end_with_the_same_ordered_state(url: str) -> None:
     # Both now follow the stream: each applies what it has not yet, in order.
     while stream_a.poll_once(block_ms=None) or stream_b.poll_once(block_ms=None):
         pass
-    assert a.log_cursor.applied_seq == b.log_cursor.applied_seq == 6
-    assert a.log_cursor.num_skipped == b.log_cursor.num_skipped == 0
+    assert a.decisions.cursor.applied_seq == b.decisions.cursor.applied_seq == 6
+    assert a.decisions.cursor.num_skipped == b.decisions.cursor.num_skipped == 0
     assert _state(a) == _state(b)
     # The log in Redis: one entry per decision, in commit order, each with its decider.
     client = redis.Redis.from_url(url)
@@ -106,9 +106,9 @@ def test_a_replica_starts_at_the_end_of_the_log(url: str) -> None:
     list(a.generate(prompt, SamplingConfig(max_tokens=1), request_id="r0"))
     late, stream = replica(url)
     stream.on_jump(IndexStore(url).decision_seq())
-    assert late.log_cursor.applied_seq == 1
+    assert late.decisions.cursor.applied_seq == 1
     assert stream.poll_once(block_ms=None) == 1  # the stream re-reads from 0; applied once
-    assert late.log_cursor.applied_seq == 1
+    assert late.decisions.cursor.applied_seq == 1
 
 
 def _state(c: Coordinator) -> tuple:  # type: ignore[type-arg]

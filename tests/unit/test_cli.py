@@ -20,7 +20,8 @@ import grpc
 import pytest
 
 from kvmesh.client import cli, wire
-from kvmesh.client.client import AsyncClient, Client
+from kvmesh.client.async_client import AsyncClient
+from kvmesh.client.client import Client
 from kvmesh.client.commands import parse_token_ids
 from kvmesh.client.environment import DEFAULT_ADDRESS, read_environment
 from kvmesh.client.errors import InvalidArgument, NotFound

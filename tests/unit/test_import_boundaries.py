@@ -33,6 +33,9 @@ CORE = [
     "kvmesh.coordinator.service.auth",
     "kvmesh.coordinator.service.limits",
     "kvmesh.coordinator.service.detokenizer",
+    "kvmesh.coordinator.service.request_messages",
+    "kvmesh.coordinator.service.worker_messages",
+    "kvmesh.coordinator.decision_replica",
     "kvmesh.coordinator.sim.simulator",
     "kvmesh.coordinator.telemetry.collector",
     "kvmesh.coordinator.telemetry.request_log",
@@ -41,7 +44,11 @@ CORE = [
     "kvmesh.workers.contract.requests",
     "kvmesh.workers.contract.replies",
 ]
-SERVICE = ["kvmesh.coordinator.service.servicer", "kvmesh.coordinator.service.interceptor"]
+SERVICE = [
+    "kvmesh.coordinator.service.servicer",
+    "kvmesh.coordinator.service.grpc_server",
+    "kvmesh.coordinator.service.interceptor",
+]
 
 
 def import_with_blocked(modules: list[str], blocked: list[str]) -> subprocess.CompletedProcess[str]:

@@ -23,8 +23,8 @@ from kvmesh.client.errors import (
     Unavailable,
 )
 from kvmesh.coordinator.config import CoordinatorConfig
+from kvmesh.coordinator.service.grpc_server import build_server
 from kvmesh.coordinator.service.interceptor import GateInterceptor, gate_from_config
-from kvmesh.coordinator.service.servicer import build_server
 from kvmesh.coordinator.service.tls import ServerTls, load_server_tls
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc

@@ -288,7 +288,7 @@ def test_replicas_with_the_decision_log_apply_every_decision_in_order(
     assert attempts > len(shared_prefix)  # replicas deciding at the same time lost some
     for coordinator in sim.coordinators:
         # Every entry, but those still on their way when arrivals ended.
-        assert len(log) - 2 <= coordinator.log_cursor.applied_seq <= len(log)
+        assert len(log) - 2 <= coordinator.decisions.cursor.applied_seq <= len(log)
         assert coordinator.counters.num_forced_commits == 0
-        coordinator.log_cursor.check_invariants()
+        coordinator.decisions.cursor.check_invariants()
         coordinator.load.check_invariants()
