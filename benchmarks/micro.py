@@ -183,23 +183,27 @@ def bench_mirror(
 
 
 def _publish_share(
-    url: str, ns: str, worker: int, num_batches: int, batch_blocks: int, go: Any, ready: Any
+    url: str,
+    ns: str,
+    worker: int,
+    num_batches: int,
+    batch_blocks: int,
+    linked: bool,
+    go: Any,
+    ready: Any,
 ) -> None:
+    """One worker's batches: each a 256-block chain that continues the one before, with its
+    parent and depth as a worker sends them (`linked`), or without (as this benchmark sent
+    them before the links moved into the worker's blocks HASH)."""
     publisher = EventPublisher(url, ns, f"w{worker}")
     base = worker * num_batches * batch_blocks
-    batches = [
-        EventBatch(
-            f"w{worker}",
-            1,
-            b + 1,
-            (
-                BlockStored(
-                    tuple(BlockHash(base + b * batch_blocks + i + 1) for i in range(batch_blocks))
-                ),
-            ),
-        )
-        for b in range(num_batches)
-    ]
+    batches = []
+    for b in range(num_batches):
+        first = base + b * batch_blocks + 1
+        hashes = tuple(BlockHash(first + i) for i in range(batch_blocks))
+        parent, depth = (BlockHash(first - 1 if b else ROOT), b * batch_blocks + 1)
+        stored = BlockStored(hashes, 0, parent, depth) if linked else BlockStored(hashes)
+        batches.append(EventBatch(f"w{worker}", 1, b + 1, (stored,)))
     ready.release()
     go.wait()
     for batch in batches:
@@ -207,10 +211,15 @@ def _publish_share(
 
 
 def bench_ingest(
-    num_workers: int = 2, num_batches: int = 300, batch_blocks: int = 256, cluster: int = 0
+    num_workers: int = 2,
+    num_batches: int = 300,
+    batch_blocks: int = 256,
+    cluster: int = 0,
+    linked: bool = True,
 ) -> dict[str, float]:
     """Workers publish from their own processes (as Ray workers do); this process follows.
-    `cluster`: that many masters of a local Redis Cluster (0: one plain Redis)."""
+    `cluster`: that many masters of a local Redis Cluster (0: one plain Redis). `linked`:
+    stored events carry their parent and depth (the radix links), as a worker's do."""
     server: RedisServer | RedisClusterServers = (
         start_redis_cluster(cluster) if cluster else start_redis_server()
     )
@@ -224,7 +233,7 @@ def bench_ingest(
         procs = [
             ctx.Process(
                 target=_publish_share,
-                args=(server.url, ns, w, num_batches, batch_blocks, go, ready),
+                args=(server.url, ns, w, num_batches, batch_blocks, linked, go, ready),
             )
             for w in range(num_workers)
         ]
@@ -243,6 +252,7 @@ def bench_ingest(
             "events": total_events,
             "publishers": num_workers,
             "cluster_masters": cluster,
+            "linked": linked,
             "end_to_end_events_per_s": total_events / t_total,
             "mirror_blocks": follower.mirror.num_blocks,
         }
@@ -272,6 +282,11 @@ def main() -> None:  # noqa: D103
         default=[],
         metavar="N,...",
         help="also measure the mirror's memory and match cost at these block counts (1e5,1e7)",
+    )
+    parser.add_argument(
+        "--ingest-unlinked",
+        action="store_true",
+        help="publish stored events without parent and depth (the benchmark before 2026-11-26)",
     )
     parser.add_argument(
         "--cluster-ingest",
@@ -314,7 +329,7 @@ def main() -> None:  # noqa: D103
                 )
             )
     if not args.skip_ingest:
-        g = results["ingest"] = bench_ingest()
+        g = results["ingest"] = bench_ingest(linked=not args.ingest_unlinked)
         rows.append(
             (
                 f"event ingestion, {g['publishers']} workers -> Redis -> mirror",
@@ -324,7 +339,9 @@ def main() -> None:  # noqa: D103
         )
     if args.cluster_ingest:
         masters, publishers = (int(x) for x in args.cluster_ingest.split(","))
-        c = results["cluster_ingest"] = bench_ingest(publishers, cluster=masters)
+        c = results["cluster_ingest"] = bench_ingest(
+            publishers, cluster=masters, linked=not args.ingest_unlinked
+        )
         rows.append(
             (
                 f"event ingestion, {publishers} workers -> {masters}-master cluster -> mirror",
