@@ -221,3 +221,18 @@ def test_the_layout_before_links_is_read_and_wiped_by_a_new_generation_or_a_purg
     old_keys = _write_old_layout(url, "w1", (A,))
     assert IndexStore(url).purge_worker(NS, "w1") == 1
     assert client.exists(*old_keys, schema.worker_blocks_key("w1")) == 0
+
+
+def test_events_of_thousands_of_blocks_are_applied_whole(url: str) -> None:
+    chain = tuple(BlockHash(0x10_0000 + i) for i in range(5000))  # past the scripts' 4,000
+    w = Writer(url, "w0")
+    w.send(BlockStored(chain, parent_hash=ROOT, depth=1))
+    w.send(BlockRemoved(chain[:4500]), BlockStored(chain[:4500], TIER_HOST))  # demoted
+    snap = IndexStore(url).snapshot("w0")
+    assert snap is not None
+    assert dict(snap.blocks) == {h: TIER_HOST if i < 4500 else 0 for i, h in enumerate(chain)}
+    parents = (ROOT, *chain[:-1])
+    assert sorted(snap.links) == sorted(zip(chain, parents, range(1, 5001), strict=True))
+    w.send(BlockRemoved(chain[:4500], TIER_HOST))
+    snap = IndexStore(url).snapshot("w0")
+    assert snap is not None and sorted(h for h, _ in snap.blocks) == sorted(chain[4500:])
