@@ -11,7 +11,6 @@ and the worker's publisher know the difference.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,17 +19,14 @@ from typing import Any, cast
 import numpy as np
 import redis
 
-from kvmesh.coordinator.routing.decision_log import CommitResult
+from kvmesh.coordinator.index.decision_log_store import COMMIT_DECISION, DecisionLogStore
+from kvmesh.coordinator.index.service_directory import ServiceDirectory, WorkerService
 from kvmesh.proto import redis_schema as schema
 from kvmesh.proto.block_hash import BlockHash
 from kvmesh.proto.events import EventBatch, EventDecodeError, decode_batch
-from kvmesh.proto.placements import (
-    Placement,
-    PlacementDecodeError,
-    decode_placement,
-    encode_placement,
-)
 from kvmesh.proto.request_notes import NoteBatch, NoteDecodeError, decode_notes, encode_notes
+
+__all__ = ["IndexStore", "Link", "StoreError", "StreamEntry", "WorkerService", "WorkerSnapshot"]
 
 log = logging.getLogger(__name__)
 
@@ -75,27 +71,6 @@ return current
 """
 
 
-# The decision log's compare-and-set (`routing/decision_log.py`): KEYS[1] the sequence, KEYS[2]
-# the stream; ARGV[1] the expected sequence (-1: append whatever it is), ARGV[2] the entry,
-# ARGV[3] the stream's length cap, ARGV[4] the most entries a lost commit returns.
-# Returns {1, seq} when appended as entry `seq`; else {0, seq, entries after the expected one}.
-_COMMIT_DECISION = """
-local seq = tonumber(redis.call('GET', KEYS[1]) or '0')
-local expected = tonumber(ARGV[1])
-if expected < 0 or expected == seq then
-  seq = seq + 1
-  redis.call('SET', KEYS[1], seq)
-  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], seq .. '-0', 'd', ARGV[2])
-  return {1, seq}
-end
-if expected > seq then
-  return {0, seq, {}}
-end
-return {0, seq, redis.call('XRANGE', KEYS[2], (expected + 1) .. '-0', '+', 'COUNT', ARGV[4])}
-"""
-_MAX_MISSED = 10_000
-
-
 Link = tuple[BlockHash, BlockHash, int]
 """A block's radix link: (hash, parent, depth), depth 0 when unknown."""
 
@@ -122,23 +97,9 @@ class StreamEntry:
     notes: NoteBatch | None = None  # request notes about a worker, or none (undecodable)
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerService:
-    """A worker running as a long-lived service: how any coordinator reaches it."""
-
-    worker_id: str
-    actor_name: str
-    """Its detached Ray actor's name (in `ray_namespace`)."""
-    ray_namespace: str
-    num_gpus: float
-    """GPUs its actor reserves (a replacement asks for the same)."""
-    config_json: str
-    """Its WorkerConfig, as JSON (a replacement starts from it)."""
-
-
-class IndexStore:
-    """Reads and maintains the index in Redis for one coordinator, and the directory of
-    service workers every coordinator attaches to."""
+class IndexStore(DecisionLogStore, ServiceDirectory):
+    """Reads and maintains the index in Redis for one coordinator; with the decision log and
+    the directory of service workers every coordinator attaches to, on the same client."""
 
     def __init__(self, redis_url: str, *, socket_timeout_s: float = 2.0) -> None:
         # Any: redis-py's reply types are unions of bytes/str/None that it never narrows.
@@ -152,7 +113,7 @@ class IndexStore:
         self._purge = self._client.register_script(schema.PURGE_WORKER)
         self._snapshot = self._client.register_script(_SNAPSHOT)
         self._raise_epoch = self._client.register_script(_RAISE_EPOCH)
-        self._commit_decision = self._client.register_script(_COMMIT_DECISION)
+        self._commit_decision = self._client.register_script(COMMIT_DECISION)
         self.num_decode_errors = 0
 
     def ping(self) -> bool:
@@ -341,106 +302,5 @@ class IndexStore:
             log.warning("rejected request notes %s: %s", entry_id, exc)
             return None
 
-    # ---- the decision log -------------------------------------------------------------------
-
-    def commit_decision(self, expected_seq: int | None, placement: Placement) -> CommitResult:
-        """Append `placement` to the decision log if it ends at `expected_seq` (None: anyway);
-        a lost commit returns the entries after `expected_seq` (one round trip either way)."""
-        keys = [schema.DECISIONS_SEQ_KEY, schema.DECISIONS_STREAM]
-        expected = -1 if expected_seq is None else expected_seq
-        entry = encode_placement(placement)
-        args: list[bytes | int] = [expected, entry, schema.DECISIONS_STREAM_MAXLEN, _MAX_MISSED]
-        reply = self._commit_decision(keys=keys, args=args)
-        if int(reply[0]) == 1:
-            return CommitResult(True, int(reply[1]))
-        return CommitResult(False, int(reply[1]), tuple(self._decisions(reply[2])))
-
-    def decision_seq(self) -> int:
-        """Where the decision log ends now."""
-        return int(self._client.get(schema.DECISIONS_SEQ_KEY) or 0)
-
-    def read_decisions(self, after_seq: int, block_ms: int | None) -> list[tuple[int, Placement]]:
-        """The log's entries after `after_seq`, waiting up to block_ms for the first."""
-        reply = self._client.xread(
-            {schema.DECISIONS_STREAM: f"{after_seq}-0"}, count=512, block=block_ms
-        )
-        return [e for _, entries in reply or [] for e in self._decisions(entries)]
-
-    def _decisions(self, entries: Any) -> Iterator[tuple[int, Placement]]:
-        for entry_id, fields in entries:
-            raw = fields[b"d"] if isinstance(fields, dict) else dict(_pairs(fields))[b"d"]
-            seq = int(entry_id.decode().partition("-")[0])
-            try:
-                yield seq, decode_placement(raw)
-            except PlacementDecodeError as exc:
-                self.num_decode_errors += 1
-                log.warning("rejected decision %s: %s", seq, exc)
-
-    # ---- the service directory --------------------------------------------------------------
-
-    def fleet_id(self) -> str:
-        """The fleet's id, made by the first coordinator that asks (all later ones agree)."""
-        self._client.hsetnx(schema.FLEET_KEY, "id", os.urandom(4).hex())
-        return cast(bytes, self._client.hget(schema.FLEET_KEY, "id")).decode()
-
-    def next_worker_number(self) -> int:
-        """0, 1, 2, ... across the fleet's whole life: a worker id is never given twice (a
-        replacement is a new worker, and every coordinator must see it as one)."""
-        return int(self._client.hincrby(schema.FLEET_KEY, "next_worker", 1)) - 1
-
-    def claim_service(self, service: WorkerService) -> bool:
-        """Register a service worker under its id; False if the id is taken (atomic)."""
-        key = schema.service_key(service.worker_id)
-        if not self._client.hsetnx(key, "actor_name", service.actor_name):
-            return False
-        fields = {
-            "ray_namespace": service.ray_namespace,
-            "num_gpus": repr(service.num_gpus),
-            "config_json": service.config_json,
-        }
-        pipe = self._client.pipeline(transaction=True)
-        pipe.hset(key, mapping=fields)
-        pipe.sadd(schema.SERVICES_SET, service.worker_id)
-        pipe.execute()
-        return True
-
-    def services(self) -> list[WorkerService]:
-        out = []
-        for raw in sorted(cast(set[bytes], self._client.smembers(schema.SERVICES_SET))):
-            worker_id = raw.decode()
-            h = {
-                k.decode(): v.decode()
-                for k, v in self._client.hgetall(schema.service_key(worker_id)).items()
-            }
-            if "config_json" not in h:
-                continue  # being claimed right now
-            out.append(
-                WorkerService(
-                    worker_id,
-                    h["actor_name"],
-                    h["ray_namespace"],
-                    float(h["num_gpus"]),
-                    h["config_json"],
-                )
-            )
-        return out
-
-    def remove_service(self, worker_id: str) -> None:
-        pipe = self._client.pipeline(transaction=True)
-        pipe.srem(schema.SERVICES_SET, worker_id)
-        pipe.delete(schema.service_key(worker_id), schema.replacing_key(worker_id))
-        pipe.execute()
-
-    def claim_replacement(self, worker_id: str, ttl_s: float) -> bool:
-        """True for exactly one caller per dead worker (within `ttl_s`)."""
-        return bool(
-            self._client.set(schema.replacing_key(worker_id), "1", nx=True, px=int(ttl_s * 1000))
-        )
-
     def close(self) -> None:
         self._client.close()
-
-
-def _pairs(flat: Sequence[Any]) -> Iterator[tuple[Any, Any]]:
-    """A Lua-returned stream entry's fields ([k1, v1, k2, v2, ...]) as pairs."""
-    return zip(flat[::2], flat[1::2], strict=True)
