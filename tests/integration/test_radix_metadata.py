@@ -236,3 +236,21 @@ def test_events_of_thousands_of_blocks_are_applied_whole(url: str) -> None:
     w.send(BlockRemoved(chain[:4500], TIER_HOST))
     snap = IndexStore(url).snapshot("w0")
     assert snap is not None and sorted(h for h, _ in snap.blocks) == sorted(chain[4500:])
+
+
+def test_a_cold_mirror_links_a_block_from_any_worker_that_recorded_its_link(url: str) -> None:
+    w0, w1 = Writer(url, "w0"), Writer(url, "w1")
+    w0.send(BlockStored((A, B), TIER_HOST))  # w0 knows no links
+    w1.send(BlockStored((A, B), parent_hash=ROOT, depth=1))
+    mirror = LockedMirror()
+    follower = IndexFollower(IndexStore(url), mirror, ns=NS)
+    assert follower.rebuild() == 4
+    assert follower.load_links() == 2
+    views, num_nodes = mirror.tree_nodes(10)
+    assert num_nodes == 2
+    assert {(v.node.block_hash, v.node.parent_hash, v.node.depth) for v in views} == {
+        (A, ROOT, 1),
+        (B, A, 2),
+    }
+    IndexStore(url).purge_worker(NS, "w1")  # w0 alone holds them now, without links
+    assert node(url, A) == {} and IndexStore(url).block_holders(NS, A) == {"w0": TIER_HOST}
