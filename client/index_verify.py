@@ -159,7 +159,7 @@ def read_redis_sets(redis_url: str) -> tuple[dict[str, set[int]], list[str]]:
         raise KVMeshError("UNAVAILABLE", f"cannot read the index from Redis: {exc}") from None
     tree = RadixTree()
     for snapshot in snapshots:  # each block's link as any worker holding it recorded it
-        for h, parent, depth in snapshot.links:
+        for h, parent, depth in snapshot.links.tuples():
             tree.link((h,), parent, depth)
     check = tree.check_links(_SHOWN_HASHES)
     problems = []

@@ -62,13 +62,14 @@ class LockedMirror:
             return m.tree.unlinked(m.worker_hashes(worker))
 
     def link(self, links: Iterable[tuple[BlockHash, BlockHash, int]]) -> None:
-        """(hash, parent, depth) links read from Redis, for blocks still indexed."""
+        """(hash, parent, depth) links read from Redis, for blocks still indexed. A link
+        without a depth (0) only fills a gap: it never replaces one the tree has."""
         links = list(links)
         with self._lock:
             m = self._mirror
             held = m.indexed([h for h, _, _ in links])
             for (h, parent, depth), is_held in zip(links, held, strict=True):
-                if is_held:
+                if is_held and (depth or m.tree.parent(h) is None):
                     m.tree.link((h,), parent, depth)
 
     # ---- reads ----------------------------------------------------------------------------------
