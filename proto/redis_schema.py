@@ -43,8 +43,9 @@ Before this layout, the index also kept a holder HASH (`kvmesh:{sNN}:{ns}:blk:{h
 tier) and a radix node HASH (`kvmesh:{sNN}:{ns}:node:{hash}`) per block and shard, and a
 worker's blocks HASH held one-digit values. Readers take both layouts (a one-digit value has no
 link); a wipe of an old-layout HASH (a worker's new generation, a clear, a purge) also drops its
-holder and node keys. Upgrade coordinators first, then workers: a worker's first batch after a
-restart is a new generation, which wipes what its predecessor wrote.
+holder and node keys. Upgrade coordinators first (they read both layouts), then workers: an old
+worker's keys go when it is purged, or when it restarts under its id (its first batch is a new
+generation, which wipes them).
 """
 
 from __future__ import annotations
