@@ -55,12 +55,6 @@ class LockedMirror:
         with self._lock:
             return self._mirror.remove_worker(worker)
 
-    def unlinked(self, worker: WorkerId) -> list[BlockHash]:
-        """The worker's blocks the tree has no link for (after a resync: fetch from Redis)."""
-        with self._lock:
-            m = self._mirror
-            return m.tree.unlinked(m.worker_hashes(worker))
-
     def link(self, links: Iterable[tuple[BlockHash, BlockHash, int]]) -> None:
         """(hash, parent, depth) links read from Redis, for blocks still indexed. A link
         without a depth (0) only fills a gap: it never replaces one the tree has."""

@@ -35,8 +35,10 @@ def test_a_store_without_its_link_is_left_to_the_script_which_keeps_dropped_link
     unlinked = BlockStored(CHAIN[:1], TIER_HOST)
     no_depth = BlockStored(CHAIN[1:], parent_hash=BlockHash(0x77))
     too_deep = BlockStored(CHAIN, parent_hash=BlockHash(0x77), depth=schema.MAX_LINK_DEPTH)
-    argv = batch_to_argv("ns", EventBatch("w0", 1, 2, (unlinked, no_depth, too_deep)), 100)
-    assert [g[3] for g in _groups(argv)] == [b"", b"", b""]
+    empty = BlockStored((), parent_hash=BlockHash(0x77), depth=1)
+    events = (unlinked, no_depth, too_deep, empty)
+    argv = batch_to_argv("ns", EventBatch("w0", 1, 2, events), 100)
+    assert [g[3] for g in _groups(argv)] == [b"", b"", b"", b""]
     assert argv[7] == ""  # the batch drops nothing
     demotion = (BlockRemoved(CHAIN[:1]), unlinked)
     assert batch_to_argv("ns", EventBatch("w0", 1, 2, demotion), 100)[7] == "1"

@@ -62,7 +62,8 @@ def batch_to_argv(ns: str, batch: EventBatch, maxlen: int) -> list[str | bytes |
 
 def _values_known(e: BlockStored) -> bool:
     """Whether the writer can work out every block's value (parent and depth known)."""
-    return bool(e.parent_hash) and 0 < e.depth <= schema.MAX_LINK_DEPTH - len(e.hashes) + 1
+    n = len(e.hashes)
+    return n > 0 and bool(e.parent_hash) and 0 < e.depth <= schema.MAX_LINK_DEPTH - n + 1
 
 
 def _stored_values(e: BlockStored, hex_blob: bytes) -> bytes:
