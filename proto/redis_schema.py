@@ -300,8 +300,10 @@ local function worked_out_values(wkey, kept, tier, hashes, parent, depth)
   end
   local values = {}
   if parent == NO_PARENT then
+    local unlinked = tier .. NO_LINK
     for k = 1, #hashes do
-      values[k] = tier .. (link(k) or NO_LINK)
+      local l = link(k)
+      values[k] = l and tier .. l or unlinked
     end
     return values
   end
