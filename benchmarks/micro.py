@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import redis
 
 from kvmesh.coordinator.cluster.redis_server import (
     RedisClusterServers,
@@ -183,34 +184,58 @@ def bench_mirror(
 
 
 def _publish_share(
-    url: str, ns: str, worker: int, num_batches: int, batch_blocks: int, go: Any, ready: Any
+    url: str,
+    ns: str,
+    worker: int,
+    num_batches: int,
+    batch_blocks: int,
+    linked: bool,
+    go: Any,
+    ready: Any,
+    cpu_s: Any,
 ) -> None:
+    """One worker's batches: each a 256-block chain that continues the one before, with its
+    parent and depth as a worker sends them (`linked`), or without (as this benchmark sent
+    them before the links moved into the worker's blocks HASH)."""
     publisher = EventPublisher(url, ns, f"w{worker}")
     base = worker * num_batches * batch_blocks
-    batches = [
-        EventBatch(
-            f"w{worker}",
-            1,
-            b + 1,
-            (
-                BlockStored(
-                    tuple(BlockHash(base + b * batch_blocks + i + 1) for i in range(batch_blocks))
-                ),
-            ),
-        )
-        for b in range(num_batches)
-    ]
+    batches = []
+    for b in range(num_batches):
+        first = base + b * batch_blocks + 1
+        hashes = tuple(BlockHash(first + i) for i in range(batch_blocks))
+        parent, depth = (BlockHash(first - 1 if b else ROOT), b * batch_blocks + 1)
+        stored = BlockStored(hashes, 0, parent, depth) if linked else BlockStored(hashes)
+        batches.append(EventBatch(f"w{worker}", 1, b + 1, (stored,)))
     ready.release()
     go.wait()
+    started = time.process_time()
     for batch in batches:
         publisher.publish(batch)
+    cpu_s.put(time.process_time() - started)
+
+
+def _redis_cpu_s(server: RedisServer | RedisClusterServers) -> float:
+    """CPU seconds the Redis server(s) used so far (every thread, user + system)."""
+    servers = server.servers if isinstance(server, RedisClusterServers) else [server]
+    total = 0.0
+    for one in servers:
+        client = redis.Redis.from_url(one.url)
+        cpu = client.info("cpu")
+        client.close()
+        total += float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
+    return total
 
 
 def bench_ingest(
-    num_workers: int = 2, num_batches: int = 300, batch_blocks: int = 256, cluster: int = 0
+    num_workers: int = 2,
+    num_batches: int = 300,
+    batch_blocks: int = 256,
+    cluster: int = 0,
+    linked: bool = True,
 ) -> dict[str, float]:
     """Workers publish from their own processes (as Ray workers do); this process follows.
-    `cluster`: that many masters of a local Redis Cluster (0: one plain Redis)."""
+    `cluster`: that many masters of a local Redis Cluster (0: one plain Redis). `linked`:
+    stored events carry their parent and depth (the radix links), as a worker's do."""
     server: RedisServer | RedisClusterServers = (
         start_redis_cluster(cluster) if cluster else start_redis_server()
     )
@@ -220,11 +245,11 @@ def bench_ingest(
         follower.rebuild()
         total_events = num_workers * num_batches * batch_blocks
         ctx = multiprocessing.get_context("spawn")
-        go, ready = ctx.Event(), ctx.Semaphore(0)
+        go, ready, cpu_s = ctx.Event(), ctx.Semaphore(0), ctx.Queue()
         procs = [
             ctx.Process(
                 target=_publish_share,
-                args=(server.url, ns, w, num_batches, batch_blocks, go, ready),
+                args=(server.url, ns, w, num_batches, batch_blocks, linked, go, ready, cpu_s),
             )
             for w in range(num_workers)
         ]
@@ -232,22 +257,44 @@ def bench_ingest(
             p.start()
         for _ in procs:
             ready.acquire()  # processes started and batches built: time only the publishing
-        t0 = time.perf_counter()
+        redis_cpu_before = _redis_cpu_s(server)
+        t0, follower_t0 = time.perf_counter(), time.thread_time()
         go.set()
         while follower.mirror.num_blocks < total_events:
             follower.poll_once(block_ms=50)
         t_total = time.perf_counter() - t0
+        follower_cpu_s = time.thread_time() - follower_t0
+        publisher_cpu_s = sum(cpu_s.get() for _ in procs)
         for p in procs:
             p.join()
+        redis_cpu_s = _redis_cpu_s(server) - redis_cpu_before
+        # CPU microseconds per block event, per stage: what the pipeline costs on cores of its
+        # own, whatever else runs on the machine (the end-to-end rate shares it).
+        per_block_us = {
+            "redis_us_per_block": redis_cpu_s / total_events * 1e6,
+            "publisher_us_per_block": publisher_cpu_s / total_events * 1e6,
+            "follower_us_per_block": follower_cpu_s / total_events * 1e6,
+        }
         return {
             "events": total_events,
             "publishers": num_workers,
             "cluster_masters": cluster,
+            "linked": linked,
             "end_to_end_events_per_s": total_events / t_total,
+            **per_block_us,
+            "cpu_us_per_block": sum(per_block_us.values()),
             "mirror_blocks": follower.mirror.num_blocks,
         }
     finally:
         server.stop()
+
+
+def _cpu_split(ingest: dict[str, float]) -> str:
+    """CPU us per block: Redis + publishers + follower."""
+    return (
+        f"CPU us/block {ingest['redis_us_per_block']:.2f} + {ingest['publisher_us_per_block']:.2f}"
+        f" + {ingest['follower_us_per_block']:.2f}"
+    )
 
 
 def main() -> None:  # noqa: D103
@@ -272,6 +319,11 @@ def main() -> None:  # noqa: D103
         default=[],
         metavar="N,...",
         help="also measure the mirror's memory and match cost at these block counts (1e5,1e7)",
+    )
+    parser.add_argument(
+        "--ingest-unlinked",
+        action="store_true",
+        help="publish stored events without parent and depth (the benchmark before 2026-11-26)",
     )
     parser.add_argument(
         "--cluster-ingest",
@@ -314,21 +366,23 @@ def main() -> None:  # noqa: D103
                 )
             )
     if not args.skip_ingest:
-        g = results["ingest"] = bench_ingest()
+        g = results["ingest"] = bench_ingest(linked=not args.ingest_unlinked)
         rows.append(
             (
                 f"event ingestion, {g['publishers']} workers -> Redis -> mirror",
-                f"{g['end_to_end_events_per_s']:,.0f} block events/s",
+                f"{g['end_to_end_events_per_s']:,.0f} block events/s; {_cpu_split(g)}",
                 "> 100K/s",
             )
         )
     if args.cluster_ingest:
         masters, publishers = (int(x) for x in args.cluster_ingest.split(","))
-        c = results["cluster_ingest"] = bench_ingest(publishers, cluster=masters)
+        c = results["cluster_ingest"] = bench_ingest(
+            publishers, cluster=masters, linked=not args.ingest_unlinked
+        )
         rows.append(
             (
                 f"event ingestion, {publishers} workers -> {masters}-master cluster -> mirror",
-                f"{c['end_to_end_events_per_s']:,.0f} block events/s",
+                f"{c['end_to_end_events_per_s']:,.0f} block events/s; {_cpu_split(c)}",
                 ">= 500K/s",
             )
         )
@@ -344,9 +398,9 @@ def main() -> None:  # noqa: D103
                 )
             )
     width = max(len(a) for a, _, _ in rows)
-    print(f"{'benchmark':<{width}}  {'measured':<46}  goal")
+    print(f"{'benchmark':<{width}}  {'measured':<64}  goal")
     for name, value, goal in rows:
-        print(f"{name:<{width}}  {value:<46}  {goal}")
+        print(f"{name:<{width}}  {value:<64}  {goal}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2))

@@ -1,14 +1,15 @@
-"""Memory per block of the radix metadata, measured:
+"""Memory per block of the index and its radix metadata, measured:
 
-  * Redis: `used_memory` with every block's node key, less `used_memory` once the node keys are
-    deleted, per block (and `MEMORY USAGE` of one node key, the allocator's view of that key;
-    and the whole index per block, holders and node together)
+  * Redis: `used_memory` of the whole index per block held by one worker (its blocks HASH, each
+    value carrying the block's tier and link), and `MEMORY USAGE` of that HASH per block (the
+    allocator's view)
   * the coordinator's mirror: bytes traced while its radix tree links the blocks (the hash ints
     themselves are shared with the index and not counted)
 
 Blocks are published the way a worker does (chains of 64 blocks, one event batch per chain). It
 also times what the links cost the event script: stored blocks applied per second by one
-publisher, with links and without (host-tier stores name no parent, so they write no node).
+publisher, with links and without (host-tier stores name no parent: the script works out their
+values, keeping any link the block had).
 
 Usage: python benchmarks/radix_memory.py [--blocks N] [--json out.json]
 """
@@ -42,7 +43,7 @@ def chains(num_blocks: int, seed: int = 0) -> list[list[BlockHash]]:
     return [hashes[i : i + CHAIN_BLOCKS] for i in range(0, num_blocks, CHAIN_BLOCKS)]
 
 
-def redis_bytes_per_node(num_blocks: int) -> dict[str, Any]:
+def redis_bytes_per_block(num_blocks: int) -> dict[str, Any]:
     server = start_redis_server()
     try:
         client = redis.Redis.from_url(server.url)
@@ -54,20 +55,12 @@ def redis_bytes_per_node(num_blocks: int) -> dict[str, Any]:
             batch = EventBatch("w0", 1, seq, (BlockStored(tuple(chain), 0, root, 1),))
             assert publisher.publish(batch).ok
         client.delete(*schema.EVENTS_STREAMS)
-        with_nodes = int(client.info("memory")["used_memory"])
-        node_pattern = schema.node_key(NS, "*", "w0")  # w0's shard holds every node here
-        sample = next(client.scan_iter(match=node_pattern, count=1000))
-        sample_usage = int(client.memory_usage(sample) or 0)
-        node_keys = list(client.scan_iter(match=node_pattern, count=10_000))
-        for i in range(0, len(node_keys), 10_000):
-            client.delete(*node_keys[i : i + 10_000])
-        without = int(client.info("memory")["used_memory"])
+        with_blocks = int(client.info("memory")["used_memory"])
+        usage = int(client.memory_usage(schema.worker_blocks_key("w0"), samples=0) or 0)
         publisher.close()
         return {
-            "num_node_keys": len(node_keys),
-            "redis_bytes_per_node": (with_nodes - without) / len(node_keys),
-            "redis_bytes_per_block_with_node": (with_nodes - empty) / num_blocks,
-            "memory_usage_of_one_node_key": sample_usage,
+            "redis_bytes_per_block": (with_blocks - empty) / num_blocks,
+            "memory_usage_of_the_blocks_hash_per_block": usage / num_blocks,
         }
     finally:
         server.stop()
@@ -113,7 +106,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=200_000)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    result = redis_bytes_per_node(args.blocks)
+    result = redis_bytes_per_block(args.blocks)
     result["mirror_tree_bytes_per_node"] = mirror_tree_bytes_per_node(args.blocks)
     result.update(ingest_blocks_per_s(min(args.blocks, 100_000)))
     result["num_blocks"] = args.blocks

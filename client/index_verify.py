@@ -153,16 +153,14 @@ def read_redis_sets(redis_url: str) -> tuple[dict[str, set[int]], list[str]]:
         store = IndexStore(redis_url)
         try:
             snapshots = [s for w in store.worker_ids() if (s := store.snapshot(w)) is not None]
-            ns = snapshots[0].info.get("ns", "") if snapshots else ""
-            held = sorted({h for s in snapshots for h, _tier in s.blocks})
-            links = store.node_links(ns, held) if held else []
         finally:
             store.close()
     except Exception as exc:  # redis-py's errors; the URL (it may hold a password) is not shown
         raise KVMeshError("UNAVAILABLE", f"cannot read the index from Redis: {exc}") from None
     tree = RadixTree()
-    for link in links:
-        tree.link((link.block_hash,), link.parent_hash, link.depth)
+    for snapshot in snapshots:  # each block's link as any worker holding it recorded it
+        for h, parent, depth in snapshot.links.tuples():
+            tree.link((h,), parent, depth)
     check = tree.check_links(_SHOWN_HASHES)
     problems = []
     if check.num_orphans:

@@ -5,12 +5,9 @@ carries its shard's hash tag (`{sNN}`, or `{sNN.k}`: see `_shard_tag`), so on a 
 they all sit in one slot and one script call can change them atomically; the shards spread over
 the cluster's masters. On a single Redis (the default) the tags are just part of the names.
 
-    kvmesh:{sNN}:{ns}:blk:{hash}   HASH   worker_id -> tier        who (of shard NN) holds it
-    kvmesh:{sNN}:{ns}:node:{hash}  HASH   p, d, t                  radix metadata of a block held
-                                                                   in shard NN: parent hash,
-                                                                   depth, tokens
     kvmesh:{sNN}:worker:{id}       HASH   generation, seq, ns, model, node, device, pid, ...
-    kvmesh:{sNN}:worker:{id}:blocks  HASH hash -> tier             the worker's blocks (resync)
+    kvmesh:{sNN}:worker:{id}:blocks  HASH hash -> tier, parent, depth   the worker's blocks and
+                                                                   their radix links: the index
     kvmesh:{sNN}:worker:{id}:alive STRING with TTL                 heartbeat
     kvmesh:{sNN}:worker:{id}:feeder STRING with TTL                the coordinator that feeds an
                                                                    external engine's events
@@ -23,24 +20,32 @@ the cluster's masters. On a single Redis (the default) the tags are just part of
     kvmesh:{fleet}:...             the service directory (one slot: claimed in transactions)
 
 (`{sNN}` is a literal hash tag; `{ns}`, `{hash}`, `{id}` stand for values.) A worker's shard is
-`index_shard(worker_id)`. The holders of one block are spread over the shards of the workers
-that hold it; the mirror, not Redis, answers "who holds this prefix". Each shard's stream is
-ordered, and a worker's batches all go to its own shard's stream, so per-worker order (all the
-mirror needs) holds. Hashes are written as 16 lowercase hex digits (Lua numbers cannot hold 64
-bits); `ns` is the namespace of the model (its fingerprint hash). Every batch is applied by one
-script call: readers never see half a batch, and a batch of a new generation first wipes the
-worker's previous blocks. The epoch key is one per namespace, outside every shard: it is read
-and written on its own, never inside a script.
+`index_shard(worker_id)`. Each field of a worker's blocks HASH is a block's hash (16 lowercase
+hex digits: Lua numbers cannot hold 64 bits), its value `block_value(tier, parent, depth)`: 25
+characters, the tier digit, the parent's 16 hex digits (NO_PARENT_HEX: unknown) and the depth in
+8 hex digits (1 = a prompt's first block; 0 = unknown). The worker's HASH is the only per-block
+state: who holds a block is the mirror's question (it follows the streams), and a cold reader
+gets a block's radix link from the snapshot of any worker that holds it, so a link lives exactly
+as long as some worker holds the block. Each shard's stream is ordered, and a worker's batches
+all go to its own shard's stream, so per-worker order (all the mirror needs) holds. `ns` is the
+namespace of the model (its fingerprint hash); a worker holds blocks of one namespace, its
+`ns`. Every batch is applied by one script call: readers never see half a batch, and a batch of
+a new generation first wipes the worker's previous blocks. The epoch key is one per namespace,
+outside every shard: it is read and written on its own, never inside a script.
 
-Radix metadata (`node` keys) is kept per shard, beside the shard's block keys, so the script
-that changes a block's holders keeps its node in the same slot: a block held by workers of
-several shards has a node in each (they agree: the parent and depth follow from the hash chain),
-and a node lives exactly as long as some worker *of its shard* holds the block. Readers take any
-shard's node. A batch drops the node of a block it removed only at its end, once the shard has
-no holder left: a full re-publish (wipe, then store everything again) and a demotion to the host
-tier (removed from the device, stored on the host in the same batch) keep every link. A node is
-written from a stored event that names its parent (`d` = 0 and `t` = 0 when the writer did not
-know the depth and the parent has no node in the shard).
+A stored event that does not name its parent (a block demoted to the host tier, a full
+re-publish of the host tier) leaves a block's link as it was, also when the same batch removed
+the block first (a demotion: removed from the device, stored on the host) or wiped it (a full
+re-publish); a stored event that names the parent but not the depth takes the depth from the
+parent's value in the worker's HASH.
+
+Before this layout, the index also kept a holder HASH (`kvmesh:{sNN}:{ns}:blk:{hash}`, worker ->
+tier) and a radix node HASH (`kvmesh:{sNN}:{ns}:node:{hash}`) per block and shard, and a
+worker's blocks HASH held one-digit values. Readers take both layouts (a one-digit value has no
+link); a wipe of an old-layout HASH (a worker's new generation, a clear, a purge) also drops its
+holder and node keys. Upgrade coordinators first (they read both layouts), then workers: an old
+worker's keys go when it is purged, or when it restarts under its id (its first batch is a new
+generation, which wipes them).
 """
 
 from __future__ import annotations
@@ -120,27 +125,6 @@ def _worker_prefix(worker_id: str) -> str:
     return shard_prefix(index_shard(worker_id))
 
 
-def block_key(ns: str, block_hash_hex: str, worker_id: str) -> str:
-    """HASH of the holders of one block among the workers of `worker_id`'s shard."""
-    return shard_block_key(index_shard(worker_id), ns, block_hash_hex)
-
-
-def shard_block_key(shard: int, ns: str, block_hash_hex: str) -> str:
-    """HASH of the holders of one block among the workers of `shard`."""
-    return f"{shard_prefix(shard)}{ns}:blk:{block_hash_hex}"
-
-
-def node_key(ns: str, block_hash_hex: str, worker_id: str) -> str:
-    """HASH of one block's radix metadata in `worker_id`'s shard: `p` parent (16 hex digits),
-    `d` depth, `t` tokens."""
-    return shard_node_key(index_shard(worker_id), ns, block_hash_hex)
-
-
-def shard_node_key(shard: int, ns: str, block_hash_hex: str) -> str:
-    """HASH of one block's radix metadata in `shard` (present while a worker of it holds it)."""
-    return f"{shard_prefix(shard)}{ns}:node:{block_hash_hex}"
-
-
 def epoch_key(ns: str) -> str:
     """STRING: the namespace's cache epoch (absent: 0); one key for every shard."""
     return f"{PREFIX}:{ns}:epoch"
@@ -207,124 +191,217 @@ def cluster_url(url: str) -> tuple[str, bool]:
     return urlunsplit(parts._replace(query=rest)), is_cluster
 
 
-# Drop every block of one worker. Shared by APPLY_BATCH (new generation, cleared) and PURGE_WORKER.
-# `prefix` is the worker's shard prefix and namespace (`kvmesh:{sNN}:{ns}:`), `wkey` its blocks
-# HASH. With `gone`, the dropped hashes are appended to it (their nodes are dropped at the
-# batch's end, see `_DROP_ORPHAN_NODES`); without, a node whose block has no holder left in the
-# shard goes at once.
-_WIPE = """
-local function wipe(prefix, wkey, gone)
-  local owned = redis.call('HKEYS', wkey)
-  for _, h in ipairs(owned) do
-    local bkey = prefix .. 'blk:' .. h
-    redis.call('HDEL', bkey, ARGV[2])
-    if gone then
-      gone[#gone + 1] = h
-    elseif redis.call('EXISTS', bkey) == 0 then
-      redis.call('DEL', prefix .. 'node:' .. h)
+LINK_LEN = 24
+"""Characters of a block's link in a worker's blocks HASH: parent (16 hex digits, NO_PARENT_HEX
+when unknown) and depth (8 hex digits, 0 when unknown)."""
+BLOCK_VALUE_LEN = 1 + LINK_LEN
+"""Characters of a block's value in a worker's blocks HASH: its tier (one digit), then its link."""
+MAX_LINK_DEPTH = 0xFFFF_FFFF
+"""The deepest depth a link records (8 hex digits); a deeper block's depth is written as 0."""
+NO_LINK = "0" * LINK_LEN
+
+
+def block_value(tier: int, parent_hash: int, depth: int) -> str:
+    """A block's value in its worker's blocks HASH (`BLOCK_VALUE_LEN` characters)."""
+    if not 0 <= tier <= 9:
+        raise ValueError(f"tier must be one digit, got {tier}")
+    depth = depth if 0 <= depth <= MAX_LINK_DEPTH else 0
+    return f"{tier}{parent_hash:016x}{depth:08x}"
+
+
+# Shared helpers of the scripts below. A block's value is `BLOCK_VALUE_LEN` characters (tier,
+# parent, depth); a worker HASH written before links moved into it holds one-digit values (the
+# tier) and has a holder key (`blk:`) and a radix node (`node:`) per block in its shard: `wipe`
+# drops those too, so a Redis that old workers wrote is cleaned up by the new workers' first
+# batches (a new generation) or by purges.
+_BLOCK_VALUES = """
+local NO_PARENT = string.rep('0', 16)
+local NO_LINK = string.rep('0', 24)
+local CHUNK = 4000  -- values per redis.call: Lua's unpack stops at 8000
+
+-- A value's link (parent and depth), or nil when it has none.
+local function link_of(v)
+  if v and #v == 25 and string.sub(v, 2, 17) ~= NO_PARENT then
+    return string.sub(v, 2)
+  end
+  return nil
+end
+
+local function split(blob)
+  local out = {}
+  for k = 0, #blob / 16 - 1 do
+    out[k + 1] = string.sub(blob, k * 16 + 1, k * 16 + 16)
+  end
+  return out
+end
+
+-- HMGET of many fields, in chunks.
+local function hmget(key, fields)
+  local out = {}
+  for first = 1, #fields, CHUNK do
+    local last = math.min(first + CHUNK - 1, #fields)
+    local got = redis.call('HMGET', key, unpack(fields, first, last))
+    for k = 1, #got do
+      out[first + k - 1] = got[k]
     end
   end
-  redis.call('DEL', wkey)
-  return #owned
+  return out
+end
+
+local function call_chunked(cmd, key, args)
+  for first = 1, #args, CHUNK do
+    redis.call(cmd, key, unpack(args, first, math.min(first + CHUNK - 1, #args)))
+  end
+end
+
+-- Drop every block of one worker; returns how many. `legacy_prefix` is the worker's shard
+-- prefix and namespace (`kvmesh:{sNN}:{ns}:`), for a HASH in the layout before links. With
+-- `kept`, the dropped values are recorded in it (hash -> value): a block stored again later in
+-- the same batch without a link keeps its old one.
+local function wipe(legacy_prefix, wkey, worker, kept)
+  local sample = redis.call('HRANDFIELD', wkey, 1, 'WITHVALUES')
+  if #sample == 0 then
+    return 0
+  end
+  local n
+  if #sample[2] == 1 then
+    local owned = redis.call('HKEYS', wkey)
+    for _, h in ipairs(owned) do
+      local bkey = legacy_prefix .. 'blk:' .. h
+      redis.call('HDEL', bkey, worker)
+      if redis.call('EXISTS', bkey) == 0 then
+        redis.call('DEL', legacy_prefix .. 'node:' .. h)
+      end
+    end
+    n = #owned
+  elseif kept then
+    local all = redis.call('HGETALL', wkey)
+    for j = 1, #all, 2 do
+      kept[all[j]] = all[j + 1]
+    end
+    n = #all / 2
+  else
+    n = redis.call('HLEN', wkey)
+  end
+  redis.call('UNLINK', wkey)
+  return n
 end
 """
 
-_DROP_ORPHAN_NODES = """
-local function drop_orphan_nodes(prefix, gone)
-  for _, h in ipairs(gone) do
-    if redis.call('EXISTS', prefix .. 'blk:' .. h) == 0 then
-      redis.call('DEL', prefix .. 'node:' .. h)
+# The values of one stored event that did not come ready from the writer: the parent is
+# unknown (each block keeps the link it has in the worker's HASH or had earlier in the batch),
+# or the depth is (then the parent's value in the worker's HASH gives it, and a block that has
+# a link keeps it).
+_WORKED_OUT_VALUES = """
+local function worked_out_values(wkey, kept, tier, hashes, parent, depth)
+  local old = hmget(wkey, hashes)
+  local function link(k)
+    return link_of(old[k]) or (kept and link_of(kept[hashes[k]]))
+  end
+  local values = {}
+  if parent == NO_PARENT then
+    local unlinked = tier .. NO_LINK
+    for k = 1, #hashes do
+      local l = link(k)
+      values[k] = l and tier .. l or unlinked
+    end
+    return values
+  end
+  if depth == 0 then
+    local pv = redis.call('HGET', wkey, parent) or (kept and kept[parent])
+    local pd = link_of(pv) and tonumber(string.sub(pv, 18, 25), 16) or 0
+    if pd > 0 and pd + #hashes <= 0xffffffff then
+      depth = pd + 1
     end
   end
+  local prev = parent
+  for k = 1, #hashes do
+    if depth > 0 then
+      values[k] = tier .. prev .. string.format('%08x', depth + k - 1)
+    else
+      values[k] = tier .. (link(k) or (prev .. '00000000'))
+    end
+    prev = hashes[k]
+  end
+  return values
 end
 """
 
 # KEYS: apply_batch_keys(worker). ARGV: ns, worker, generation, seq, payload, maxlen, shard
-# prefix, then groups of
-#   'S', tier, hashes, parent, depth    stored     'R', tier, hashes    removed     'C'    cleared
+# prefix, '1' if a stored event below may keep links the batch drops ('' if not), then groups of
+#   'S', tier, hashes, values, parent, depth      stored
+#   'R', tier, hashes                             removed
+#   'C'                                           cleared
 # where `hashes` is the concatenation of the blocks' 16-hex-digit names (one argument, not one
-# per block: per-argument overhead dominated the client's cost), `parent` the 16-hex-digit parent
-# of the first (NO_PARENT_HEX: unknown, no radix metadata written) and `depth` its depth (0:
-# unknown; then the parent's node in the shard, if any, gives it). The worker HASH's `block_size`
-# turns depths into tokens. Returns the number of block events applied, or -1 for a stale /
-# duplicate batch.
+# per block: per-argument overhead dominated the client's cost), and `values` the blocks'
+# values (`block_value`) concatenated, worked out by the writer when it knew the parent and the
+# depth; when it did not (`values` empty), the script works them out from `parent` (of the
+# first block; NO_PARENT_HEX: unknown) and `depth` (0: unknown). A block's value goes into the
+# worker's HASH only: no per-block key, so a 256-block batch is a handful of variadic calls.
+# Returns the number of block events applied, or -1 for a stale / duplicate batch.
 APPLY_BATCH = (
-    _WIPE
-    + _DROP_ORPHAN_NODES
+    _BLOCK_VALUES
+    + _WORKED_OUT_VALUES
     + """
 local ns, worker, gen, seq = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
 local info, wkey = KEYS[1], KEYS[2]
-local cur = redis.call('HMGET', info, 'generation', 'seq', 'ns', 'block_size')
+local cur = redis.call('HMGET', info, 'generation', 'seq', 'ns')
 if cur[1] == gen and cur[2] and tonumber(cur[2]) >= seq then
   return -1
 end
-local ns_prefix = ARGV[7] .. ns .. ':'
-local gone = {}
+local kept = nil
+if ARGV[8] == '1' then
+  kept = {}
+end
 if cur[1] ~= gen then
   local old_ns = cur[3] or ns
-  if old_ns == ns then
-    wipe(ns_prefix, wkey, gone)
-  else
-    wipe(ARGV[7] .. old_ns .. ':', wkey, nil)  -- no block of another namespace comes back
-  end
+  wipe(ARGV[7] .. old_ns .. ':', wkey, worker, old_ns == ns and kept or nil)
 end
-local block_size = tonumber(cur[4]) or 0
-local prefix = ns_prefix .. 'blk:'
-local node_prefix = ns_prefix .. 'node:'
-local applied, i = 0, 8
+local legacy_prefix = ARGV[7] .. ns .. ':'
+local applied, i = 0, 9
 while i <= #ARGV do
   local kind = ARGV[i]
   if kind == 'C' then
-    wipe(ns_prefix, wkey, gone)
+    wipe(legacy_prefix, wkey, worker, kept)
     i = i + 1
-  else
-    local tier, blob = ARGV[i + 1], ARGV[i + 2]
+  elseif kind == 'S' then
+    local tier, blob, values = ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
     local n = #blob / 16
     local fields = {}
-    local parent, depth = nil, 0
-    if kind == 'S' then
-      parent, depth = ARGV[i + 3], tonumber(ARGV[i + 4])
-      if parent == string.rep('0', 16) then  -- NO_PARENT_HEX
-        parent = nil
-      elseif depth == 0 then
-        local parent_depth = tonumber(redis.call('HGET', node_prefix .. parent, 'd')) or 0
-        if parent_depth > 0 then
-          depth = parent_depth + 1
-        end
+    if values ~= '' then
+      for k = 0, n - 1 do
+        fields[2 * k + 1] = string.sub(blob, k * 16 + 1, k * 16 + 16)
+        fields[2 * k + 2] = string.sub(values, k * 25 + 1, k * 25 + 25)
+      end
+    else
+      local hashes = split(blob)
+      local worked = worked_out_values(wkey, kept, tier, hashes, ARGV[i + 4], tonumber(ARGV[i + 5]))
+      for k = 1, n do
+        fields[2 * k - 1] = hashes[k]
+        fields[2 * k] = worked[k]
       end
     end
-    for k = 0, n - 1 do
-      local h = string.sub(blob, k * 16 + 1, k * 16 + 16)
-      if kind == 'S' then
-        redis.call('HSET', prefix .. h, worker, tier)
-        fields[#fields + 1] = h
-        fields[#fields + 1] = tier
-        if #fields >= 1000 then
-          redis.call('HSET', wkey, unpack(fields))
-          fields = {}
-        end
-        if parent then
-          local d = depth > 0 and depth + k or 0
-          local nkey = node_prefix .. h
-          if d > 0 or redis.call('EXISTS', nkey) == 0 then
-            redis.call('HSET', nkey, 'p', parent, 'd', d, 't', d * block_size)
-          end
-          parent = h
-        end
-      elseif redis.call('HGET', wkey, h) == tier then
-        redis.call('HDEL', prefix .. h, worker)
-        redis.call('HDEL', wkey, h)
-        gone[#gone + 1] = h
-      end
-    end
-    if #fields > 0 then
-      redis.call('HSET', wkey, unpack(fields))
-    end
+    call_chunked('HSET', wkey, fields)
     applied = applied + n
-    i = i + (kind == 'S' and 5 or 3)
+    i = i + 6
+  else
+    local tier, hashes = ARGV[i + 1], split(ARGV[i + 2])
+    local old = hmget(wkey, hashes)
+    local gone = {}
+    for k = 1, #hashes do
+      local v = old[k]
+      if v and string.sub(v, 1, 1) == tier then
+        gone[#gone + 1] = hashes[k]
+        if kept then
+          kept[hashes[k]] = v
+        end
+      end
+    end
+    call_chunked('HDEL', wkey, gone)
+    applied = applied + #hashes
+    i = i + 3
   end
 end
-drop_orphan_nodes(ns_prefix, gone)
 redis.call('HSET', info, 'generation', gen, 'seq', seq, 'ns', ns)
 redis.call('SADD', KEYS[3], worker)
 redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[6], '*', 'b', ARGV[5])
@@ -336,10 +413,10 @@ return applied
 # worker, maxlen, shard prefix. Removes the worker and everything it held, tells followers
 # (stream field "p" = worker id); returns how many blocks were dropped.
 PURGE_WORKER = (
-    _WIPE
+    _BLOCK_VALUES
     + """
 local ns = redis.call('HGET', KEYS[1], 'ns') or ARGV[1]
-local n = wipe(ARGV[4] .. ns .. ':', KEYS[2])
+local n = wipe(ARGV[4] .. ns .. ':', KEYS[2], ARGV[2], nil)
 redis.call('DEL', KEYS[1], KEYS[5])
 redis.call('SREM', KEYS[3], ARGV[2])
 redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[3], '*', 'p', ARGV[2])

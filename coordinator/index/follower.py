@@ -14,9 +14,7 @@ from collections.abc import Callable
 
 from kvmesh.coordinator.index.locked_mirror import LockedMirror
 from kvmesh.coordinator.index.mirror import ApplyResult, WorkerId
-from kvmesh.coordinator.index.store import IndexStore, StoreError
-from kvmesh.proto.block_hash import BlockHash
-from kvmesh.proto.redis_schema import index_shard
+from kvmesh.coordinator.index.store import IndexStore, SnapshotLinks, StoreError
 from kvmesh.proto.request_notes import NoteBatch
 
 log = logging.getLogger(__name__)
@@ -58,7 +56,9 @@ class IndexFollower:
         before the first entry."""
         self._last_ids: dict[str, str] = {}
         """Per shard stream, the last entry handled (a stream missing: none yet)."""
-        self._links_pending: dict[WorkerId, list[BlockHash]] = {}
+        self._links_pending: dict[WorkerId, tuple[SnapshotLinks, int]] = {}
+        """Per worker, the radix links its last snapshot brought, and how many of them the tree
+        has been given."""
         self.cache_epoch = 0
         """The namespace's cache epoch, as last read from Redis (or bumped here); never goes
         back. Part of every root hash (`cache_root`)."""
@@ -98,29 +98,32 @@ class IndexFollower:
             self.mirror.remove_worker(WorkerId(worker))
             return 0
         self.mirror.load_worker(WorkerId(worker), snap.generation, snap.seq, snap.blocks)
-        unlinked = self.mirror.unlinked(WorkerId(worker))
-        if unlinked:
-            self._links_pending[WorkerId(worker)] = unlinked
+        if len(snap.links):
+            self._links_pending[WorkerId(worker)] = (snap.links, 0)
+        else:
+            self._links_pending.pop(WorkerId(worker), None)
         self.num_resyncs += 1
         return len(snap.blocks)
 
     def load_links(self, max_blocks: int | None = None) -> int:
-        """Fetch from Redis the radix links a resync left the tree without (a cold mirror, or
-        blocks only a snapshot brought), at most `max_blocks` of them (None: all); returns how
-        many were asked for. The follower thread calls it between polls: the tree is not on the
-        routing path, so a cold coordinator serves before its tree is whole."""
-        num_asked = 0
-        while self._links_pending and (max_blocks is None or num_asked < max_blocks):
-            worker, pending = next(iter(self._links_pending.items()))
-            num = len(pending) if max_blocks is None else min(len(pending), max_blocks - num_asked)
-            chunk, self._links_pending[worker] = pending[:num], pending[num:]
-            if not self._links_pending[worker]:
+        """Give the tree the radix links resyncs brought (a cold mirror, or blocks only a
+        snapshot brought), at most `max_blocks` of them (None: all); returns how many were
+        given. The follower thread calls it between polls: the tree is not on the routing path,
+        so a cold coordinator serves before its tree is whole. A link the tree has is given
+        again unchanged (a block's link follows from the hash chain); a block whose worker
+        recorded no parent is linked by another worker's snapshot, if any."""
+        num_given = 0
+        while self._links_pending and (max_blocks is None or num_given < max_blocks):
+            worker, (links, start) = next(iter(self._links_pending.items()))
+            stop = len(links) if max_blocks is None else start + max_blocks - num_given
+            stop = min(stop, len(links))
+            if stop < len(links):
+                self._links_pending[worker] = (links, stop)
+            else:
                 del self._links_pending[worker]
-            # The worker's own shard has the nodes of its blocks, unless it never named a parent.
-            links = self.store.node_links(self.ns, chunk, first_shard=index_shard(worker))
-            self.mirror.link((x.block_hash, x.parent_hash, x.depth) for x in links)
-            num_asked += len(chunk)
-        return num_asked
+            self.mirror.link(links.tuples(start, stop))
+            num_given += stop - start
+        return num_given
 
     def _read_epoch(self) -> None:
         known = self.store.cache_epoch(self.ns)

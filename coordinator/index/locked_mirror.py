@@ -55,20 +55,15 @@ class LockedMirror:
         with self._lock:
             return self._mirror.remove_worker(worker)
 
-    def unlinked(self, worker: WorkerId) -> list[BlockHash]:
-        """The worker's blocks the tree has no link for (after a resync: fetch from Redis)."""
-        with self._lock:
-            m = self._mirror
-            return m.tree.unlinked(m.worker_hashes(worker))
-
     def link(self, links: Iterable[tuple[BlockHash, BlockHash, int]]) -> None:
-        """(hash, parent, depth) links read from Redis, for blocks still indexed."""
+        """(hash, parent, depth) links read from Redis, for blocks still indexed. A link
+        without a depth (0) only fills a gap: it never replaces one the tree has."""
         links = list(links)
         with self._lock:
             m = self._mirror
             held = m.indexed([h for h, _, _ in links])
             for (h, parent, depth), is_held in zip(links, held, strict=True):
-                if is_held:
+                if is_held and (depth or m.tree.parent(h) is None):
                     m.tree.link((h,), parent, depth)
 
     # ---- reads ----------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ Memory: one dict entry per block, its value packing the parent hash and the dept
 from __future__ import annotations
 
 import heapq
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from kvmesh.proto.block_hash import BlockHash
@@ -143,10 +143,6 @@ class RadixTree:
         hits = self._hits
         ranked = heapq.nsmallest(limit, hits, key=lambda h: (-hits[h], -self.depth(h), h))
         return [n for h in ranked if (n := self.node(h)) is not None]
-
-    def unlinked(self, indexed: Iterable[BlockHash]) -> list[BlockHash]:
-        """Those of `indexed` the tree has no link for (a cold start fetches them from Redis)."""
-        return [h for h in indexed if h not in self._link]
 
     def check_links(self, max_shown: int = 16) -> LinkCheck:
         """Every node's parent must be indexed (a node at depth 1 hangs off a namespace root,

@@ -15,6 +15,7 @@ from kvmesh.client.client import Client
 from kvmesh.client.errors import InvalidArgument
 from kvmesh.client.results import CacheStats
 from kvmesh.coordinator.cluster.deployment import Deployment
+from kvmesh.proto import redis_schema as schema
 from tests.integration.helpers import start_deployment, wait_for
 
 pytestmark = [pytest.mark.redis, pytest.mark.ray, pytest.mark.slow]
@@ -100,16 +101,18 @@ def test_index_tree_and_top_show_the_prompt_chain(
     report = json.loads(out)
     assert code == 0 and report["link_problems"] == []
     assert report["tree_nodes"][deployment.address] >= len(held)
-    # A node in Redis that disagrees with its parent's depth is what a cold coordinator would
+    # A link in Redis that disagrees with its parent's depth is what a cold coordinator would
     # start from: verify names it.
     r = redis.Redis.from_url(deployment.redis.url)
-    key = next(r.scan_iter(match=f"kvmesh:*:node:{held[-1].block_hash:016x}"))
-    r.hset(key, "d", 99)
+    key, field = schema.worker_blocks_key(worker), f"{held[-1].block_hash:016x}"
+    value = r.hget(key, field)
+    assert value is not None and int(value[17:], 16) == held[-1].depth
+    r.hset(key, field, value[:17] + b"%08x" % 99)
     try:
         code, out, _ = run_cli(capsys, *verify[:-1], "--wait", "0.2")
         assert code == 1 and "LINKS redis: 1 block(s) not one level below" in out
     finally:
-        r.hset(key, "d", held[-1].depth)
+        r.hset(key, field, value)
     code, _, err = run_cli(capsys, "index", "top", *address, "--limit", "0")
     assert code != 0 and "--limit" in err
     with pytest.raises(InvalidArgument, match="max_nodes"):

@@ -65,11 +65,9 @@ def test_every_key_of_a_worker_sits_in_its_shards_slot_and_the_shards_spread(url
     assert all(n > 0 for n in keys_per_node), keys_per_node  # 12 workers reach all 3 masters
     for w in WORKERS:
         slot = client.keyslot(schema.worker_key(w))
-        shard_keys = schema.purge_worker_keys(w) + [
-            schema.block_key(NS, schema.hash_hex(h), w) for h in (1, 2)
-        ]
-        assert {client.keyslot(k) for k in shard_keys} == {slot}
-        assert client.hget(schema.block_key(NS, schema.hash_hex(1), w), w) == b"0"
+        assert {client.keyslot(k) for k in schema.purge_worker_keys(w)} == {slot}
+        value = client.hget(schema.worker_blocks_key(w), schema.hash_hex(1))
+        assert value == schema.block_value(0, 0, 0).encode()
     # Block 1 is held by all 12 workers, whose holders live in several shards: all are found.
     assert IndexStore(url).block_holders(NS, BlockHash(1)) == dict.fromkeys(WORKERS, 0)
 
@@ -84,7 +82,6 @@ def test_a_batch_is_applied_whole_and_a_new_generation_wipes_on_the_cluster(url:
     assert pub.publish(EventBatch("w0", GEN, 1, (stored(9),))).num_applied == 0  # duplicate
     pub.publish(EventBatch("w0", GEN + 1, 1, (stored(5),)))  # restarted: old blocks wiped
     assert client.hkeys(schema.worker_blocks_key("w0")) == [schema.hash_hex(5).encode()]
-    assert not client.exists(schema.block_key(NS, schema.hash_hex(1), "w0"))
     pub.publish(EventBatch("w0", GEN + 1, 2, (AllCleared(),)))
     assert not client.exists(schema.worker_blocks_key("w0"))
 
@@ -170,7 +167,7 @@ def test_publishers_in_several_processes_fill_the_cluster_and_the_mirror(url: st
     follower.mirror.check_invariants()
 
 
-def test_radix_nodes_live_in_each_holders_shard_and_a_cold_follower_links_them(url: str) -> None:
+def test_radix_links_live_in_each_holders_hash_and_a_cold_follower_links_them(url: str) -> None:
     client = _client(url)
     root, chain = BlockHash(0x77), [BlockHash(0xA000 + i) for i in range(3)]
     workers = ["w0", "w1", "w2"]  # three different shards
@@ -180,16 +177,14 @@ def test_radix_nodes_live_in_each_holders_shard_and_a_cold_follower_links_them(u
         assert pub.heartbeat({"block_size": 16}, 10_000)
         assert pub.publish(EventBatch(w, GEN, 1, (BlockStored(tuple(chain), 0, root, 1),))).ok
     for w in workers:
-        keys = [schema.node_key(NS, schema.hash_hex(h), w) for h in chain]
-        assert {client.keyslot(k) for k in keys} == {client.keyslot(schema.worker_key(w))}
-        node = client.hgetall(keys[2])
-        assert node == {b"p": schema.hash_hex(chain[1]).encode(), b"d": b"3", b"t": b"48"}
+        value = client.hget(schema.worker_blocks_key(w), schema.hash_hex(chain[2]))
+        assert value == schema.block_value(0, chain[1], 3).encode()
     store = IndexStore(url)
     for w in workers[:2]:
         store.purge_worker(NS, w)
-        assert not client.exists(schema.node_key(NS, schema.hash_hex(chain[0]), w))
-    assert store.node(NS, chain[0]) == {"p": schema.hash_hex(root), "d": "1", "t": "16"}
-    follower = follower_for(url, NS)  # cold: links come from w2's shard
+        assert not client.exists(schema.worker_blocks_key(w))
+    assert store.node(NS, chain[2]) == {"p": schema.hash_hex(chain[1]), "d": "3", "t": "48"}
+    follower = follower_for(url, NS)  # cold: links come from w2's snapshot
     assert follower.load_links() == 3
     views, num_nodes = follower.mirror.tree_nodes(10)
     assert num_nodes == 3 and follower.mirror.check_links().ok

@@ -1,6 +1,8 @@
-"""Radix metadata and the cache epoch in a real Redis (no Ray): the event script keeps one node
-per held block and index shard (parent, depth, tokens), through demotions, full re-publishes and
-purges; a cold coordinator's mirror gets its tree from Redis; the epoch is agreed through Redis."""
+"""Radix metadata and the cache epoch in a real Redis (no Ray): the event script keeps each
+block's link (parent, depth) in its worker's blocks HASH, through demotions, full re-publishes
+and purges; a cold coordinator's mirror gets its tree from Redis; the epoch is agreed through
+Redis; a Redis written in the layout before (a holder and a node key per block) is read and
+cleaned up."""
 
 from __future__ import annotations
 
@@ -56,14 +58,17 @@ class Writer:
 
 
 def node(url: str, h: int) -> dict[str, str]:
-    """The block's node in any shard (they agree), as readers see it."""
+    """The block's link as readers see it (from any worker holding it)."""
     return IndexStore(url).node(NS, BlockHash(h))
 
 
-def shard_node(url: str, h: int, worker: str) -> dict[str, str]:
-    """The block's node in `worker`'s shard only."""
-    raw = redis.Redis.from_url(url).hgetall(schema.node_key(NS, schema.hash_hex(h), worker))
-    return {k.decode(): v.decode() for k, v in raw.items()}
+def worker_link(url: str, h: int, worker: str) -> dict[str, str]:
+    """The block's link in `worker`'s blocks HASH only ({}: none, or not held)."""
+    raw = redis.Redis.from_url(url).hget(schema.worker_blocks_key(worker), schema.hash_hex(h))
+    if raw is None or raw[1:17] == schema.NO_PARENT_HEX.encode():
+        return {}
+    depth = int(raw[17:], 16)
+    return {"p": raw[1:17].decode(), "d": str(depth), "t": str(depth * BS)}
 
 
 def link(parent: int, depth: int) -> dict[str, str]:
@@ -88,20 +93,32 @@ def test_node_lives_as_long_as_some_worker_holds_the_block(url: str) -> None:
     assert node(url, A) == {}
 
 
-def test_each_shard_keeps_the_nodes_of_the_blocks_its_workers_hold(url: str) -> None:
+def test_each_worker_keeps_the_links_of_the_blocks_it_holds(url: str) -> None:
     assert schema.index_shard("w0") != schema.index_shard("w1")
     w0, w1 = Writer(url, "w0"), Writer(url, "w1")
     w0.send(BlockStored((A, B), parent_hash=ROOT, depth=1))
     w1.send(BlockStored((A,), parent_hash=ROOT, depth=1))
-    assert shard_node(url, A, "w0") == shard_node(url, A, "w1") == link(ROOT, 1)
-    assert shard_node(url, B, "w0") == link(A, 2) and shard_node(url, B, "w1") == {}
-    w1.send(BlockStored((B,), parent_hash=A))  # depth from the parent's node in w1's shard
-    assert shard_node(url, B, "w1") == link(A, 2)
-    w0.send(BlockRemoved((A, B)))  # w0's shard has no holder left; w1's keeps its nodes
-    assert shard_node(url, A, "w0") == shard_node(url, B, "w0") == {}
+    assert worker_link(url, A, "w0") == worker_link(url, A, "w1") == link(ROOT, 1)
+    assert worker_link(url, B, "w0") == link(A, 2) and worker_link(url, B, "w1") == {}
+    w1.send(BlockStored((B,), parent_hash=A))  # depth from the parent's value in w1's HASH
+    assert worker_link(url, B, "w1") == link(A, 2)
+    w0.send(BlockRemoved((A, B)))  # w0 holds neither; w1 keeps its links
+    assert worker_link(url, A, "w0") == worker_link(url, B, "w0") == {}
     assert node(url, A) == link(ROOT, 1) and node(url, B) == link(A, 2)
-    links = IndexStore(url).node_links(NS, [A, B, C], first_shard=schema.index_shard("w0"))
-    assert [(x.parent_hash, x.depth) for x in links] == [(ROOT, 1), (A, 2), (0, 0)]
+    snap = IndexStore(url).snapshot("w1")
+    assert snap is not None and sorted(snap.links.tuples()) == [(A, ROOT, 1), (B, A, 2)]
+
+
+def test_a_store_without_a_parent_keeps_the_link_the_block_has(url: str) -> None:
+    w = Writer(url, "w0")
+    w.send(BlockStored((A, B), parent_hash=ROOT, depth=1))
+    w.send(BlockStored((B, C), TIER_HOST))  # B moves tier; C never had a link
+    assert worker_link(url, B, "w0") == link(A, 2) and worker_link(url, C, "w0") == {}
+    assert IndexStore(url).block_holders(NS, B) == {"w0": TIER_HOST}
+    w.send(BlockStored((C,), parent_hash=B))  # the parent's depth, from the worker's HASH
+    assert worker_link(url, C, "w0") == link(B, 3)
+    w.send(BlockStored((C,), parent_hash=D))  # D not held, depth unknown: the link stays
+    assert worker_link(url, C, "w0") == link(B, 3)
 
 
 def test_demotion_and_full_republish_keep_the_links(url: str) -> None:
@@ -109,6 +126,7 @@ def test_demotion_and_full_republish_keep_the_links(url: str) -> None:
     w.send(BlockStored((A, B), parent_hash=ROOT, depth=1))
     w.send(BlockRemoved((B,)), BlockStored((B,), TIER_HOST))  # evicted to the host tier
     assert node(url, B) == link(A, 2)
+    assert IndexStore(url).block_holders(NS, B) == {"w0": TIER_HOST}
     # The worker lost its events and re-publishes everything under a new generation.
     w.send(
         AllCleared(),
@@ -171,3 +189,68 @@ def test_the_epoch_outlives_a_redis_that_lost_it(url: str) -> None:
     follower.rebuild()
     assert follower.cache_epoch == 3
     assert EventPublisher(url, NS, "w9").cache_epoch() == 3  # put back for workers starting now
+
+
+def _write_old_layout(url: str, worker: str, hashes: tuple[int, ...]) -> list[str]:
+    """What a worker of the layout before links wrote for a chain: its info, one-digit values,
+    a holder key and a node key per block; returns the per-block keys."""
+    client = redis.Redis.from_url(url)
+    prefix = f"{schema.shard_prefix(schema.index_shard(worker))}{NS}:"
+    client.hset(schema.worker_key(worker), mapping={"generation": 1, "seq": 1, "ns": NS})
+    client.sadd(schema.workers_key(schema.index_shard(worker)), worker)
+    keys = []
+    for parent, h in zip((ROOT, *hashes[:-1]), hashes, strict=True):
+        client.hset(schema.worker_blocks_key(worker), schema.hash_hex(h), "0")
+        client.hset(f"{prefix}blk:{schema.hash_hex(h)}", worker, "0")
+        client.hset(f"{prefix}node:{schema.hash_hex(h)}", mapping={"p": schema.hash_hex(parent)})
+        keys += [f"{prefix}blk:{schema.hash_hex(h)}", f"{prefix}node:{schema.hash_hex(h)}"]
+    return keys
+
+
+def test_the_layout_before_links_is_read_and_wiped_by_a_new_generation_or_a_purge(
+    url: str,
+) -> None:
+    client = redis.Redis.from_url(url)
+    old_keys = _write_old_layout(url, "w0", (A, B))
+    snap = IndexStore(url).snapshot("w0")
+    assert snap is not None and sorted(snap.blocks) == [(A, 0), (B, 0)] and not len(snap.links)
+    w = Writer(url, "w0")
+    w.send(BlockStored((C,), parent_hash=ROOT, depth=1), new_generation=True)
+    assert client.exists(*old_keys) == 0
+    assert client.hkeys(schema.worker_blocks_key("w0")) == [schema.hash_hex(C).encode()]
+    old_keys = _write_old_layout(url, "w1", (A,))
+    assert IndexStore(url).purge_worker(NS, "w1") == 1
+    assert client.exists(*old_keys, schema.worker_blocks_key("w1")) == 0
+
+
+def test_events_of_thousands_of_blocks_are_applied_whole(url: str) -> None:
+    chain = tuple(BlockHash(0x10_0000 + i) for i in range(5000))  # past the scripts' 4,000
+    w = Writer(url, "w0")
+    w.send(BlockStored(chain, parent_hash=ROOT, depth=1))
+    w.send(BlockRemoved(chain[:4500]), BlockStored(chain[:4500], TIER_HOST))  # demoted
+    snap = IndexStore(url).snapshot("w0")
+    assert snap is not None
+    assert dict(snap.blocks) == {h: TIER_HOST if i < 4500 else 0 for i, h in enumerate(chain)}
+    parents = (ROOT, *chain[:-1])
+    assert sorted(snap.links.tuples()) == sorted(zip(chain, parents, range(1, 5001), strict=True))
+    w.send(BlockRemoved(chain[:4500], TIER_HOST))
+    snap = IndexStore(url).snapshot("w0")
+    assert snap is not None and sorted(h for h, _ in snap.blocks) == sorted(chain[4500:])
+
+
+def test_a_cold_mirror_links_a_block_from_any_worker_that_recorded_its_link(url: str) -> None:
+    w0, w1 = Writer(url, "w0"), Writer(url, "w1")
+    w0.send(BlockStored((A, B), TIER_HOST))  # w0 knows no links
+    w1.send(BlockStored((A, B), parent_hash=ROOT, depth=1))
+    mirror = LockedMirror()
+    follower = IndexFollower(IndexStore(url), mirror, ns=NS)
+    assert follower.rebuild() == 4
+    assert follower.load_links() == 2
+    views, num_nodes = mirror.tree_nodes(10)
+    assert num_nodes == 2
+    assert {(v.node.block_hash, v.node.parent_hash, v.node.depth) for v in views} == {
+        (A, ROOT, 1),
+        (B, A, 2),
+    }
+    IndexStore(url).purge_worker(NS, "w1")  # w0 alone holds them now, without links
+    assert node(url, A) == {} and IndexStore(url).block_holders(NS, A) == {"w0": TIER_HOST}

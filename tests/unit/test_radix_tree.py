@@ -118,3 +118,17 @@ def test_locked_mirror_counts_a_hit_on_the_deepest_match() -> None:
     assert [(v.node.block_hash, v.node.num_hits) for v in views] == [(C, 1), (B, 1)]
     first, _ = locked.tree_nodes(1)
     assert first[0].node.block_hash == A and first[0].holders == {W0: 0, W1: 0}
+
+
+def test_a_link_read_without_depth_never_replaces_one_with_depth() -> None:
+    locked = LockedMirror(mirror())
+    locked.apply(batch("w0", 1, BlockStored((A, B), parent_hash=ROOT, depth=1)))
+    locked.apply(batch("w1", 1, BlockStored((C,), TIER_HOST)))
+    locked.link([(B, A, 0), (C, B, 0), (D, C, 3)])  # D is not indexed: no link
+    views, total = locked.tree_nodes(10)
+    assert total == 3
+    assert {(v.node.block_hash, v.node.parent_hash, v.node.depth) for v in views} == {
+        (A, ROOT, 1),
+        (B, A, 2),
+        (C, B, 0),
+    }

@@ -16,7 +16,7 @@ def _slot(key: str) -> int:
 
 def test_every_key_of_one_worker_shares_its_shards_hash_tag() -> None:
     for w in ("w0", "w17", "fleet-ab12-w3", "vllm-engine-7"):
-        keys = schema.purge_worker_keys(w) + [schema.block_key("ns", "00000000000000ff", w)]
+        keys = schema.purge_worker_keys(w) + [schema.feeder_key(w)]
         assert len({_slot(k) for k in keys}) == 1
         assert schema.events_key(schema.index_shard(w)) == schema.worker_events_key(w) in keys
 
@@ -36,3 +36,9 @@ def test_cluster_urls_are_flagged_and_the_flag_stripped() -> None:
         "rediss://h/0?ssl_cert_reqs=required",
         False,
     )
+
+
+def test_a_block_value_is_its_tier_parent_and_depth_in_fixed_width() -> None:
+    assert schema.block_value(1, 0xAB, 3) == "1" + "00000000000000ab" + "00000003"
+    assert len(schema.block_value(0, 2**64 - 1, schema.MAX_LINK_DEPTH)) == schema.BLOCK_VALUE_LEN
+    assert schema.block_value(0, 5, schema.MAX_LINK_DEPTH + 1).endswith("0" * 8)  # too deep

@@ -30,6 +30,12 @@ class PublishResult:
 
 def batch_to_argv(ns: str, batch: EventBatch, maxlen: int) -> list[str | bytes | int]:
     """ARGV of `schema.APPLY_BATCH` (its KEYS: `schema.apply_batch_keys(batch.worker_id)`)."""
+    # A block stored without its link keeps the one it had, also when this batch dropped it
+    # first (removed, cleared, or wiped by a new generation, whose first batch has seq 1).
+    drops = batch.seq == 1 or any(not isinstance(e, BlockStored) for e in batch.events)
+    may_keep = drops and any(
+        isinstance(e, BlockStored) and not _values_known(e) for e in batch.events
+    )
     argv: list[str | bytes | int] = [
         ns,
         batch.worker_id,
@@ -38,18 +44,41 @@ def batch_to_argv(ns: str, batch: EventBatch, maxlen: int) -> list[str | bytes |
         encode_batch(batch),
         maxlen,
         schema.shard_prefix(schema.index_shard(batch.worker_id)),
+        "1" if may_keep else "",
     ]
     for e in batch.events:
         if isinstance(e, AllCleared):
             argv.append("C")
             continue
         # Big-endian bytes in hex: `schema.hash_hex` of each hash, concatenated, in one call.
-        blob = np.array(e.hashes, dtype=">u8").tobytes().hex()
+        hex_blob = np.array(e.hashes, dtype=">u8").tobytes().hex().encode()
         if isinstance(e, BlockStored):
-            argv += ["S", str(e.tier), blob, schema.hash_hex(e.parent_hash), e.depth]
+            values = _stored_values(e, hex_blob) if _values_known(e) else b""
+            argv += ["S", str(e.tier), hex_blob, values, schema.hash_hex(e.parent_hash), e.depth]
         else:
-            argv += ["R", str(e.tier), blob]
+            argv += ["R", str(e.tier), hex_blob]
     return argv
+
+
+def _values_known(e: BlockStored) -> bool:
+    """Whether the writer can work out every block's value (parent and depth known)."""
+    n = len(e.hashes)
+    return n > 0 and bool(e.parent_hash) and 0 < e.depth <= schema.MAX_LINK_DEPTH - n + 1
+
+
+def _stored_values(e: BlockStored, hex_blob: bytes) -> bytes:
+    """`schema.block_value` of each block of a chain whose parent and depth are known: block k
+    follows block k - 1 (the first, `e.parent_hash`) at depth `e.depth + k`; built in numpy,
+    one row of `BLOCK_VALUE_LEN` characters per block."""
+    n = len(e.hashes)
+    rows = np.empty((n, schema.BLOCK_VALUE_LEN), dtype=np.uint8)
+    rows[:, 0] = ord("0") + e.tier
+    hexes = np.frombuffer(hex_blob, dtype=np.uint8).reshape(n, 16)
+    rows[0, 1:17] = np.frombuffer(schema.hash_hex(e.parent_hash).encode(), dtype=np.uint8)
+    rows[1:, 1:17] = hexes[:-1]
+    depths = np.arange(e.depth, e.depth + n, dtype=">u4").tobytes().hex().encode()
+    rows[:, 17:] = np.frombuffer(depths, dtype=np.uint8).reshape(n, 8)
+    return rows.tobytes()
 
 
 def connect(redis_url: str, socket_timeout_s: float) -> Any:
