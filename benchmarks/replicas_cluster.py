@@ -1,19 +1,19 @@
-"""Coordinator replicas on a real CPU cluster: one coordinator, then two, over one fleet.
+"""Coordinator replicas on a real CPU cluster: one coordinator, then K, over one fleet.
 
-    python benchmarks/replicas_cluster.py --seeds 0 --json bench-results/replicas_cluster.json
+    python benchmarks/replicas_cluster.py --seeds 0 [--replicas 1,2,4] --json FILE
 
 Each run starts a fresh Redis, two `tiny-random` CPU workers as long-lived services (as
-`kvmesh serve --workers 2` does) behind one coordinator and, for K=2, a second coordinator
+`kvmesh serve --workers 2` does) behind one coordinator and, for K > 1, K - 1 more coordinators
 attached to them (`kvmesh serve --attach`); `kvmesh bench --address A,B --deal` replays one
 shared-prefix workload, scaled to the CPU, with its requests dealt to the coordinators in turn.
 Printed per run: reuse (hit and pulled shares of the prompt tokens, as the workers report them)
 and TTFT (client side). Each replica hears the other's routes through the request notes; the
-second coordinator's count of the peer requests it replayed is printed too. With
-`--decision-log`, the K=2 coordinators commit every decision to the decision log in Redis and
+other coordinators' counts of the peer requests they replayed are printed too. With
+`--decision-log`, the K > 1 coordinators commit every decision to the decision log in Redis and
 apply each other's from it (one coordinator stays without it, the baseline); printed per
 coordinator: decisions committed, lost commits retried, and the mean commit round trip. With
-`--processes`, the second coordinator is its own `kvmesh serve --attach` process, as deployed
-(by default both share this process, and so its GIL); its figures then come from `Stats`.
+`--processes`, each further coordinator is its own `kvmesh serve --attach` process, as deployed
+(by default all share this process, and so its GIL); their figures then come from `Stats`.
 """
 
 from __future__ import annotations
@@ -170,9 +170,12 @@ def main() -> int:
     p.add_argument("--seeds", default="0")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals")
     p.add_argument("--json", metavar="FILE")
-    p.add_argument("--decision-log", action="store_true", help="K=2 replicas share the log")
     p.add_argument(
-        "--processes", action="store_true", help="the second coordinator in its own process"
+        "--replicas", default="1,2", help="coordinator counts to run, e.g. 1,2,4 (1 = baseline)"
+    )
+    p.add_argument("--decision-log", action="store_true", help="K>1 replicas share the log")
+    p.add_argument(
+        "--processes", action="store_true", help="each further coordinator in its own process"
     )
     args = p.parse_args()
     # A private local Ray on loopback; the --processes coordinator joins it with the same mode.
@@ -180,7 +183,7 @@ def main() -> int:
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
     rows = []
     for seed in (int(s) for s in args.seeds.split(",")):
-        for k in (1, 2):
+        for k in (int(r) for r in args.replicas.split(",")):
             row = one_run(k, seed, args.duration, args.decision_log and k > 1, args.processes)
             rows.append(row)
             print(
