@@ -1,6 +1,6 @@
 """The reference for kvmesh's cost: the policy priced one worker at a time, in plain Python.
 
-`KvmeshPolicy` (router.py) prices every worker at once over columns; this subclass keeps the
+`KvmeshPolicy` (kvmesh_policy.py) prices every worker at once over columns; this subclass keeps the
 same state and prices the same terms with one loop over `WorkerView`s, as the router did before
 it was vectorised. It is not for serving: a test drives both on the same inputs and requires the
 same decisions, so a term changed in one place and not the other is caught. Change a term here
@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
+from kvmesh.coordinator.routing.kvmesh_policy import KvmeshPolicy
 from kvmesh.coordinator.routing.policy import RouteDecision, RouteQuery, WorkerView
 from kvmesh.coordinator.routing.pull_planner import PrefillOption, best_peer, cheapest_prefill
-from kvmesh.coordinator.routing.router import KvmeshPolicy
 
 
 class KvmeshReferencePolicy(KvmeshPolicy):

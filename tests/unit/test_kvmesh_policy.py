@@ -8,17 +8,13 @@ import pytest
 
 from kvmesh.coordinator.index.mirror import WorkerId
 from kvmesh.coordinator.routing.cost_model import CostModel
+from kvmesh.coordinator.routing.kvmesh_policy import KvmeshPolicy
 from kvmesh.coordinator.routing.kvmesh_reference import KvmeshReferencePolicy
+from kvmesh.coordinator.routing.kvmesh_weights import KvmeshWeights
+from kvmesh.coordinator.routing.policy import RouteDecision, RouteQuery, WorkerView
 from kvmesh.coordinator.routing.recent_load import RecentLoad
 from kvmesh.coordinator.routing.reused_prefixes import ReusedPrefixes
 from kvmesh.coordinator.routing.routed_prefixes import RoutedPrefixes
-from kvmesh.coordinator.routing.router import (
-    KvmeshPolicy,
-    KvmeshWeights,
-    RouteDecision,
-    RouteQuery,
-    WorkerView,
-)
 from kvmesh.coordinator.routing.running_context import RunningContext
 from kvmesh.proto.block_hash import BlockHash
 

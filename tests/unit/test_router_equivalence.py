@@ -19,16 +19,11 @@ import pytest
 
 from kvmesh.coordinator.index.mirror import WorkerId
 from kvmesh.coordinator.routing.cost_model import CostModel
+from kvmesh.coordinator.routing.kvmesh_policy import KvmeshPolicy
 from kvmesh.coordinator.routing.kvmesh_reference import KvmeshReferencePolicy
+from kvmesh.coordinator.routing.kvmesh_weights import KvmeshWeights
+from kvmesh.coordinator.routing.policy import RouteDecision, RouteQuery, WorkerColumns, WorkerView
 from kvmesh.coordinator.routing.pull_planner import PrefillOption
-from kvmesh.coordinator.routing.router import (
-    KvmeshPolicy,
-    KvmeshWeights,
-    RouteDecision,
-    RouteQuery,
-    WorkerColumns,
-    WorkerView,
-)
 from kvmesh.proto.block_hash import BlockHash
 
 BS = 16
