@@ -83,9 +83,10 @@ class KvmeshPolicy(RoutingPolicy):
                                            which carries w's batch and the KV it reads
                 + decode_batch(w)          2 * tokens * (step_load(w) - least step_load),
                                            tokens: a share of the request's max_tokens
-                + wait(w)                  deficit(w) / pool(w) * mean answer on w * step(w):
-                                           deficit = blocks w's queue and this request need
-                                           (prompt it lacks + answer) beyond w's free ones
+                + m * held(w) / pool(w) * answer * step(w) * in_use(w)^2
+                                           the blocks the request holds on w (prompt it lacks
+                                           + answer) for its answer's steps, where w's pool is
+                                           in use: what later requests at w wait for them
                 + e * stored(w) * block_prefill * reused_share(w)
                                            what the prompt's new blocks displace on w
                 + p * recent_work(w) * uncached_share(w)
@@ -109,10 +110,15 @@ class KvmeshPolicy(RoutingPolicy):
     of a prefix once its prefill is done, so prompts routed in the last `routed_prefix_ttl_s`
     count as held by their worker (`RoutedPrefixes`): a burst sharing a new prefix lands together
     instead of being recomputed everywhere. A worker whose pool is full admits the next request
-    only as its running sequences finish and free their blocks: the wait prices the share of
-    the pool that must turn over first, at the answer lengths running there (the requests'
-    max_tokens, as far as this coordinator routed them), so a hot prefix's holder stops taking
-    followers when they would queue for memory rather than for compute.
+    only as its running sequences finish and free their blocks, so KV held is time taken from
+    the requests after it there: a request is charged the share of w's pool it will hold
+    (what it stores of the prompt, and its answer) over its answer's steps of w's batch, times
+    the square of the share of the pool in use (`KvmeshWeights.memory_weight`). Where pools run
+    full, a follower that joins a hot prefix's holder holds its question and answer, one that
+    copies the prefix holds the prefix as well, and a long answer holds either ~25 times as
+    long as a short one: copies and long answers go where memory is free, short hits stay with
+    their cache. Where pools are mostly free the term fades (docs/benchmarks.md, "memory
+    held").
     """
 
     name = "kvmesh"
@@ -289,25 +295,23 @@ class KvmeshPolicy(RoutingPolicy):
         cost = cost + cols.num_queued * (step_ms + kv_ms)
         decode_tokens = weights.decode_tokens_for(query.max_tokens)
         cost = cost + 2.0 * decode_tokens * (step_load - step_load.min())
-        # Memory: what w's queue and this request still need beyond w's free blocks waits for
-        # running sequences to finish; w's pool turns over about once per answer it is running.
-        needed = np.maximum(query.num_prompt_blocks - cols.matched_device_blocks, 0)
-        answer_blocks = (query.max_tokens or 0) / bs
-        deficit = cols.queued_prefill_tokens / bs + needed + answer_blocks - cols.num_free_blocks
-        short = deficit > 0
-        if short.any():
-            turnover = self._running.output_tokens_many(cols.ids) / np.maximum(running, 1)
-            turnover = np.maximum(turnover, bs)
-            share = deficit / np.maximum(cols.num_blocks, 1)
-            cost = cost + np.where(short, share * turnover * (step_ms + kv_ms), 0.0)
+        # What w lacks of the prompt on its device is stored there, computed or pulled (a prefix
+        # routed to w and not yet indexed will be there: not stored).
+        held = cols.matched_device_blocks
+        if matched is not cols.matched_blocks:
+            held = np.where(matched > cols.matched_blocks, matched, held)
+        stored = np.maximum(query.num_prompt_blocks - held, 0)
+        if weights.memory_weight > 0:
+            # The request holds what it stores and its answer's blocks for its answer's steps;
+            # where w's pool is in use, the requests after it at w wait for them.
+            answer_len = weights.answer_tokens_for(query.max_tokens)
+            pool = np.maximum(cols.num_blocks, 1)
+            in_use = 1.0 - cols.num_free_blocks / pool
+            held_ms = (stored + answer_len / bs) / pool * answer_len * (step_ms + kv_ms)
+            cost = cost + weights.memory_weight * held_ms * (in_use * in_use)
         if weights.eviction_weight > 0 and len(self._reused):
-            # What w lacks on its device is stored there, computed or pulled, and displaces as
-            # much of its pool; so much of that was reused lately as its reused prefixes fill
-            # of the pool. (A prefix routed to w and not yet indexed will be there: not stored.)
-            held = cols.matched_device_blocks
-            if matched is not cols.matched_blocks:
-                held = np.where(matched > cols.matched_blocks, matched, held)
-            stored = np.maximum(query.num_prompt_blocks - held, 0)
+            # The stored blocks displace as much of w's pool; so much of that was reused lately
+            # as w's reused prefixes fill of the pool.
             reused = self._reused.num_blocks_many(cols.ids)
             share = np.minimum(1.0, reused / np.maximum(cols.num_blocks, 1))
             block_ms = weights.eviction_weight * (cm.prefill_per_token_ms * bs)

@@ -44,6 +44,16 @@ class KvmeshWeights:
     the stale rest goes. Above 1 since a displaced prefix is recomputed by each follower that
     finds it gone; 4 is the least that stopped copies from spreading shared-prefix's prompts
     over 64K-token pools (docs/benchmarks.md). 0 stores copies for free."""
+    memory_weight: float = 4.0
+    """Price of the KV blocks a request holds on w (what it stores of the prompt there, computed
+    or pulled, and its answer's blocks) for its answer's steps of w's batch, as the share of w's
+    pool they take, times the square of the share of the pool in use there: where the pool is
+    full, every block held is one the next request at w waits for, until this answer ends; where
+    it is half empty, seldom. Above 1 since a block held delays each request queued behind it,
+    not one; 4 (docs/benchmarks.md, "memory held"). 0 holds blocks for free."""
+    unknown_answer_tokens: float = 256.0
+    """Answer length the memory term assumes when the request's max_tokens is unknown (the
+    answer that `decode_tokens` stands for: 16 tokens priced at `decode_share`)."""
     session_affinity_blocks: float = 1.0
     """A session's pull towards the worker its last turn went to, in blocks of prefill time
     (`CoordinatorConfig.session_affinity_blocks`); 0 disables."""
@@ -57,6 +67,8 @@ class KvmeshWeights:
             "decode_share",
             "max_decode_tokens",
             "eviction_weight",
+            "memory_weight",
+            "unknown_answer_tokens",
             "session_affinity_blocks",
         ):
             if not getattr(self, name) >= 0:
@@ -70,3 +82,7 @@ class KvmeshWeights:
         if max_tokens is None:
             return self.decode_tokens
         return min(self.decode_share * max_tokens, self.max_decode_tokens)
+
+    def answer_tokens_for(self, max_tokens: int | None) -> float:
+        """Tokens the request's answer holds its blocks for (see `memory_weight`)."""
+        return self.unknown_answer_tokens if max_tokens is None else float(max_tokens)
