@@ -37,8 +37,9 @@ from kvmesh.coordinator.index.locked_mirror import LockedMirror
 from kvmesh.coordinator.index.mirror import IndexMirror, WorkerId
 from kvmesh.coordinator.index.store import IndexStore
 from kvmesh.coordinator.routing.cost_model import CostModel
+from kvmesh.coordinator.routing.kvmesh_policy import KvmeshPolicy
 from kvmesh.coordinator.routing.kvmesh_reference import KvmeshReferencePolicy
-from kvmesh.coordinator.routing.router import KvmeshPolicy, RouteQuery, WorkerColumns
+from kvmesh.coordinator.routing.policy import RouteQuery, WorkerColumns
 from kvmesh.proto.block_hash import BlockHash, block_hashes, namespace_hash
 from kvmesh.proto.events import BlockStored, EventBatch
 from kvmesh.workers.engine.event_publisher import EventPublisher

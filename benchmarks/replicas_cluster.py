@@ -138,6 +138,19 @@ def one_run(
             except ValueError:
                 pass
         redis.stop()
+        _wait_for_free_resources()
+
+
+def _wait_for_free_resources(timeout_s: float = 60.0) -> None:
+    """Until Ray has taken back what the killed workers held (a kill is asynchronous: the next
+    run's fleet would otherwise find the CPUs or GPU still taken)."""
+    total = ray.cluster_resources()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        free = ray.available_resources()
+        if all(free.get(name, 0.0) >= total[name] for name in ("CPU", "GPU") if name in total):
+            return
+        time.sleep(0.5)
 
 
 def _served_decisions(address: str) -> dict[str, float]:
@@ -194,7 +207,7 @@ def main() -> int:
                 f"  decisions {row['decisions'] if row['decision_log'] else '-'}",
                 flush=True,
             )
-    write_rows(args.json, rows)
+            write_rows(args.json, rows)  # after every run: a later failure keeps these
     return 0
 
 

@@ -39,12 +39,9 @@ from kvmesh.coordinator.routing.cost_model import CostModel
 from kvmesh.coordinator.routing.decision_log import DecisionLog
 from kvmesh.coordinator.routing.load_tracker import LoadTracker, ReportedLoad
 from kvmesh.coordinator.routing.peer_routes import PeerRoutes
+from kvmesh.coordinator.routing.policy import RouteDecision, RouteQuery
 from kvmesh.coordinator.routing.pull_planner import PullPlan, best_peer, cheapest_prefill
-from kvmesh.coordinator.routing.router import (
-    RouteDecision,
-    RouteQuery,
-    make_policy,
-)
+from kvmesh.coordinator.routing.router import make_policy
 from kvmesh.coordinator.routing.transfer_planner import PullPricing
 from kvmesh.coordinator.session_turns import SessionTurns, TurnMode
 from kvmesh.coordinator.telemetry.request_counters import RequestCounters

@@ -22,8 +22,12 @@ from kvmesh.coordinator.cluster.registry import WorkerRegistry
 from kvmesh.coordinator.index.mirror import WorkerId
 from kvmesh.coordinator.routing.decision_log import CommitResult, DecisionLog, LogCursor
 from kvmesh.coordinator.routing.peer_routes import PeerRoutes
-from kvmesh.coordinator.routing.policy import RoutingPolicy, WorkerColumns
-from kvmesh.coordinator.routing.router import RouteDecision, RouteQuery
+from kvmesh.coordinator.routing.policy import (
+    RouteDecision,
+    RouteQuery,
+    RoutingPolicy,
+    WorkerColumns,
+)
 from kvmesh.coordinator.telemetry.request_counters import RequestCounters
 from kvmesh.coordinator.telemetry.request_record import RequestObserver
 from kvmesh.proto.placements import Placement

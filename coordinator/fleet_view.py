@@ -14,7 +14,7 @@ from kvmesh.coordinator.index.mirror import PrefixMatch, WorkerId
 from kvmesh.coordinator.prompt_preparer import PreparedPrompt
 from kvmesh.coordinator.routing.cost_model import CostModel
 from kvmesh.coordinator.routing.load_tracker import LoadTracker
-from kvmesh.coordinator.routing.router import WorkerColumns
+from kvmesh.coordinator.routing.policy import WorkerColumns
 
 FreeBlocksMany = Callable[[Sequence[str]], tuple[np.ndarray, np.ndarray]]
 """workers -> (pool blocks, free blocks) of each, in order."""

@@ -1,6 +1,6 @@
 """The reference for kvmesh's cost: the policy priced one worker at a time, in plain Python.
 
-`KvmeshPolicy` (router.py) prices every worker at once over columns; this subclass keeps the
+`KvmeshPolicy` (kvmesh_policy.py) prices every worker at once over columns; this subclass keeps the
 same state and prices the same terms with one loop over `WorkerView`s, as the router did before
 it was vectorised. It is not for serving: a test drives both on the same inputs and requires the
 same decisions, so a term changed in one place and not the other is caught. Change a term here
@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
+from kvmesh.coordinator.routing.kvmesh_policy import KvmeshPolicy
 from kvmesh.coordinator.routing.policy import RouteDecision, RouteQuery, WorkerView
 from kvmesh.coordinator.routing.pull_planner import PrefillOption, best_peer, cheapest_prefill
-from kvmesh.coordinator.routing.router import KvmeshPolicy
 
 
 class KvmeshReferencePolicy(KvmeshPolicy):
@@ -91,8 +91,9 @@ class KvmeshReferencePolicy(KvmeshPolicy):
             kv_ms = self._kv_read_ms(w)
             cost += w.num_queued * (cm.decode_step_ms(w.num_running) + kv_ms)
             cost += 2.0 * decode_tokens * (step_load - least_step_load)
-            cost += self._memory_wait_ms(query, w, cm.decode_step_ms(w.num_running) + kv_ms)
-            cost += self._eviction_ms(query, w, w_indexed)
+            stored = self._stored_blocks(query, w, w_indexed)
+            cost += self._memory_ms(query, w, stored, cm.decode_step_ms(w.num_running) + kv_ms)
+            cost += self._eviction_ms(query, w, stored)
             uncached_share = 1.0 - self._cached_tokens(query, w) / query.prompt_len
             cost += weights.placement_balance * (w_work - least_work) * uncached_share
             cost += weights.request_balance * (w_requests - least_requests) * cheapest_ready
@@ -114,31 +115,32 @@ class KvmeshReferencePolicy(KvmeshPolicy):
             return cm.decode_kv_ms(self._running.tokens(w.worker_id))
         return 0.0
 
-    def _memory_wait_ms(self, query: RouteQuery, w: WorkerView, step_ms: float) -> float:
-        """The blocks w's queue and this request need beyond w's free ones, as the share of w's
-        pool that must turn over first, times the steps of the mean answer running on w."""
-        bs = query.block_size
-        needed = max(query.num_prompt_blocks - w.matched_device_blocks, 0)
-        answer_blocks = (query.max_tokens or 0) / bs
-        deficit = w.queued_prefill_tokens / bs + needed + answer_blocks - w.num_free_blocks
-        if not deficit > 0:
-            return 0.0
-        turnover = self._running.output_tokens(w.worker_id) / max(w.num_running, 1)
-        turnover = max(turnover, bs)
-        share = deficit / max(w.num_blocks, 1)
-        return share * turnover * step_ms
-
-    def _eviction_ms(self, query: RouteQuery, w: WorkerView, indexed: WorkerView) -> float:
-        """The blocks w stores for the prompt, each priced as its prefill times the share of w's
-        pool that its lately reused prefixes fill (see `KvmeshPolicy`)."""
-        if not self.weights.eviction_weight > 0:
-            return 0.0
-        if w.matched_blocks > indexed.matched_blocks:  # a routed prefix: on the device soon
+    @staticmethod
+    def _stored_blocks(query: RouteQuery, w: WorkerView, indexed: WorkerView) -> int:
+        """Prompt blocks w would store (computed or pulled): what it lacks on its device, less a
+        prefix routed there and not yet indexed (it will be there)."""
+        if w.matched_blocks > indexed.matched_blocks:
             held = w.matched_blocks
         else:
             held = w.matched_device_blocks
-        stored = query.num_prompt_blocks - held
-        if stored <= 0:
+        return max(query.num_prompt_blocks - held, 0)
+
+    def _memory_ms(self, query: RouteQuery, w: WorkerView, stored: int, step_ms: float) -> float:
+        """The blocks the request holds on w for its answer's steps, as the share of w's pool,
+        times the square of the share of the pool in use (see `KvmeshPolicy`)."""
+        weights = self.weights
+        if not weights.memory_weight > 0:
+            return 0.0
+        answer_len = weights.answer_tokens_for(query.max_tokens)
+        pool = max(w.num_blocks, 1)
+        in_use = 1.0 - w.num_free_blocks / pool
+        held_ms = (stored + answer_len / query.block_size) / pool * answer_len * step_ms
+        return weights.memory_weight * held_ms * (in_use * in_use)
+
+    def _eviction_ms(self, query: RouteQuery, w: WorkerView, stored: int) -> float:
+        """The blocks w stores for the prompt, each priced as its prefill times the share of w's
+        pool that its lately reused prefixes fill (see `KvmeshPolicy`)."""
+        if not self.weights.eviction_weight > 0 or stored <= 0:
             return 0.0
         share = min(1.0, self._reused.num_blocks(w.worker_id) / max(w.num_blocks, 1))
         block_ms = self.weights.eviction_weight * (

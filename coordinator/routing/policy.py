@@ -6,7 +6,7 @@ Policies that keep their own state (round-robin's cursor, SGLang's approximate t
 the instance; randomness comes from the `random.Random` passed in and time from the clock passed
 in, so runs are reproducible and the simulator can drive them on simulated time.
 
-The concrete policies live in `router` (kvmesh's and the simple ones) and `baseline_policies`
+The concrete policies live in `kvmesh_policy`, `simple_policies` and `baselines`
 (reimplementations of other systems' routers); `router.POLICIES` names them all.
 """
 

@@ -37,7 +37,8 @@ from kvmesh.coordinator.index.locked_mirror import LockedMirror
 from kvmesh.coordinator.index.mirror import ApplyResult, FleetMatch, PrefixMatch, WorkerId
 from kvmesh.coordinator.prompt_preparer import PreparedPrompt
 from kvmesh.coordinator.routing.load_tracker import LoadTracker, ReportedLoad
-from kvmesh.coordinator.routing.router import POLICIES, RoutingPolicy
+from kvmesh.coordinator.routing.policy import RoutingPolicy
+from kvmesh.coordinator.routing.router import POLICIES
 from kvmesh.coordinator.sim.backend import SimBackend
 from kvmesh.coordinator.sim.cost_model import SimCostModel
 from kvmesh.coordinator.sim.decision_log import SimDecisionLog

@@ -7,7 +7,8 @@ import random
 from kvmesh.coordinator.index.mirror import WorkerId
 from kvmesh.coordinator.routing.baselines import DynamoKvPolicy, SglangCacheAwarePolicy
 from kvmesh.coordinator.routing.cost_model import CostModel
-from kvmesh.coordinator.routing.router import RouteQuery, WorkerView, make_policy
+from kvmesh.coordinator.routing.policy import RouteQuery, WorkerView
+from kvmesh.coordinator.routing.router import make_policy
 from kvmesh.proto.block_hash import BlockHash
 
 CM = CostModel()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvmesh.coordinator.routing.decision_log import LogCursor
-from kvmesh.coordinator.routing.router import KvmeshPolicy
+from kvmesh.coordinator.routing.kvmesh_policy import KvmeshPolicy
 from kvmesh.proto.block_hash import BlockHash
 from kvmesh.proto.placements import (
     Placement,
@@ -74,7 +74,7 @@ def test_choose_is_propose_then_place() -> None:
 
 
 def _query(prompt, session: str, rid: str, max_tokens: int | None = None):  # type: ignore[no-untyped-def]
-    from kvmesh.coordinator.routing.router import RouteQuery
+    from kvmesh.coordinator.routing.policy import RouteQuery
 
     n = len(prompt.token_ids)
     return RouteQuery(rid, prompt.block_hashes, n, 16, session, max_tokens=max_tokens)

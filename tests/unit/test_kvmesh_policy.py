@@ -8,17 +8,13 @@ import pytest
 
 from kvmesh.coordinator.index.mirror import WorkerId
 from kvmesh.coordinator.routing.cost_model import CostModel
+from kvmesh.coordinator.routing.kvmesh_policy import KvmeshPolicy
 from kvmesh.coordinator.routing.kvmesh_reference import KvmeshReferencePolicy
+from kvmesh.coordinator.routing.kvmesh_weights import KvmeshWeights
+from kvmesh.coordinator.routing.policy import RouteDecision, RouteQuery, WorkerView
 from kvmesh.coordinator.routing.recent_load import RecentLoad
 from kvmesh.coordinator.routing.reused_prefixes import ReusedPrefixes
 from kvmesh.coordinator.routing.routed_prefixes import RoutedPrefixes
-from kvmesh.coordinator.routing.router import (
-    KvmeshPolicy,
-    KvmeshWeights,
-    RouteDecision,
-    RouteQuery,
-    WorkerView,
-)
 from kvmesh.coordinator.routing.running_context import RunningContext
 from kvmesh.proto.block_hash import BlockHash
 
@@ -351,23 +347,42 @@ def test_each_queued_prefill_costs_a_step_of_the_batch_it_carries(
 
 
 @pytest.mark.parametrize("policy_type", [KvmeshPolicy, KvmeshReferencePolicy])
-def test_a_full_pool_is_priced_by_the_share_that_must_turn_over_before_the_request_fits(
-    policy_type: type[KvmeshPolicy],
+@pytest.mark.parametrize(("max_tokens", "answer_len"), [(160, 160.0), (None, 256.0)])
+def test_blocks_held_are_priced_over_the_answer_by_how_much_of_the_pool_is_in_use(
+    policy_type: type[KvmeshPolicy], max_tokens: int | None, answer_len: float
 ) -> None:
     p = policy_type(CM, random.Random(0), Clock(), DECODE_ONLY)
-    for i in range(4):  # four 640-token answers running on each of a and b
-        for w, base in (("a", 700), ("b", 800)):
-            q = RouteQuery(f"{w}{i}", hashes(base + i), 100, 16, max_tokens=640)
-            p.choose(q, [view(w)])
-    q = RouteQuery("q", hashes(*range(1, 11)), 16 * 10 + 5, 16, max_tokens=160)  # 11 + 10 blocks
-    # both queues need 320 tokens (20 blocks), 41 with the request: a has 30 free, b 50
-    full = WorkerView(A, 1000, 30, 0.0, 320, 4, 0, 0)
-    roomy = WorkerView(B, 1000, 50, 0.0, 320, 4, 0, 0)
-    d = p.choose(q, [full, roomy])
-    # 1.1% of a's pool turns over first, in about one mean answer (640 steps) of a's batch
+    q = RouteQuery("q", hashes(*range(1, 11)), 16 * 10 + 5, 16, max_tokens=max_tokens)
+    busy = WorkerView(A, 1000, 100, 0.0, 0, 4, 0, 0)  # 90% of the pool in use
+    roomy = WorkerView(B, 1000, 500, 0.0, 0, 4, 0, 0)  # 50%
+    d = p.choose(q, [busy, roomy])
+    # both would store the 11 prompt blocks and hold the answer's for its steps of a 4-batch
+    held_ms = (11 + answer_len / 16) / 1000 * answer_len * CM.decode_step_ms(4)
     assert d.worker_id == "b"
     gap = _scores(d)["a"] - _scores(d)["b"]
-    assert gap == pytest.approx(11 / 1000 * 640 * CM.decode_step_ms(4))
+    assert gap == pytest.approx(4.0 * held_ms * (0.9**2 - 0.5**2))
+
+
+@pytest.mark.parametrize("policy_type", [KvmeshPolicy, KvmeshReferencePolicy])
+def test_where_the_pool_is_in_use_a_copy_pays_for_holding_the_prefix_and_a_hit_does_not(
+    policy_type: type[KvmeshPolicy],
+) -> None:
+    weights = KvmeshWeights(placement_balance=0, request_balance=0, recompute_weight=0)
+    p = policy_type(CM, random.Random(0), Clock(), weights)
+    q = RouteQuery("q", hashes(*range(1, 11)), 16 * 10 + 5, 16, max_tokens=640)
+    holder = WorkerView(A, 1000, 100, 0.0, 0, 4, 10, 10)
+    other = WorkerView(B, 1000, 100, 0.0, 0, 4, 0, 0)
+    d = p.choose(q, [holder, other])
+    step = CM.decode_step_ms(4)
+    copy_ms = 4.0 * 10 / 1000 * 640 * step * 0.9**2  # the 10 prefix blocks, over 640 steps
+    prefill_gap = CM.prefill_ms(165, 0) - CM.prefill_ms(165 - 160, 160)
+    assert d.worker_id == "a"
+    assert _scores(d)["b"] - _scores(d)["a"] == pytest.approx(prefill_gap + copy_ms)
+
+
+def test_the_memory_weight_is_validated() -> None:
+    with pytest.raises(ValueError, match="memory_weight must be >= 0, got -1"):
+        KvmeshWeights(memory_weight=-1)
 
 
 def test_running_context_sums_answer_tokens_where_known() -> None:

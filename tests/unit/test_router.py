@@ -6,14 +6,10 @@ import pytest
 
 from kvmesh.coordinator.index.mirror import WorkerId
 from kvmesh.coordinator.routing.cost_model import CostModel
+from kvmesh.coordinator.routing.kvmesh_policy import KvmeshPolicy
 from kvmesh.coordinator.routing.load_tracker import LoadTracker
-from kvmesh.coordinator.routing.router import (
-    POLICIES,
-    KvmeshPolicy,
-    RouteQuery,
-    WorkerView,
-    make_policy,
-)
+from kvmesh.coordinator.routing.policy import RouteQuery, WorkerView
+from kvmesh.coordinator.routing.router import POLICIES, make_policy
 from kvmesh.proto.block_hash import BlockHash
 
 CM = CostModel()

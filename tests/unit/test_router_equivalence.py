@@ -19,16 +19,11 @@ import pytest
 
 from kvmesh.coordinator.index.mirror import WorkerId
 from kvmesh.coordinator.routing.cost_model import CostModel
+from kvmesh.coordinator.routing.kvmesh_policy import KvmeshPolicy
 from kvmesh.coordinator.routing.kvmesh_reference import KvmeshReferencePolicy
+from kvmesh.coordinator.routing.kvmesh_weights import KvmeshWeights
+from kvmesh.coordinator.routing.policy import RouteDecision, RouteQuery, WorkerColumns, WorkerView
 from kvmesh.coordinator.routing.pull_planner import PrefillOption
-from kvmesh.coordinator.routing.router import (
-    KvmeshPolicy,
-    KvmeshWeights,
-    RouteDecision,
-    RouteQuery,
-    WorkerColumns,
-    WorkerView,
-)
 from kvmesh.proto.block_hash import BlockHash
 
 BS = 16
@@ -93,7 +88,7 @@ def _same(fast: RouteDecision, ref: RouteDecision) -> None:
 class _ReferenceWithoutEviction(KvmeshReferencePolicy):
     """The reference with one term dropped: the drive below must tell it apart."""
 
-    def _eviction_ms(self, query: RouteQuery, w: WorkerView, indexed: WorkerView) -> float:
+    def _eviction_ms(self, query: RouteQuery, w: WorkerView, stored: int) -> float:
         return 0.0
 
 
@@ -112,10 +107,10 @@ class _ReferenceWithoutQueueSteps(KvmeshReferencePolicy):
         return super()._scalar_costs(query, views, options, now, indexed)
 
 
-class _ReferenceWithoutMemoryWait(KvmeshReferencePolicy):
-    """The reference that does not price the wait for blocks at a full worker."""
+class _ReferenceWithoutMemory(KvmeshReferencePolicy):
+    """The reference that holds KV blocks for free."""
 
-    def _memory_wait_ms(self, query: RouteQuery, w: WorkerView, step_ms: float) -> float:
+    def _memory_ms(self, query: RouteQuery, w: WorkerView, stored: int, step_ms: float) -> float:
         return 0.0
 
 
@@ -180,7 +175,7 @@ def test_the_drive_catches_a_reference_that_ignores_evictions(seed: int) -> None
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
-@pytest.mark.parametrize("reference", [_ReferenceWithoutQueueSteps, _ReferenceWithoutMemoryWait])
+@pytest.mark.parametrize("reference", [_ReferenceWithoutQueueSteps, _ReferenceWithoutMemory])
 def test_the_drive_catches_a_reference_without_a_queue_or_memory_term(
     seed: int, reference: type[KvmeshReferencePolicy]
 ) -> None:
