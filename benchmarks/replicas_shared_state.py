@@ -19,7 +19,8 @@ from pathlib import Path
 
 from kvmesh.client import simulate_cli
 from kvmesh.client.workload_options import load_requests
-from kvmesh.coordinator.sim.simulator import ClusterSimulation, SimConfig, prepare_requests
+from kvmesh.coordinator.sim.cluster_simulation import ClusterSimulation
+from kvmesh.coordinator.sim.simulator import SimConfig, prepare_requests
 
 WORKLOADS = {
     "shared-prefix": ["--workload", "shared_prefix", "--capacity-tokens", "65536"],

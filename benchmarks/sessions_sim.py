@@ -18,7 +18,8 @@ from typing import Any
 from result_rows import write_rows
 
 from kvmesh.client import workloads
-from kvmesh.coordinator.sim.simulator import ClusterSimulation, SimConfig, prepare_requests
+from kvmesh.coordinator.sim.cluster_simulation import ClusterSimulation
+from kvmesh.coordinator.sim.simulator import SimConfig, prepare_requests
 from kvmesh.workers.kv.warm_sessions import WarmSessionConfig
 
 

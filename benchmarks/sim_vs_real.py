@@ -26,8 +26,9 @@ import numpy as np
 
 from kvmesh.client.bench import send_times
 from kvmesh.client.workloads import SharedPrefixConfig, WorkloadRequest, shared_prefix
+from kvmesh.coordinator.sim.cluster_simulation import ClusterSimulation
 from kvmesh.coordinator.sim.cost_model import SimCostModel
-from kvmesh.coordinator.sim.simulator import ClusterSimulation, SimConfig, prepare_requests
+from kvmesh.coordinator.sim.simulator import SimConfig, prepare_requests
 
 DRAIN_S = 1.0
 """Between slices the real sweep waits for the slowest answer, then sets up the next rate."""

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 from kvmesh.client.workloads import WorkloadRequest
+from kvmesh.coordinator.sim.cluster_simulation import ClusterSimulation
 from kvmesh.coordinator.sim.cost_model import SimCostModel
 from kvmesh.coordinator.sim.decode_run import DecodeRun
 from kvmesh.coordinator.sim.report import PolicyResult, Slo
-from kvmesh.coordinator.sim.simulator import ClusterSimulation, SimConfig, prepare_requests
+from kvmesh.coordinator.sim.simulator import SimConfig, prepare_requests
 
 COST = SimCostModel()
 

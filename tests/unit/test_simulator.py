@@ -10,10 +10,10 @@ import pytest
 
 from kvmesh.client import cli, trace_replay, workloads
 from kvmesh.client.workloads import WorkloadRequest
+from kvmesh.coordinator.sim.cluster_simulation import ClusterSimulation
 from kvmesh.coordinator.sim.cost_model import SimCostModel
 from kvmesh.coordinator.sim.report import METRIC_KEYS
 from kvmesh.coordinator.sim.simulator import (
-    ClusterSimulation,
     SimConfig,
     policy_names,
     prepare_requests,
@@ -187,7 +187,6 @@ def test_cli_table_and_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None
 
 
 def test_warm_sessions_and_a_host_tier_run_on_the_real_classes() -> None:
-    from kvmesh.coordinator.sim.simulator import ClusterSimulation
     from kvmesh.workers.kv.warm_sessions import WarmSessionConfig
 
     overrides = {"num_sessions": 24, "turns_per_session": 3, "think_time_s": 2.0}
