@@ -51,7 +51,6 @@ from kvmesh.coordinator.telemetry.request_record import (
     finished_record,
 )
 from kvmesh.proto.block_hash import num_reusable_blocks, num_reusable_tokens
-from kvmesh.proto.placements import Placement
 from kvmesh.proto.request_notes import NoteBatch, RequestTaken
 from kvmesh.workers.contract.replies import (
     PrefillFacts,
@@ -209,11 +208,6 @@ class Coordinator:
         for observer in self.observers:
             observer.on_routed(elapsed)
         return decision
-
-    def observe_decisions(self, entries: Sequence[tuple[int, Placement]]) -> None:
-        """The simulator's `LogReader` (`sim/decision_log.py` hands its entries to the
-        coordinators it runs); a deployment feeds `decisions` directly."""
-        self.decisions.observe(entries)
 
     def _peer_done(self, request_id: str) -> None:
         """A peer's request ended (PeerRoutes, under the lock)."""

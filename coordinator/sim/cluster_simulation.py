@@ -244,7 +244,7 @@ class ClusterSimulation:
         self._report_load()
         self._deliver_notes()
         if self.decision_log is not None:
-            self.decision_log.deliver(self.coordinators)
+            self.decision_log.deliver([c.decisions for c in self.coordinators])
         coordinator = self.coordinators[request.index % len(self.coordinators)]
         attempts = coordinator.counters.num_commit_attempts
         trip_ms = self.config.commit_trip_ms

@@ -5,7 +5,7 @@ Redis' script makes them live. An entry reaches every replica's stream `delay_ms
 committed; a replica deciding before it lands decides without it, and its commit loses if the
 entry is already in the log: the conflicts of replicas deciding at the same simulated time. The
 commit's round trip costs the request `trip_ms` per attempt (the simulator adds it to the
-request's times: `Simulation`).
+request's times: `ClusterSimulation`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from kvmesh.proto.placements import Placement
 
 
 class LogReader(Protocol):
-    def observe_decisions(self, entries: Sequence[tuple[int, Placement]]) -> None: ...
+    """A replica's side of the log (`decision_replica.py`'s `DecisionReplica`)."""
+
+    def observe(self, entries: Sequence[tuple[int, Placement]]) -> None: ...
 
 
 class SimDecisionLog:
@@ -56,7 +58,7 @@ class SimDecisionLog:
             while end < n and self._committed_ms[end] <= landed:
                 end += 1
             if end > start:
-                reader.observe_decisions([(s + 1, self._entries[s]) for s in range(start, end)])
+                reader.observe([(s + 1, self._entries[s]) for s in range(start, end)])
                 self._delivered[k] = end
 
     def check_invariants(self) -> None:
