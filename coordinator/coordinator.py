@@ -44,6 +44,7 @@ from kvmesh.coordinator.routing.pull_planner import PullPlan, best_peer, cheapes
 from kvmesh.coordinator.routing.router import make_policy
 from kvmesh.coordinator.routing.transfer_planner import PullPricing
 from kvmesh.coordinator.session_turns import SessionTurns, TurnMode
+from kvmesh.coordinator.stream_event import StreamEvent
 from kvmesh.coordinator.telemetry.request_counters import RequestCounters
 from kvmesh.coordinator.telemetry.request_record import (
     RequestObserver,
@@ -61,19 +62,6 @@ from kvmesh.workers.contract.replies import (
 )
 from kvmesh.workers.contract.requests import PullSpec, SamplingConfig, WorkerRequest
 from kvmesh.workers.model.model_config import ModelConfig
-
-
-@dataclass(frozen=True, slots=True)
-class StreamEvent:
-    """One step of a Generate stream, as the service sends it."""
-
-    token_ids: tuple[int, ...]
-    worker_id: str
-    finished: bool
-    finish_reason: str = ""
-    prefill: PrefillFacts | None = None
-    """On the first event only: where the prompt's KV came from (for a migrated request, the
-    worker that took it over; its prompt then includes the tokens streamed before)."""
 
 
 @dataclass(frozen=True, slots=True)

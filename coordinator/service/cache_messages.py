@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvmesh.coordinator.coordinator import StreamEvent
 from kvmesh.coordinator.index.locked_mirror import NodeView
 from kvmesh.coordinator.index.radix_tree import LinkCheck
+from kvmesh.coordinator.stream_event import StreamEvent
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto.events import TIER_DEVICE
 from kvmesh.workers.contract.replies import CacheStats

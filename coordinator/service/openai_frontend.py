@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvmesh.coordinator.contract import InvalidRequest, NoLiveWorker, WorkerDied
-from kvmesh.coordinator.coordinator import Coordinator, StreamEvent
+from kvmesh.coordinator.coordinator import Coordinator
 from kvmesh.coordinator.prompt_preparer import PreparedPrompt
 from kvmesh.coordinator.service.chat_template import ChatTemplate
 from kvmesh.coordinator.service.detokenizer import IncrementalDetokenizer
@@ -41,6 +41,7 @@ from kvmesh.coordinator.service.openai_schema import (
     parse_tokenize,
 )
 from kvmesh.coordinator.service.stop_strings import StopStringMatcher
+from kvmesh.coordinator.stream_event import StreamEvent
 from kvmesh.workers.contract.requests import SamplingConfig
 
 Body = dict[str, Any]

@@ -30,7 +30,7 @@ import numpy as np
 
 from kvmesh.coordinator.cluster.registry import WorkerRegistry
 from kvmesh.coordinator.config import CoordinatorConfig
-from kvmesh.coordinator.coordinator import Coordinator, StreamEvent
+from kvmesh.coordinator.coordinator import Coordinator
 from kvmesh.coordinator.index.locked_mirror import LockedMirror
 from kvmesh.coordinator.index.mirror import ApplyResult, WorkerId
 from kvmesh.coordinator.prompt_preparer import PreparedPrompt
@@ -45,6 +45,7 @@ from kvmesh.coordinator.sim.report import PolicyResult, summarize
 from kvmesh.coordinator.sim.shared_pool_index import SharedPoolIndex
 from kvmesh.coordinator.sim.unread_tokens import UnreadTokens
 from kvmesh.coordinator.sim.worker import PullSource, SimRequest, SimSequence, SimWorker
+from kvmesh.coordinator.stream_event import StreamEvent
 from kvmesh.proto.block_hash import namespace_hash
 from kvmesh.proto.events import EventBatch
 from kvmesh.proto.request_notes import NoteBatch

@@ -8,13 +8,13 @@ from dataclasses import replace
 from typing import Any
 
 from kvmesh.coordinator.cluster.registry import WorkerRegistry
-from kvmesh.coordinator.coordinator import StreamEvent
 from kvmesh.coordinator.service.cache_messages import cache_facts_message
 from kvmesh.coordinator.service.worker_messages import (
     cache_totals,
     session_totals,
     workers_message,
 )
+from kvmesh.coordinator.stream_event import StreamEvent
 from kvmesh.workers.contract.replies import PrefillFacts, WorkerCounters, WorkerInfo
 from tests.unit.test_coordinator import info
 
