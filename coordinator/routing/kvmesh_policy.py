@@ -154,9 +154,7 @@ class KvmeshPolicy(RoutingPolicy):
         worker = WorkerId(placement.worker_id)
         self._routed.add(placement.request_id, worker, placement.new_hashes, now_s)
         self._recent.add(worker, placement.predicted_prefill_ms, now_s)
-        self._running.add(
-            placement.request_id, worker, placement.prompt_len, now_s, placement.max_tokens
-        )
+        self._running.add(placement.request_id, worker, placement.prompt_len, now_s)
         self._sessions.remember(placement.session_id, worker)
         if placement.num_reused_blocks:
             self._reused.add(worker, placement.last_reused_hash, placement.num_reused_blocks, now_s)

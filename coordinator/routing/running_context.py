@@ -6,9 +6,6 @@ with the sum of its requests' prompt lengths, not with their number: ten 20K-tok
 slow a step far more than ten 2K-token questions. Tokens generated since are not counted (the
 router does not see them); requests that are never reported done leave after `ttl_s`, which
 bounds the memory when a caller never calls `discard`.
-
-It also sums the answer lengths (max_tokens) of those requests, where known: how many decode
-steps a worker's batch has still to run, roughly, before its sequences free their KV blocks.
 """
 
 from __future__ import annotations
@@ -28,15 +25,12 @@ class _Running:
     worker: WorkerId
     num_tokens: int
     routed_s: float
-    num_output_tokens: int
 
 
 class RunningContext:
-    """Per-worker sums of the prompt tokens, and of the answer tokens, of requests routed there
-    and not done.
+    """Per-worker sums of the prompt tokens of requests routed there and not done.
 
-    Invariants: tokens(w) == sum of num_tokens of w's entries, output_tokens(w) == sum of their
-    num_output_tokens; entries are in routing order.
+    Invariants: tokens(w) == sum of num_tokens of w's entries; entries are in routing order.
     """
 
     def __init__(self, ttl_s: float = 600.0) -> None:
@@ -44,7 +38,7 @@ class RunningContext:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
         self.ttl_s = ttl_s
         self._entries: OrderedDict[str, _Running] = OrderedDict()
-        self._rows = WorkerRows(tokens=np.int64, outputs=np.int64)
+        self._rows = WorkerRows(tokens=np.int64)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -56,28 +50,12 @@ class RunningContext:
         """`tokens` of each worker, in order, as one array."""
         return self._rows.gather("tokens", workers)
 
-    def output_tokens(self, worker: WorkerId) -> int:
-        return int(self._rows.value("outputs", worker))
-
-    def output_tokens_many(self, workers: Sequence[WorkerId]) -> np.ndarray:
-        """`output_tokens` of each worker, in order, as one array."""
-        return self._rows.gather("outputs", workers)
-
-    def add(
-        self,
-        request_id: str,
-        worker: WorkerId,
-        num_tokens: int,
-        now_s: float,
-        num_output_tokens: int = 0,
-    ) -> None:
-        """`num_output_tokens`: the request's answer length (its max_tokens; 0 if unknown)."""
-        if num_tokens < 0 or num_output_tokens < 0:
-            raise ValueError(f"token counts must be >= 0, got {num_tokens} and {num_output_tokens}")
+    def add(self, request_id: str, worker: WorkerId, num_tokens: int, now_s: float) -> None:
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         self.discard(request_id)
-        self._entries[request_id] = _Running(worker, num_tokens, now_s, num_output_tokens)
+        self._entries[request_id] = _Running(worker, num_tokens, now_s)
         self._rows.add("tokens", worker, num_tokens)
-        self._rows.add("outputs", worker, num_output_tokens)
 
     def discard(self, request_id: str) -> None:
         entry = self._entries.pop(request_id, None)
@@ -100,19 +78,16 @@ class RunningContext:
     def _take(self, entry: _Running) -> None:
         # An idle worker keeps its row (at 0): releasing it would drop the fleet's cached rows.
         self._rows.set("tokens", entry.worker, self.tokens(entry.worker) - entry.num_tokens)
-        outputs = self.output_tokens(entry.worker) - entry.num_output_tokens
-        self._rows.set("outputs", entry.worker, outputs)
 
     def check_invariants(self) -> None:
-        for column, field in (("tokens", "num_tokens"), ("outputs", "num_output_tokens")):
-            sums: dict[WorkerId, int] = {}
-            for e in self._entries.values():
-                sums[e.worker] = sums.get(e.worker, 0) + getattr(e, field)
-            sums = {w: t for w, t in sums.items() if t}
-            held = {w: int(self._rows.value(column, w)) for w in sums}
-            assert sums == held, (column, sums, held)
-            num_holding = int(np.count_nonzero(self._rows.columns[column]))
-            assert num_holding == len(sums), f"a worker with no request holds {column}"
+        sums: dict[WorkerId, int] = {}
+        for e in self._entries.values():
+            sums[e.worker] = sums.get(e.worker, 0) + e.num_tokens
+        sums = {w: t for w, t in sums.items() if t}
+        held = {w: self.tokens(w) for w in sums}
+        assert sums == held, (sums, held)
+        num_holding = int(np.count_nonzero(self._rows.columns["tokens"]))
+        assert num_holding == len(sums), "a worker with no request holds tokens"
         self._rows.check_invariants()
         times = [e.routed_s for e in self._entries.values()]
         assert times == sorted(times)

@@ -91,5 +91,4 @@ def policy_state(c) -> tuple:  # type: ignore[no-untyped-def,type-arg]
     routed = [policy._routed.extend(w, hashes, 0) for w in ids]
     sessions = [policy._sessions.get(s) for s in ("s0", "s1")]
     reused = policy._reused.num_blocks_many(ids).tolist()
-    answers = policy._running.output_tokens_many(ids).tolist()
-    return (work, requests, running, routed, sessions, reused, answers)
+    return (work, requests, running, routed, sessions, reused)

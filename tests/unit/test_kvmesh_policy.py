@@ -143,6 +143,8 @@ def test_running_context_sums_prompts_until_done_or_expired() -> None:
     assert len(r) == 0 and r.tokens(B) == 0
     with pytest.raises(ValueError, match="ttl_s must be > 0, got 0"):
         RunningContext(ttl_s=0)
+    with pytest.raises(ValueError, match="num_tokens must be >= 0, got -1"):
+        r.add("r4", A, -1, now_s=3.0)
 
 
 # Only the decode term differs between the workers in these tests.
@@ -383,16 +385,3 @@ def test_where_the_pool_is_in_use_a_copy_pays_for_holding_the_prefix_and_a_hit_d
 def test_the_memory_weight_is_validated() -> None:
     with pytest.raises(ValueError, match="memory_weight must be >= 0, got -1"):
         KvmeshWeights(memory_weight=-1)
-
-
-def test_running_context_sums_answer_tokens_where_known() -> None:
-    r = RunningContext(ttl_s=100.0)
-    r.add("r1", A, 5000, now_s=0.0, num_output_tokens=640)
-    r.add("r2", A, 300, now_s=1.0)  # unknown answer: counts 0
-    r.add("r3", A, 300, now_s=2.0, num_output_tokens=24)
-    assert r.output_tokens(A) == 664 and list(r.output_tokens_many([A, B])) == [664, 0]
-    r.discard("r1")
-    assert r.output_tokens(A) == 24
-    r.check_invariants()
-    with pytest.raises(ValueError, match="token counts must be >= 0, got 1 and -1"):
-        r.add("r4", A, 1, now_s=3.0, num_output_tokens=-1)
