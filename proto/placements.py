@@ -9,8 +9,7 @@ replay the decision as if it had made it:
     {"v": 1, "r": request_id, "o": origin, "w": worker_id, "s": session_id,
      "n": prompt_len, "u": uncached_len, "p": predicted_prefill_ms,
      "h": new block hashes (8 bytes each, little-endian, concatenated),
-     "q": blocks of the prompt the worker reuses (held or pulled), "l": the last of them,
-     "m": the request's max_tokens (0: unknown)}
+     "q": blocks of the prompt the worker reuses (held or pulled), "l": the last of them}
 
 `new block hashes` are the prompt's blocks the worker does not hold yet by the index (those the
 policy counts as routed to it until the index confirms them). The log's sequence number is not
@@ -59,9 +58,6 @@ class Placement:
     prefixes, which price what a copy onto that worker would displace."""
     last_reused_hash: BlockHash = BlockHash(0)
     """The last of those blocks' hash (0 when none)."""
-    max_tokens: int = 0
-    """The answer length the request allows (0: unknown): the running answers the policy
-    prices a worker's wait for blocks by."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.uncached_len <= self.prompt_len:
@@ -87,7 +83,6 @@ def encode_placement(p: Placement) -> bytes:
         "h": hashes,
         "q": p.num_reused_blocks,
         "l": int(p.last_reused_hash),
-        "m": p.max_tokens,
     }
     return msgpack.packb(payload, use_bin_type=True)
 
@@ -110,15 +105,13 @@ def decode_placement(data: bytes) -> Placement:
     if not isinstance(raw, bytes) or len(raw) % 8:
         raise PlacementDecodeError("h must be bytes, 8 per hash")
     hashes = _hashes(np.frombuffer(raw, dtype="<u8").tolist())
-    reused, last, max_tokens = obj.get("q", 0), obj.get("l", 0), obj.get("m", 0)
+    reused, last = obj.get("q", 0), obj.get("l", 0)
     if not _is_u32(reused) or not isinstance(last, int) or not 0 <= last < 1 << 64:
         raise PlacementDecodeError(f"bad reused prefix q={reused!r} l={last!r}")
-    if not _is_u32(max_tokens):
-        raise PlacementDecodeError(f"bad max_tokens m={max_tokens!r}")
     try:
         return Placement(
             rid, origin, worker, session, cast(int, n), cast(int, u), ms, hashes,
-            cast(int, reused), BlockHash(last), cast(int, max_tokens),
+            cast(int, reused), BlockHash(last),
         )  # fmt: skip
     except ValueError as exc:
         raise PlacementDecodeError(str(exc)) from None

@@ -357,7 +357,6 @@ class KvmeshPolicy(RoutingPolicy):
             tuple(hashes[indexed:]),
             reused,
             hashes[reused - 1] if reused else BlockHash(0),
-            query.max_tokens or 0,
         )
 
     def on_request_done(self, request_id: str) -> None:

@@ -3,6 +3,7 @@ policy's `choose` = `propose` then `place` (a replica's commits: test_decision_r
 
 from __future__ import annotations
 
+import msgpack
 import pytest
 
 from kvmesh.coordinator.routing.decision_log import LogCursor
@@ -51,8 +52,11 @@ def test_a_log_that_went_back_is_followed_from_its_new_end() -> None:
 
 def test_a_placement_survives_the_wire() -> None:
     hashes = tuple(BlockHash(h) for h in (1, 2**64 - 1))
-    p = Placement("r1", "a", "w3", "s", 1000, 400, 12.25, hashes, 37, BlockHash(2**64 - 2), 640)
+    p = Placement("r1", "a", "w3", "s", 1000, 400, 12.25, hashes, 37, BlockHash(2**64 - 2))
     assert decode_placement(encode_placement(p)) == p
+    # An entry from a replica that still sends the request's max_tokens ("m") reads the same.
+    older = msgpack.packb({**msgpack.unpackb(encode_placement(p)), "m": 640})
+    assert decode_placement(older) == p
     with pytest.raises(PlacementDecodeError):
         decode_placement(b"\x93\x01\x02")
     with pytest.raises(ValueError):
