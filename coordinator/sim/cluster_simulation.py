@@ -53,7 +53,7 @@ from kvmesh.workers.contract.requests import SamplingConfig
 from kvmesh.workers.kv.block_pool import BlockPool
 from kvmesh.workers.model.model_config import preset
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # simulator.py runs this class; here its config is only read
     from kvmesh.coordinator.sim.simulator import SimConfig
 
 ORACLE = "oracle"
