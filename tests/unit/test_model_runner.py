@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from kvmesh.workers.model import batch_plan
+from kvmesh.workers.model import runner as runner_module
 from kvmesh.workers.model.batch_plan import AttentionMode
 from kvmesh.workers.model.model_config import ModelConfig, RopeScaling, load_model_config, preset
 from kvmesh.workers.model.runner import ModelRunner, SeqChunk, rope_inv_freq
+from kvmesh.workers.model.split_attention import SplitShape
 from kvmesh.workers.model.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from kvmesh.workers.model.weights import hashed_uniform, hf_param_shapes, random_weights
 from tests.unit.tiny_llama import tiny_llama_config
@@ -208,6 +210,31 @@ def test_bucketed_split_gives_the_masked_paths_logits(
         assert (plan.cached[0].split is not None) == (cached >= 12)
         got = runner.forward_all_logits([SeqChunk(ids[cached:], cached, table)])[0]
         torch.testing.assert_close(got, expected[cached:], atol=1e-5, rtol=0)
+
+
+def test_split_warm_up_runs_every_bucketed_shape_or_turns_the_split_off(
+    tiny: ModelRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Warm-up runs each shape the runner will split (thresholds lowered for the tiny cache); a
+    fused kernel that refuses the model's shapes leaves every chunk on the paged path instead of
+    failing the worker's start."""
+    monkeypatch.setattr(runner_module, "BUCKETED_MIN_PREFIX", 8)
+    monkeypatch.setattr(runner_module, "BUCKETED_MIN_NEW", 1)
+    runner = fresh_runner(tiny)
+    assert runner.warm_up_split(16) == 0  # the split is off on CPU: nothing to warm
+    bucketed = AttentionMode(
+        paged_decode=False, paged_prefill=False, explicit_masks=True, bucketed_prefill=True
+    )
+    runner.attention_mode = bucketed
+    max_len = NUM_BLOCKS * BLOCK_SIZE
+    assert runner.warm_up_split(16) == len(SplitShape.all_bucketed(8, max_len, 1, 16)) > 0
+
+    def refuse(*args: object) -> None:
+        raise RuntimeError("no kernel for head dim 16")
+
+    monkeypatch.setattr(runner_module, "split_prefix_attention", refuse)
+    assert runner.warm_up_split(16) == 0
+    assert not runner.attention_mode.bucketed_prefill
 
 
 def test_decode_steps_match_full_prompt_logits(tiny: ModelRunner) -> None:

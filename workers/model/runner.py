@@ -14,8 +14,10 @@ become extra query rows), so no K/V is copied per query head.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
+import logging
 from collections.abc import Sequence
 from types import ModuleType
 
@@ -45,6 +47,8 @@ from kvmesh.workers.model.split_attention import (
     split_prefix_attention,
 )
 from kvmesh.workers.model.weights import LayerWeights, ModelWeights, load_checkpoint, random_weights
+
+log = logging.getLogger(__name__)
 
 __all__ = ["ModelRunner", "SeqChunk", "apply_rope", "rms_norm", "rope_inv_freq", "rope_tables"]
 
@@ -388,7 +392,16 @@ class ModelRunner:
         for split, rows in shapes:
             q = keys.new_zeros((rows, c.num_heads, c.head_dim))
             end = split + rows
-            split_prefix_attention(q, keys[:end], keys[:end], SplitShape(split, rows), q.clone())
+            try:
+                split_prefix_attention(
+                    q, keys[:end], keys[:end], SplitShape(split, rows), q.clone()
+                )
+            except RuntimeError as exc:  # a head size or card the fused kernels refuse
+                log.warning("split prefill off, the paged kernel serves every chunk: %s", exc)
+                self.attention_mode = dataclasses.replace(
+                    self.attention_mode, bucketed_prefill=False
+                )
+                return 0
         return len(shapes)
 
     def _gather(
