@@ -91,9 +91,12 @@ class KvmeshPolicy(RoutingPolicy):
                                            what the prompt's new blocks displace on w
                 + p * recent_work(w) * uncached_share(w)
                 + q * recent_requests(w) * min over workers of ready
+                + g * recent_new_prefixes(w) * min over workers of ready
+                                           only for a prompt no worker holds any of
                 - session_affinity(w)     a blocks' prefill, on the session's last worker
 
-    (recent_* are measured above the least-loaded worker's, so only differences count.) Every
+    (recent_* are measured above the least-loaded worker's, so only differences count;
+    recent_new_prefixes counts the prompts w was given from scratch.) Every
     block a worker stores for the prompt (whatever it lacks on its device, computed or pulled)
     displaces one of its pool, sooner if the pool is full, once it fills if not: priced as that
     block's prefill times the share of w's pool the prefixes reused on w lately fill
@@ -138,6 +141,8 @@ class KvmeshPolicy(RoutingPolicy):
         self._recent = RecentLoad(self.weights.balance_horizon_s)
         self._running = RunningContext()
         self._reused = ReusedPrefixes(self.weights.balance_horizon_s)
+        # Only the request counts are read: prompts placed on a worker that held none of them.
+        self._new_prefixes = RecentLoad(self.weights.balance_horizon_s)
 
     replicable = True
 
@@ -160,6 +165,8 @@ class KvmeshPolicy(RoutingPolicy):
         self._sessions.remember(placement.session_id, worker)
         if placement.num_reused_blocks:
             self._reused.add(worker, placement.last_reused_hash, placement.num_reused_blocks, now_s)
+        elif placement.new_hashes:
+            self._new_prefixes.add(worker, 0.0, now_s)
 
     def _propose(
         self, query: RouteQuery, workers: Sequence[WorkerView]
@@ -307,8 +314,12 @@ class KvmeshPolicy(RoutingPolicy):
             answer_len = weights.answer_tokens_for(query.max_tokens)
             pool = np.maximum(cols.num_blocks, 1)
             in_use = 1.0 - cols.num_free_blocks / pool
-            held_ms = (stored + answer_len / bs) / pool * answer_len * (step_ms + kv_ms)
-            cost = cost + weights.memory_weight * held_ms * (in_use * in_use)
+            # The prompt blocks it stores stay as long as their followers come, so they are
+            # priced by the share in use (a pool in use now fills with them); the answer's leave
+            # with it, so where the pool is full now: the square.
+            blocks = stored * in_use + answer_len / bs * (in_use * in_use)
+            held_ms = blocks / pool * answer_len * (step_ms + kv_ms)
+            cost = cost + weights.memory_weight * held_ms
         if weights.eviction_weight > 0 and len(self._reused):
             # The stored blocks displace as much of w's pool; so much of that was reused lately
             # as w's reused prefixes fill of the pool.
@@ -324,6 +335,12 @@ class KvmeshPolicy(RoutingPolicy):
             cost
             + weights.request_balance * (requests - requests[requests.argmin()]) * cheapest_ready
         )
+        if weights.new_prefix_balance > 0 and query.block_hashes and not matched.any():
+            # A prefix nobody holds: deal it to the worker given the fewest new prefixes lately
+            # (each brings its followers), whatever the load of the moment says.
+            placed = self._new_prefixes.snapshot_arrays(cols.ids, now)[1]
+            new = weights.new_prefix_balance * (placed - placed[placed.argmin()])
+            cost = cost + new * cheapest_ready
         sticky = self._sessions.get(query.session_id)
         row = cols.index_of.get(sticky) if sticky is not None else None
         if row is not None:
@@ -372,3 +389,4 @@ class KvmeshPolicy(RoutingPolicy):
         self._recent.forget(worker_id)
         self._running.forget_worker(worker_id)
         self._reused.forget_worker(worker_id)
+        self._new_prefixes.forget(worker_id)

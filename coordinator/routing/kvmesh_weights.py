@@ -18,6 +18,11 @@ class KvmeshWeights:
     request_balance: float = 0.1
     """Weight of the requests recently routed to a worker, scaled by the cheapest prefill of
     this prompt anywhere: keeps a hot prefix's holder from taking every follower."""
+    new_prefix_balance: float = 4.0
+    """Weight of the prompts a worker was lately given from scratch (decayed count), scaled by
+    this prompt's cheapest prefill, for a prompt nobody holds (not even as a routed prefix):
+    new prefixes are dealt out evenly, as a tree router deals out equal groups, since each
+    brings its followers. A prompt that some worker holds is priced without it. 0 disables."""
     balance_horizon_s: float = 10.0
     """How far back "recently" reaches (exponential decay time)."""
     routed_prefix_ttl_s: float = 30.0
@@ -63,6 +68,7 @@ class KvmeshWeights:
             "recompute_weight",
             "placement_balance",
             "request_balance",
+            "new_prefix_balance",
             "decode_tokens",
             "decode_share",
             "max_decode_tokens",
