@@ -83,7 +83,8 @@ class KvmeshPolicy(RoutingPolicy):
                                            which carries w's batch and the KV it reads
                 + decode_batch(w)          2 * tokens * (step_load(w) - least step_load),
                                            tokens: a share of the request's max_tokens
-                + m * held(w) / pool(w) * answer * step(w) * in_use(w)^2
+                + m * (stored(w) * in_use(w) + answer_blocks * in_use(w)^2)
+                    / pool(w) * answer * step(w)
                                            the blocks the request holds on w (prompt it lacks
                                            + answer) for its answer's steps, where w's pool is
                                            in use: what later requests at w wait for them
@@ -115,13 +116,20 @@ class KvmeshPolicy(RoutingPolicy):
     instead of being recomputed everywhere. A worker whose pool is full admits the next request
     only as its running sequences finish and free their blocks, so KV held is time taken from
     the requests after it there: a request is charged the share of w's pool it will hold
-    (what it stores of the prompt, and its answer) over its answer's steps of w's batch, times
-    the square of the share of the pool in use (`KvmeshWeights.memory_weight`). Where pools run
-    full, a follower that joins a hot prefix's holder holds its question and answer, one that
-    copies the prefix holds the prefix as well, and a long answer holds either ~25 times as
-    long as a short one: copies and long answers go where memory is free, short hits stay with
-    their cache. Where pools are mostly free the term fades (docs/benchmarks.md, "memory
-    held").
+    (what it stores of the prompt, and its answer) over its answer's steps of w's batch: the
+    answer's blocks times the square of the share of the pool in use, since they leave with the
+    answer and delay others only where the pool is full now; the stored prompt blocks times the
+    share itself, since they stay as long as the prompt's followers come and a pool in use now
+    fills with them (`KvmeshWeights.memory_weight`). Where pools run full, a follower that joins
+    a hot prefix's holder holds its question and answer, one that copies the prefix holds the
+    prefix as well, and a long answer holds either ~25 times as long as a short one: copies and
+    long answers go where memory is free, short hits stay with their cache. Where pools are
+    mostly free the answer's part fades and a copy still pays for part of what it keeps
+    (docs/benchmarks.md, "memory held" and "new prompts dealt evenly"). A prompt no worker
+    holds any of goes to the worker given the fewest prompts from scratch lately, each such
+    prompt counted as this one's cheapest prefill times `KvmeshWeights.new_prefix_balance`:
+    equally hot new prefixes are dealt out evenly, as a tree router deals its groups, whatever
+    the queues of the moment.
     """
 
     name = "kvmesh"
