@@ -83,7 +83,8 @@ class KvmeshPolicy(RoutingPolicy):
                                            which carries w's batch and the KV it reads
                 + decode_batch(w)          2 * tokens * (step_load(w) - least step_load),
                                            tokens: a share of the request's max_tokens
-                + m * held(w) / pool(w) * answer * step(w) * in_use(w)^2
+                + m * (stored(w) * in_use(w) + answer_blocks * in_use(w)^2)
+                    / pool(w) * answer * step(w)
                                            the blocks the request holds on w (prompt it lacks
                                            + answer) for its answer's steps, where w's pool is
                                            in use: what later requests at w wait for them
@@ -91,9 +92,12 @@ class KvmeshPolicy(RoutingPolicy):
                                            what the prompt's new blocks displace on w
                 + p * recent_work(w) * uncached_share(w)
                 + q * recent_requests(w) * min over workers of ready
+                + g * recent_new_prefixes(w) * min over workers of ready
+                                           only for a prompt no worker holds any of
                 - session_affinity(w)     a blocks' prefill, on the session's last worker
 
-    (recent_* are measured above the least-loaded worker's, so only differences count.) Every
+    (recent_* are measured above the least-loaded worker's, so only differences count;
+    recent_new_prefixes counts the prompts w was given from scratch.) Every
     block a worker stores for the prompt (whatever it lacks on its device, computed or pulled)
     displaces one of its pool, sooner if the pool is full, once it fills if not: priced as that
     block's prefill times the share of w's pool the prefixes reused on w lately fill
@@ -112,13 +116,20 @@ class KvmeshPolicy(RoutingPolicy):
     instead of being recomputed everywhere. A worker whose pool is full admits the next request
     only as its running sequences finish and free their blocks, so KV held is time taken from
     the requests after it there: a request is charged the share of w's pool it will hold
-    (what it stores of the prompt, and its answer) over its answer's steps of w's batch, times
-    the square of the share of the pool in use (`KvmeshWeights.memory_weight`). Where pools run
-    full, a follower that joins a hot prefix's holder holds its question and answer, one that
-    copies the prefix holds the prefix as well, and a long answer holds either ~25 times as
-    long as a short one: copies and long answers go where memory is free, short hits stay with
-    their cache. Where pools are mostly free the term fades (docs/benchmarks.md, "memory
-    held").
+    (what it stores of the prompt, and its answer) over its answer's steps of w's batch: the
+    answer's blocks times the square of the share of the pool in use, since they leave with the
+    answer and delay others only where the pool is full now; the stored prompt blocks times the
+    share itself, since they stay as long as the prompt's followers come and a pool in use now
+    fills with them (`KvmeshWeights.memory_weight`). Where pools run full, a follower that joins
+    a hot prefix's holder holds its question and answer, one that copies the prefix holds the
+    prefix as well, and a long answer holds either ~25 times as long as a short one: copies and
+    long answers go where memory is free, short hits stay with their cache. Where pools are
+    mostly free the answer's part fades and a copy still pays for part of what it keeps
+    (docs/benchmarks.md, "memory held" and "new prompts dealt evenly"). A prompt no worker
+    holds any of goes to the worker given the fewest prompts from scratch lately, each such
+    prompt counted as this one's cheapest prefill times `KvmeshWeights.new_prefix_balance`:
+    equally hot new prefixes are dealt out evenly, as a tree router deals its groups, whatever
+    the queues of the moment.
     """
 
     name = "kvmesh"
@@ -138,6 +149,8 @@ class KvmeshPolicy(RoutingPolicy):
         self._recent = RecentLoad(self.weights.balance_horizon_s)
         self._running = RunningContext()
         self._reused = ReusedPrefixes(self.weights.balance_horizon_s)
+        # Only the request counts are read: prompts placed on a worker that held none of them.
+        self._new_prefixes = RecentLoad(self.weights.balance_horizon_s)
 
     replicable = True
 
@@ -158,6 +171,8 @@ class KvmeshPolicy(RoutingPolicy):
         self._sessions.remember(placement.session_id, worker)
         if placement.num_reused_blocks:
             self._reused.add(worker, placement.last_reused_hash, placement.num_reused_blocks, now_s)
+        elif placement.new_hashes:
+            self._new_prefixes.add(worker, 0.0, now_s)
 
     def _propose(
         self, query: RouteQuery, workers: Sequence[WorkerView]
@@ -305,8 +320,12 @@ class KvmeshPolicy(RoutingPolicy):
             answer_len = weights.answer_tokens_for(query.max_tokens)
             pool = np.maximum(cols.num_blocks, 1)
             in_use = 1.0 - cols.num_free_blocks / pool
-            held_ms = (stored + answer_len / bs) / pool * answer_len * (step_ms + kv_ms)
-            cost = cost + weights.memory_weight * held_ms * (in_use * in_use)
+            # The prompt blocks it stores stay as long as their followers come, so they are
+            # priced by the share in use (a pool in use now fills with them); the answer's leave
+            # with it, so where the pool is full now: the square.
+            blocks = stored * in_use + answer_len / bs * (in_use * in_use)
+            held_ms = blocks / pool * answer_len * (step_ms + kv_ms)
+            cost = cost + weights.memory_weight * held_ms
         if weights.eviction_weight > 0 and len(self._reused):
             # The stored blocks displace as much of w's pool; so much of that was reused lately
             # as w's reused prefixes fill of the pool.
@@ -322,6 +341,12 @@ class KvmeshPolicy(RoutingPolicy):
             cost
             + weights.request_balance * (requests - requests[requests.argmin()]) * cheapest_ready
         )
+        if weights.new_prefix_balance > 0 and query.block_hashes and not matched.any():
+            # A prefix nobody holds: deal it to the worker given the fewest new prefixes lately
+            # (each brings its followers), whatever the load of the moment says.
+            placed = self._new_prefixes.snapshot_arrays(cols.ids, now)[1]
+            new = weights.new_prefix_balance * (placed - placed[placed.argmin()])
+            cost = cost + new * cheapest_ready
         sticky = self._sessions.get(query.session_id)
         row = cols.index_of.get(sticky) if sticky is not None else None
         if row is not None:
@@ -369,3 +394,4 @@ class KvmeshPolicy(RoutingPolicy):
         self._recent.forget(worker_id)
         self._running.forget_worker(worker_id)
         self._reused.forget_worker(worker_id)
+        self._new_prefixes.forget(worker_id)

@@ -80,9 +80,11 @@ class KvmeshReferencePolicy(KvmeshPolicy):
         step_loads = [self._decode_load_ms(w) for w in views]
         least_step_load = min(step_loads)
         decode_tokens = weights.decode_tokens_for(query.max_tokens)
+        new_prefixes = self._new_prefix_counts(query, views, now)
+        least_new = min(new_prefixes) if new_prefixes is not None else 0.0
         costs = []
-        for w, option, w_work, w_requests, step_load, w_indexed in zip(
-            views, options, work, requests, step_loads, indexed, strict=True
+        for i, (w, option, w_work, w_requests, step_load, w_indexed) in enumerate(
+            zip(views, options, work, requests, step_loads, indexed, strict=True)
         ):
             recompute_ms = option.prefill_ms - (option.pull.transfer_ms if option.pull else 0.0)
             cost = w.queued_prefill_ms + option.prefill_ms + weights.recompute_weight * recompute_ms
@@ -97,10 +99,22 @@ class KvmeshReferencePolicy(KvmeshPolicy):
             uncached_share = 1.0 - self._cached_tokens(query, w) / query.prompt_len
             cost += weights.placement_balance * (w_work - least_work) * uncached_share
             cost += weights.request_balance * (w_requests - least_requests) * cheapest_ready
+            if new_prefixes is not None:
+                cost += weights.new_prefix_balance * (new_prefixes[i] - least_new) * cheapest_ready
             if sticky == w.worker_id:
                 cost -= self._session_affinity_ms(query)
             costs.append(cost)
         return costs
+
+    def _new_prefix_counts(
+        self, query: RouteQuery, views: Sequence[WorkerView], now: float
+    ) -> list[float] | None:
+        """Prompts each worker was lately given from scratch, where this prompt is one no worker
+        holds any of (routed prefixes included); else None (see `KvmeshPolicy`)."""
+        cold = bool(query.block_hashes) and all(w.matched_blocks == 0 for w in views)
+        if not (self.weights.new_prefix_balance > 0 and cold):
+            return None
+        return self._new_prefixes.snapshot([w.worker_id for w in views], now)[1]
 
     def _decode_load_ms(self, w: WorkerView) -> float:
         cm = self.cost_model
@@ -126,16 +140,18 @@ class KvmeshReferencePolicy(KvmeshPolicy):
         return max(query.num_prompt_blocks - held, 0)
 
     def _memory_ms(self, query: RouteQuery, w: WorkerView, stored: int, step_ms: float) -> float:
-        """The blocks the request holds on w for its answer's steps, as the share of w's pool,
-        times the square of the share of the pool in use (see `KvmeshPolicy`)."""
+        """The blocks the request holds on w for its answer's steps, as the share of w's pool:
+        the prompt blocks it stores times the share of the pool in use, its answer's times the
+        square of it (see `KvmeshPolicy`)."""
         weights = self.weights
         if not weights.memory_weight > 0:
             return 0.0
         answer_len = weights.answer_tokens_for(query.max_tokens)
         pool = max(w.num_blocks, 1)
         in_use = 1.0 - w.num_free_blocks / pool
-        held_ms = (stored + answer_len / query.block_size) / pool * answer_len * step_ms
-        return weights.memory_weight * held_ms * (in_use * in_use)
+        blocks = stored * in_use + answer_len / query.block_size * (in_use * in_use)
+        held_ms = blocks / pool * answer_len * step_ms
+        return weights.memory_weight * held_ms
 
     def _eviction_ms(self, query: RouteQuery, w: WorkerView, stored: int) -> float:
         """The blocks w stores for the prompt, each priced as its prefill times the share of w's

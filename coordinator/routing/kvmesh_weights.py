@@ -18,6 +18,12 @@ class KvmeshWeights:
     request_balance: float = 0.1
     """Weight of the requests recently routed to a worker, scaled by the cheapest prefill of
     this prompt anywhere: keeps a hot prefix's holder from taking every follower."""
+    new_prefix_balance: float = 4.0
+    """Weight of the prompts a worker was lately given from scratch (decayed count), scaled by
+    this prompt's cheapest prefill, for a prompt nobody holds (not even as a routed prefix):
+    new prefixes are dealt out evenly, as a tree router deals out equal groups, since each
+    brings its followers. A prompt that some worker holds is priced without it. 4, the weight
+    measured (docs/benchmarks.md, "new prompts dealt evenly"). 0 disables."""
     balance_horizon_s: float = 10.0
     """How far back "recently" reaches (exponential decay time)."""
     routed_prefix_ttl_s: float = 30.0
@@ -47,10 +53,12 @@ class KvmeshWeights:
     memory_weight: float = 4.0
     """Price of the KV blocks a request holds on w (what it stores of the prompt there, computed
     or pulled, and its answer's blocks) for its answer's steps of w's batch, as the share of w's
-    pool they take, times the square of the share of the pool in use there: where the pool is
-    full, every block held is one the next request at w waits for, until this answer ends; where
-    it is half empty, seldom. Above 1 since a block held delays each request queued behind it,
-    not one; 4 (docs/benchmarks.md, "memory held"). 0 holds blocks for free."""
+    pool they take: the answer's blocks times the square of the share of the pool in use there
+    (where the pool is full, every block held is one the next request at w waits for, until this
+    answer ends; where it is half empty, seldom), the stored prompt blocks times the share
+    itself (they stay while the prompt's followers come, and a pool in use now fills). Above 1
+    since a block held delays each request queued behind it, not one; 4 (docs/benchmarks.md,
+    "memory held"). 0 holds blocks for free."""
     unknown_answer_tokens: float = 256.0
     """Answer length the memory term assumes when the request's max_tokens is unknown (the
     answer that `decode_tokens` stands for: 16 tokens priced at `decode_share`)."""
@@ -63,6 +71,7 @@ class KvmeshWeights:
             "recompute_weight",
             "placement_balance",
             "request_balance",
+            "new_prefix_balance",
             "decode_tokens",
             "decode_share",
             "max_decode_tokens",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -148,7 +149,7 @@ def test_running_context_sums_prompts_until_done_or_expired() -> None:
 
 
 # Only the decode term differs between the workers in these tests.
-DECODE_ONLY = KvmeshWeights(placement_balance=0, request_balance=0)
+DECODE_ONLY = KvmeshWeights(placement_balance=0, request_balance=0, new_prefix_balance=0)
 KV_CM = CostModel(decode_per_kv_token_ms=1e-4)
 
 
@@ -266,7 +267,8 @@ def _costs(p: KvmeshPolicy, ws: list[WorkerView]) -> dict[WorkerId, float]:
 def test_a_copy_onto_a_pool_full_of_reused_prefixes_costs_more_than_onto_one_with_room(
     policy_type: type[KvmeshPolicy],
 ) -> None:
-    p = _warmed(policy_type)
+    # (Without the new-prefix balance, which sends the second new prompt away from the first.)
+    p = _warmed(policy_type, KvmeshWeights(new_prefix_balance=0.0))
     cost = _costs(p, [view("a"), view("b")])
     # Each of the 21 stored blocks displaces one of the pool, reused with the share of the pool
     # the worker's reused prefixes fill: 150 / 1,000 on a, 900 / 1,000 on b.
@@ -358,11 +360,14 @@ def test_blocks_held_are_priced_over_the_answer_by_how_much_of_the_pool_is_in_us
     busy = WorkerView(A, 1000, 100, 0.0, 0, 4, 0, 0)  # 90% of the pool in use
     roomy = WorkerView(B, 1000, 500, 0.0, 0, 4, 0, 0)  # 50%
     d = p.choose(q, [busy, roomy])
-    # both would store the 11 prompt blocks and hold the answer's for its steps of a 4-batch
-    held_ms = (11 + answer_len / 16) / 1000 * answer_len * CM.decode_step_ms(4)
+    # both would store the 11 prompt blocks and hold the answer's for its steps of a 4-batch:
+    # the prompt's priced by the share of the pool in use, the answer's by its square
+    per_block_ms = answer_len * CM.decode_step_ms(4) / 1000
+    prompt_ms = 11 * per_block_ms * (0.9 - 0.5)
+    answer_ms = answer_len / 16 * per_block_ms * (0.9**2 - 0.5**2)
     assert d.worker_id == "b"
     gap = _scores(d)["a"] - _scores(d)["b"]
-    assert gap == pytest.approx(4.0 * held_ms * (0.9**2 - 0.5**2))
+    assert gap == pytest.approx(4.0 * (prompt_ms + answer_ms))
 
 
 @pytest.mark.parametrize("policy_type", [KvmeshPolicy, KvmeshReferencePolicy])
@@ -376,7 +381,8 @@ def test_where_the_pool_is_in_use_a_copy_pays_for_holding_the_prefix_and_a_hit_d
     other = WorkerView(B, 1000, 100, 0.0, 0, 4, 0, 0)
     d = p.choose(q, [holder, other])
     step = CM.decode_step_ms(4)
-    copy_ms = 4.0 * 10 / 1000 * 640 * step * 0.9**2  # the 10 prefix blocks, over 640 steps
+    # the 10 prefix blocks, over 640 steps, by the share in use (they stay for the followers)
+    copy_ms = 4.0 * 10 / 1000 * 640 * step * 0.9
     prefill_gap = CM.prefill_ms(165, 0) - CM.prefill_ms(165 - 160, 160)
     assert d.worker_id == "a"
     assert _scores(d)["b"] - _scores(d)["a"] == pytest.approx(prefill_gap + copy_ms)
@@ -385,3 +391,27 @@ def test_where_the_pool_is_in_use_a_copy_pays_for_holding_the_prefix_and_a_hit_d
 def test_the_memory_weight_is_validated() -> None:
     with pytest.raises(ValueError, match="memory_weight must be >= 0, got -1"):
         KvmeshWeights(memory_weight=-1)
+
+
+@pytest.mark.parametrize("policy_type", [KvmeshPolicy, KvmeshReferencePolicy])
+def test_a_prompt_nobody_holds_goes_where_fewer_new_prompts_went_whatever_the_queue(
+    policy_type: type[KvmeshPolicy],
+) -> None:
+    def routed(weights: KvmeshWeights, matched_on_a: int) -> RouteDecision:
+        p = policy_type(CM, random.Random(0), Clock(), weights)
+        for i in range(2):  # two prompts placed on a from scratch
+            p.choose(query(f"n{i}", hashes(100 * i + 1, 100 * i + 2)), [view("a")])
+        q = query("q", hashes(7, 8))
+        return p.choose(q, [view("a", matched=matched_on_a), view("b", queued_ms=15.0)])
+
+    weights = KvmeshWeights()
+    ready = CM.prefill_ms(16 * 2 + 5)
+    dealt = routed(weights, 0)
+    by_load = routed(replace(weights, new_prefix_balance=0.0), 0)
+    assert (dealt.worker_id, by_load.worker_id) == ("b", "a")
+    gap = _scores(dealt)["a"] - _scores(by_load)["a"]
+    assert gap == pytest.approx(weights.new_prefix_balance * 2 * ready)
+    assert _scores(dealt)["b"] == _scores(by_load)["b"]
+    # a holds a block of it: the prompt is no longer new, and is priced without the term
+    held = routed(weights, 1)
+    assert _scores(held) == _scores(routed(replace(weights, new_prefix_balance=0.0), 1))

@@ -6,7 +6,8 @@ random sequence of routes (sessions, routed prefixes, pulls, memory pressure, sm
 full of reused prefixes, calibrated decode, answers of unknown, short and long length, requests
 finishing, workers leaving, time passing), each fed the other's state changes only through its
 own decisions; any term that drifts between them changes a decision or a cost (and a reference
-without one of the terms is caught: the eviction, queue and memory terms' checks below).
+without one of the terms is caught: the eviction, queue, memory and new-prefix terms' checks
+below).
 """
 
 from __future__ import annotations
@@ -114,6 +115,28 @@ class _ReferenceWithoutMemory(KvmeshReferencePolicy):
         return 0.0
 
 
+class _ReferenceWithoutNewPrefixBalance(KvmeshReferencePolicy):
+    """The reference that places a prompt nobody holds by load alone."""
+
+    def _new_prefix_counts(
+        self, query: RouteQuery, views: Sequence[WorkerView], now: float
+    ) -> list[float] | None:
+        return None
+
+
+class _ReferenceWithSquaredStore(KvmeshReferencePolicy):
+    """The reference that prices the prompt blocks a request stores as its answer's: by the
+    square of the pool's share in use (the memory term before the stored blocks went linear)."""
+
+    def _memory_ms(self, query: RouteQuery, w: WorkerView, stored: int, step_ms: float) -> float:
+        weights = self.weights
+        answer_len = weights.answer_tokens_for(query.max_tokens)
+        pool = max(w.num_blocks, 1)
+        in_use = 1.0 - w.num_free_blocks / pool
+        held_ms = (stored + answer_len / query.block_size) / pool * answer_len * step_ms
+        return weights.memory_weight * held_ms * (in_use * in_use)
+
+
 def _drive(
     seed: int,
     num_workers: int,
@@ -136,12 +159,17 @@ def _drive(
     in_flight: list[str] = []
     for step in range(300):
         clock.now_s += rng.choice([0.0, 0.01, 0.3, 2.0])
-        chain = rng.choice(families)[: rng.randrange(1, 41)]
+        if rng.random() < 0.15:  # a prompt nobody holds: the new-prefix balance prices it
+            chain = [BlockHash(10_000 * (step + 1) + i) for i in range(rng.randrange(1, 41))]
+        else:
+            chain = rng.choice(families)[: rng.randrange(1, 41)]
         prompt_len = len(chain) * BS + rng.randrange(BS)
         session = rng.choice(["", "", "s1", "s2", f"s{step}"])
         max_tokens = rng.choice([None, rng.randrange(1, 64), rng.randrange(64, 4096)])
         query = RouteQuery(f"r{step}", chain, prompt_len, BS, session, max_tokens)
         views = _fleet(rng, num_workers, len(chain))
+        if chain[0] >= 10_000:
+            views = [v._replace(matched_blocks=0, matched_device_blocks=0) for v in views]
         if rng.random() < 0.2:  # every worker alike: the tie-break must draw the same
             views = [views[0]._replace(worker_id=v.worker_id) for v in views]
         d_fast = fast.choose(query, WorkerColumns.from_views(views))
@@ -175,8 +203,16 @@ def test_the_drive_catches_a_reference_that_ignores_evictions(seed: int) -> None
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
-@pytest.mark.parametrize("reference", [_ReferenceWithoutQueueSteps, _ReferenceWithoutMemory])
-def test_the_drive_catches_a_reference_without_a_queue_or_memory_term(
+@pytest.mark.parametrize(
+    "reference",
+    [
+        _ReferenceWithoutQueueSteps,
+        _ReferenceWithoutMemory,
+        _ReferenceWithoutNewPrefixBalance,
+        _ReferenceWithSquaredStore,
+    ],
+)
+def test_the_drive_catches_a_reference_without_a_queue_memory_or_new_prefix_term(
     seed: int, reference: type[KvmeshReferencePolicy]
 ) -> None:
     with pytest.raises(AssertionError):

@@ -269,7 +269,9 @@ def test_one_coordinator_places_the_same_with_the_decision_log(
         small_config(decision_log=True, commit_trip_ms=1.0), "kvmesh", shared_prefix
     ).run()
     assert trip.commit_attempts_per_request == 1.0 and trip.commit_ms_mean == 1.0
-    assert min(trip.ttft_ms) >= min(a.ttft_ms) + 1.0 - 1e-9
+    # The first request meets an empty fleet, so the same decision: its first token one trip
+    # later. (Later ones may be placed otherwise: their decisions are priced 1 ms later.)
+    assert trip.ttft_ms[0] == pytest.approx(a.ttft_ms[0] + 1.0)
 
 
 def test_replicas_with_the_decision_log_apply_every_decision_in_order(
