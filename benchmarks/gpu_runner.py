@@ -96,13 +96,13 @@ def bench_prefill(runner: ModelRunner, hf: Any, peak_tflops: float) -> dict[str,
     runner.forward([SeqChunk(ids[:CACHED_LEN], 0, table)])
     suffix = SeqChunk(ids[CACHED_LEN:], CACHED_LEN, table)
     cached = {}
-    default = runner.attention_mode
+    default = runner.attention.mode
     modes = (("triton", TRITON), ("gather+flash", GATHER), ("split", SPLIT), ("bucketed", BUCKETED))
     for name, mode in modes:
-        runner.attention_mode = mode
+        runner.attention.mode = mode
         cached[name] = wall_ms(lambda: runner.forward([suffix]), warmup=3, reps=10)
     new_lengths = first_call_ms(runner, ids, table, {"triton": TRITON, "bucketed": BUCKETED})
-    runner.attention_mode = default
+    runner.attention.mode = default
     flops = prefill_flops(c, 0, PROMPT_LEN)
     return {
         "cold_ms": cold_ms,
@@ -146,7 +146,7 @@ def first_call_ms(
             times[name][pass_name] = []
         for i, chunk in enumerate(chunks):
             for name in sorted(modes, reverse=bool(i % 2)):
-                runner.attention_mode = modes[name]
+                runner.attention.mode = modes[name]
                 call = functools.partial(runner.forward, [chunk])
                 times[name][pass_name].append(wall_ms(call, warmup=0, reps=1))
     return times
@@ -170,14 +170,14 @@ def bench_decode(runner: ModelRunner, tables: list[list[int]]) -> dict[str, Any]
         chunks = [SeqChunk(prompts[j], 0, tables[j]) for j in range(i, i + 8)]
         last += runner.forward(chunks).argmax(-1).tolist()
     results: dict[str, Any] = {}
-    default, graphs, fused = runner.attention_mode, runner.cuda_graphs, runner.fused_elementwise
+    default, graphs, fused = runner.attention.mode, runner.cuda_graphs, runner.fused_elementwise
     for name, mode, use_graphs, use_fused in (
         ("triton+graphs", TRITON, True, True),
         ("triton+graphs, torch elementwise", TRITON, True, False),
         ("triton", TRITON, False, True),
         ("gather+sdpa", GATHER, False, True),
     ):
-        runner.attention_mode, runner.cuda_graphs = mode, use_graphs
+        runner.attention.mode, runner.cuda_graphs = mode, use_graphs
         runner.fused_elementwise = use_fused
         tokens, samples = list(last), []
         for step in range(DECODE_STEPS):
@@ -189,7 +189,7 @@ def bench_decode(runner: ModelRunner, tables: list[list[int]]) -> dict[str, Any]
         step_ms = statistics.median(samples[3:])
         results[name] = {"step_ms": step_ms, "tokens_per_s": DECODE_BATCH / step_ms * 1e3}
         results[name]["tokens"] = tokens
-    runner.attention_mode, runner.cuda_graphs = default, graphs
+    runner.attention.mode, runner.cuda_graphs = default, graphs
     runner.fused_elementwise = fused
     final = {name: row.pop("tokens") for name, row in results.items()}
     results["graphs_same_tokens_as_eager"] = final["triton+graphs"] == final["triton"]
@@ -264,7 +264,7 @@ def main() -> None:  # noqa: D103
     num_blocks = tables[-1][-1] + 1
     runner = ModelRunner(config, num_blocks, BLOCK, device="cuda")
     started = time.perf_counter()
-    shapes = runner.warm_up_split(2048)  # what a worker does before it serves
+    shapes = runner.attention.warm_up_split(2048)  # what a worker does before it serves
     results["split_warm_up"] = {"shapes": shapes, "seconds": time.perf_counter() - started}
     hf = hf_llama_sharing_weights(runner)
     results["hf_check"] = check_against_hf(runner, hf)

@@ -158,7 +158,7 @@ def test_runner_gpu_paths_match_the_explicit_mask_path(
     for m in (AttentionMode(False, False, True), mode):
         runner = ModelRunner(config, 800, 16, device="cuda", dtype=dtype, weights=weights)
         weights = runner.weights
-        runner.attention_mode = m
+        runner.attention.mode = m
         for ids, (cached, _), table in zip(seqs, shapes, tables, strict=True):
             if cached:
                 runner.forward([SeqChunk(ids[:cached], 0, table)])

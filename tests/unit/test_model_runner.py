@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvmesh.workers.model import batch_plan
-from kvmesh.workers.model import runner as runner_module
+from kvmesh.workers.model import batch_attention, batch_plan
 from kvmesh.workers.model.batch_plan import AttentionMode
 from kvmesh.workers.model.model_config import ModelConfig, RopeScaling, load_model_config, preset
 from kvmesh.workers.model.runner import ModelRunner, SeqChunk, rope_inv_freq
@@ -182,7 +181,7 @@ def test_split_prefix_attention_gives_the_masked_paths_logits(tiny: ModelRunner)
     expected = fresh_runner(tiny).forward_all_logits([SeqChunk(ids, 0, list(range(12)))])[0]
     for cached in (1, 10, 16, 44):
         runner = fresh_runner(tiny)
-        runner.attention_mode = AttentionMode(
+        runner.attention.mode = AttentionMode(
             paged_decode=False, paged_prefill=False, explicit_masks=True, split_prefill=True
         )
         runner.forward([SeqChunk(ids[:cached], 0, table)])
@@ -202,7 +201,7 @@ def test_bucketed_split_gives_the_masked_paths_logits(
     expected = fresh_runner(tiny).forward_all_logits([SeqChunk(ids, 0, list(range(12)))])[0]
     for cached in (5, 12, 30, 40):
         runner = fresh_runner(tiny)
-        runner.attention_mode = AttentionMode(
+        runner.attention.mode = AttentionMode(
             paged_decode=False, paged_prefill=False, explicit_masks=True, bucketed_prefill=True
         )
         runner.forward([SeqChunk(ids[:cached], 0, table)])
@@ -218,23 +217,23 @@ def test_split_warm_up_runs_every_bucketed_shape_or_turns_the_split_off(
     """Warm-up runs each shape the runner will split (thresholds lowered for the tiny cache); a
     fused kernel that refuses the model's shapes leaves every chunk on the paged path instead of
     failing the worker's start."""
-    monkeypatch.setattr(runner_module, "BUCKETED_MIN_PREFIX", 8)
-    monkeypatch.setattr(runner_module, "BUCKETED_MIN_NEW", 1)
+    monkeypatch.setattr(batch_attention, "BUCKETED_MIN_PREFIX", 8)
+    monkeypatch.setattr(batch_attention, "BUCKETED_MIN_NEW", 1)
     runner = fresh_runner(tiny)
-    assert runner.warm_up_split(16) == 0  # the split is off on CPU: nothing to warm
+    assert runner.attention.warm_up_split(16) == 0  # the split is off on CPU: nothing to warm
     bucketed = AttentionMode(
         paged_decode=False, paged_prefill=False, explicit_masks=True, bucketed_prefill=True
     )
-    runner.attention_mode = bucketed
+    runner.attention.mode = bucketed
     max_len = NUM_BLOCKS * BLOCK_SIZE
-    assert runner.warm_up_split(16) == len(SplitShape.all_bucketed(8, max_len, 1, 16)) > 0
+    assert runner.attention.warm_up_split(16) == len(SplitShape.all_bucketed(8, max_len, 1, 16)) > 0
 
     def refuse(*args: object) -> None:
         raise RuntimeError("no kernel for head dim 16")
 
-    monkeypatch.setattr(runner_module, "split_prefix_attention", refuse)
-    assert runner.warm_up_split(16) == 0
-    assert not runner.attention_mode.bucketed_prefill
+    monkeypatch.setattr(batch_attention, "split_prefix_attention", refuse)
+    assert runner.attention.warm_up_split(16) == 0
+    assert not runner.attention.mode.bucketed_prefill
 
 
 def test_decode_steps_match_full_prompt_logits(tiny: ModelRunner) -> None:

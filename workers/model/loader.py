@@ -103,5 +103,5 @@ def build_worker(config: WorkerConfig) -> Worker:
         prefix_cache=config.prefix_cache,
     )
     worker.host_tier.warm_up()
-    runner.warm_up_split(config.max_num_batched_tokens)
+    runner.attention.warm_up_split(config.max_num_batched_tokens)
     return worker

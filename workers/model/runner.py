@@ -1,37 +1,28 @@
 """Runs a Llama-family decoder over a paged KV cache.
 
 All chunks' tokens go through the matmuls as one flattened token dimension; attention is the only
-per-sequence step, grouped as `batch_plan` describes. On CUDA, attention over cached K/V (decode
-and chunked prefill) reads the cache through block tables in the paged Triton kernel
-(`paged_attention`), except a chunked prefill behind a long prefix, which splits into an unmasked
-part on cuDNN and a causal tail on flash (`split_attention`); fresh prompts use flash SDPA on
-their own new K/V; RoPE, SiLU x up and add + RMSNorm are single Triton kernels
-(`elementwise_kernels`); decode-only steps replay CUDA graphs (`decode_graphs`). On CPU (the
-reference path, matched against transformers in the unit tests) cached K/V is gathered into
-contiguous buffers for SDPA, and GQA is folded into the query length (a KV head's query heads
-become extra query rows), so no K/V is copied per query head.
+per-sequence step, grouped as `batch_plan` describes and run by `batch_attention` (the paged Triton
+kernel, the split prefill on cuDNN and flash, or on CPU, the reference path matched against
+transformers in the unit tests, SDPA over gathered blocks). On CUDA, RoPE, SiLU x up and add +
+RMSNorm are single Triton kernels (`elementwise_kernels`); decode-only steps replay CUDA graphs
+(`decode_graphs`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import importlib.util
-import logging
 from collections.abc import Sequence
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from kvmesh.workers.kv.layer_load import LayerLoad, can_load_layers
+from kvmesh.workers.model.batch_attention import BatchAttention
 from kvmesh.workers.model.batch_plan import (
-    BUCKETED_MIN_NEW,
-    BUCKETED_MIN_PREFIX,
     AttentionMode,
     BatchPlan,
-    CachedChunk,
     SeqChunk,
     plan_batch,
     validate_batch,
@@ -39,16 +30,9 @@ from kvmesh.workers.model.batch_plan import (
 from kvmesh.workers.model.decode_graphs import DecodeGraphs
 from kvmesh.workers.model.lora import LoraAdapter, LoraBatch, load_peft_adapter
 from kvmesh.workers.model.model_config import ModelConfig, checkpoint_source
-from kvmesh.workers.model.paged_attention import paged_attention
 from kvmesh.workers.model.rope import Rope, apply_rope, rope_inv_freq, rope_tables
-from kvmesh.workers.model.split_attention import (
-    SplitShape,
-    cudnn_attention_usable,
-    split_prefix_attention,
-)
+from kvmesh.workers.model.split_attention import cudnn_attention_usable
 from kvmesh.workers.model.weights import LayerWeights, ModelWeights, load_checkpoint, random_weights
-
-log = logging.getLogger(__name__)
 
 __all__ = ["ModelRunner", "SeqChunk", "apply_rope", "rms_norm", "rope_inv_freq", "rope_tables"]
 
@@ -56,12 +40,6 @@ __all__ = ["ModelRunner", "SeqChunk", "apply_rope", "rms_norm", "rope_inv_freq",
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm; torch's fused kernel accumulates in float32 even for bf16 inputs."""
     return F.rms_norm(x, weight.shape, weight, eps)
-
-
-WARM_MAX_LEN = 16_384
-"""Longest sequence whose split shapes `warm_up_split` builds before serving."""
-WARM_MAX_NEW = 2048
-"""Longest chunk whose split shapes `warm_up_split` builds before serving."""
 
 
 class ModelRunner:
@@ -115,21 +93,25 @@ class ModelRunner:
         self.adapters: dict[str, LoraAdapter] = {}
         """LoRA adapters by name (see `lora.py`); a chunk's `adapter` picks one."""
         on_gpu = self.device.type == "cuda" and importlib.util.find_spec("triton") is not None
-        # Benchmarks and tests may switch paths on a live runner; results must not change.
-        # A long chunked prefill behind a long prefix splits into an unmasked part on cuDNN, at
-        # bucketed shapes so that a few execution plans serve every length, and a causal tail
-        # on flash (`split_attention`); other chunks stay on the paged kernel.
-        self.attention_mode = AttentionMode(
-            paged_decode=on_gpu,
-            paged_prefill=on_gpu,
-            explicit_masks=self.device.type != "cuda",
-            bucketed_prefill=on_gpu
-            and self.dtype in (torch.bfloat16, torch.float16)
-            and cudnn_attention_usable(self.device),
+        self.attention = BatchAttention(
+            config,
+            num_blocks,
+            block_size,
+            AttentionMode(
+                paged_decode=on_gpu,
+                paged_prefill=on_gpu,
+                explicit_masks=self.device.type != "cuda",
+                bucketed_prefill=on_gpu
+                and self.dtype in (torch.bfloat16, torch.float16)
+                and cudnn_attention_usable(self.device),
+            ),
+            device=self.device,
+            dtype=self.dtype,
+            num_sms=(
+                torch.cuda.get_device_properties(self.device).multi_processor_count if on_gpu else 0
+            ),
         )
-        self._num_sms = (
-            torch.cuda.get_device_properties(self.device).multi_processor_count if on_gpu else 0
-        )
+        """Which path serves which chunks (`attention.mode`) and the paths (`batch_attention`)."""
         self.fused_elementwise = on_gpu
         """RoPE, SiLU x up and residual add + RMSNorm run as single Triton kernels
         (`elementwise_kernels`) instead of several torch ops; benchmarks may switch it."""
@@ -218,7 +200,7 @@ class ModelRunner:
         if (
             graphs is not None
             and self.cuda_graphs
-            and self.attention_mode.paged_decode
+            and self.attention.mode.paged_decode
             and graphs.serves(batch)
         ):
             self.validate_batch(batch)
@@ -299,7 +281,7 @@ class ModelRunner:
         kv_blocks = self.kv_cache[layer_index]  # [2, num_blocks, block_size, kv_heads, dim]
         kv_blocks[0].view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, plan.write_slots, k)
         kv_blocks[1].view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, plan.write_slots, v)
-        out = self._attend(q, k, v, kv_blocks, plan).view(num_tokens, -1)
+        out = self.attention.attend(q, k, v, kv_blocks, plan).view(num_tokens, -1)
         projected = F.linear(out, layer.o_proj)
         return lora.add(projected, out, layer_index, "o") if lora is not None else projected
 
@@ -317,126 +299,6 @@ class ModelRunner:
             return self._kernels.silu_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
-
-    def _attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_blocks: torch.Tensor,
-        plan: BatchPlan,
-    ) -> torch.Tensor:
-        """Attention output [num_tokens, heads, dim] of every new token (see the module doc)."""
-        c = self.config
-        out = torch.empty((q.shape[0], c.num_heads, c.head_dim), device=q.device, dtype=q.dtype)
-        for rows in plan.fresh:
-            # [1, heads, tokens, dim] and a plain causal mask: the flash kernel takes GQA natively
-            # (fused kernels need 4-D inputs; 3-D ones fall back to the float32 math path).
-            qt, kt, vt = (x[rows].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-            attn = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
-            out[rows] = attn.squeeze(0).transpose(0, 1)
-        for chunk in plan.cached:
-            if chunk.split is not None:
-                keys, values = self._gather(kv_blocks, chunk.block_ids, 1)
-                end = chunk.end_pos
-                rows = chunk.rows
-                split_prefix_attention(
-                    q[rows], keys[0, :end], values[0, :end], chunk.split, out[rows]
-                )
-            else:
-                out[chunk.rows] = self._attend_cached(q, kv_blocks, chunk)
-        if plan.decode is not None:
-            d = plan.decode
-            keys, values = self._gather(kv_blocks, d.block_ids, len(d.rows))
-            attn = self._grouped_attention(q[d.rows].unsqueeze(1), keys, values, d.mask)
-            out[d.rows] = attn.squeeze(1)
-        for layout in plan.paged:
-            paged_attention(q, kv_blocks[0], kv_blocks[1], out, layout, num_sms=self._num_sms)
-        return out
-
-    def _attend_cached(
-        self, q: torch.Tensor, kv_blocks: torch.Tensor, chunk: CachedChunk
-    ) -> torch.Tensor:
-        """One chunked prefill over its gathered blocks: [num_new, heads, dim]."""
-        keys, values = self._gather(kv_blocks, chunk.block_ids, 1)
-        keys, values = keys[:, : chunk.end_pos], values[:, : chunk.end_pos]
-        if chunk.mask is not None:
-            attn = self._grouped_attention(q[chunk.rows].unsqueeze(0), keys, values, chunk.mask)
-            return attn.squeeze(0)
-        # The new tokens are the last ones: bottom-right causal, native to the flash kernel.
-        qt = q[chunk.rows].transpose(0, 1).unsqueeze(0)
-        kt, vt = keys.transpose(1, 2), values.transpose(1, 2)
-        bias = causal_lower_right(qt.shape[2], kt.shape[2])
-        attn = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=bias, enable_gqa=True)
-        return attn.squeeze(0).transpose(0, 1)
-
-    def warm_up_split(self, max_new: int) -> int:
-        """Build cuDNN's plans for the bucketed split now (~50 ms each on an H100, ~0.6 s the
-        first), not in the middle of serving: every shape of a prefix up to the cache's size (at
-        most `WARM_MAX_LEN`) and a split chunk up to `max_new` (at most `WARM_MAX_NEW`), on scratch
-        tensors (the cache is not touched). Returns the number of shapes; longer ones build on
-        first use."""
-        if not self.attention_mode.bucketed_prefill:
-            return 0
-        c = self.config
-        max_len = min(self.num_blocks * self.block_size, WARM_MAX_LEN)
-        shapes = SplitShape.all_bucketed(
-            BUCKETED_MIN_PREFIX, max_len, BUCKETED_MIN_NEW, min(max_new, WARM_MAX_NEW)
-        )
-        if not shapes:
-            return 0
-        longest = max(split + rows for split, rows in shapes)
-        keys = torch.zeros(
-            (longest, c.num_kv_heads, c.head_dim), device=self.device, dtype=self.dtype
-        )
-        for split, rows in shapes:
-            q = keys.new_zeros((rows, c.num_heads, c.head_dim))
-            end = split + rows
-            try:
-                split_prefix_attention(
-                    q, keys[:end], keys[:end], SplitShape(split, rows), q.clone()
-                )
-            except RuntimeError as exc:  # a head size or card the fused kernels refuse
-                log.warning("split prefill off, the paged kernel serves every chunk: %s", exc)
-                self.attention_mode = dataclasses.replace(
-                    self.attention_mode, bucketed_prefill=False
-                )
-                return 0
-        return len(shapes)
-
-    def _gather(
-        self, kv_blocks: torch.Tensor, block_ids: torch.Tensor, num_seqs: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values [num_seqs, len(block_ids) / num_seqs * block_size, kv_heads, dim].
-
-        Whole blocks are copied (one contiguous slab each), far faster than gathering slot by slot.
-        """
-        # One dim-0 select per half: a block copy each (~1.9 TB/s on an H100), where one select
-        # along dim 1 of both halves runs as an element gather (~1.1 TB/s).
-        keys, values = (
-            kv_blocks[0].index_select(0, block_ids),
-            kv_blocks[1].index_select(0, block_ids),
-        )
-        shape = (num_seqs, -1, self.config.num_kv_heads, self.config.head_dim)
-        return keys.view(shape), values.view(shape)
-
-    def _grouped_attention(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
-    ) -> torch.Tensor:
-        """q [b, n, heads, dim], keys/values [b, m, kv_heads, dim] -> [b, n, heads, dim].
-
-        Query heads sharing a KV head become rows (g, i) of one [g * n]-long query, so K/V is read
-        once per KV head; the mask must be laid out in the same (g, i) row order.
-        """
-        b, n, _, dim = q.shape
-        kv_heads, group = self.config.num_kv_heads, self.config.num_queries_per_kv
-        q_rows = (
-            q.view(b, n, kv_heads, group, dim).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, -1, dim)
-        )
-        out = F.scaled_dot_product_attention(
-            q_rows, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask
-        )
-        return out.view(b, kv_heads, group, n, dim).permute(0, 3, 1, 2, 4).reshape(b, n, -1, dim)
 
     # ------------------------------------------------------------------ batch planning
 
@@ -463,7 +325,7 @@ class ModelRunner:
             block_size=self.block_size,
             num_queries_per_kv=self.config.num_queries_per_kv,
             device=self.device,
-            mode=self.attention_mode,
+            mode=self.attention.mode,
         )
 
     # ------------------------------------------------------------------ block transfer
