@@ -53,7 +53,7 @@ def main() -> None:
         for gap_ms in (float(g) for g in args.gaps_ms.split(",")):
             count = 300 if gap_ms < 50 else 80
             commit = trips_us(lambda: store.commit_decision(None, placement), gap_ms / 1e3, count)
-            ping = trips_us(store._client.ping, gap_ms / 1e3, count)
+            ping = trips_us(store.ping, gap_ms / 1e3, count)
             rows.append({"gap_ms": gap_ms, "commit_us": commit, "ping_us": ping})
             commit_col, ping_col = (
                 f"{commit[0]:.0f} / {commit[1]:.0f}",
