@@ -2,12 +2,14 @@
 
 One engine thread owns the worker (pool, scheduler, model) and drives `Worker.step()`; Ray's
 event loop serves calls. Anything that touches the worker runs on the engine thread as a closure
-(`_on_engine`); a request's outputs cross back to the caller's stream through an asyncio queue.
-After every step the thread publishes the step's KV events *before* handing out the tokens, so
-by the time a client sees a response the index already knows the blocks it left behind.
+(`_on_engine`); a request's outputs cross back to the caller's stream through its
+`OutputQueue` (outputs queued while the stream was busy go out as one). After every step the
+thread hands out first and middle tokens, publishes the step's KV events, then hands out the
+requests' last outputs, so by the time a client sees a request end the index already knows the
+blocks it left behind.
 
     caller --generate()--> [pull: reserve, transport.fetch, finish] --> engine thread:
-           step, publish events --> queue --> stream
+           step, tokens, publish events, last outputs --> OutputQueue --> stream
 
 A request with a pull plan is pulled here, by the worker that serves it, while it is admitted:
 the reserved blocks belong to the request from the start (see `workers/engine/worker.py`).
@@ -37,6 +39,7 @@ from kvmesh.workers.engine.event_publisher import EventPublisher
 from kvmesh.workers.engine.worker import BlockWriter
 from kvmesh.workers.kv.pull_reservation import PullReservation
 from kvmesh.workers.model.loader import build_worker
+from kvmesh.workers.output_queue import OutputQueue
 from kvmesh.workers.transfer.block_export import BlockExport
 from kvmesh.workers.transfer.cuda_ipc import CudaIpcTransport
 from kvmesh.workers.transfer.nccl import NcclLink, NcclTransport
@@ -63,7 +66,7 @@ class WorkerActor:
         self.worker.node = f"{self.worker.node}/{node_id[:12]}"
         self._inbox: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]] = {}
+        self._streams: dict[str, OutputQueue] = {}
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._publisher = (
@@ -92,11 +95,10 @@ class WorkerActor:
     # ---- requests -----------------------------------------------------------------------------
 
     async def generate(self, request: WorkerRequest) -> AsyncIterator[RequestOutput]:
-        loop = asyncio.get_running_loop()
-        out: asyncio.Queue[Any] = asyncio.Queue()
+        out = OutputQueue(asyncio.get_running_loop())
         rid = request.request_id
         with self._lock:
-            self._streams[rid] = (loop, out)
+            self._streams[rid] = out
         try:
             try:
                 reservation = await self._on_engine(lambda: self.worker.add_request(request))
@@ -107,9 +109,7 @@ class WorkerActor:
                 await self._pull(rid, request.pull, reservation)
             self._wakeup.set()
             while True:
-                item = await out.get()
-                if isinstance(item, Exception):
-                    raise item
+                item = await out.take()
                 yield item
                 if item.finished:
                     return
@@ -382,12 +382,11 @@ class WorkerActor:
     def _ttl_ms(self) -> int:
         return int(self.config.heartbeat_ttl_s * 1000)
 
-    def _deliver(self, request_id: str, item: Any) -> None:
+    def _deliver(self, request_id: str, item: RequestOutput | Exception) -> None:
         with self._lock:
             target = self._streams.get(request_id)
         if target is not None:
-            loop, out = target
-            loop.call_soon_threadsafe(out.put_nowait, item)
+            target.put(item)
 
     def _fail_all(self, exc: Exception) -> None:
         with self._lock:

@@ -75,6 +75,24 @@ class RequestOutput:
     failure: SequenceFailure | None = None
     """Set (with finished=True, finish_reason "error") when this request alone failed."""
 
+    def then(self, later: RequestOutput) -> RequestOutput:
+        """This output and the request's next one as one (the caller had not taken this one
+        yet): the tokens in order, the later one's end, the first one's prefill facts. Neither
+        may be a failure, and this one may not be finished."""
+        if later.request_id != self.request_id or self.finished or self.failure or later.failure:
+            raise ValueError(
+                f"cannot join outputs {self.request_id!r} (finished={self.finished}, "
+                f"failed={self.failure is not None}) and {later.request_id!r} "
+                f"(failed={later.failure is not None})"
+            )
+        return RequestOutput(
+            self.request_id,
+            self.new_token_ids + later.new_token_ids,
+            later.finished,
+            later.finish_reason,
+            self.prefill if self.prefill is not None else later.prefill,
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class WorkerCounters:
