@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import pytest
 import ray
@@ -37,22 +38,39 @@ def nodes(ray_session: None) -> Iterator[RayNodes]:
     finally:
         ray.shutdown()
         cluster.shutdown()
-        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        _retry_startup(
+            lambda: ray.init(
+                num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False
+            ),
+            ray.shutdown,
+        )
 
 
-def _start_nodes(attempts: int = 3) -> RayNodes:
+def _start_nodes() -> RayNodes:
+    started: list[RayNodes] = []
+
+    def start() -> RayNodes:  # a fresh cluster each attempt
+        started.append(RayNodes())
+        started[-1].add_node(num_cpus=0)  # the head: no CPU for actors
+        for _ in range(2):
+            started[-1].add_node(num_cpus=2)
+        return started[-1]
+
+    return _retry_startup(start, lambda: started[-1].shutdown())
+
+
+T = TypeVar("T")
+
+
+def _retry_startup(start: Callable[[], T], undo: Callable[[], object], attempts: int = 3) -> T:
     """Ray gives a new raylet a fixed 30 s to register with its GCS; on a loaded two-core machine
-    (the session's Ray still tearing down its workers) one start can miss that, so a start that
-    times out is torn down and tried again. Any other failure, or the last attempt's, is raised."""
+    (another Ray still tearing down its workers) one start can miss that, so a start that times
+    out is undone and tried again. Any other failure, or the last attempt's, is raised."""
     for attempt in range(attempts):
-        cluster = RayNodes()
         try:
-            cluster.add_node(num_cpus=0)  # the head: no CPU for actors
-            for _ in range(2):
-                cluster.add_node(num_cpus=2)
-            return cluster
+            return start()
         except Exception as exc:
-            cluster.shutdown()
+            undo()
             if "timed out during startup" not in str(exc) or attempt == attempts - 1:
                 raise
             time.sleep(2.0)
