@@ -3,35 +3,21 @@ and for a stream that has not answered yet (`client/failover_channels.py`), over
 
 from __future__ import annotations
 
-import socket
-from collections.abc import Iterator
-from concurrent import futures
-
-import grpc
 import pytest
 
 from kvmesh.client.errors import Unavailable
 from kvmesh.client.failover_channels import FailoverChannels
 from kvmesh.proto import kvmesh_pb2 as pb
-from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
-from tests.unit.test_cli import FakeKVMesh
+from tests.unit import test_cli
 
-
-@pytest.fixture(scope="module")
-def address() -> Iterator[str]:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    pb_grpc.add_KVMeshServicer_to_server(FakeKVMesh(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    yield f"127.0.0.1:{port}"
-    server.stop(grace=None)
+# The fake coordinator's server and a closed port: the CLI tests' fixtures.
+address = test_cli.address
+closed_port = test_cli.closed_port
 
 
 @pytest.fixture
-def down() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{sock.getsockname()[1]}"
+def down(closed_port: int) -> str:
+    return f"127.0.0.1:{closed_port}"
 
 
 def channels(*addresses: str) -> FailoverChannels:
