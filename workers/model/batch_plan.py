@@ -237,8 +237,9 @@ def plan_batch(
     fresh, cached_indices, decode_indices = _sort_chunks(batch)
     split_indices = []
     if mode.bucketed_prefill:
-        split_indices = [i for i in cached_indices if _splits_well(batch[i])]
-        cached_indices = [i for i in cached_indices if not _splits_well(batch[i])]
+        splits = [_splits_well(batch[i]) for i in cached_indices]
+        split_indices = [i for i, split in zip(cached_indices, splits, strict=True) if split]
+        cached_indices = [i for i, split in zip(cached_indices, splits, strict=True) if not split]
     paged = []
     for indices, use_kernel, tile in (
         (decode_indices, mode.paged_decode, DECODE_TILE),
