@@ -1,0 +1,344 @@
+"""Where a cached request's time goes on its way from the model runner to the client.
+
+The same requests at four depths, each figure beside the one below it from the same run:
+  1. runner   the forward pass alone (synchronised, wall), as the engine calls it
+  2. engine   `Worker.step()` in-process: scheduling, the forward, sampling, outputs
+  3. actor    the worker's Ray actor called directly (its engine thread, Ray's streaming)
+  4. service  gRPC -> coordinator (routing, the decision) -> actor -> client
+Requests: an 8K prompt whose 7.5K prefix the worker holds (a local hit's TTFT), and decode at
+batch 1 and 32 (time per output token). On a GPU: Llama-3-8B shape, bf16.
+
+Usage (GPU machine): python benchmarks/service_path.py --json $OUT/service_path.json
+Smoke test (CPU):    python benchmarks/service_path.py --device cpu --model tiny-random \
+                        --prompt 1024 --prefix 768 --decode-prompt 128 --decode-tokens 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvmesh.workers.config import WorkerConfig
+from kvmesh.workers.contract.requests import SamplingConfig, WorkerRequest
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+class Shapes:
+    """The requests every depth serves (fresh random tokens each call)."""
+
+    def __init__(self, args: argparse.Namespace, vocab: int) -> None:
+        self.args = args
+        self.vocab = min(vocab, 120_000)
+        self.gen = torch.Generator().manual_seed(0)
+
+    def rand(self, n: int) -> list[int]:
+        return torch.randint(0, self.vocab, (n,), generator=self.gen).tolist()
+
+    def tail(self) -> list[int]:
+        return self.rand(self.args.prompt - self.args.prefix)
+
+
+def engine_depth(args: argparse.Namespace) -> dict[str, Any]:
+    """Depths 1 and 2: one worker in this process, its forward timed apart."""
+    from kvmesh.workers.model.loader import build_worker
+
+    worker = build_worker(
+        WorkerConfig("engine", model=args.model, num_blocks=args.num_blocks, device=args.device)
+    )
+    shapes = Shapes(args, worker.runner.config.vocab_size)
+    forward_s: list[float] = []
+    plain_forward = worker.runner.forward
+
+    def timed_forward(*a: Any, **k: Any) -> Any:
+        sync(args.device)
+        started = time.perf_counter()
+        out = plain_forward(*a, **k)
+        sync(args.device)
+        forward_s.append(time.perf_counter() - started)
+        return out
+
+    worker.runner.forward = timed_forward  # type: ignore[method-assign]
+
+    def serve(rid: str, prompts: list[list[int]], max_tokens: int) -> tuple[list[float], float]:
+        """Every step's wall time; the time to the first step's end."""
+        sync(args.device)
+        started = time.perf_counter()
+        for i, p in enumerate(prompts):
+            worker.add_request(
+                WorkerRequest(f"{rid}-{i}", tuple(p), SamplingConfig(max_tokens, ignore_eos=True))
+            )
+        steps, first = [], 0.0
+        while worker.has_work:
+            t = time.perf_counter()
+            worker.step()
+            steps.append(time.perf_counter() - t)
+            first = first or time.perf_counter() - started
+        return steps, first
+
+    choice = worker.runner.attention.prefill_choice
+    out: dict[str, Any] = {"prefill_choice": choice.describe() if choice else "not probed"}
+    serve("warm", [shapes.rand(args.prompt)], 2)
+    hits, runner_ms, rest_ms = [], [], []
+    for r in range(args.trials + 1):
+        prefix = shapes.rand(args.prefix)
+        serve(f"cold{r}", [prefix + shapes.tail()], 1)
+        forward_s.clear()
+        steps, first = serve(f"hit{r}", [prefix + shapes.tail()], 1)
+        if r == 0:
+            continue  # shapes met for the first time
+        hits.append(first * 1e3)
+        runner_ms.append(forward_s[0] * 1e3)
+        rest_ms.append((steps[0] - forward_s[0]) * 1e3)
+    out["local_hit"] = {
+        "runner_ms": median(runner_ms),
+        "engine_ms": median(hits),
+        "engine_outside_forward_ms": median(rest_ms),
+    }
+    for batch in args.batches:
+        forward_s.clear()
+        prompts = [shapes.rand(args.decode_prompt) for _ in range(batch)]
+        steps, _ = serve(f"decode{batch}", prompts, args.decode_tokens)
+        decode_steps = steps[1:]
+        decode_forwards = forward_s[1:]
+        out[f"decode_b{batch}"] = {
+            "runner_ms": median([f * 1e3 for f in decode_forwards]),
+            "engine_step_ms": median([s * 1e3 for s in decode_steps]),
+        }
+    return out  # the worker goes with this frame, before the actor's model is built
+
+
+def actor_depth(args: argparse.Namespace) -> dict[str, Any]:
+    """Depths 3 and 4: a one-worker deployment; the actor called directly, then via gRPC."""
+    import ray
+
+    from kvmesh.coordinator.cluster.deployment import Deployment, DeploymentConfig
+    from kvmesh.coordinator.config import CoordinatorConfig
+    from kvmesh.workers.model.model_config import preset
+
+    cuda = args.device.startswith("cuda")
+    config = DeploymentConfig(
+        coordinator=CoordinatorConfig(model=args.model, port=0, max_tokens_limit=4096),
+        num_workers=1,
+        worker=WorkerConfig("t", num_blocks=args.num_blocks, device=args.device),
+        gpus_per_worker=1.0 if cuda else 0.0,
+    )
+    deployment = Deployment(config)
+    deployment.start()
+    try:
+        actor = deployment.cluster.actor("w0")
+        shapes = Shapes(args, preset(args.model).vocab_size)
+
+        def first_output(rid: str, prompt: list[int], max_tokens: int) -> tuple[Any, float]:
+            request = WorkerRequest(rid, tuple(prompt), SamplingConfig(max_tokens, ignore_eos=True))
+            started = time.perf_counter()
+            stream = actor.generate.remote(request)
+            first = ray.get(next(iter(stream)))
+            took = (time.perf_counter() - started) * 1e3
+            for ref in stream:  # drain the rest
+                ray.get(ref)
+            return first, took
+
+        def stream_gaps(prompts: list[list[int]]) -> list[float]:
+            """Caller-side time per output token of concurrent streams (after the first
+            output), each stream read by its own thread."""
+            from concurrent.futures import ThreadPoolExecutor
+
+            def read(i: int) -> list[float]:
+                request = WorkerRequest(
+                    f"dec-{time.monotonic_ns()}-{i}",
+                    tuple(prompts[i]),
+                    SamplingConfig(args.decode_tokens, ignore_eos=True),
+                )
+                gaps, last = [], 0.0
+                for ref in actor.generate.remote(request):
+                    out = ray.get(ref)
+                    now = time.perf_counter()
+                    if last:
+                        gaps.append((now - last) * 1e3 / max(1, len(out.new_token_ids)))
+                    last = now
+                return gaps
+
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                return [g for gaps in pool.map(read, range(len(prompts))) for g in gaps]
+
+        first_output("warm", shapes.rand(args.prompt), 2)
+        actor_ms, prefill_ms, queued_ms = [], [], []
+        pid = ray.get(actor.info.remote()).pid
+        print(f"phase: actor local hits, worker pid {pid}", flush=True)
+        for r in range(args.actor_trials + 1):
+            prefix = shapes.rand(args.prefix)
+            first_output(f"cold{r}", prefix + shapes.tail(), 1)
+            out, took = first_output(f"hit{r}", prefix + shapes.tail(), 2)
+            if r:
+                actor_ms.append(took)
+                prefill_ms.append(out.prefill.prefill_ms)
+                queued_ms.append(out.prefill.queued_ms)
+        result: dict[str, Any] = {
+            "local_hit": {
+                "actor_ms": median(actor_ms),
+                "worker_prefill_ms": median(prefill_ms),
+                "worker_queued_ms": median(queued_ms),
+            }
+        }
+        for batch in args.batches:
+            gaps = stream_gaps([shapes.rand(args.decode_prompt) for _ in range(batch)])
+            result[f"decode_b{batch}"] = {"actor_tpot_ms": median(gaps)}
+        print(f"phase: service local hits, coordinator pid {os.getpid()}", flush=True)
+        result.update(_merge(result, _service_depth(deployment.address, args)))
+        return result
+    finally:
+        deployment.stop()
+
+
+def _service_depth(address: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Depth 4, measured by a client in its own process (as a real client is)."""
+    argv = [sys.executable, __file__, "--client", address, "--model", args.model]
+    for flag in ("prompt", "prefix", "decode_prompt", "decode_tokens", "actor_trials"):
+        argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    argv += ["--batches", ",".join(str(b) for b in args.batches)]
+    done = subprocess.run(argv, capture_output=True, text=True, check=True)
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def _merge(result: dict[str, Any], service: dict[str, Any]) -> dict[str, Any]:
+    """The client's figures into the actor's rows."""
+    merged = {k: dict(v) for k, v in result.items()}
+    for row, figures in service.items():
+        merged.setdefault(row, {}).update(figures)
+    return merged
+
+
+def client_depth(address: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The client's side of depth 4: local hits' TTFT, then concurrent decodes' TPOT."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvmesh.client import Client
+    from kvmesh.workers.model.model_config import preset
+
+    shapes = Shapes(args, preset(args.model).vocab_size)
+    out: dict[str, Any] = {}
+    with Client(address, timeout_s=600) as client:
+        client.generate(shapes.rand(args.prompt), max_tokens=2)
+        ttfts = []
+        for r in range(args.actor_trials + 1):
+            prefix = shapes.rand(args.prefix)
+            client.generate(prefix + shapes.tail(), max_tokens=1)
+            time.sleep(0.2)  # the index learns the blocks
+            hit = client.generate(prefix + shapes.tail(), max_tokens=2)
+            if r:
+                ttfts.append(hit.ttft_ms or 0.0)
+        out["local_hit"] = {"service_ms": median(ttfts)}
+
+        def one(_: int) -> float:
+            r = client.generate(
+                shapes.rand(args.decode_prompt), max_tokens=args.decode_tokens, ignore_eos=True
+            )
+            return (r.total_ms - (r.ttft_ms or 0.0)) / max(1, len(r.tokens) - 1)
+
+        for batch in args.batches:
+            with ThreadPoolExecutor(batch) as pool:
+                tpots = list(pool.map(one, range(batch)))
+            out[f"decode_b{batch}"] = {"service_tpot_ms": median(tpots)}
+    return out
+
+
+def rows(r: dict[str, Any], batches: list[int]) -> list[tuple[str, str, str, str, str]]:
+    e, a = r["engine"], r.get("actor", {})
+    f = lambda x: f"{x:.2f}" if isinstance(x, float) else "-"  # noqa: E731
+    hit_e, hit_a = e["local_hit"], a.get("local_hit", {})
+    out = [
+        (
+            "local hit TTFT (ms)",
+            f(hit_e["runner_ms"]),
+            f(hit_e["engine_ms"]),
+            f(hit_a.get("actor_ms")) + f" (worker prefill {f(hit_a.get('worker_prefill_ms'))})",
+            f(hit_a.get("service_ms")),
+        )
+    ]
+    for b in batches:
+        de, da = e[f"decode_b{b}"], a.get(f"decode_b{b}", {})
+        out.append(
+            (
+                f"decode b{b} per token (ms)",
+                f(de["runner_ms"]),
+                f(de["engine_step_ms"]),
+                f(da.get("actor_tpot_ms")),
+                f(da.get("service_tpot_ms")),
+            )
+        )
+    return out
+
+
+def main() -> None:  # noqa: D103
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="llama3-8b-random")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--num-blocks", type=int, default=4096)
+    ap.add_argument("--prompt", type=int, default=8192)
+    ap.add_argument("--prefix", type=int, default=7680)
+    ap.add_argument("--decode-prompt", type=int, default=2048)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--trials", type=int, default=4)
+    ap.add_argument("--actor-trials", type=int, default=4, help="local hits at depths 3 and 4")
+    ap.add_argument("--skip-actor", action="store_true")
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--client", metavar="ADDRESS", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    args.batches = [int(b) for b in args.batches.split(",")]
+    if args.client:  # depth 4's client, started by the run itself
+        print(json.dumps(client_depth(args.client, args)))
+        return
+    result: dict[str, Any] = {
+        "device": _device_name(args.device),
+        "args": vars(args) | {"json": None},
+    }
+    result["engine"] = engine_depth(args)
+    _dump(args, result)
+    if not args.skip_actor:
+        import ray
+
+        ray.init(num_gpus=torch.cuda.device_count() if args.device.startswith("cuda") else 0)
+        result["actor"] = actor_depth(args)
+        _dump(args, result)
+    print(
+        f"{result['device']}: {args.prompt}-token prompt, {args.prefix} cached; decode "
+        f"{args.decode_prompt}-token prompts"
+    )
+    print(
+        f"long chunked prefills (the worker's start-up probe): {result['engine']['prefill_choice']}"
+    )
+    print(f"{'':28} {'runner':>9} {'engine':>9} {'actor':>34} {'service':>9}")
+    for row in rows(result, args.batches):
+        print(f"{row[0]:28} {row[1]:>9} {row[2]:>9} {row[3]:>34} {row[4]:>9}")
+
+
+def _device_name(device: str) -> str:
+    return torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
+
+
+def _dump(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
