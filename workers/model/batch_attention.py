@@ -26,6 +26,7 @@ from kvmesh.workers.model.batch_plan import (
 )
 from kvmesh.workers.model.model_config import ModelConfig
 from kvmesh.workers.model.paged_attention import paged_attention
+from kvmesh.workers.model.prefill_choice import PrefillChoice
 from kvmesh.workers.model.split_attention import SplitShape, split_prefix_attention
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,9 @@ class BatchAttention:
         self.dtype = dtype
         self.num_sms = num_sms
         """Streaming multiprocessors the paged kernel spreads its key splits over (0 on CPU)."""
+        self.prefill_choice: PrefillChoice | None = None
+        """Why long chunked prefills split or not on this machine (`prefill_choice`); None
+        until measured."""
 
     def attend(
         self,

@@ -17,6 +17,7 @@ from kvmesh.workers.engine.scheduler import SchedulerConfig
 from kvmesh.workers.engine.worker import Worker
 from kvmesh.workers.kv.host_pool import HostPool
 from kvmesh.workers.model.model_config import ModelConfig, load_model_config
+from kvmesh.workers.model.prefill_choice import apply_faster_prefill
 from kvmesh.workers.model.runner import ModelRunner
 
 _ACTIVATION_RESERVE_BYTES = 2 << 30
@@ -104,4 +105,5 @@ def build_worker(config: WorkerConfig) -> Worker:
     )
     worker.host_tier.warm_up()
     runner.attention.warm_up_split(config.max_num_batched_tokens)
+    apply_faster_prefill(runner)
     return worker

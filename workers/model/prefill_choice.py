@@ -1,0 +1,141 @@
+"""Which path a long chunked prefill takes on this machine: measured once, before serving.
+
+A chunk of >= `BUCKETED_MIN_NEW` tokens behind >= `BUCKETED_MIN_PREFIX` cached ones can split
+(cuDNN over the bucketed prefix, flash over the causal tail, a merge) or stay on the paged
+kernel. Which is faster depends on the card and its host, not only on the shapes: on one H100
+the split took a cached 8K forward from 21.5 to 19.0 ms, on another (a slower GPU and host, the
+same code) it made it slower, 34-36 ms against 27 (docs/benchmarks.md). So a worker times one
+representative forward both ways and keeps the faster:
+
+    chunk: BUCKETED_MIN_NEW new tokens behind the longest prefix the pool and the model allow
+           (at most `PROBE_PREFIX`), blocks 0.. of the pool, which holds nothing yet
+    timed: `PROBE_ROUNDS` rounds, the two paths taking turns; the median of each
+    kept:  the split, unless the paged kernel's median is lower by more than `MARGIN`
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvmesh.workers.model.batch_plan import (
+    BUCKETED_MIN_NEW,
+    BUCKETED_MIN_PREFIX,
+    AttentionMode,
+    SeqChunk,
+)
+
+if TYPE_CHECKING:
+    from kvmesh.workers.model.runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+PROBE_PREFIX = 7680
+"""Cached tokens behind the probe's chunk (7.5K of an 8K prompt, the benchmarks' shape)."""
+PROBE_ROUNDS = 5
+MARGIN = 0.03
+"""The split stays unless the paged kernel is this much faster (a tie keeps the default)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillChoice:
+    """The probe's result: median forward times of one chunk both ways, and the pick."""
+
+    new_tokens: int
+    cached_tokens: int
+    split_ms: float
+    paged_ms: float
+
+    @property
+    def split(self) -> bool:
+        """Whether long chunks split (the paged kernel is not faster by more than MARGIN)."""
+        return self.paged_ms >= self.split_ms * (1 - MARGIN)
+
+    def applied_to(self, mode: AttentionMode) -> AttentionMode:
+        return dataclasses.replace(mode, bucketed_prefill=self.split)
+
+    def describe(self) -> str:
+        path = "split (cuDNN + flash)" if self.split else "paged kernel"
+        return (
+            f"{self.new_tokens} new tokens behind {self.cached_tokens} cached: split"
+            f" {self.split_ms:.2f} ms, paged {self.paged_ms:.2f} ms -> {path}"
+        )
+
+
+def probe_chunk(num_blocks: int, block_size: int, max_positions: int) -> SeqChunk | None:
+    """The chunk the probe runs, or None if the pool or the model is too short for a split."""
+    new = BUCKETED_MIN_NEW
+    room = min(num_blocks * block_size, max_positions) - new
+    cached = min(PROBE_PREFIX, room) // block_size * block_size
+    if cached < BUCKETED_MIN_PREFIX:
+        return None
+    return SeqChunk([0] * new, cached, list(range(-(-(cached + new) // block_size))))
+
+
+def choose_prefill(
+    forward: Callable[[Sequence[SeqChunk]], object],
+    mode: AttentionMode,
+    set_mode: Callable[[AttentionMode], None],
+    chunk: SeqChunk,
+    synchronize: Callable[[], None],
+    clock: Callable[[], float] = time.perf_counter,
+) -> PrefillChoice:
+    """Time `forward([chunk])` with the split on and off (`set_mode`), leaving `mode` set.
+    `clock` in seconds."""
+    modes = {"split": dataclasses.replace(mode, bucketed_prefill=True)}
+    modes["paged"] = dataclasses.replace(mode, bucketed_prefill=False)
+    samples: dict[str, list[float]] = {name: [] for name in modes}
+    try:
+        for round_index in range(PROBE_ROUNDS + 1):
+            for name in sorted(modes, reverse=bool(round_index % 2)):
+                set_mode(modes[name])
+                synchronize()
+                started = clock()
+                forward([chunk])
+                synchronize()
+                if round_index:  # the first round builds plans and compiles
+                    samples[name].append((clock() - started) * 1e3)
+    finally:
+        set_mode(mode)
+    return PrefillChoice(
+        len(chunk.token_ids),
+        chunk.start_pos,
+        statistics.median(samples["split"]),
+        statistics.median(samples["paged"]),
+    )
+
+
+def synchronizer(device: torch.device) -> Callable[[], None]:
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def apply_faster_prefill(runner: ModelRunner) -> PrefillChoice | None:
+    """Before the runner serves (its pool's first blocks are overwritten): probe both paths and
+    keep the faster in `runner.attention` (`mode`, and `prefill_choice` saying why). None: the
+    split is off or cannot apply to this pool and model, nothing was run."""
+    attention = runner.attention
+    if not attention.mode.bucketed_prefill:
+        return None
+    chunk = probe_chunk(runner.num_blocks, runner.block_size, runner.config.max_position_embeddings)
+    if chunk is None:
+        return None
+
+    def set_mode(mode: AttentionMode) -> None:
+        attention.mode = mode
+
+    choice = choose_prefill(
+        runner.forward, attention.mode, set_mode, chunk, synchronizer(runner.device)
+    )
+    attention.mode = choice.applied_to(attention.mode)
+    attention.prefill_choice = choice
+    log.info("long chunked prefills: %s", choice.describe())
+    return choice
