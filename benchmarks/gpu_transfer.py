@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +97,7 @@ def block_movement(num_pool_blocks: int = 2048) -> dict[str, float]:
     return out
 
 
-def host_tier_ttft() -> dict[str, float]:
+def host_tier_ttft() -> dict[str, Any]:
     """In-process (no Ray): an 8K prompt whose 7.5K prefix sits on the host tier."""
     from kvmesh.workers.config import WorkerConfig
     from kvmesh.workers.contract.requests import SamplingConfig, WorkerRequest
@@ -126,7 +127,7 @@ def host_tier_ttft() -> dict[str, float]:
     ttft("warm-hit", warm + tail(0))
     cold = ttft("cold", prefix + tail(1))
     locals_ms = [ttft(f"local{r}", prefix + tail(2)) for r in range(3)]
-    out = {"cold_ms": cold, "local_hit_ms": sorted(locals_ms)[1]}
+    out: dict[str, Any] = {"cold_ms": cold, "local_hit_ms": sorted(locals_ms)[1]}
     # Evictions copied out on the request's path (the promotion as one copy before the prefill,
     # as before), then with the worker's idle write-back between requests (what the actor's
     # engine loop runs whenever it has nothing to do), promoting as one copy and layer by layer
@@ -152,6 +153,31 @@ def host_tier_ttft() -> dict[str, float]:
             promoted.append(float(worker.tally.host_hit_tokens - before))
         out[f"{label}_ms"] = sorted(samples)[1]
         out[f"{label}_tokens"] = min(promoted)
+    # The same local and layered host hits with long chunks on the path the start-up probe did
+    # not pick (split <-> paged), then back: which path a promoted prefix prefers.
+    choice = worker.runner.attention.prefill_choice
+    out["prefill_choice"] = choice.describe() if choice else "not probed"
+    picked = worker.runner.attention.mode
+    other = replace(picked, bucketed_prefill=not picked.bucketed_prefill)
+    for label, mode in (("other_path", other), ("picked_path", picked)):
+        worker.runner.attention.mode = mode
+        worker.runner.layered_loads = True
+        ttft(f"{label}-warm", warm + tail(0))
+        locals_ms, hosts_ms = [], []
+        for r in range(3):
+            prefix = torch.randint(0, 128000, (PREFIX,), generator=g).tolist()
+            ttft(f"{label}{r}-first", prefix + tail(4))
+            locals_ms.append(ttft(f"{label}{r}-local", prefix + tail(5)))
+            for k in range(3):
+                while worker.write_back_host(worker_config.host_write_back_blocks):
+                    pass
+                ttft(f"{label}{r}-fill{k}", torch.randint(0, 128000, (7000,), generator=g).tolist())
+            while worker.write_back_host(worker_config.host_write_back_blocks):
+                pass
+            hosts_ms.append(ttft(f"{label}{r}", prefix + tail(3)))
+        out[f"{label}_split"] = float(mode.bucketed_prefill)
+        out[f"{label}_local_hit_ms"] = sorted(locals_ms)[1]
+        out[f"{label}_host_hit_written_back_ms"] = sorted(hosts_ms)[1]
     # The layer-by-layer load alone, no prefill beside it (the worker is done with: its first
     # 480 blocks are overwritten).
     host_pool = worker.host_pool
@@ -241,6 +267,15 @@ def main() -> None:
         f" {h['host_hit_written_back_ms'] / h['local_hit_ms']:.2f}x;"
         f" the layer-by-layer load alone {h['layer_load_only_ms']:.1f} ms"
     )
+    print(f"long chunked prefills (start-up probe): {h['prefill_choice']}")
+    for label in ("picked_path", "other_path"):
+        path = "split" if h[f"{label}_split"] else "paged"
+        print(
+            f"  {label.replace('_', ' ')} ({path}): local hit {h[f'{label}_local_hit_ms']:.1f} ms,"
+            f" host hit (idle write-back, layer by layer)"
+            f" {h[f'{label}_host_hit_written_back_ms']:.1f} ms ="
+            f" {h[f'{label}_host_hit_written_back_ms'] / h[f'{label}_local_hit_ms']:.2f}x"
+        )
     if "e2e" in results:
         e = results["e2e"]
         print(
