@@ -8,7 +8,7 @@ same code) it made it slower, 34-36 ms against 27 (docs/benchmarks.md). So a wor
 representative forward both ways and keeps the faster:
 
     chunk: BUCKETED_MIN_NEW new tokens behind the longest prefix the pool and the model allow
-           (at most `PROBE_PREFIX`), blocks 0.. of the pool, which holds nothing yet
+           (at most `PROBE_PREFIX`), over blocks scattered across the pool (it holds nothing yet)
     timed: `PROBE_ROUNDS` rounds, the two paths taking turns; the median of each
     kept:  the split, unless the paged kernel's median is lower by more than `MARGIN`
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -76,7 +77,11 @@ def probe_chunk(num_blocks: int, block_size: int, max_positions: int) -> SeqChun
     cached = min(PROBE_PREFIX, room) // block_size * block_size
     if cached < BUCKETED_MIN_PREFIX:
         return None
-    return SeqChunk([0] * new, cached, list(range(-(-(cached + new) // block_size))))
+    num_used = -(-(cached + new) // block_size)
+    # A serving pool's tables are scattered (blocks freed and reused in any order), and the
+    # split's gathers are not indifferent to that: scattered, as a table met in service.
+    table = random.Random(0).sample(range(num_blocks), num_used)
+    return SeqChunk([0] * new, cached, table)
 
 
 def choose_prefill(
