@@ -65,8 +65,11 @@ def worker_pull_trials(
     def first_output(worker: str, rid: str, prompt: list[int], spec: PullSpec | None) -> Any:
         request = WorkerRequest(rid, tuple(prompt), SamplingConfig(1), "", spec)
         start = time.perf_counter()
-        out = ray.get(next(iter(cluster.actor(worker).generate.remote(request))))
-        return out, (time.perf_counter() - start) * 1e3
+        outputs = cluster.generate(worker, request)  # the worker's stream, no routing
+        out = next(outputs)
+        took = (time.perf_counter() - start) * 1e3
+        outputs.close()
+        return out, took
 
     for k in range(4):
         prefix = rand(PREFIX)

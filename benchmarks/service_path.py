@@ -3,7 +3,8 @@
 The same requests at four depths, each figure beside the one below it from the same run:
   1. runner   the forward pass alone (synchronised, wall), as the engine calls it
   2. engine   `Worker.step()` in-process: scheduling, the forward, sampling, outputs
-  3. actor    the worker's Ray actor called directly (its engine thread, Ray's streaming)
+  3. actor    the worker's Ray actor called without routing (its engine thread, its output
+              stream to the coordinator's process: `Cluster.generate`)
   4. service  gRPC -> coordinator (routing, the decision) -> actor -> client
 Requests: an 8K prompt whose 7.5K prefix the worker holds (a local hit's TTFT), and decode at
 batch 1 and 32 (time per output token). On a GPU: Llama-3-8B shape, bf16.
@@ -142,17 +143,17 @@ def actor_depth(args: argparse.Namespace) -> dict[str, Any]:
     deployment = Deployment(config)
     deployment.start()
     try:
-        actor = deployment.cluster.actor("w0")
+        actor, cluster = deployment.cluster.actor("w0"), deployment.cluster
         shapes = Shapes(args, preset(args.model).vocab_size)
 
         def first_output(rid: str, prompt: list[int], max_tokens: int) -> tuple[Any, float]:
             request = WorkerRequest(rid, tuple(prompt), SamplingConfig(max_tokens, ignore_eos=True))
             started = time.perf_counter()
-            stream = actor.generate.remote(request)
-            first = ray.get(next(iter(stream)))
+            stream = cluster.generate("w0", request)
+            first = next(stream)
             took = (time.perf_counter() - started) * 1e3
-            for ref in stream:  # drain the rest
-                ray.get(ref)
+            for _ in stream:  # drain the rest
+                pass
             return first, took
 
         def stream_gaps(prompts: list[list[int]]) -> list[float]:
@@ -167,8 +168,7 @@ def actor_depth(args: argparse.Namespace) -> dict[str, Any]:
                     SamplingConfig(args.decode_tokens, ignore_eos=True),
                 )
                 gaps, last = [], 0.0
-                for ref in actor.generate.remote(request):
-                    out = ray.get(ref)
+                for out in cluster.generate("w0", request):
                     now = time.perf_counter()
                     if last:
                         gaps.append((now - last) * 1e3 / max(1, len(out.new_token_ids)))

@@ -2,14 +2,15 @@
 
 One engine thread owns the worker (pool, scheduler, model) and drives `Worker.step()`; Ray's
 event loop serves calls. Anything that touches the worker runs on the engine thread as a closure
-(`_on_engine`); a request's outputs cross back to the caller's stream through its
-`OutputQueue` (outputs queued while the stream was busy go out as one). After every step the
-thread hands out first and middle tokens, publishes the step's KV events, then hands out the
-requests' last outputs, so by the time a client sees a request end the index already knows the
-blocks it left behind.
+(`_on_engine`). A coordinator sends requests with `submit` and reads every output of its
+requests from one stream (`outputs`), a batch per message (`OutputBatches`); each request names
+the stream its outputs go to (`WorkerRequest.reply_to`). After every step the engine thread hands
+out first and middle tokens, publishes the step's KV events, then hands out the requests' last
+outputs, so by the time a client sees a request end the index already knows the blocks it left
+behind.
 
-    caller --generate()--> [pull: reserve, transport.fetch, finish] --> engine thread:
-           step, tokens, publish events, last outputs --> OutputQueue --> stream
+    coordinator --submit(req)--> [pull: reserve, transport.fetch, finish] --> engine thread:
+                <--outputs()---  step, tokens, publish events, last outputs --> OutputBatches
 
 A request with a pull plan is pulled here, by the worker that serves it, while it is admitted:
 the reserved blocks belong to the request from the start (see `workers/engine/worker.py`).
@@ -39,7 +40,7 @@ from kvmesh.workers.engine.event_publisher import EventPublisher
 from kvmesh.workers.engine.worker import BlockWriter
 from kvmesh.workers.kv.pull_reservation import PullReservation
 from kvmesh.workers.model.loader import build_worker
-from kvmesh.workers.output_queue import OutputQueue
+from kvmesh.workers.output_batches import BatchItem, OutputBatches
 from kvmesh.workers.transfer.block_export import BlockExport
 from kvmesh.workers.transfer.cuda_ipc import CudaIpcTransport
 from kvmesh.workers.transfer.nccl import NcclLink, NcclTransport
@@ -66,7 +67,9 @@ class WorkerActor:
         self.worker.node = f"{self.worker.node}/{node_id[:12]}"
         self._inbox: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
-        self._streams: dict[str, OutputQueue] = {}
+        self._outboxes: dict[str, OutputBatches] = {}  # open `outputs` streams, by id
+        self._routes: dict[str, OutputBatches] = {}  # request id -> its stream's batches
+        self._pulls: set[asyncio.Task[None]] = set()
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._publisher = (
@@ -94,31 +97,57 @@ class WorkerActor:
 
     # ---- requests -----------------------------------------------------------------------------
 
-    async def generate(self, request: WorkerRequest) -> AsyncIterator[RequestOutput]:
-        out = OutputQueue(asyncio.get_running_loop())
+    async def submit(self, request: WorkerRequest) -> None:
+        """Accept a request; its outputs go out on the `outputs` stream it names (`reply_to`).
+        Raises RequestRejected for a request this worker cannot run. A pull it plans runs in the
+        background; the request is admitted once it lands (or, failed, recomputes)."""
         rid = request.request_id
         with self._lock:
-            self._streams[rid] = out
+            batches = self._outboxes.get(request.reply_to)
+            if batches is None:
+                raise RequestRejected(f"no output stream {request.reply_to!r} is open here")
+            self._routes[rid] = batches
         try:
-            try:
-                reservation = await self._on_engine(lambda: self.worker.add_request(request))
-            except ValueError as exc:
+            reservation = await self._on_engine(lambda: self.worker.add_request(request))
+        except BaseException as exc:
+            with self._lock:
+                self._routes.pop(rid, None)
+            if isinstance(exc, ValueError):
                 raise RequestRejected(str(exc)) from None
-            if reservation is not None:
-                assert request.pull is not None
-                await self._pull(rid, request.pull, reservation)
-            self._wakeup.set()
+            raise
+        if reservation is not None:
+            assert request.pull is not None
+            pull = asyncio.create_task(self._pull(rid, request.pull, reservation))
+            self._pulls.add(pull)  # held until done: the loop keeps only weak references
+            pull.add_done_callback(self._pulls.discard)
+        self._wakeup.set()
+
+    async def outputs(self, stream_id: str) -> AsyncIterator[list[BatchItem]]:
+        """Every output of the requests submitted with `reply_to=stream_id`, a batch at a time,
+        for as long as the caller reads. When the caller goes away (it closed the stream, or it
+        died), its requests are aborted: nothing computes for a reader that is gone."""
+        batches = OutputBatches(asyncio.get_running_loop())
+        with self._lock:
+            if stream_id in self._outboxes:
+                raise ValueError(f"output stream {stream_id!r} is already open")
+            self._outboxes[stream_id] = batches
+        try:
             while True:
-                item = await out.take()
-                yield item
-                if item.finished:
-                    return
+                yield await batches.take()
         finally:
             with self._lock:
-                live = self._streams.pop(rid, None)
-            if live is not None:
-                # The caller went away before the end (or the request failed): stop computing.
-                self._submit(lambda: self.worker.abort(rid))
+                del self._outboxes[stream_id]
+                orphans = [rid for rid, b in self._routes.items() if b is batches]
+                for rid in orphans:
+                    del self._routes[rid]
+            for rid in orphans:
+                self._submit(lambda rid=rid: self.worker.abort(rid))  # type: ignore[misc]
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (its caller went away); its stream gets nothing more for it."""
+        with self._lock:
+            self._routes.pop(request_id, None)
+        self._submit(lambda: self.worker.abort(request_id))
 
     async def _pull(self, rid: str, spec: PullSpec, reservation: PullReservation) -> None:
         """Fill the request's reserved blocks from `spec.source`; any failure means recompute."""
@@ -134,6 +163,7 @@ class WorkerActor:
             log.warning("pull %s <- %s failed: %s", rid, spec.source, str(exc).splitlines()[0])
         elapsed_ms = (time.perf_counter() - started) * 1e3
         await self._on_engine(lambda: self.worker.finish_pull(rid, written, elapsed_ms))
+        self._wakeup.set()
 
     async def _fetch(self, spec: PullSpec, hashes: tuple[BlockHash, ...], write: Any) -> int:
         transports = {Transport.CUDA_IPC: self._cuda_ipc, Transport.NCCL: self._nccl}
@@ -384,13 +414,15 @@ class WorkerActor:
 
     def _deliver(self, request_id: str, item: RequestOutput | Exception) -> None:
         with self._lock:
-            target = self._streams.get(request_id)
-        if target is not None:
-            target.put(item)
+            batches = self._routes.get(request_id)
+            if isinstance(item, Exception) or item.finished or item.failure is not None:
+                self._routes.pop(request_id, None)  # nothing follows it
+        if batches is not None:
+            batches.put(request_id, item)
 
     def _fail_all(self, exc: Exception) -> None:
         with self._lock:
-            ids = list(self._streams)
+            ids = list(self._routes)
         for rid in ids:
             self.worker.abort(rid)
             self._deliver(rid, WorkerFailed(f"worker {self.config.worker_id} failed: {exc}"))

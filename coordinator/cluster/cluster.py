@@ -12,12 +12,13 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
+from kvmesh.coordinator.cluster.output_reader import OutputReader
 from kvmesh.coordinator.cluster.registry import WorkerRegistry
 from kvmesh.coordinator.contract import WorkerDied
 from kvmesh.workers.config import WorkerConfig
@@ -46,6 +47,7 @@ class Cluster:
         self._on_info: Callable[[str, WorkerInfo], None] | None = None
         self._nccl_ranks: dict[str, int] = {}
         self._stall_timeout_s = 15.0
+        self._readers: dict[str, OutputReader] = {}  # worker id -> its outputs to us
 
     def set_on_info(self, callback: Callable[[str, WorkerInfo], None]) -> None:
         """Called from the health loop with every worker's fresh info (pool, counters)."""
@@ -66,6 +68,9 @@ class Cluster:
         with self._lock:
             handle = self._handles.pop(worker_id, None)
             self._latest_info.pop(worker_id, None)
+            reader = self._readers.pop(worker_id, None)
+        if reader is not None:
+            reader.close()
         return handle.actor if handle is not None else None
 
     def config(self, worker_id: str) -> WorkerConfig:
@@ -105,30 +110,60 @@ class Cluster:
 
     def generate(self, worker_id: str, request: WorkerRequest) -> Iterator[RequestOutput]:
         """Stream a request's outputs; raises RequestRejected, WorkerFailed or WorkerDied.
-        Closing the iterator early (a client that left, a stop string) cancels the worker's
-        stream, so it stops computing for the request instead of running on to max_tokens."""
-        stream = self.actor(worker_id).generate.remote(request)
+        The request goes to the worker with `submit`; its outputs come back on the worker's one
+        stream to this coordinator (`output_reader.py`). Closing the iterator early (a client
+        that left, a stop string) aborts the request on the worker, so it stops computing for
+        it instead of running on to max_tokens."""
+        actor = self.actor(worker_id)
+        reader = self._reader(worker_id, actor, request.origin)
+        rid = request.request_id
+        outputs = reader.register(rid)
         finished = False
         try:
-            for ref in stream:
-                output: RequestOutput = ray.get(ref)
-                finished = output.finished
-                yield output
-        except GeneratorExit:
-            if not finished:
-                ray.cancel(stream)
-            raise
-        except RayTaskError as exc:
-            cause = exc.cause if hasattr(exc, "cause") else None
-            if isinstance(cause, RequestRejected | WorkerFailed):
-                raise cause from None
-            if isinstance(exc, RayActorError):
+            if outputs is None:  # the stream broke between the reader's start and now
+                raise WorkerDied(worker_id)
+            try:
+                ray.get(actor.submit.remote(replace(request, reply_to=reader.stream_id)))
+            except RayTaskError as exc:
+                cause = exc.cause if hasattr(exc, "cause") else None
+                if isinstance(cause, RequestRejected | WorkerFailed):
+                    raise cause from None
+                if isinstance(exc, RayActorError):
+                    self.mark_dead(worker_id)
+                    raise WorkerDied(worker_id) from None
+                raise
+            except RayActorError:
                 self.mark_dead(worker_id)
                 raise WorkerDied(worker_id) from None
+            while True:
+                item = outputs.get()
+                if isinstance(item, str):  # WORKER_DIED: the reader marked it dead
+                    raise WorkerDied(worker_id)
+                if isinstance(item, Exception):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        except GeneratorExit:
+            if not finished:
+                actor.abort.remote(rid)
             raise
-        except RayActorError:
-            self.mark_dead(worker_id)
-            raise WorkerDied(worker_id) from None
+        finally:
+            reader.unregister(rid)
+
+    def _reader(self, worker_id: str, actor: Any, origin: str) -> OutputReader:
+        """This coordinator's reader of `actor`'s outputs (one per actor; a new one after the
+        last broke, or when the worker id has a new actor)."""
+        with self._lock:
+            reader = self._readers.get(worker_id)
+            if reader is not None and reader.actor is actor and reader.alive:
+                return reader
+            reader = OutputReader(
+                worker_id, actor, origin, on_died=lambda: self._actor_died(worker_id, actor)
+            )
+            self._readers[worker_id] = reader
+            return reader
 
     def nccl_members(self) -> frozenset[str]:
         """Workers in the NCCL group (GPU-to-GPU pulls), empty without one."""
@@ -216,6 +251,13 @@ class Cluster:
     def mark_dead(self, worker_id: str) -> None:
         self.registry.mark_dead(worker_id, "its actor died")
 
+    def _actor_died(self, worker_id: str, actor: Any) -> None:
+        """A reader's stream broke with its actor: dead, unless the id has a new actor since."""
+        with self._lock:
+            handle = self._handles.get(worker_id)
+        if handle is not None and handle.actor is actor:
+            self.mark_dead(worker_id)
+
     def latest_info(self, worker_id: str) -> WorkerInfo | None:
         """The worker's last reported info (pool usage, counters); None before the first."""
         with self._lock:
@@ -264,6 +306,11 @@ class Cluster:
         self._stop.set()
         if self._monitor is not None:
             self._monitor.join(timeout=5)
+        with self._lock:
+            readers = list(self._readers.values())
+            self._readers.clear()
+        for reader in readers:
+            reader.close()
         if not kill_workers:
             return
         with self._lock:

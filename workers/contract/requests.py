@@ -130,3 +130,6 @@ class WorkerRequest:
     origin: str = ""
     """Id of the coordinator that routed it; the worker's request notes carry it back, so that
     replica skips its own (`proto/request_notes.py`)."""
+    reply_to: str = ""
+    """The worker's output stream its outputs go out on (`WorkerActor.outputs`: one per
+    coordinator and worker); set by the coordinator's Ray shell when it submits the request."""
