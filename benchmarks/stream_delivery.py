@@ -3,9 +3,11 @@
 Usage: python benchmarks/stream_delivery.py [--streams 16] [--tokens 256] [--rounds 3] [--json F]
 
 One `tiny-random` CPU worker behind one coordinator (a local deployment: Redis, Ray, gRPC), and
-`--streams` clients each generating `--tokens` tokens (greedy, no early stop) at once. Printed per
-round: the median time per output token at the client ((last - first) / (tokens - 1)), the mean
-tokens per streamed message, and the tokens per second of all streams together. On a tiny model
+`--streams` clients each generating `--tokens` tokens (greedy, no early stop) at once, on threads
+of a process of their own (as real clients are). Printed per round: the median time per output
+token at the client ((last - first) / (tokens - 1)), the mean tokens per streamed message, the
+tokens per second of all streams together, and the CPU time per token of the coordinator's
+process and of the worker's. On a tiny model
 an engine step is ~2 ms, so what this measures is the path each token takes: the worker actor's
 stream, Ray, the coordinator, gRPC.
 """
@@ -17,6 +19,8 @@ import json
 import os
 import random
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -43,13 +47,45 @@ def one_stream(address: str, num_tokens: int, seed: int, out: list[tuple[float, 
     out.append(((last - first) / max(1, num_received - 1), num_received / max(1, num_messages)))
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_clients(address: str, streams: int, tokens: int, seed: int) -> dict[str, float]:
+    """One round: `streams` clients at once, each on its own thread (this process)."""
+    per_stream: list[tuple[float, float]] = []
+    threads = [
+        threading.Thread(target=one_stream, args=(address, tokens, seed + i, per_stream))
+        for i in range(streams)
+    ]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - started
+    return {
+        "streams": streams,
+        "tpot_ms": 1e3 * statistics.median(s[0] for s in per_stream),
+        "tokens_per_message": statistics.mean(s[1] for s in per_stream),
+        "tokens_per_s": streams * tokens / elapsed,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--client", metavar="ADDRESS", help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.client:  # one round's clients, started by the run itself
+        print(json.dumps(run_clients(args.client, args.streams, args.tokens, args.seed)))
+        return
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
     deployment = Deployment(
@@ -60,34 +96,30 @@ def main() -> None:
         )
     )
     deployment.start()
+    worker_pid = ray.get(deployment.cluster.actor("w0").info.remote()).pid
     rows = []
     try:
         for round_index in range(args.rounds):
-            per_stream: list[tuple[float, float]] = []
-            threads = [
-                threading.Thread(
-                    target=one_stream,
-                    args=(deployment.address, args.tokens, 1000 * round_index + i, per_stream),
-                )
-                for i in range(args.streams)
-            ]
-            started = time.perf_counter()
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            elapsed = time.perf_counter() - started
-            row = {
-                "streams": args.streams,
-                "tpot_ms": 1e3 * statistics.median(s[0] for s in per_stream),
-                "tokens_per_message": statistics.mean(s[1] for s in per_stream),
-                "tokens_per_s": args.streams * args.tokens / elapsed,
-            }
+            cpu_before = (cpu_seconds(os.getpid()), cpu_seconds(worker_pid))
+            argv = [sys.executable, __file__, "--client", deployment.address]
+            argv += ["--streams", str(args.streams), "--tokens", str(args.tokens)]
+            argv += ["--seed", str(1000 * round_index)]
+            done = subprocess.run(argv, capture_output=True, text=True, check=True)
+            row = json.loads(done.stdout.strip().splitlines()[-1])
+            num_tokens = args.streams * args.tokens
+            row["coordinator_cpu_ms_per_token"] = (
+                (cpu_seconds(os.getpid()) - cpu_before[0]) * 1e3 / num_tokens
+            )
+            row["worker_cpu_ms_per_token"] = (
+                (cpu_seconds(worker_pid) - cpu_before[1]) * 1e3 / num_tokens
+            )
             rows.append(row)
             print(
                 f"round {round_index}: {args.streams} streams, per token {row['tpot_ms']:.2f} ms,"
                 f" {row['tokens_per_message']:.2f} tokens a message,"
-                f" {row['tokens_per_s']:.0f} tokens/s",
+                f" {row['tokens_per_s']:.0f} tokens/s; CPU per token: coordinator"
+                f" {row['coordinator_cpu_ms_per_token']:.3f} ms, worker"
+                f" {row['worker_cpu_ms_per_token']:.3f} ms",
                 flush=True,
             )
     finally:
