@@ -83,8 +83,14 @@ def main() -> None:
     parser.add_argument("--client", metavar="ADDRESS", help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.client:  # one round's clients, started by the run itself
-        print(json.dumps(run_clients(args.client, args.streams, args.tokens, args.seed)))
+    if args.client:  # one round's clients, started by the run itself: "ready", then on "go"
+        with Client(args.client) as client:
+            client.wait_ready(60)
+        print("ready", flush=True)
+        sys.stdin.readline()
+        print(
+            json.dumps(run_clients(args.client, args.streams, args.tokens, args.seed)), flush=True
+        )
         return
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
@@ -100,19 +106,24 @@ def main() -> None:
     rows = []
     try:
         for round_index in range(args.rounds):
-            cpu_before = (cpu_seconds(os.getpid()), cpu_seconds(worker_pid))
             argv = [sys.executable, __file__, "--client", deployment.address]
             argv += ["--streams", str(args.streams), "--tokens", str(args.tokens)]
             argv += ["--seed", str(1000 * round_index)]
-            done = subprocess.run(argv, capture_output=True, text=True, check=True)
-            row = json.loads(done.stdout.strip().splitlines()[-1])
+            clients = subprocess.Popen(
+                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            )
+            assert clients.stdin is not None and clients.stdout is not None
+            clients.stdout.readline()  # "ready": imported and connected
+            cpu_before = (cpu_seconds(os.getpid()), cpu_seconds(worker_pid))
+            clients.stdin.write("go\n")
+            clients.stdin.flush()
+            row = json.loads(clients.stdout.readline())
+            cpu_after = (cpu_seconds(os.getpid()), cpu_seconds(worker_pid))
+            if clients.wait() != 0:
+                raise RuntimeError(f"the clients failed (exit {clients.returncode})")
             num_tokens = args.streams * args.tokens
-            row["coordinator_cpu_ms_per_token"] = (
-                (cpu_seconds(os.getpid()) - cpu_before[0]) * 1e3 / num_tokens
-            )
-            row["worker_cpu_ms_per_token"] = (
-                (cpu_seconds(worker_pid) - cpu_before[1]) * 1e3 / num_tokens
-            )
+            row["coordinator_cpu_ms_per_token"] = (cpu_after[0] - cpu_before[0]) * 1e3 / num_tokens
+            row["worker_cpu_ms_per_token"] = (cpu_after[1] - cpu_before[1]) * 1e3 / num_tokens
             rows.append(row)
             print(
                 f"round {round_index}: {args.streams} streams, per token {row['tpot_ms']:.2f} ms,"
