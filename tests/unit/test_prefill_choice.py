@@ -62,18 +62,29 @@ def test_choose_times_both_paths_in_turn_and_restores_the_mode() -> None:
         nonlocal mode
         mode = m
 
+    heats = 0
+
     def forward(batch: Sequence[SeqChunk]) -> None:
+        nonlocal heats
+        if batch[0] is heat:  # untimed: whatever it costs is not counted
+            heats += 1
+            clock.now += 5.0
+            return
         seen.append(mode.bucketed_prefill)
         first = len(seen) <= 2
         clock.now += 1.0 if first else (0.034 if mode.bucketed_prefill else 0.027)
 
     chunk = SeqChunk([0] * 512, 7680, list(range(512)))
-    choice = choose_prefill(forward, SPLIT_ON, set_mode, chunk, lambda: None, lambda: clock.now)
+    heat = SeqChunk([0] * 2048, 0, list(range(128)))
+    choice = choose_prefill(
+        forward, SPLIT_ON, set_mode, chunk, lambda: None, lambda: clock.now, heat=heat
+    )
     assert (choice.split_ms, choice.paged_ms) == pytest.approx((34.0, 27.0))
     assert not choice.split
     assert mode == SPLIT_ON  # the caller applies the choice
     assert seen.count(True) == seen.count(False) == prefill_choice.PROBE_ROUNDS + 1
     assert seen[:4] == [False, True, True, False]  # the paths take turns going first
+    assert heats == len(seen)  # a fresh prefill before every timed forward
 
 
 def test_a_runner_keeps_the_path_its_probe_picked(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -97,7 +108,10 @@ def test_a_runner_keeps_the_path_its_probe_picked(monkeypatch: pytest.MonkeyPatc
     def counted(batch: Sequence[SeqChunk]) -> torch.Tensor:
         forwards.append(runner.attention.mode)
         plan = runner._plan(list(batch))
-        assert (plan.cached[0].split is not None) == runner.attention.mode.bucketed_prefill
+        if batch[0].start_pos:  # the probed chunk, not the fresh prefill before it
+            assert (plan.cached[0].split is not None) == runner.attention.mode.bucketed_prefill
+        else:
+            assert not plan.cached
         return plain_forward(batch)
 
     monkeypatch.setattr(runner, "forward", counted)
@@ -106,4 +120,4 @@ def test_a_runner_keeps_the_path_its_probe_picked(monkeypatch: pytest.MonkeyPatc
     assert choice.split_ms > 0 and choice.paged_ms > 0
     assert runner.attention.prefill_choice == choice
     assert runner.attention.mode == choice.applied_to(split_on)
-    assert len(forwards) == 2 * (prefill_choice.PROBE_ROUNDS + 1)
+    assert len(forwards) == 2 * 2 * (prefill_choice.PROBE_ROUNDS + 1)  # each after a heat
