@@ -78,13 +78,16 @@ class HashTable:
                 sets[maybe[hit]] = in_delta[hit]
         return sets
 
-    def lookup_few(self, hashes: Sequence[BlockHash]) -> list[int]:
+    def lookup_few(self, hashes: Sequence[BlockHash], leading: bool = False) -> list[int]:
         """`lookup` one hash at a time, in Python ints: for a short chain, cheaper than the
         fixed cost of the vector rounds (the same slots probed in the same order; a hash in
-        the delta is not probed at all)."""
+        the delta is not probed at all). `leading`: stop after the first hash nobody holds
+        (the list is shorter then): a prefix match reads no further, since no worker's leading
+        run of the chain goes past it."""
         in_delta = self.delta.get
         if not len(self.keys):
-            return [in_delta(h, NOBODY) for h in hashes]
+            sets = [in_delta(h, NOBODY) for h in hashes]
+            return sets[: sets.index(NOBODY) + 1] if leading and NOBODY in sets else sets
         row_at, key_at, set_of_row = self._index.item, self.keys.item, self.values.item
         bits = self._index_bits
         shift, mask = 64 - bits, (1 << bits) - 1
@@ -97,6 +100,8 @@ class HashTable:
                     slot = (slot + 1) & mask
                 s = set_of_row(row) if row >= 0 else NOBODY
             sets.append(s)
+            if leading and s == NOBODY:
+                break
         return sets
 
     def merged_values(self, wanted: np.ndarray) -> np.ndarray:

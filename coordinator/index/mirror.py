@@ -278,9 +278,10 @@ class IndexMirror:
 
     def _runs(self, hashes: Sequence[BlockHash]) -> tuple[list[int], list[int]]:
         """Where the chain's holder set changes, and to what: (first positions of the runs of
-        one holder set, their sets). Only there can a worker's prefix end."""
+        one holder set, their sets). Only there can a worker's prefix end; the runs may stop
+        at the first block nobody holds (no worker's prefix goes past it)."""
         if len(hashes) <= FEW_HASHES:
-            sets = self._table.lookup_few(hashes)
+            sets = self._table.lookup_few(hashes, leading=True)
             starts = [i for i in range(len(sets)) if not i or sets[i] != sets[i - 1]]
             return starts, [sets[i] for i in starts]
         array = self._table.lookup(hashes)
