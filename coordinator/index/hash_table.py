@@ -135,20 +135,19 @@ class HashTable:
         mask = np.uint64((1 << bits) - 1)
         slots = _home_slots(wanted, bits)
         rows = index[slots]
-        hit = keys[rows] == wanted
-        found = np.where(hit, rows, -1).astype(np.int64)
-        todo = np.flatnonzero((rows >= 0) & ~hit)
+        found = np.where(keys[rows] == wanted, rows, -1).astype(np.int64)
+        todo = (rows > found).nonzero()[0]  # an occupied home slot that holds another key
         if not len(todo):
             return found
         slots = slots[todo]
         window = index[(slots[:, None] + _WINDOW_STEPS) & mask]
-        hit = keys[window] == wanted[todo][:, None]
-        first = hit.argmax(axis=1)
-        picked = np.arange(len(todo)), first
-        got = hit[picked]
-        found[todo[got]] = window[picked][got]
-        on = ~got & (window >= 0).all(axis=1)
-        if on.any():
+        # Keys are unique: at most one slot of a window holds the wanted key (-1: none does).
+        in_window = np.maximum.reduce(
+            np.where(keys[window] == wanted[todo][:, None], window, -1), axis=1
+        )
+        found[todo] = in_window
+        on = (in_window < 0) & (np.minimum.reduce(window, axis=1) >= 0)
+        if np.count_nonzero(on):
             todo, slots = todo[on], (slots[on] + np.uint64(_WINDOW_SLOTS + 1)) & mask
             self._probe_on(wanted, found, todo, slots)
         return found

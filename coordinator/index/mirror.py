@@ -243,7 +243,11 @@ class IndexMirror:
                 held.append(n)
                 held_device.append(device_get(b, 0))
         if len(rows) > 1:
-            num_blocks[rows], num_device[rows] = held, held_device
+            num_blocks[rows] = held
+            if device_by_bit is by_bit:  # every block on the device tier: the same numbers
+                num_device = num_blocks.copy()
+            else:
+                num_device[rows] = held_device
         elif rows:  # one holder, the common case in a large fleet: no list-to-array conversions
             num_blocks[rows[0]], num_device[rows[0]] = held[0], held_device[0]
         return FleetMatch(num_blocks, num_device, max(by_bit.values(), default=0))
@@ -252,18 +256,37 @@ class IndexMirror:
         self, starts: list[int], run_sets: list[int], length: int
     ) -> tuple[dict[int, int], dict[int, int]]:
         """Per worker bit, the leading blocks it holds (any tier, then device) of a chain of
-        `length` blocks whose holder sets change at `starts` (to `run_sets`)."""
-        set_any, set_device = self._set_any, self._set_device
+        `length` blocks whose holder sets change at `starts` (to `run_sets`). Where every run
+        walked holds its blocks on the device tier (no host tier in use), both are one dict."""
+        set_any = self._set_any
         active = set_any[run_sets[0]]
-        on_device = active
         num_blocks: dict[int, int] = {}
-        num_device: dict[int, int] = {}
-        i = 0
+        i, num_walked = 0, 0
         for i, s in zip(starts, run_sets, strict=True):  # noqa: B007 - i is read after the loop
+            num_walked += 1
             held = active & set_any[s]
             if held != active:
                 self._record(active ^ held, i, num_blocks)
                 active = held
+                if not active:
+                    break
+        else:
+            i = length
+        self._record(active, i, num_blocks)
+        set_device = self._set_device
+        for s in run_sets[:num_walked]:
+            if set_device[s] != set_any[s]:
+                return num_blocks, self._walk_device(starts, run_sets, length)
+        return num_blocks, num_blocks
+
+    def _walk_device(self, starts: list[int], run_sets: list[int], length: int) -> dict[int, int]:
+        """`_walk`'s device tier: per worker bit, the leading run it holds on the device."""
+        set_any, set_device = self._set_any, self._set_device
+        active = on_device = set_any[run_sets[0]]
+        num_device: dict[int, int] = {}
+        i = 0
+        for i, s in zip(starts, run_sets, strict=True):  # noqa: B007 - i is read after the loop
+            active &= set_any[s]
             held_dev = on_device & set_device[s]
             if held_dev != on_device:
                 self._record(on_device ^ held_dev, i, num_device)
@@ -272,9 +295,8 @@ class IndexMirror:
                 break
         else:
             i = length
-        self._record(active, i, num_blocks)
         self._record(on_device, i, num_device)
-        return num_blocks, num_device
+        return num_device
 
     def _runs(self, hashes: Sequence[BlockHash]) -> tuple[list[int], list[int]]:
         """Where the chain's holder set changes, and to what: (first positions of the runs of

@@ -94,7 +94,7 @@ class LoadTracker:
         own_tokens = col["queued_tokens"][rows]
         own_running = col["num_running"][rows]
         has = col["reported"][rows]
-        if not has.any():
+        if not np.count_nonzero(has):
             return own_ms, own_tokens, own_running
         # A worker without a report reports 0 tokens and 0 requests, and its own numbers are
         # >= 0: the max below leaves them as they are, as `with_reported` does.

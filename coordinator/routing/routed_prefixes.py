@@ -18,19 +18,23 @@ stays bounded even if completions are never reported.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from itertools import repeat
+from typing import NamedTuple
 
 import numpy as np
 
 from kvmesh.coordinator.index.mirror import WorkerId
 from kvmesh.proto.block_hash import BlockHash
 
+_FEW_HASHES = 32  # a run sharing hashes with others, up to this long, is counted hash by hash
 
-@dataclass(frozen=True, slots=True)
-class _Routed:
+
+class _Routed(NamedTuple):
+    """One routed run (a NamedTuple: one is made per routed prompt, and a tuple is made faster
+    than a frozen dataclass)."""
+
     worker: WorkerId
     hashes: tuple[BlockHash, ...]
     expires_s: float
@@ -74,15 +78,27 @@ class RoutedPrefixes:
         entry = _Routed(worker, tuple(hashes[start:]), now_s + self.ttl_s)
         self._entries[request_id] = entry
         refs = self._hash_to_worker_refs
-        run = set(entry.hashes)
-        if len(run) != len(entry.hashes):  # a hash twice in one chain: count each
-            for h in entry.hashes:
+        hashes = entry.hashes
+        if refs.keys().isdisjoint(hashes):  # a new run: all its hashes in one update
+            num_before = len(refs)
+            refs.update(zip(hashes, repeat(worker)))
+            if len(refs) - num_before != len(hashes):  # a hash twice in one chain: count each
+                for h, count in Counter(hashes).items():
+                    if count > 1:
+                        refs[h] = {worker: count}
+        elif len(hashes) <= _FEW_HASHES:
+            for h in hashes:
                 self._ref(h, worker)
         else:
-            shared = refs.keys() & run
-            for h in shared:
-                self._ref(h, worker)
-            refs.update(zip(run - shared if shared else run, repeat(worker)))
+            run = set(hashes)
+            if len(run) != len(hashes):  # a hash twice in one chain: count each
+                for h in hashes:
+                    self._ref(h, worker)
+            else:
+                shared = refs.keys() & run
+                for h in shared:
+                    self._ref(h, worker)
+                refs.update(zip(run - shared, repeat(worker)))
         if len(self._entries) > self.max_entries:
             self._drop(self._entries.popitem(last=False)[1])
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -20,8 +20,7 @@ from kvmesh.coordinator.index.mirror import WorkerId
 from kvmesh.coordinator.routing.worker_rows import WorkerRows
 
 
-@dataclass(frozen=True, slots=True)
-class _Running:
+class _Running(NamedTuple):  # (one per routed request: a tuple is made faster)
     worker: WorkerId
     num_tokens: int
     routed_s: float
