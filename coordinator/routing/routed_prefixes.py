@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
-from itertools import repeat
+from itertools import compress, repeat
+from operator import is_not
 from typing import NamedTuple
 
 import numpy as np
@@ -164,12 +165,12 @@ class RoutedPrefixes:
         refs, n = self._hash_to_worker_refs, len(hashes)
         out = held
         held_list = held.tolist()
-        for start in set(held_list):  # each row grows on its own: the order does not matter
-            if start >= n:
-                continue
-            holders = refs.get(hashes[start])
-            if holders is None:
-                continue
+        # each row grows on its own: the order does not matter
+        starts = [start for start in set(held_list) if start < n]
+        # (the lookups in C maps; most starts have no routed block next)
+        routed = list(map(refs.get, map(hashes.__getitem__, starts)))
+        is_routed = map(is_not, routed, repeat(None))
+        for start, holders in compress(zip(starts, routed, strict=True), is_routed):
             for worker in (holders,) if isinstance(holders, str) else holders:
                 row = index_of.get(worker)
                 if row is None or held_list[row] != start:
