@@ -8,7 +8,7 @@ from itertools import repeat
 
 import numpy as np
 
-from kvmesh.proto.block_hash import BlockHash, hash_array
+from kvmesh.proto.block_hash import BlockHash
 
 NOBODY = 0  # the holder set of a block nobody holds: what an absent hash maps to
 FEW_HASHES = 40  # chains up to this long are looked up one hash at a time (`lookup_few`)
@@ -66,7 +66,7 @@ class HashTable:
         """The current holder set of each hash (0: nobody), as an int64 array."""
         if len(hashes) <= FEW_HASHES:
             return np.array(self.lookup_few(hashes), dtype=np.int64)
-        wanted = hash_array(hashes)
+        wanted = np.fromiter(hashes, np.uint64, len(hashes))
         if not len(self.keys):
             sets = np.zeros(len(wanted), dtype=np.int64)
             missing = np.arange(len(wanted))

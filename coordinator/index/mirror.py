@@ -23,7 +23,7 @@ import numpy as np
 
 from kvmesh.coordinator.index.hash_table import FEW_HASHES, NOBODY, HashTable
 from kvmesh.coordinator.index.radix_tree import RadixTree
-from kvmesh.proto.block_hash import BlockHash, hash_array
+from kvmesh.proto.block_hash import BlockHash
 from kvmesh.proto.events import TIER_DEVICE, AllCleared, BlockRemoved, BlockStored, EventBatch
 
 WorkerId = NewType("WorkerId", str)
@@ -397,7 +397,7 @@ class IndexMirror:
         if not hashes:
             return
         bit = self._bit(worker)
-        wanted = hash_array(hashes)
+        wanted = np.fromiter(hashes, np.uint64, len(hashes))
         rows = self._table.find(wanted).tolist()  # -1: not in the table's arrays
         self._table.note_changing(wanted)
         set_any, set_device, delta = self._set_any, self._set_device, self._table.delta
@@ -420,7 +420,7 @@ class IndexMirror:
         bit = self._bit_of.get(worker)
         if not bit or not self._num_blocks_of.get(worker) or not hashes:
             return []  # nothing indexed (a worker gets its bit with its first block)
-        wanted = hash_array(hashes)
+        wanted = np.fromiter(hashes, np.uint64, len(hashes))
         rows = self._table.find(wanted).tolist()  # -1: not in the table's arrays
         self._table.note_changing(wanted)
         set_any, set_device, delta = self._set_any, self._set_device, self._table.delta

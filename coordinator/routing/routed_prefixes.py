@@ -26,7 +26,7 @@ from operator import is_not
 import numpy as np
 
 from kvmesh.coordinator.index.mirror import WorkerId
-from kvmesh.proto.block_hash import BlockHash, hash_array
+from kvmesh.proto.block_hash import BlockHash
 
 _FEW_HASHES = 32  # a run sharing hashes with others, up to this long, is counted hash by hash
 
@@ -75,7 +75,7 @@ class RoutedPrefixes:
         hashes = hashes[start:]
         self._expires_s[request_id] = now_s + self.ttl_s
         self._worker_of[request_id] = worker
-        self._run_of[request_id] = hash_array(hashes)
+        self._run_of[request_id] = np.fromiter(hashes, np.uint64, len(hashes))
         refs = self._hash_to_worker_refs
         if refs.keys().isdisjoint(hashes):  # a new run: all its hashes in one update
             num_before = len(refs)
