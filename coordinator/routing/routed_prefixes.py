@@ -160,6 +160,8 @@ class RoutedPrefixes:
         size of the fleet."""
         refs, n = self._hash_to_worker_refs, len(hashes)
         out = held
+        if refs.keys().isdisjoint(hashes):  # nothing of this chain was routed lately
+            return out
         held_list = held.tolist()
         # each row grows on its own: the order does not matter
         starts = [start for start in set(held_list) if start < n]
