@@ -291,7 +291,7 @@ class KvmeshPolicy(RoutingPolicy):
         the recent-load decay); change a term there first, then here."""
         cm, weights = self.cost_model, self.weights
         n, bs = query.prompt_len, query.block_size
-        work, requests = self._recent.snapshot_arrays(cols.ids, now)
+        recent = self._recent.snapshot_matrix(cols.ids, now)  # work, requests
         running = cols.num_running
         per_seq_ms = running * cm.decode_per_seq_ms
         step_ms = cm.decode_fixed_ms + per_seq_ms
@@ -352,10 +352,12 @@ class KvmeshPolicy(RoutingPolicy):
             block_ms = weights.eviction_weight * (cm.prefill_per_token_ms * bs)
             cost += block_ms * stored * share
         uncached_share = 1.0 - options.cached_tokens / n
-        # (x[x.argmin()] is x.min(), without the Python wrapper the method goes through)
-        cost += weights.placement_balance * (work - work[work.argmin()]) * uncached_share
+        # Each row of recent work and requests above its least (both rows at once);
+        # x[x.argmin()] is x.min(), without the Python wrapper the method goes through.
+        recent -= np.minimum.reduce(recent, axis=1, keepdims=True)
+        cost += weights.placement_balance * recent[0] * uncached_share
         cheapest_ready = options.ready_ms[options.ready_ms.argmin()]
-        cost += weights.request_balance * (requests - requests[requests.argmin()]) * cheapest_ready
+        cost += weights.request_balance * recent[1] * cheapest_ready
         if weights.new_prefix_balance > 0 and query.block_hashes and not np.count_nonzero(matched):
             # A prefix nobody holds: deal it to the worker given the fewest new prefixes lately
             # (each brings its followers), whatever the load of the moment says.
