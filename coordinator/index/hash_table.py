@@ -90,9 +90,9 @@ class HashTable:
     def lookup_few(self, hashes: Sequence[BlockHash], leading: bool = False) -> list[int]:
         """`lookup` one hash at a time, in Python ints: for a short chain, cheaper than the
         fixed cost of the vector rounds (the same slots probed in the same order; a hash in
-        the delta, which the arrays do not have, is not probed at all). `leading`: stop after the first hash nobody holds
-        (the list is shorter then): a prefix match reads no further, since no worker's leading
-        run of the chain goes past it."""
+        the delta, which the arrays do not have, is not probed at all). `leading`: stop after
+        the first hash nobody holds (the list is shorter then): a prefix match reads no
+        further, since no worker's leading run of the chain goes past it."""
         in_delta = self.delta.get
         if not len(self.keys):
             sets = [in_delta(h, NOBODY) for h in hashes]

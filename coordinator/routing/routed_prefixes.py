@@ -169,6 +169,7 @@ class RoutedPrefixes:
         routed = list(map(refs.get, map(hashes.__getitem__, starts)))
         is_routed = map(is_not, routed, repeat(None))
         for start, holders in compress(zip(starts, routed, strict=True), is_routed):
+            assert holders is not None  # (compress kept only these)
             for worker in (holders,) if isinstance(holders, str) else holders:
                 row = index_of.get(worker)
                 if row is None or held_list[row] != start:
