@@ -93,6 +93,9 @@ class IndexMirror:
         self._set_refs: list[int] = [0]
         self._set_id: dict[tuple[int, int], int] = {(0, 0): NOBODY}
         self._free_set_ids: list[int] = []
+        # Interned sets holding some of their blocks off the device tier (a host tier in use):
+        # while there are none, a chain's device match is its match.
+        self._num_tiered_sets = 0
         self._num_blocks = 0
         self._num_blocks_of: dict[WorkerId, int] = {}
         self._cursors: dict[WorkerId, _WorkerCursor] = {}
@@ -295,6 +298,8 @@ class IndexMirror:
         else:
             i = length
         self._record(active, i, num_blocks)
+        if not self._num_tiered_sets:
+            return num_blocks, num_blocks
         set_device = self._set_device
         for s in run_sets[:num_walked]:
             if set_device[s] != set_any[s]:
@@ -356,6 +361,7 @@ class IndexMirror:
                 self._set_device.append(device_mask)
                 self._set_refs.append(0)
             self._set_id[key] = s
+            self._num_tiered_sets += device_mask != any_mask
         return s
 
     def _move(self, h: BlockHash, row: int, old: int, new: int) -> None:
@@ -379,6 +385,7 @@ class IndexMirror:
 
     def _release_set(self, s: int) -> None:
         del self._set_id[(self._set_any[s], self._set_device[s])]
+        self._num_tiered_sets -= self._set_device[s] != self._set_any[s]
         self._free_set_ids.append(s)
 
     def _bit(self, worker: WorkerId) -> int:
@@ -481,6 +488,8 @@ class IndexMirror:
             assert live == (refs > 0), f"set {s} interned with {refs} refs"
             assert self._set_device[s] & ~self._set_any[s] == 0, f"set {s}: device not in any"
         assert self._num_blocks == int(np.count_nonzero(sets)), "block count drifted"
+        tiered = sum(self._set_device[s] != self._set_any[s] for s in self._set_id.values())
+        assert self._num_tiered_sets == tiered, "tiered set count drifted"
         for w, bit in self._bit_of.items():
             assert self._worker_of_bit[bit] == w
             held = [s for s, m in enumerate(self._set_any) if m & bit and self._set_refs[s]]

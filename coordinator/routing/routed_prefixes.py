@@ -160,8 +160,9 @@ class RoutedPrefixes:
         size of the fleet."""
         refs, n = self._hash_to_worker_refs, len(hashes)
         out = held
-        if refs.keys().isdisjoint(hashes):  # nothing of this chain was routed lately
-            return out
+        if len(hashes) <= _FEW_HASHES and refs.keys().isdisjoint(hashes):
+            return out  # nothing of this short chain was routed lately (for a long one, the
+            # check would cost more than the lookups below)
         held_list = held.tolist()
         # each row grows on its own: the order does not matter
         starts = [start for start in set(held_list) if start < n]
