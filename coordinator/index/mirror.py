@@ -14,6 +14,7 @@ stream; a batch is applied only if it is the next one of its worker's current ge
 from __future__ import annotations
 
 import enum
+from bisect import bisect_left
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import repeat
@@ -282,10 +283,10 @@ class IndexMirror:
         set_any = self._set_any
         active = set_any[run_sets[0]]
         num_blocks: dict[int, int] = {}
-        i, num_walked = 0, 0
-        for i, s in zip(starts, run_sets, strict=True):  # noqa: B007 - i is read after the loop
-            num_walked += 1
-            held = active & set_any[s]
+        i = 0
+        masks = map(set_any.__getitem__, run_sets)
+        for i, mask in zip(starts, masks, strict=True):  # noqa: B007 - i is read after the loop
+            held = active & mask
             if held != active:
                 gone = active ^ held
                 if gone & (gone - 1):
@@ -300,6 +301,8 @@ class IndexMirror:
         self._record(active, i, num_blocks)
         if not self._num_tiered_sets:
             return num_blocks, num_blocks
+        # the runs walked: up to the one where the last prefix ended, or all
+        num_walked = bisect_left(starts, i) + 1 if not active else len(run_sets)
         set_device = self._set_device
         for s in run_sets[:num_walked]:
             if set_device[s] != set_any[s]:
