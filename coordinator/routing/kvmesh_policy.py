@@ -352,9 +352,10 @@ class KvmeshPolicy(RoutingPolicy):
             block_ms = weights.eviction_weight * (cm.prefill_per_token_ms * bs)
             cost += block_ms * stored * share
         uncached_share = 1.0 - options.cached_tokens / n
-        # Each row of recent work and requests above its least (both rows at once);
-        # x[x.argmin()] is x.min(), without the Python wrapper the method goes through.
-        recent -= np.minimum.reduce(recent, axis=1, keepdims=True)
+        # Recent work and requests above the least worker's (x[x.argmin()] is x.min(), without
+        # the Python wrapper the method goes through).
+        for row in recent:
+            row -= row[row.argmin()]
         cost += weights.placement_balance * recent[0] * uncached_share
         cheapest_ready = options.ready_ms[options.ready_ms.argmin()]
         cost += weights.request_balance * recent[1] * cheapest_ready
