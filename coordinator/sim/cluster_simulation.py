@@ -270,6 +270,7 @@ class ClusterSimulation:
             prompt, sampling, session_id=request.session_id, request_id=request.request_id
         )
         self._decision_s += self._timer() - start
+        self.backend.deliver_pending()  # the worker's queueing: not the decision's
         attempts = coordinator.counters.num_commit_attempts - attempts
         self._commit_ms[request.index] = attempts * trip_ms
         for delay_ms, w, sim_request, pull, origin in self.backend.deferred:
