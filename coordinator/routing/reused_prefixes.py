@@ -60,6 +60,8 @@ class ReusedPrefixes:
         """`num_blocks` leading blocks of a prompt, ending with `last_hash`, reused on `worker`."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if not 0 <= last_hash < 1 << 64:
+            raise ValueError(f"a block hash is 64 bits, got {last_hash}")
         row = self._sums.row(worker)
         key = last_hash | row << 64
         before = self._length.get(key, 0)

@@ -74,6 +74,7 @@ class WorkerRows:
         self.columns[name][row] += delta
 
     def rows_in_use(self) -> list[int]:
+        """The rows that belong to a worker now."""
         return list(self._row_of.values())
 
     def value(self, name: str, worker: WorkerId) -> float | int | bool:
