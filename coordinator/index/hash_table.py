@@ -31,22 +31,24 @@ class HashTable:
     """Block hash -> holder set id (uint32; NOBODY where absent), in about 12 bytes per block:
 
         keys   uint64[n]  block hashes, sorted (merges insert with one pass)
-        values uint32[n]  holder set of each
+        values uint32[n]  holder set of each, current (NOBODY: no holder left)
         _index int32[2^k >= 2n]  open addressing (linear probing) from a hash to its row, so a
                chain's lookups are a few vectorised probes each, whatever n is
-        delta  {hash: set id}  blocks changed since the last merge (overrides the arrays; id
-               NOBODY: no holder left); merged in, and the index rebuilt, when it outgrows 1/8
-               of them
+        delta  {hash: set id}  blocks that are not in the arrays, added since the last merge
+               (id NOBODY: no holder left); merged in, and the index rebuilt, when it outgrows
+               1/8 of them
         _delta_filter  bool[2^j >= 8 x the delta's bound]  set at (hash mod 2^j) for every hash
-               that entered the delta since the last merge: a lookup asks the delta only for
-               the few hashes the filter lets through, not for every block of the chain
+               that may have entered the delta since the last merge: of a long run of hashes
+               missing from the arrays, a lookup asks the delta only for those it lets through
 
-    A writer calls `note_changing` for the hashes it may put in `delta`, then writes `delta`
-    directly (the mirror's inner loops: no call per block). Right after a `merge` (empty
-    delta), `values` may be replaced by another array of the same length.
+    A writer finds a hash's row first (`find`) and writes a hash that has one in `values`, one
+    that has none in `delta`, after `note_changing` (the mirror's inner loops: no call per
+    block). So a hash found in the arrays is never in the delta, and a lookup asks the delta
+    only for the hashes the arrays miss. Right after a `merge` (empty delta), `values` may be
+    replaced by another array of the same length.
 
     Invariants (checked by `check_invariants`):
-      * every hash in the delta passes the delta filter
+      * every hash in the delta passes the delta filter, and none is in the arrays
       * keys are sorted and unique; values has their length
       * the index finds every key's row
     """
@@ -65,26 +67,36 @@ class HashTable:
         if len(hashes) <= FEW_HASHES:
             return np.array(self.lookup_few(hashes), dtype=np.int64)
         wanted = np.fromiter(hashes, np.uint64, len(hashes))
-        sets = self.merged_values(wanted)
+        if not len(self.keys):
+            sets = np.zeros(len(wanted), dtype=np.int64)
+            missing = np.arange(len(wanted))
+        else:
+            rows = self.find(wanted)
+            sets = self.values[rows].astype(np.int64)
+            missing = (rows < 0).nonzero()[0]
+            sets[missing] = NOBODY
         delta = self.delta
-        if delta:
-            # Only the hashes the filter lets through can be in the delta (a few false ones).
-            maybe = np.flatnonzero(self._delta_filter[wanted & self._delta_filter_mask])
-            if len(maybe):
-                # The maps run in C: a chain just stored (hundreds in the delta) costs little.
-                candidates = map(hashes.__getitem__, maybe.tolist())
-                in_delta = np.fromiter(map(delta.get, candidates, repeat(-1)), np.int64, len(maybe))
-                hit = in_delta >= 0
-                sets[maybe[hit]] = in_delta[hit]
+        if delta and len(missing):
+            if len(missing) > FEW_HASHES:  # many: only those the filter lets through
+                passed = self._delta_filter[wanted[missing] & self._delta_filter_mask]
+                missing = missing[passed]
+            # The maps run in C: a chain just stored (hundreds in the delta) costs little.
+            candidates = map(hashes.__getitem__, missing.tolist())
+            in_delta = np.fromiter(map(delta.get, candidates, repeat(-1)), np.int64, len(missing))
+            hit = in_delta >= 0
+            sets[missing[hit]] = in_delta[hit]
         return sets
 
-    def lookup_few(self, hashes: Sequence[BlockHash]) -> list[int]:
+    def lookup_few(self, hashes: Sequence[BlockHash], leading: bool = False) -> list[int]:
         """`lookup` one hash at a time, in Python ints: for a short chain, cheaper than the
         fixed cost of the vector rounds (the same slots probed in the same order; a hash in
-        the delta is not probed at all)."""
+        the delta, which the arrays do not have, is not probed at all). `leading`: stop after
+        the first hash nobody holds (the list is shorter then): a prefix match reads no
+        further, since no worker's leading run of the chain goes past it."""
         in_delta = self.delta.get
         if not len(self.keys):
-            return [in_delta(h, NOBODY) for h in hashes]
+            sets = [in_delta(h, NOBODY) for h in hashes]
+            return sets[: sets.index(NOBODY) + 1] if leading and NOBODY in sets else sets
         row_at, key_at, set_of_row = self._index.item, self.keys.item, self.values.item
         bits = self._index_bits
         shift, mask = 64 - bits, (1 << bits) - 1
@@ -97,10 +109,13 @@ class HashTable:
                     slot = (slot + 1) & mask
                 s = set_of_row(row) if row >= 0 else NOBODY
             sets.append(s)
+            if leading and s == NOBODY:
+                break
         return sets
 
     def merged_values(self, wanted: np.ndarray) -> np.ndarray:
-        """The holder set of each wanted hash in the arrays (the delta not read), as int64."""
+        """The holder set of each wanted hash in the arrays (NOBODY for one they do not have:
+        the delta is not read), as int64."""
         if not len(self.keys):
             return np.zeros(len(wanted), dtype=np.int64)
         rows = self.find(wanted)
@@ -130,20 +145,19 @@ class HashTable:
         mask = np.uint64((1 << bits) - 1)
         slots = _home_slots(wanted, bits)
         rows = index[slots]
-        hit = keys[rows] == wanted
-        found = np.where(hit, rows, -1).astype(np.int64)
-        todo = np.flatnonzero((rows >= 0) & ~hit)
+        found = np.where(keys[rows] == wanted, rows, -1).astype(np.int64)
+        todo = (rows > found).nonzero()[0]  # an occupied home slot that holds another key
         if not len(todo):
             return found
         slots = slots[todo]
         window = index[(slots[:, None] + _WINDOW_STEPS) & mask]
-        hit = keys[window] == wanted[todo][:, None]
-        first = hit.argmax(axis=1)
-        picked = np.arange(len(todo)), first
-        got = hit[picked]
-        found[todo[got]] = window[picked][got]
-        on = ~got & (window >= 0).all(axis=1)
-        if on.any():
+        # Keys are unique: at most one slot of a window holds the wanted key (-1: none does).
+        in_window = np.maximum.reduce(
+            np.where(keys[window] == wanted[todo][:, None], window, -1), axis=1
+        )
+        found[todo] = in_window
+        on = (in_window < 0) & (np.minimum.reduce(window, axis=1) >= 0)
+        if np.count_nonzero(on):
             todo, slots = todo[on], (slots[on] + np.uint64(_WINDOW_SLOTS + 1)) & mask
             self._probe_on(wanted, found, todo, slots)
         return found
@@ -235,6 +249,7 @@ class HashTable:
         if self.delta:
             in_delta = np.fromiter(self.delta, np.uint64, len(self.delta))
             assert self._delta_filter[in_delta & self._delta_filter_mask].all(), "filter misses"
+            assert (self.find(in_delta) < 0).all(), "a hash in the arrays is in the delta"
         self.merge()
         assert len(self.values) == len(self.keys), "keys and values differ in length"
         assert np.all(self.keys[1:] > self.keys[:-1]), "keys are not sorted and unique"

@@ -14,8 +14,10 @@ stream; a batch is applied only if it is the next one of its worker's current ge
 from __future__ import annotations
 
 import enum
+from bisect import bisect_left
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import NamedTuple, NewType
 
 import numpy as np
@@ -92,11 +94,17 @@ class IndexMirror:
         self._set_refs: list[int] = [0]
         self._set_id: dict[tuple[int, int], int] = {(0, 0): NOBODY}
         self._free_set_ids: list[int] = []
+        # Interned sets holding some of their blocks off the device tier (a host tier in use):
+        # while there are none, a chain's device match is its match.
+        self._num_tiered_sets = 0
         self._num_blocks = 0
         self._num_blocks_of: dict[WorkerId, int] = {}
         self._cursors: dict[WorkerId, _WorkerCursor] = {}
         self._bit_of: dict[WorkerId, int] = {}
         self._worker_of_bit: dict[int, WorkerId] = {}
+        # The row of each worker bit in the last fleet matched (`match_fleet`'s `row_of`),
+        # until another fleet comes or a bit is given or taken.
+        self._fleet_bits: tuple[Mapping[WorkerId, int], dict[int, int]] | None = None
         self.num_events_applied = 0
         self.tree = RadixTree()
         """Parent and depth of the indexed blocks, from the stored events (`radix_tree.py`)."""
@@ -197,6 +205,7 @@ class IndexMirror:
         bit = self._bit_of.pop(worker, 0)
         if bit:
             del self._worker_of_bit[bit]
+            self._fleet_bits = None
         self._cursors.pop(worker, None)
         self._num_blocks_of.pop(worker, None)
         return orphaned
@@ -225,7 +234,9 @@ class IndexMirror:
         self, hashes: Sequence[BlockHash], row_of: Mapping[WorkerId, int], num_rows: int
     ) -> FleetMatch:
         """`match` written into the columns of a fleet of `num_rows` workers (`row_of`: a
-        worker's row; workers outside the fleet are left out). The same numbers as `match`."""
+        worker's row; workers outside the fleet are left out). The same numbers as `match`.
+        The rows of the workers' bits are kept while the same `row_of` object comes: another
+        fleet is another mapping, never the same one changed."""
         num_blocks = np.zeros(num_rows, dtype=np.int64)
         num_device = np.zeros(num_rows, dtype=np.int64)
         if not hashes:
@@ -234,36 +245,78 @@ class IndexMirror:
         if not run_sets[0]:
             return FleetMatch(num_blocks, num_device, 0)
         by_bit, device_by_bit = self._walk(starts, run_sets, len(hashes))
-        worker_of_bit, device_get = self._worker_of_bit, device_by_bit.get
-        rows, held, held_device = [], [], []
-        for b, n in by_bit.items():
-            row = row_of.get(worker_of_bit[b])
-            if row is not None:
-                rows.append(row)
-                held.append(n)
-                held_device.append(device_get(b, 0))
+        row_of_bit = self._rows_of_bits(row_of)
+        if len(row_of_bit) == len(self._worker_of_bit):  # every worker with a bit is in the fleet
+            bits = list(by_bit)
+        else:
+            bits = [b for b in by_bit if b in row_of_bit]
+        rows = list(map(row_of_bit.__getitem__, bits))
+        held = list(map(by_bit.__getitem__, bits))
+        if device_by_bit is by_bit:
+            held_device = held
+        else:
+            held_device = list(map(device_by_bit.get, bits, repeat(0)))
         if len(rows) > 1:
-            num_blocks[rows], num_device[rows] = held, held_device
+            num_blocks[rows] = held
+            if device_by_bit is by_bit:  # every block on the device tier: the same numbers
+                num_device = num_blocks.copy()
+            else:
+                num_device[rows] = held_device
         elif rows:  # one holder, the common case in a large fleet: no list-to-array conversions
             num_blocks[rows[0]], num_device[rows[0]] = held[0], held_device[0]
         return FleetMatch(num_blocks, num_device, max(by_bit.values(), default=0))
+
+    def _rows_of_bits(self, row_of: Mapping[WorkerId, int]) -> dict[int, int]:
+        """Each worker bit's row in the fleet `row_of` (bits of workers outside it left out)."""
+        cached = self._fleet_bits
+        if cached is None or cached[0] is not row_of:
+            rows = {b: row_of[w] for b, w in self._worker_of_bit.items() if w in row_of}
+            cached = self._fleet_bits = (row_of, rows)
+        return cached[1]
 
     def _walk(
         self, starts: list[int], run_sets: list[int], length: int
     ) -> tuple[dict[int, int], dict[int, int]]:
         """Per worker bit, the leading blocks it holds (any tier, then device) of a chain of
-        `length` blocks whose holder sets change at `starts` (to `run_sets`)."""
-        set_any, set_device = self._set_any, self._set_device
+        `length` blocks whose holder sets change at `starts` (to `run_sets`). Where every run
+        walked holds its blocks on the device tier (no host tier in use), both are one dict."""
+        set_any = self._set_any
         active = set_any[run_sets[0]]
-        on_device = active
         num_blocks: dict[int, int] = {}
+        i = 0
+        masks = map(set_any.__getitem__, run_sets)
+        for i, mask in zip(starts, masks, strict=True):  # noqa: B007 - i is read after the loop
+            held = active & mask
+            if held != active:
+                gone = active ^ held
+                if gone & (gone - 1):
+                    self._record(gone, i, num_blocks)
+                else:  # one worker's run ends (most do): `_record`, inline
+                    num_blocks[gone] = i
+                active = held
+                if not active:
+                    break
+        else:
+            i = length
+        self._record(active, i, num_blocks)
+        if not self._num_tiered_sets:
+            return num_blocks, num_blocks
+        # the runs walked: up to the one where the last prefix ended, or all
+        num_walked = bisect_left(starts, i) + 1 if not active else len(run_sets)
+        set_device = self._set_device
+        for s in run_sets[:num_walked]:
+            if set_device[s] != set_any[s]:
+                return num_blocks, self._walk_device(starts, run_sets, length)
+        return num_blocks, num_blocks
+
+    def _walk_device(self, starts: list[int], run_sets: list[int], length: int) -> dict[int, int]:
+        """`_walk`'s device tier: per worker bit, the leading run it holds on the device."""
+        set_any, set_device = self._set_any, self._set_device
+        active = on_device = set_any[run_sets[0]]
         num_device: dict[int, int] = {}
         i = 0
         for i, s in zip(starts, run_sets, strict=True):  # noqa: B007 - i is read after the loop
-            held = active & set_any[s]
-            if held != active:
-                self._record(active ^ held, i, num_blocks)
-                active = held
+            active &= set_any[s]
             held_dev = on_device & set_device[s]
             if held_dev != on_device:
                 self._record(on_device ^ held_dev, i, num_device)
@@ -272,19 +325,19 @@ class IndexMirror:
                 break
         else:
             i = length
-        self._record(active, i, num_blocks)
         self._record(on_device, i, num_device)
-        return num_blocks, num_device
+        return num_device
 
     def _runs(self, hashes: Sequence[BlockHash]) -> tuple[list[int], list[int]]:
         """Where the chain's holder set changes, and to what: (first positions of the runs of
-        one holder set, their sets). Only there can a worker's prefix end."""
+        one holder set, their sets). Only there can a worker's prefix end; the runs may stop
+        at the first block nobody holds (no worker's prefix goes past it)."""
         if len(hashes) <= FEW_HASHES:
-            sets = self._table.lookup_few(hashes)
+            sets = self._table.lookup_few(hashes, leading=True)
             starts = [i for i in range(len(sets)) if not i or sets[i] != sets[i - 1]]
             return starts, [sets[i] for i in starts]
         array = self._table.lookup(hashes)
-        at = np.flatnonzero(array[1:] != array[:-1]) + 1
+        at = (array[1:] != array[:-1]).nonzero()[0] + 1
         return [0, *at.tolist()], [int(array[0]), *array[at].tolist()]
 
     @staticmethod
@@ -311,10 +364,12 @@ class IndexMirror:
                 self._set_device.append(device_mask)
                 self._set_refs.append(0)
             self._set_id[key] = s
+            self._num_tiered_sets += device_mask != any_mask
         return s
 
-    def _move(self, h: BlockHash, old: int, new: int) -> None:
-        """Block `h` goes from holder set `old` to `new` (refs, the block count, the delta)."""
+    def _move(self, h: BlockHash, row: int, old: int, new: int) -> None:
+        """Block `h` goes from holder set `old` to `new` (refs, the block count, and the table:
+        the arrays' `row` of it, or the delta where it has none, -1)."""
         refs = self._set_refs
         if old:
             refs[old] -= 1
@@ -326,10 +381,14 @@ class IndexMirror:
             refs[new] += 1
         else:
             self._num_blocks -= 1
-        self._table.delta[h] = new
+        if row >= 0:
+            self._table.values[row] = new
+        else:
+            self._table.delta[h] = new
 
     def _release_set(self, s: int) -> None:
         del self._set_id[(self._set_any[s], self._set_device[s])]
+        self._num_tiered_sets -= self._set_device[s] != self._set_any[s]
         self._free_set_ids.append(s)
 
     def _bit(self, worker: WorkerId) -> int:
@@ -341,6 +400,7 @@ class IndexMirror:
             bit = ~used & (used + 1)  # lowest free bit
             self._bit_of[worker] = bit
             self._worker_of_bit[bit] = worker
+            self._fleet_bits = None
         return bit
 
     def _add(self, worker: WorkerId, hashes: Sequence[BlockHash], tier: int) -> None:
@@ -348,18 +408,20 @@ class IndexMirror:
             return
         bit = self._bit(worker)
         wanted = np.fromiter(hashes, np.uint64, len(hashes))
-        current = self._table.merged_values(wanted).tolist()  # the loop reads the delta itself
+        rows = self._table.find(wanted).tolist()  # -1: not in the table's arrays
         self._table.note_changing(wanted)
         set_any, set_device, delta = self._set_any, self._set_device, self._table.delta
+        set_of_row = self._table.values.item
         added = 0
-        for h, s in zip(hashes, current, strict=True):
-            s = delta.get(h, s)  # a hash twice in one event: its first store counts
+        for h, row in zip(hashes, rows, strict=True):
+            # read as the loop goes: a hash twice in one event sees its first store
+            s = set_of_row(row) if row >= 0 else delta.get(h, NOBODY)
             any_mask = set_any[s]
             device = set_device[s] | bit if tier == TIER_DEVICE else set_device[s] & ~bit
             if any_mask & bit and device == set_device[s]:
                 continue
             added += not any_mask & bit
-            self._move(h, s, self._intern(any_mask | bit, device))
+            self._move(h, row, s, self._intern(any_mask | bit, device))
         if added:
             self._num_blocks_of[worker] = self._num_blocks_of.get(worker, 0) + added
 
@@ -369,18 +431,19 @@ class IndexMirror:
         if not bit or not self._num_blocks_of.get(worker) or not hashes:
             return []  # nothing indexed (a worker gets its bit with its first block)
         wanted = np.fromiter(hashes, np.uint64, len(hashes))
-        current = self._table.merged_values(wanted).tolist()  # the loop reads the delta itself
+        rows = self._table.find(wanted).tolist()  # -1: not in the table's arrays
         self._table.note_changing(wanted)
         set_any, set_device, delta = self._set_any, self._set_device, self._table.delta
+        set_of_row = self._table.values.item
         removed: list[BlockHash] = []
-        for h, s in zip(hashes, current, strict=True):
-            s = delta.get(h, s)
+        for h, row in zip(hashes, rows, strict=True):
+            s = set_of_row(row) if row >= 0 else delta.get(h, NOBODY)
             if not set_any[s] & bit:
                 continue
             held = TIER_DEVICE if set_device[s] & bit else 1
             if held != tier:
                 continue  # a removal from another tier than the one indexed: keep ours
-            self._move(h, s, self._intern(set_any[s] & ~bit, set_device[s] & ~bit))
+            self._move(h, row, s, self._intern(set_any[s] & ~bit, set_device[s] & ~bit))
             removed.append(h)
         self._num_blocks_of[worker] -= len(removed)
         return removed
@@ -428,6 +491,8 @@ class IndexMirror:
             assert live == (refs > 0), f"set {s} interned with {refs} refs"
             assert self._set_device[s] & ~self._set_any[s] == 0, f"set {s}: device not in any"
         assert self._num_blocks == int(np.count_nonzero(sets)), "block count drifted"
+        tiered = sum(self._set_device[s] != self._set_any[s] for s in self._set_id.values())
+        assert self._num_tiered_sets == tiered, "tiered set count drifted"
         for w, bit in self._bit_of.items():
             assert self._worker_of_bit[bit] == w
             held = [s for s, m in enumerate(self._set_any) if m & bit and self._set_refs[s]]

@@ -62,12 +62,17 @@ class CostModel:
         """`prefill_ms` of every row at once: the same operations in the same order, so each row
         is bit for bit what `prefill_ms` gives (the router's test holds both to it)."""
         new = np.asarray(num_new_tokens, dtype=np.int64)
-        pairs = new * (num_cached_tokens + new / 2)
-        ms = (
-            self.prefill_fixed_ms
-            + new * self.prefill_per_token_ms
-            + pairs * self.attention_per_token_pair_ms
-        )
+        # As floats once: each operation would convert the int64 operand to float64 anyway.
+        x = new.astype(np.float64)
+        pairs = x / 2  # (in place below: the same operations, in the same order, as above)
+        pairs += num_cached_tokens
+        pairs *= x
+        ms = x * self.prefill_per_token_ms
+        ms += self.prefill_fixed_ms
+        pairs *= self.attention_per_token_pair_ms
+        ms += pairs
+        if new.ndim == 1 and len(new) and new[new.argmin()] > 0:
+            return ms  # every row has tokens to prefill (the router's case: the last one always)
         return np.where(new > 0, ms, 0.0)
 
     def transfer_ms(self, num_tokens: int) -> float:

@@ -222,8 +222,11 @@ class KvmeshPolicy(RoutingPolicy):
     def _lowest(self, costs: np.ndarray) -> int:
         """The row of the lowest cost; ties (within `_TIE_EPSILON_MS`) broken by the rng, drawing
         as `RoutingPolicy._pick_lowest` does."""
-        tied = np.flatnonzero(costs <= costs[costs.argmin()] + _TIE_EPSILON_MS)
-        return int(tied[0]) if len(tied) == 1 else int(self.rng.choice(tied.tolist()))
+        i = int(costs.argmin())
+        tied = costs <= costs[i] + _TIE_EPSILON_MS
+        if np.count_nonzero(tied) == 1:  # the lowest alone: no draw
+            return i
+        return int(self.rng.choice(tied.nonzero()[0].tolist()))
 
     def _prefill_options(
         self, query: RouteQuery, cols: WorkerColumns, matched: np.ndarray
@@ -234,12 +237,12 @@ class KvmeshPolicy(RoutingPolicy):
         cached = np.minimum(matched, num_reusable_blocks(n, bs)) * bs
         recompute = cm.prefill_ms_array(n - cached, cached)
         device = cols.matched_device_blocks
-        peer = int(np.argmax(device)) if self.transfer_ms is not None else -1
+        peer = int(device.argmax()) if self.transfer_ms is not None else -1
         if peer < 0 or device[peer] <= 0:
             return _PrefillOptions(recompute, recompute, cached)
         num_blocks = int(device[peer])
         # Never the peer itself: its match (any tier) is at least its device match.
-        candidates = np.flatnonzero(num_blocks > matched)
+        candidates = (num_blocks > matched).nonzero()[0]
         if not len(candidates):
             return _PrefillOptions(recompute, recompute, cached)
         moved_tokens = (num_blocks - matched[candidates]) * bs
@@ -288,65 +291,80 @@ class KvmeshPolicy(RoutingPolicy):
         the recent-load decay); change a term there first, then here."""
         cm, weights = self.cost_model, self.weights
         n, bs = query.prompt_len, query.block_size
-        work, requests = self._recent.snapshot_arrays(cols.ids, now)
+        recent = self._recent.snapshot_matrix(cols.ids, now)  # work, requests
         running = cols.num_running
-        step_ms = cm.decode_fixed_ms + running * cm.decode_per_seq_ms
+        per_seq_ms = running * cm.decode_per_seq_ms
+        step_ms = cm.decode_fixed_ms + per_seq_ms
         # Decode is paid per token, by this request and by every sequence it joins, over as many
         # tokens as its answer asks (`KvmeshWeights.decode_tokens_for`): what a hot prefix's
         # holder's growing batch costs a long answer, and barely costs a short one.
-        step_load: np.ndarray
-        if cm.decode_per_kv_token_ms > 0:
+        calibrated = cm.decode_per_kv_token_ms > 0
+        step_load: np.ndarray = per_seq_ms
+        if calibrated:
             step_load = self._running.tokens_many(cols.ids) * cm.decode_per_kv_token_ms
+        # Below, a term that is 0 on every row is skipped and a weight of 1 not multiplied: a
+        # cost is never -0.0, so adding +0.0 or multiplying by 1 would leave its bits as they
+        # are (the reference's costs, bit for bit). In-place sums round as `cost = cost + x`.
+        cost = cols.queued_prefill_ms + options.ready_ms
+        if weights.recompute_weight == 1.0:
+            cost += options.recompute_ms
         else:
-            step_load = running * cm.decode_per_seq_ms
-        recompute = weights.recompute_weight * options.recompute_ms
-        cost = cols.queued_prefill_ms + options.ready_ms + recompute
-        cost = cost + np.where(running != 0, step_ms, 0.0)
+            cost += weights.recompute_weight * options.recompute_ms
+        if np.count_nonzero(running) == len(running):
+            cost += step_ms
+        else:
+            cost += np.where(running != 0, step_ms, 0.0)
         # Each prefill queued ahead runs at least one step, and the step carries w's batch (its
         # KV read too): a queue of cheap cache hits is as long in steps as in prefill.
-        kv_ms = step_load if cm.decode_per_kv_token_ms > 0 else 0.0
-        cost = cost + cols.num_queued * (step_ms + kv_ms)
+        step_kv_ms = step_ms + step_load if calibrated else step_ms
+        if np.count_nonzero(cols.num_queued):
+            cost += cols.num_queued * step_kv_ms
         decode_tokens = weights.decode_tokens_for(query.max_tokens)
-        cost = cost + 2.0 * decode_tokens * (step_load - step_load.min())
+        cost += 2.0 * decode_tokens * (step_load - step_load[step_load.argmin()])
         # What w lacks of the prompt on its device is stored there, computed or pulled (a prefix
         # routed to w and not yet indexed will be there: not stored).
         held = cols.matched_device_blocks
         if matched is not cols.matched_blocks:
             held = np.where(matched > cols.matched_blocks, matched, held)
         stored = np.maximum(query.num_prompt_blocks - held, 0)
+        # (as floats once: an int64 operand is converted to float64 by each operation anyway)
+        pool = np.maximum(cols.num_blocks, 1).astype(np.float64)
         if weights.memory_weight > 0:
             # The request holds what it stores and its answer's blocks for its answer's steps;
             # where w's pool is in use, the requests after it at w wait for them.
             answer_len = weights.answer_tokens_for(query.max_tokens)
-            pool = np.maximum(cols.num_blocks, 1)
             in_use = 1.0 - cols.num_free_blocks / pool
             # The prompt blocks it stores stay as long as their followers come, so they are
             # priced by the share in use (a pool in use now fills with them); the answer's leave
             # with it, so where the pool is full now: the square.
-            blocks = stored * in_use + answer_len / bs * (in_use * in_use)
-            held_ms = blocks / pool * answer_len * (step_ms + kv_ms)
-            cost = cost + weights.memory_weight * held_ms
+            held_ms = stored * in_use
+            held_ms += answer_len / bs * (in_use * in_use)
+            held_ms /= pool
+            held_ms *= answer_len
+            held_ms *= step_kv_ms
+            held_ms *= weights.memory_weight
+            cost += held_ms
         if weights.eviction_weight > 0 and len(self._reused):
             # The stored blocks displace as much of w's pool; so much of that was reused lately
             # as w's reused prefixes fill of the pool.
             reused = self._reused.num_blocks_many(cols.ids)
-            share = np.minimum(1.0, reused / np.maximum(cols.num_blocks, 1))
+            share = np.minimum(1.0, reused / pool)
             block_ms = weights.eviction_weight * (cm.prefill_per_token_ms * bs)
-            cost = cost + block_ms * stored * share
+            cost += block_ms * stored * share
         uncached_share = 1.0 - options.cached_tokens / n
-        # (x[x.argmin()] is x.min(), without the Python wrapper the method goes through)
-        cost = cost + weights.placement_balance * (work - work[work.argmin()]) * uncached_share
+        # Recent work and requests above the least worker's (x[x.argmin()] is x.min(), without
+        # the Python wrapper the method goes through).
+        for row in recent:
+            row -= row[row.argmin()]
+        cost += weights.placement_balance * recent[0] * uncached_share
         cheapest_ready = options.ready_ms[options.ready_ms.argmin()]
-        cost = (
-            cost
-            + weights.request_balance * (requests - requests[requests.argmin()]) * cheapest_ready
-        )
-        if weights.new_prefix_balance > 0 and query.block_hashes and not matched.any():
+        cost += weights.request_balance * recent[1] * cheapest_ready
+        if weights.new_prefix_balance > 0 and query.block_hashes and not np.count_nonzero(matched):
             # A prefix nobody holds: deal it to the worker given the fewest new prefixes lately
             # (each brings its followers), whatever the load of the moment says.
             placed = self._new_prefixes.snapshot_arrays(cols.ids, now)[1]
             new = weights.new_prefix_balance * (placed - placed[placed.argmin()])
-            cost = cost + new * cheapest_ready
+            cost += new * cheapest_ready
         sticky = self._sessions.get(query.session_id)
         row = cols.index_of.get(sticky) if sticky is not None else None
         if row is not None:

@@ -57,9 +57,12 @@ class LoadTracker:
             reported_requests=np.int64,
         )
         self._num_reports = 0
-        # The reported tokens of the last fleet priced, in ms: they change only with a report
-        # (or the cost model), not with every route. (cost model, reports seen, rows, ms)
-        self._reported_ms: tuple[CostModel, int, np.ndarray, np.ndarray] | None = None
+        # The reports of the last fleet priced: they change only with a report (or the cost
+        # model), not with every route. (cost model, reports seen, rows, `_reported`)
+        self._reported_ms: (
+            tuple[CostModel, int, np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray] | None]
+            | None
+        ) = None
 
     def on_reported(self, worker: WorkerId, load: ReportedLoad) -> None:
         self._rows.set("reported", worker, True)
@@ -93,23 +96,24 @@ class LoadTracker:
         own_ms = np.maximum(col["queued_ms"][rows], 0.0)
         own_tokens = col["queued_tokens"][rows]
         own_running = col["num_running"][rows]
-        has = col["reported"][rows]
-        if not has.any():
+        reported = self._reported(rows, cost_model)
+        if reported is None:
             return own_ms, own_tokens, own_running
         # A worker without a report reports 0 tokens and 0 requests, and its own numbers are
         # >= 0: the max below leaves them as they are, as `with_reported` does.
-        tokens = col["reported_tokens"][rows]
+        reported_ms, tokens, requests = reported
         return (
-            np.maximum(own_ms, self._reported_prefill_ms(rows, has, tokens, cost_model)),
+            np.maximum(own_ms, reported_ms),
             np.maximum(own_tokens, tokens),
-            np.maximum(own_running, col["reported_requests"][rows]),
+            np.maximum(own_running, requests),
         )
 
-    def _reported_prefill_ms(
-        self, rows: np.ndarray, has: np.ndarray, tokens: np.ndarray, cost_model: CostModel
-    ) -> np.ndarray:
-        """The reported tokens priced (0 where none was reported), kept until the next report,
-        another fleet (rows) or another cost model."""
+    def _reported(
+        self, rows: np.ndarray, cost_model: CostModel
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """The fleet's reports: (tokens priced, 0 where none was reported; tokens; requests),
+        None if no worker of it reported. Kept until the next report, another fleet (rows) or
+        another cost model: reports come once a health interval, routes many times in it."""
         cached = self._reported_ms
         if (
             cached is None
@@ -117,8 +121,14 @@ class LoadTracker:
             or cached[1] != self._num_reports
             or cached[2] is not rows
         ):
-            reported_ms = np.where(has, cost_model.prefill_ms_array(tokens), 0.0)
-            cached = self._reported_ms = (cost_model, self._num_reports, rows, reported_ms)
+            col = self._rows.columns
+            has = col["reported"][rows]
+            reported = None
+            if np.count_nonzero(has):
+                tokens = col["reported_tokens"][rows]
+                reported_ms = np.where(has, cost_model.prefill_ms_array(tokens), 0.0)
+                reported = (reported_ms, tokens, col["reported_requests"][rows])
+            cached = self._reported_ms = (cost_model, self._num_reports, rows, reported)
         return cached[3]
 
     def queued_prefill_ms(self, worker: WorkerId) -> float:

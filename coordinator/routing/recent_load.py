@@ -19,6 +19,8 @@ import numpy as np
 
 from kvmesh.coordinator.index.mirror import WorkerId
 
+_WORK, _REQUESTS, _AT = 0, 1, 2  # rows of `RecentLoad._sums`
+
 
 @dataclass(slots=True)
 class _Sums:
@@ -42,9 +44,8 @@ class RecentLoad:
         self.horizon_s = horizon_s
         self._slot_of: dict[WorkerId, int] = {}
         self._free_slots: list[int] = []
-        self._work_ms = np.zeros(0)
-        self._num_requests = np.zeros(0)
-        self._at_s = np.zeros(0)
+        # Rows _WORK, _REQUESTS, _AT of one array: a fleet's sums are one gather.
+        self._sums = np.zeros((3, 0))
         # The row index of the last fleet asked for (the live fleet rarely changes).
         self._rows_for: tuple[tuple[WorkerId, ...], np.ndarray] | None = None
 
@@ -52,9 +53,8 @@ class RecentLoad:
         slot = self._slot_of.get(worker)
         if slot is None:
             return None
-        return _Sums(
-            float(self._work_ms[slot]), float(self._num_requests[slot]), float(self._at_s[slot])
-        )
+        work, num_requests, at_s = self._sums[:, slot].tolist()
+        return _Sums(work, num_requests, at_s)
 
     def _decayed(self, worker: WorkerId, now_s: float) -> _Sums:
         s = self._stored(worker)
@@ -91,15 +91,22 @@ class RecentLoad:
         self, workers: Sequence[WorkerId], now_s: float
     ) -> tuple[np.ndarray, np.ndarray]:
         """`snapshot` of a whole fleet at once, as arrays (to within an ulp: numpy's exp)."""
+        sums = self.snapshot_matrix(workers, now_s)
+        return sums[_WORK], sums[_REQUESTS]
+
+    def snapshot_matrix(self, workers: Sequence[WorkerId], now_s: float) -> np.ndarray:
+        """`snapshot_arrays` as one (2, len(workers)) array: work_ms, then num_requests."""
         n = len(workers)
         if not self._slot_of:
-            return np.zeros(n), np.zeros(n)
-        rows = self._rows(tuple(workers))
-        at = self._at_s[rows]
+            return np.zeros((2, n))
+        rows = self._rows(tuple(workers))  # first: making rows may grow (replace) `_sums`
+        sums = self._sums.take(rows, axis=1)
         # min(at - now, 0): the factor is 1 for a sum stored at (or, with a clock that went
         # back, after) now, as `snapshot` has it; the same floats as a `where` on `now > at`.
-        f = np.exp(np.minimum(at - now_s, 0.0) / self.horizon_s)
-        return self._work_ms[rows] * f, self._num_requests[rows] * f
+        f = np.exp(np.minimum(sums[_AT] - now_s, 0.0) / self.horizon_s)
+        decayed = sums[:_AT]
+        decayed *= f
+        return decayed
 
     def _rows(self, workers: tuple[WorkerId, ...]) -> np.ndarray:
         """Each worker's row, made (sums of 0, which read as no sums) for those without one,
@@ -115,7 +122,7 @@ class RecentLoad:
         slot = self._slot_of.get(worker)
         if slot is None:
             slot = self._slot_of[worker] = self._new_slot()
-            self._work_ms[slot] = self._num_requests[slot] = self._at_s[slot] = 0.0
+            self._sums[:, slot] = 0.0
         return slot
 
     def add(self, worker: WorkerId, work_ms: float, now_s: float) -> None:
@@ -123,26 +130,23 @@ class RecentLoad:
         if work_ms < 0:
             raise ValueError(f"work_ms must be >= 0, got {work_ms}")
         slot = self._slot(worker)  # a new row leaves the cached fleet's rows valid
-        work, num_requests = self._work_ms.item(slot), self._num_requests.item(slot)
-        at_s = self._at_s.item(slot)
+        sums = self._sums
+        work, num_requests, at_s = sums[:, slot].tolist()
         if now_s > at_s:  # `_decayed`, on the row's numbers
             f = math.exp(-(now_s - at_s) / self.horizon_s)
             work, num_requests = work * f, num_requests * f
-        self._work_ms[slot] = work + work_ms
-        self._num_requests[slot] = num_requests + 1.0
-        self._at_s[slot] = now_s
+        sums[_WORK, slot] = work + work_ms
+        sums[_REQUESTS, slot] = num_requests + 1.0
+        sums[_AT, slot] = now_s
 
     def _new_slot(self) -> int:
         if self._free_slots:
             return self._free_slots.pop()
         slot = len(self._slot_of)
-        if slot >= len(self._at_s):
-            size = max(64, 2 * len(self._at_s))
-            for name in ("_work_ms", "_num_requests", "_at_s"):
-                grown = np.zeros(size)
-                old = getattr(self, name)
-                grown[: len(old)] = old
-                setattr(self, name, grown)
+        if slot >= self._sums.shape[1]:
+            grown = np.zeros((3, max(64, 2 * self._sums.shape[1])))
+            grown[:, : self._sums.shape[1]] = self._sums
+            self._sums = grown
         return slot
 
     def forget(self, worker: WorkerId) -> None:
@@ -156,4 +160,4 @@ class RecentLoad:
         assert len(set(slots)) == len(slots), "two workers share a row"
         assert not set(slots) & set(self._free_slots), "a free row is in use"
         for w, slot in self._slot_of.items():
-            assert self._work_ms[slot] >= 0 and self._num_requests[slot] >= 0, w
+            assert self._sums[_WORK, slot] >= 0 and self._sums[_REQUESTS, slot] >= 0, w

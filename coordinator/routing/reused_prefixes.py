@@ -32,8 +32,13 @@ from kvmesh.proto.block_hash import BlockHash
 class ReusedPrefixes:
     """Per worker, the distinct prefixes reused there lately and the sum of their blocks.
 
+    An entry is keyed by one int, the prefix's last hash (64 bits) plus the worker's row of
+    `_sums` above them: ints are never walked by the garbage collector, where a tuple key and
+    value per routed prompt would be, each time it runs while they are young.
+
     Invariants (checked by `check_invariants`): the "num_blocks" column of a worker is the sum of
-    its entries' lengths; entries are ordered by last use; at most `max_entries` are kept.
+    its entries' lengths; entries are ordered by last use; at most `max_entries` are kept; every
+    entry's row is a worker's row in use.
     """
 
     def __init__(self, horizon_s: float = 10.0, max_entries: int = 100_000) -> None:
@@ -43,36 +48,42 @@ class ReusedPrefixes:
             raise ValueError(f"max_entries must be >= 1, got {max_entries}")
         self.horizon_s = horizon_s
         self.max_entries = max_entries
-        # (worker, last hash) -> (num_blocks, last use); insertion order is last-use order.
-        self._entries: OrderedDict[tuple[WorkerId, BlockHash], tuple[int, float]] = OrderedDict()
+        # key -> last use (insertion order is last-use order); key -> num_blocks
+        self._last_use: OrderedDict[int, float] = OrderedDict()
+        self._length: dict[int, int] = {}
         self._sums = WorkerRows(num_blocks=np.int64)
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._last_use)
 
     def add(self, worker: WorkerId, last_hash: BlockHash, num_blocks: int, now_s: float) -> None:
         """`num_blocks` leading blocks of a prompt, ending with `last_hash`, reused on `worker`."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-        key = (worker, last_hash)
-        old = self._entries.pop(key, None)
-        before = 0 if old is None else old[0]
+        if not 0 <= last_hash < 1 << 64:
+            raise ValueError(f"a block hash is 64 bits, got {last_hash}")
+        row = self._sums.row(worker)
+        key = last_hash | row << 64
+        before = self._length.get(key, 0)
+        if before:
+            del self._last_use[key]  # to the end: the last used
         length = max(before, num_blocks)
-        self._entries[key] = (length, now_s)
+        self._last_use[key] = now_s
+        self._length[key] = length
         if length != before:
-            self._sums.add("num_blocks", worker, length - before)
-        if len(self._entries) > self.max_entries:
+            self._sums.add_at("num_blocks", row, length - before)
+        if len(self._last_use) > self.max_entries:
             self._drop_oldest()
 
     def expire(self, now_s: float) -> None:
         """Drop the prefixes not reused within `horizon_s` of `now_s`."""
-        entries, cutoff = self._entries, now_s - self.horizon_s
-        while entries and next(iter(entries.values()))[1] <= cutoff:
+        last_use, cutoff = self._last_use, now_s - self.horizon_s
+        while last_use and next(iter(last_use.values())) <= cutoff:
             self._drop_oldest()
 
     def _drop_oldest(self) -> None:
-        (worker, _), (length, _) = self._entries.popitem(last=False)
-        self._sums.add("num_blocks", worker, -length)
+        key, _ = self._last_use.popitem(last=False)
+        self._sums.add_at("num_blocks", key >> 64, -self._length.pop(key))
 
     def num_blocks(self, worker: WorkerId) -> int:
         return int(self._sums.value("num_blocks", worker))
@@ -82,18 +93,26 @@ class ReusedPrefixes:
         return self._sums.gather("num_blocks", workers)
 
     def forget_worker(self, worker: WorkerId) -> None:
-        for key in [k for k in self._entries if k[0] == worker]:
-            del self._entries[key]
+        row = self._sums.get(worker)
+        if row is None:
+            return
+        for key in [k for k in self._last_use if k >> 64 == row]:
+            del self._last_use[key]
+            del self._length[key]
         self._sums.release(worker)
 
     def check_invariants(self) -> None:
         self._sums.check_invariants()
-        sums: dict[WorkerId, int] = {}
+        assert self._last_use.keys() == self._length.keys(), "entries and lengths differ"
+        sums: dict[int, int] = {}
         last = float("-inf")
-        for (worker, _), (length, at_s) in self._entries.items():
-            assert length >= 1 and at_s >= last, (worker, length, at_s)
-            sums[worker] = sums.get(worker, 0) + length
+        for key, at_s in self._last_use.items():
+            row, length = key >> 64, self._length[key]
+            assert length >= 1 and at_s >= last, (row, length, at_s)
+            sums[row] = sums.get(row, 0) + length
             last = at_s
-        for worker, total in sums.items():
-            assert self.num_blocks(worker) == total, (worker, total)
-        assert len(self._entries) <= self.max_entries
+        in_use = set(self._sums.rows_in_use())
+        for row, total in sums.items():
+            assert row in in_use, f"row {row} is not a worker's"
+            assert self._sums.columns["num_blocks"][row] == total, (row, total)
+        assert len(self._last_use) <= self.max_entries

@@ -18,22 +18,17 @@ stays bounded even if completions are never reported.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from itertools import repeat
+from itertools import compress, repeat
+from operator import is_not
 
 import numpy as np
 
 from kvmesh.coordinator.index.mirror import WorkerId
 from kvmesh.proto.block_hash import BlockHash
 
-
-@dataclass(frozen=True, slots=True)
-class _Routed:
-    worker: WorkerId
-    hashes: tuple[BlockHash, ...]
-    expires_s: float
+_FEW_HASHES = 32  # a run sharing hashes with others, up to this long, is counted hash by hash
 
 
 class RoutedPrefixes:
@@ -43,6 +38,10 @@ class RoutedPrefixes:
       * hash_to_worker_refs[h][w] == number of live entries routed to w whose run contains h
       * no empty inner dict is kept
       * entries are ordered by expiry (insertion order with one TTL)
+
+    An entry is three dict values (expiry, worker, the run's hashes as a uint64 array) rather
+    than one object: a routed prompt then leaves nothing young for the garbage collector to
+    count, nor a tuple of the prompt's ints to walk, each int read from memory, while young.
     """
 
     def __init__(self, ttl_s: float = 30.0, max_entries: int = 100_000) -> None:
@@ -52,13 +51,15 @@ class RoutedPrefixes:
             raise ValueError(f"max_entries must be >= 1, got {max_entries}")
         self.ttl_s = ttl_s
         self.max_entries = max_entries
-        self._entries: OrderedDict[str, _Routed] = OrderedDict()
+        self._expires_s: OrderedDict[str, float] = OrderedDict()  # in expiry order
+        self._worker_of: dict[str, WorkerId] = {}
+        self._run_of: dict[str, np.ndarray] = {}
         # A lone worker id stands for {worker: 1}, the common case: a run's new hashes are then
         # added in one `dict.update` (C), not one Python step each (prompts run to 512 blocks).
         self._hash_to_worker_refs: dict[BlockHash, WorkerId | dict[WorkerId, int]] = {}
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._expires_s)
 
     def add(
         self,
@@ -71,20 +72,33 @@ class RoutedPrefixes:
         """Remember that `hashes[start:]` were sent to `worker` (the index already shows it
         holding `hashes[:start]`, so only the blocks it will add are kept)."""
         self.discard(request_id)
-        entry = _Routed(worker, tuple(hashes[start:]), now_s + self.ttl_s)
-        self._entries[request_id] = entry
+        hashes = hashes[start:]
+        self._expires_s[request_id] = now_s + self.ttl_s
+        self._worker_of[request_id] = worker
+        self._run_of[request_id] = np.fromiter(hashes, np.uint64, len(hashes))
         refs = self._hash_to_worker_refs
-        run = set(entry.hashes)
-        if len(run) != len(entry.hashes):  # a hash twice in one chain: count each
-            for h in entry.hashes:
+        if refs.keys().isdisjoint(hashes):  # a new run: all its hashes in one update
+            num_before = len(refs)
+            refs.update(zip(hashes, repeat(worker)))
+            if len(refs) - num_before != len(hashes):  # a hash twice in one chain: count each
+                for h, count in Counter(hashes).items():
+                    if count > 1:
+                        refs[h] = {worker: count}
+        elif len(hashes) <= _FEW_HASHES:
+            for h in hashes:
                 self._ref(h, worker)
         else:
-            shared = refs.keys() & run
-            for h in shared:
-                self._ref(h, worker)
-            refs.update(zip(run - shared if shared else run, repeat(worker)))
-        if len(self._entries) > self.max_entries:
-            self._drop(self._entries.popitem(last=False)[1])
+            run = set(hashes)
+            if len(run) != len(hashes):  # a hash twice in one chain: count each
+                for h in hashes:
+                    self._ref(h, worker)
+            else:
+                shared = refs.keys() & run
+                for h in shared:
+                    self._ref(h, worker)
+                refs.update(zip(run - shared, repeat(worker)))
+        if len(self._expires_s) > self.max_entries:
+            self.discard(next(iter(self._expires_s)))
 
     def _ref(self, h: BlockHash, worker: WorkerId) -> None:
         refs = self._hash_to_worker_refs
@@ -97,20 +111,19 @@ class RoutedPrefixes:
             holders[worker] = holders.get(worker, 0) + 1
 
     def discard(self, request_id: str) -> None:
-        entry = self._entries.pop(request_id, None)
-        if entry is not None:
-            self._drop(entry)
+        if self._expires_s.pop(request_id, None) is not None:
+            self._drop(self._worker_of.pop(request_id), self._run_of.pop(request_id))
 
     def expire(self, now_s: float) -> None:
-        while self._entries:
-            request_id, entry = next(iter(self._entries.items()))
-            if entry.expires_s > now_s:
+        expires_s = self._expires_s
+        while expires_s:
+            request_id, at_s = next(iter(expires_s.items()))
+            if at_s > now_s:
                 return
-            del self._entries[request_id]
-            self._drop(entry)
+            self.discard(request_id)
 
     def forget_worker(self, worker: WorkerId) -> None:
-        for request_id in [r for r, e in self._entries.items() if e.worker == worker]:
+        for request_id in [r for r, w in self._worker_of.items() if w == worker]:
             self.discard(request_id)
 
     def extend(self, worker: WorkerId, hashes: Sequence[BlockHash], held: int) -> int:
@@ -147,13 +160,17 @@ class RoutedPrefixes:
         size of the fleet."""
         refs, n = self._hash_to_worker_refs, len(hashes)
         out = held
+        if len(hashes) <= _FEW_HASHES and refs.keys().isdisjoint(hashes):
+            return out  # nothing of this short chain was routed lately (for a long one, the
+            # check would cost more than the lookups below)
         held_list = held.tolist()
-        for start in set(held_list):  # each row grows on its own: the order does not matter
-            if start >= n:
-                continue
-            holders = refs.get(hashes[start])
-            if holders is None:
-                continue
+        # each row grows on its own: the order does not matter
+        starts = [start for start in set(held_list) if start < n]
+        # (the lookups in C maps; most starts have no routed block next)
+        routed = list(map(refs.get, map(hashes.__getitem__, starts)))
+        is_routed = map(is_not, routed, repeat(None))
+        for start, holders in compress(zip(starts, routed, strict=True), is_routed):
+            assert holders is not None  # (compress kept only these)
             for worker in (holders,) if isinstance(holders, str) else holders:
                 row = index_of.get(worker)
                 if row is None or held_list[row] != start:
@@ -163,9 +180,9 @@ class RoutedPrefixes:
                 out[row] = self.extend(worker, hashes, start)
         return out
 
-    def _drop(self, entry: _Routed) -> None:
-        refs, worker = self._hash_to_worker_refs, entry.worker
-        for h in entry.hashes:
+    def _drop(self, worker: WorkerId, run: np.ndarray) -> None:
+        refs = self._hash_to_worker_refs
+        for h in run.tolist():
             holders = refs[h]
             if holders == worker:  # the lone-id form: the last reference goes
                 del refs[h]
@@ -180,17 +197,18 @@ class RoutedPrefixes:
                     del refs[h]
 
     def check_invariants(self) -> None:
+        assert self._expires_s.keys() == self._worker_of.keys() == self._run_of.keys()
         expected: dict[BlockHash, dict[WorkerId, int]] = {}
-        for entry in self._entries.values():
-            for h in entry.hashes:
+        for request_id, worker in self._worker_of.items():
+            for h in self._run_of[request_id].tolist():
                 holders = expected.setdefault(h, {})
-                holders[entry.worker] = holders.get(entry.worker, 0) + 1
+                holders[worker] = holders.get(worker, 0) + 1
         held = {
             h: {v: 1} if isinstance(v, str) else v for h, v in self._hash_to_worker_refs.items()
         }
         assert expected == held, "reference counts drifted from entries"
         assert all(v for v in held.values()), "an empty holder set is kept"
-        expiries = [e.expires_s for e in self._entries.values()]
+        expiries = list(self._expires_s.values())
         assert expiries == sorted(expiries), "entries are not in expiry order"
 
 

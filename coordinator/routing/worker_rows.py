@@ -69,6 +69,14 @@ class WorkerRows:
         row = self.row(worker)  # first, as in `set`
         self.columns[name][row] += delta
 
+    def add_at(self, name: str, row: int, delta: float) -> None:
+        """`add` to a row already taken (`row()`), without looking the worker up."""
+        self.columns[name][row] += delta
+
+    def rows_in_use(self) -> list[int]:
+        """The rows that belong to a worker now."""
+        return list(self._row_of.values())
+
     def value(self, name: str, worker: WorkerId) -> float | int | bool:
         """The worker's number in column `name` as a Python scalar (0 without a row)."""
         row = self._row_of.get(worker)

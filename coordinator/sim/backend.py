@@ -36,6 +36,12 @@ class SimBackend:
         self.deferred: list[tuple[float, int, SimRequest, PullSource | None, str]] = []
         """Requests on their way, as (delay ms, worker, request, pull, origin): the simulation
         hands each to `deliver` once its delay has passed."""
+        self.pending: list[tuple[int, SimRequest, PullSource | None, str]] = []
+        """Requests that reach their worker at once, as (worker, request, pull, origin), until
+        the simulation calls `deliver_pending` as the coordinator's call returns, at the same
+        simulated time: the worker queueing a request is the worker's work, not the routing
+        decision's, which the simulation times (a live backend calls the worker only when the
+        stream is first read)."""
 
     def expect(self, request: SimRequest) -> None:
         """The simulated request behind the `WorkerRequest` the coordinator is about to send."""
@@ -52,10 +58,16 @@ class SimBackend:
         if delay_ms > 0:
             self.deferred.append((delay_ms, w, sim_request, pull, request.origin))
         else:
-            self.deliver(w, sim_request, pull, request.origin)
+            self.pending.append((w, sim_request, pull, request.origin))
         outbox: deque[RequestOutput] = deque()
         self._outboxes[request.request_id] = outbox
         return _read(outbox)
+
+    def deliver_pending(self) -> None:
+        """Deliver the requests that reach their worker at once (`pending`), in routing order."""
+        for w, request, pull, origin in self.pending:
+            self.deliver(w, request, pull, origin)
+        self.pending.clear()
 
     def deliver(self, w: int, request: SimRequest, pull: PullSource | None, origin: str) -> None:
         """The request reaches worker `w` now."""

@@ -18,6 +18,7 @@ moment any lane starts computing it: what the cluster could reuse if placement n
 from __future__ import annotations
 
 import dataclasses
+import gc
 import heapq
 import math
 import time
@@ -88,6 +89,12 @@ class ClusterSimulation:
         n = config.num_workers
         self.oracle = policy_name == ORACLE
         self.workers = self._build_workers()
+        # The workload and the simulated workers' pools (their per-block lists: ~1.5M entries
+        # at 256 workers) are the simulator's, not the coordinator's: frozen out of the garbage
+        # collector's walks until `run` ends, so a full collection that a timed decision sets
+        # off walks what a live coordinator holds (mirror, policy, load), not what its workers
+        # do. The coordinator's objects, made below, are walked as they would be live.
+        gc.freeze()
         self.worker_ids = [WorkerId(w.worker_id) for w in self.workers]
         self.mirror = LockedMirror()
         for wid in self.worker_ids:
@@ -184,6 +191,12 @@ class ClusterSimulation:
         return self.now_ms
 
     def run(self) -> PolicyResult:
+        try:
+            return self._run()
+        finally:
+            gc.unfreeze()  # what the constructor froze goes back to the collector
+
+    def _run(self) -> PolicyResult:
         start_s = time.perf_counter()
         requests, heap = self.requests, self._heap
         i = 0
@@ -257,6 +270,7 @@ class ClusterSimulation:
             prompt, sampling, session_id=request.session_id, request_id=request.request_id
         )
         self._decision_s += self._timer() - start
+        self.backend.deliver_pending()  # the worker's queueing: not the decision's
         attempts = coordinator.counters.num_commit_attempts - attempts
         self._commit_ms[request.index] = attempts * trip_ms
         for delay_ms, w, sim_request, pull, origin in self.backend.deferred:

@@ -138,6 +138,8 @@ class SimCostModel:
         """`transfer_ms` of each row (the same operations, so the same values)."""
         tokens = np.asarray(num_tokens, dtype=np.int64)
         ms = self.transfer_fixed_ms + tokens * self.transfer_per_token_ms
+        if tokens.ndim == 1 and len(tokens) and tokens[tokens.argmin()] > 0:
+            return ms  # every row moves tokens (the router's case)
         return np.where(tokens > 0, ms, 0.0)
 
     def router_cost_model(self, typical_context_tokens: int = 4096) -> CostModel:

@@ -9,8 +9,14 @@ HASHES = [BlockHash(int(h)) for h in np.random.default_rng(0).integers(1, 2**63,
 
 
 def put(table: HashTable, values: dict[BlockHash, int]) -> None:
-    table.note_changing(np.fromiter(values, np.uint64, len(values)))
-    table.delta.update(values)
+    """Write as the mirror does: a hash the arrays have in `values`, any other in the delta."""
+    wanted = np.fromiter(values, np.uint64, len(values))
+    table.note_changing(wanted)
+    for (h, s), row in zip(values.items(), table.find(wanted).tolist(), strict=True):
+        if row >= 0:
+            table.values[row] = s
+        else:
+            table.delta[h] = s
 
 
 def test_lookup_reads_the_delta_before_a_merge_and_the_arrays_after() -> None:
