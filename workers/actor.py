@@ -125,13 +125,15 @@ class WorkerActor:
     async def outputs(self, stream_id: str) -> AsyncIterator[list[BatchItem]]:
         """Every output of the requests submitted with `reply_to=stream_id`, a batch at a time,
         for as long as the caller reads. When the caller goes away (it closed the stream, or it
-        died), its requests are aborted: nothing computes for a reader that is gone."""
+        died), its requests are aborted: nothing computes for a reader that is gone. The first
+        batch is empty: it tells the reader the stream is open."""
         batches = OutputBatches(asyncio.get_running_loop())
         with self._lock:
             if stream_id in self._outboxes:
                 raise ValueError(f"output stream {stream_id!r} is already open")
             self._outboxes[stream_id] = batches
         try:
+            yield []  # open: the reader submits requests naming this stream only after this
             while True:
                 yield await batches.take()
         finally:

@@ -27,6 +27,9 @@ from kvmesh.workers.contract.requests import WorkerRequest
 
 log = logging.getLogger(__name__)
 
+_STREAM_OPEN_TIMEOUT_S = 60.0
+"""How long a request waits for its worker to open the output stream (a worker just started)."""
+
 
 @dataclass(frozen=True, slots=True)
 class _Handle:
@@ -120,8 +123,8 @@ class Cluster:
         outputs = reader.register(rid)
         finished = False
         try:
-            if outputs is None:  # the stream broke between the reader's start and now
-                raise WorkerDied(worker_id)
+            if outputs is None or not reader.wait_open(_STREAM_OPEN_TIMEOUT_S):
+                raise WorkerDied(worker_id)  # the stream broke (or never opened)
             try:
                 ray.get(actor.submit.remote(replace(request, reply_to=reader.stream_id)))
             except RayTaskError as exc:

@@ -1,7 +1,8 @@
 """One worker's output stream to this coordinator, split back into its requests.
 
 A thread reads the worker's `outputs` stream (a batch of outputs per message, every request this
-coordinator submitted there) and hands each output to the queue of the request's caller:
+coordinator submitted there; the first batch, empty, says the stream is open) and hands each
+output to the queue of the request's caller:
 
     worker --outputs(stream_id)--> reader thread --> queue per request --> Cluster.generate
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any, Final, TypeAlias
@@ -46,6 +48,7 @@ class OutputReader:
         self._queues: dict[str, queue.SimpleQueue[Delivery]] = {}
         self._alive = True
         self._closed = False
+        self._opened = threading.Event()  # the worker's first (empty) batch came
         self._stream = actor.outputs.remote(self.stream_id)
         self._thread = threading.Thread(
             target=self._run, name=f"kvmesh-outputs-{worker_id}", daemon=True
@@ -56,6 +59,15 @@ class OutputReader:
     def alive(self) -> bool:
         with self._lock:
             return self._alive
+
+    def wait_open(self, timeout_s: float) -> bool:
+        """Wait until the worker has opened the stream (requests may name it then); False if it
+        broke first or did not open in time."""
+        deadline = time.monotonic() + timeout_s
+        while not self._opened.wait(0.05):
+            if not self.alive or time.monotonic() > deadline:
+                return False
+        return self.alive
 
     def register(self, request_id: str) -> queue.SimpleQueue[Delivery] | None:
         """The queue `request_id`'s outputs will arrive on; None if the stream already broke."""
@@ -80,7 +92,9 @@ class OutputReader:
         why, died = "its output stream ended", False
         try:
             for ref in self._stream:
-                for request_id, item in ray.get(ref):
+                batch = ray.get(ref)
+                self._opened.set()
+                for request_id, item in batch:
                     with self._lock:
                         q = self._queues.get(request_id)
                     if q is not None:
