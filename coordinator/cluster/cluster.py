@@ -18,7 +18,7 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
-from kvmesh.coordinator.cluster.output_reader import OutputReader
+from kvmesh.coordinator.cluster.output_reader import Delivery, OutputReader
 from kvmesh.coordinator.cluster.registry import WorkerRegistry
 from kvmesh.coordinator.contract import WorkerDied
 from kvmesh.workers.config import WorkerConfig
@@ -114,9 +114,10 @@ class Cluster:
     def generate(self, worker_id: str, request: WorkerRequest) -> Iterator[RequestOutput]:
         """Stream a request's outputs; raises RequestRejected, WorkerFailed or WorkerDied.
         The request goes to the worker with `submit`; its outputs come back on the worker's one
-        stream to this coordinator (`output_reader.py`). Closing the iterator early (a client
-        that left, a stop string) aborts the request on the worker, so it stops computing for
-        it instead of running on to max_tokens."""
+        stream to this coordinator (`output_reader.py`), and those that queued while the caller
+        was busy with the last one come out joined (`RequestOutput.then`). Closing the iterator
+        early (a client that left, a stop string) aborts the request on the worker, so it stops
+        computing for it instead of running on to max_tokens."""
         actor = self.actor(worker_id)
         reader = self._reader(worker_id, actor, request.origin)
         rid = request.request_id
@@ -138,12 +139,21 @@ class Cluster:
             except RayActorError:
                 self.mark_dead(worker_id)
                 raise WorkerDied(worker_id) from None
+            held: Delivery | None = None
             while True:
-                item = outputs.get()
+                item = held if held is not None else outputs.get()
+                held = None
                 if isinstance(item, str):  # WORKER_DIED: the reader marked it dead
                     raise WorkerDied(worker_id)
                 if isinstance(item, Exception):
                     raise item
+                # Outputs that queued while the caller was busy with the last go out as one.
+                while not item.finished and item.failure is None and not outputs.empty():
+                    later = outputs.get_nowait()
+                    if not isinstance(later, RequestOutput) or later.failure is not None:
+                        held = later
+                        break
+                    item = item.then(later)
                 finished = item.finished
                 yield item
                 if finished:
