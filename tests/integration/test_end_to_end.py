@@ -140,3 +140,26 @@ def test_health_and_reflection_answer(deployment: Deployment) -> None:
     )
     names = {s.name for a in answers for s in a.list_services_response.service}
     assert "kvmesh.v1.KVMesh" in names and "grpc.health.v1.Health" in names
+
+
+def test_a_caller_that_falls_behind_gets_the_queued_outputs_joined(
+    deployment: Deployment,
+) -> None:
+    """The worker's one output stream to the coordinator keeps delivering while a request's
+    caller is busy; what queued for it comes out as one output, every token in order."""
+    import time
+
+    from kvmesh.workers.contract.requests import SamplingConfig, WorkerRequest
+
+    assert deployment.cluster is not None
+    request = WorkerRequest(
+        "slow-reader", tuple(PREFIX[:20]), SamplingConfig(24, ignore_eos=True), origin="test"
+    )
+    outputs = deployment.cluster.generate("w0", request)
+    first = next(outputs)
+    time.sleep(1.5)  # the worker runs on to its 24th token meanwhile
+    rest = list(outputs)
+    tokens = [*first.new_token_ids, *(t for o in rest for t in o.new_token_ids)]
+    assert len(tokens) == 24 and rest[-1].finished
+    assert len(rest[0].new_token_ids) > 1  # joined: more than one step's token in one output
+    assert first.prefill is not None and all(o.prefill is None for o in rest)
