@@ -4,10 +4,10 @@ One engine thread owns the worker (pool, scheduler, model) and drives `Worker.st
 event loop serves calls. Anything that touches the worker runs on the engine thread as a closure
 (`_on_engine`). A coordinator sends requests with `submit` and reads every output of its
 requests from one stream (`outputs`), a batch per message (`OutputBatches`); each request names
-the stream its outputs go to (`WorkerRequest.reply_to`). After every step the engine thread hands
-out first and middle tokens, publishes the step's KV events, then hands out the requests' last
-outputs, so by the time a client sees a request end the index already knows the blocks it left
-behind.
+the stream its outputs go to (`WorkerRequest.reply_to`; `OutputStreams` keeps which is which).
+After every step the engine thread hands out first and middle tokens, publishes the step's KV
+events, then hands out the requests' last outputs, so by the time a client sees a request end
+the index already knows the blocks it left behind.
 
     coordinator --submit(req)--> [pull: reserve, transport.fetch, finish] --> engine thread:
                 <--outputs()---  step, tokens, publish events, last outputs --> OutputBatches
@@ -40,7 +40,8 @@ from kvmesh.workers.engine.event_publisher import EventPublisher
 from kvmesh.workers.engine.worker import BlockWriter
 from kvmesh.workers.kv.pull_reservation import PullReservation
 from kvmesh.workers.model.loader import build_worker
-from kvmesh.workers.output_batches import BatchItem, OutputBatches
+from kvmesh.workers.output_batches import BatchItem
+from kvmesh.workers.output_streams import OutputStreams
 from kvmesh.workers.transfer.block_export import BlockExport
 from kvmesh.workers.transfer.cuda_ipc import CudaIpcTransport
 from kvmesh.workers.transfer.nccl import NcclLink, NcclTransport
@@ -67,10 +68,8 @@ class WorkerActor:
         self.worker.node = f"{self.worker.node}/{node_id[:12]}"
         self._inbox: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
-        self._outboxes: dict[str, OutputBatches] = {}  # open `outputs` streams, by id
-        self._routes: dict[str, OutputBatches] = {}  # request id -> its stream's batches
+        self._outputs = OutputStreams()
         self._pulls: set[asyncio.Task[None]] = set()
-        self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._publisher = (
             EventPublisher(config.redis_url, self.worker.namespace, config.worker_id)
@@ -102,16 +101,11 @@ class WorkerActor:
         Raises RequestRejected for a request this worker cannot run. A pull it plans runs in the
         background; the request is admitted once it lands (or, failed, recomputes)."""
         rid = request.request_id
-        with self._lock:
-            batches = self._outboxes.get(request.reply_to)
-            if batches is None:
-                raise RequestRejected(f"no output stream {request.reply_to!r} is open here")
-            self._routes[rid] = batches
+        self._outputs.route(rid, request.reply_to)
         try:
             reservation = await self._on_engine(lambda: self.worker.add_request(request))
         except BaseException as exc:
-            with self._lock:
-                self._routes.pop(rid, None)
+            self._outputs.unroute(rid)
             if isinstance(exc, ValueError):
                 raise RequestRejected(str(exc)) from None
             raise
@@ -127,28 +121,18 @@ class WorkerActor:
         for as long as the caller reads. When the caller goes away (it closed the stream, or it
         died), its requests are aborted: nothing computes for a reader that is gone. The first
         batch is empty: it tells the reader the stream is open."""
-        batches = OutputBatches(asyncio.get_running_loop())
-        with self._lock:
-            if stream_id in self._outboxes:
-                raise ValueError(f"output stream {stream_id!r} is already open")
-            self._outboxes[stream_id] = batches
+        batches = self._outputs.open(stream_id, asyncio.get_running_loop())
         try:
             yield []  # open: the reader submits requests naming this stream only after this
             while True:
                 yield await batches.take()
         finally:
-            with self._lock:
-                del self._outboxes[stream_id]
-                orphans = [rid for rid, b in self._routes.items() if b is batches]
-                for rid in orphans:
-                    del self._routes[rid]
-            for rid in orphans:
+            for rid in self._outputs.close(stream_id):
                 self._submit(lambda rid=rid: self.worker.abort(rid))  # type: ignore[misc]
 
     def abort(self, request_id: str) -> None:
         """Stop a request (its caller went away); its stream gets nothing more for it."""
-        with self._lock:
-            self._routes.pop(request_id, None)
+        self._outputs.unroute(request_id)
         self._submit(lambda: self.worker.abort(request_id))
 
     async def _pull(self, rid: str, spec: PullSpec, reservation: PullReservation) -> None:
@@ -415,16 +399,10 @@ class WorkerActor:
         return int(self.config.heartbeat_ttl_s * 1000)
 
     def _deliver(self, request_id: str, item: RequestOutput | Exception) -> None:
-        with self._lock:
-            batches = self._routes.get(request_id)
-            if isinstance(item, Exception) or item.finished or item.failure is not None:
-                self._routes.pop(request_id, None)  # nothing follows it
-        if batches is not None:
-            batches.put(request_id, item)
+        self._outputs.deliver(request_id, item)
 
     def _fail_all(self, exc: Exception) -> None:
-        with self._lock:
-            ids = list(self._routes)
+        ids = self._outputs.routed()
         for rid in ids:
             self.worker.abort(rid)
             self._deliver(rid, WorkerFailed(f"worker {self.config.worker_id} failed: {exc}"))
