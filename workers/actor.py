@@ -146,9 +146,15 @@ class WorkerActor:
         try:
             written = await self._fetch(spec, reservation.hashes, write)
         except Exception as exc:  # a dead or confused peer: recompute what did not arrive
-            log.warning("pull %s <- %s failed: %s", rid, spec.source, str(exc).splitlines()[0])
+            why = (str(exc) or type(exc).__name__).splitlines()[0]
+            log.warning("pull %s <- %s failed: %s", rid, spec.source, why)
         elapsed_ms = (time.perf_counter() - started) * 1e3
-        await self._on_engine(lambda: self.worker.finish_pull(rid, written, elapsed_ms))
+        try:
+            await self._on_engine(lambda: self.worker.finish_pull(rid, written, elapsed_ms))
+        except Exception as exc:  # the request cannot be queued: it ends here, not silently
+            log.exception("pull %s: finishing failed", rid)
+            self._submit(lambda: self.worker.abort(rid))
+            self._deliver(rid, WorkerFailed(f"worker {self.config.worker_id} failed: {exc}"))
         self._wakeup.set()
 
     async def _fetch(self, spec: PullSpec, hashes: tuple[BlockHash, ...], write: Any) -> int:
