@@ -128,6 +128,17 @@ def host_tier_ttft() -> dict[str, Any]:
     cold = ttft("cold", prefix + tail(1))
     locals_ms = [ttft(f"local{r}", prefix + tail(2)) for r in range(3)]
     out: dict[str, Any] = {"cold_ms": cold, "local_hit_ms": sorted(locals_ms)[1]}
+
+    def push_to_host(label: str, idle: bool) -> None:
+        """Fill the 1,024-block device pool three times over, so the last prefix leaves it;
+        `idle`: with the idle write-back between requests, as the actor's engine loop runs."""
+        for k in range(3):
+            while idle and worker.write_back_host(worker_config.host_write_back_blocks):
+                pass
+            ttft(f"{label}-fill{k}", torch.randint(0, 128000, (7000,), generator=g).tolist())
+        while idle and worker.write_back_host(worker_config.host_write_back_blocks):
+            pass
+
     # Evictions copied out on the request's path (the promotion as one copy before the prefill,
     # as before), then with the worker's idle write-back between requests (what the actor's
     # engine loop runs whenever it has nothing to do), promoting as one copy and layer by layer
@@ -141,13 +152,7 @@ def host_tier_ttft() -> dict[str, Any]:
         for r in range(3):
             prefix = torch.randint(0, 128000, (PREFIX,), generator=g).tolist()
             ttft(f"{label}{r}-first", prefix + tail(4))
-            for k in range(3):  # push the prefix out of the 1,024-block device pool
-                while idle and worker.write_back_host(worker_config.host_write_back_blocks):
-                    pass
-                fill = torch.randint(0, 128000, (7000,), generator=g).tolist()
-                ttft(f"{label}{r}-fill{k}", fill)
-            while idle and worker.write_back_host(worker_config.host_write_back_blocks):
-                pass
+            push_to_host(f"{label}{r}", idle)
             before = worker.tally.host_hit_tokens
             samples.append(ttft(f"{label}{r}", prefix + tail(3)))
             promoted.append(float(worker.tally.host_hit_tokens - before))
@@ -168,12 +173,7 @@ def host_tier_ttft() -> dict[str, Any]:
             prefix = torch.randint(0, 128000, (PREFIX,), generator=g).tolist()
             ttft(f"{label}{r}-first", prefix + tail(4))
             locals_ms.append(ttft(f"{label}{r}-local", prefix + tail(5)))
-            for k in range(3):
-                while worker.write_back_host(worker_config.host_write_back_blocks):
-                    pass
-                ttft(f"{label}{r}-fill{k}", torch.randint(0, 128000, (7000,), generator=g).tolist())
-            while worker.write_back_host(worker_config.host_write_back_blocks):
-                pass
+            push_to_host(f"{label}{r}", idle=True)
             hosts_ms.append(ttft(f"{label}{r}", prefix + tail(3)))
         out[f"{label}_split"] = float(mode.bucketed_prefill)
         out[f"{label}_local_hit_ms"] = sorted(locals_ms)[1]
