@@ -47,12 +47,13 @@ class OutputBatches:
             if at is not None and isinstance(item, RequestOutput) and item.failure is None:
                 pending = self._items[at][1]
                 assert isinstance(pending, RequestOutput)
-                self._items[at] = (request_id, pending.then(item))
-                if not item.finished:
+                joined = pending.then(item)
+                self._items[at] = (request_id, joined)
+                if joined.joinable:
                     self._joinable[request_id] = at
                 return
             self._items.append((request_id, item))
-            if isinstance(item, RequestOutput) and not item.finished and item.failure is None:
+            if isinstance(item, RequestOutput) and item.joinable:
                 self._joinable[request_id] = len(self._items) - 1
             wake = len(self._items) == 1
         if wake:

@@ -65,7 +65,7 @@ class OutputStreams:
         closed); an end unroutes it."""
         with self._lock:
             batches = self._routes.get(request_id)
-            if isinstance(item, Exception) or item.finished or item.failure is not None:
+            if isinstance(item, Exception) or item.finished:  # a failure is finished too
                 self._routes.pop(request_id, None)
         if batches is not None:
             batches.put(request_id, item)

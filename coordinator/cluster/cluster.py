@@ -148,7 +148,7 @@ class Cluster:
                 if isinstance(item, Exception):
                     raise item
                 # Outputs that queued while the caller was busy with the last go out as one.
-                while not item.finished and item.failure is None and not outputs.empty():
+                while item.joinable and not outputs.empty():
                     later = outputs.get_nowait()
                     if not isinstance(later, RequestOutput) or later.failure is not None:
                         held = later

@@ -117,7 +117,8 @@ def test_a_runner_keeps_the_path_its_probe_picked(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(runner, "forward", counted)
     choice = apply_faster_prefill(runner)
     assert choice is not None and (choice.new_tokens, choice.cached_tokens) == (8, 96)
-    assert choice.split_ms > 0 and choice.paged_ms > 0
+    reason = choice.describe()  # the log line: both medians and the pick, not their sizes
+    assert f"split {choice.split_ms:.2f} ms, paged {choice.paged_ms:.2f} ms" in reason
     assert runner.attention.prefill_choice == choice
     assert runner.attention.mode == choice.applied_to(split_on)
     assert len(forwards) == 2 * 2 * (prefill_choice.PROBE_ROUNDS + 1)  # each after a heat

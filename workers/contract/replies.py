@@ -75,11 +75,17 @@ class RequestOutput:
     failure: SequenceFailure | None = None
     """Set (with finished=True, finish_reason "error") when this request alone failed."""
 
+    @property
+    def joinable(self) -> bool:
+        """Whether a later output of the request may join this one (`then`): not finished and
+        not a failure."""
+        return not self.finished and self.failure is None
+
     def then(self, later: RequestOutput) -> RequestOutput:
         """This output and the request's next one as one (the caller had not taken this one
         yet): the tokens in order, the later one's end, the first one's prefill facts. Neither
         may be a failure, and this one may not be finished."""
-        if later.request_id != self.request_id or self.finished or self.failure or later.failure:
+        if later.request_id != self.request_id or not self.joinable or later.failure:
             raise ValueError(
                 f"cannot join outputs {self.request_id!r} (finished={self.finished}, "
                 f"failed={self.failure is not None}) and {later.request_id!r} "
