@@ -99,9 +99,17 @@ class WorkerActor:
     async def submit(self, request: WorkerRequest) -> None:
         """Accept a request; its outputs go out on the `outputs` stream it names (`reply_to`).
         Raises RequestRejected for a request this worker cannot run. A pull it plans runs in the
-        background; the request is admitted once it lands (or, failed, recomputes)."""
+        background, its source asked while the request is still being reserved; the request is
+        admitted once the blocks land (or, failed, recomputes)."""
         rid = request.request_id
         self._outputs.route(rid, request.reply_to)
+        reserved: asyncio.Future[PullReservation | None] | None = None
+        if request.pull is not None and not request.bypass_cache:
+            reserved = asyncio.get_running_loop().create_future()
+            pull = asyncio.create_task(self._pull(rid, request.pull, reserved))
+            self._pulls.add(pull)  # held until done: the loop keeps only weak references
+            pull.add_done_callback(self._pulls.discard)
+        reservation = None
         try:
             reservation = await self._on_engine(lambda: self.worker.add_request(request))
         except BaseException as exc:
@@ -109,11 +117,9 @@ class WorkerActor:
             if isinstance(exc, ValueError):
                 raise RequestRejected(str(exc)) from None
             raise
-        if reservation is not None:
-            assert request.pull is not None
-            pull = asyncio.create_task(self._pull(rid, request.pull, reservation))
-            self._pulls.add(pull)  # held until done: the loop keeps only weak references
-            pull.add_done_callback(self._pulls.discard)
+        finally:
+            if reserved is not None:
+                reserved.set_result(reservation)
         self._wakeup.set()
 
     async def outputs(self, stream_id: str) -> AsyncIterator[list[BatchItem]]:
@@ -135,26 +141,49 @@ class WorkerActor:
         self._outputs.unroute(request_id)
         self._submit(lambda: self.worker.abort(request_id))
 
-    async def _pull(self, rid: str, spec: PullSpec, reservation: PullReservation) -> None:
-        """Fill the request's reserved blocks from `spec.source`; any failure means recompute."""
+    async def _pull(
+        self, rid: str, spec: PullSpec, reserved: asyncio.Future[PullReservation | None]
+    ) -> None:
+        """Fill the request's reserved blocks from `spec.source` and queue the request, in one
+        engine call; a failed pull means recompute. Without a reservation (the plan did not fit,
+        or the request was rejected) the request is already queued or gone: a transport that
+        started still runs its writer, which must consume what the source sends."""
         started = time.perf_counter()
+        finished = False
+        failure: Exception | None = None
+
+        def finish(written: int) -> None:
+            nonlocal finished, failure
+            finished = True
+            try:
+                elapsed_ms = (time.perf_counter() - started) * 1e3
+                self.worker.finish_pull(rid, written, elapsed_ms)
+            except Exception as exc:
+                failure = exc
 
         async def write(fill: BlockWriter) -> int:
-            return await self._on_engine(lambda: self.worker.write_pull(rid, fill))
+            reservation = await reserved
+
+            def write_and_finish() -> int:
+                written = self.worker.write_pull(rid, fill)
+                if reservation is not None:
+                    finish(written)  # queued: the engine steps it right after this call
+                return written
+
+            return await self._on_engine(write_and_finish)
 
         written = 0
         try:
-            written = await self._fetch(spec, reservation.hashes, write)
+            written = await self._fetch(spec, spec.hashes, write)
         except Exception as exc:  # a dead or confused peer: recompute what did not arrive
             why = (str(exc) or type(exc).__name__).splitlines()[0]
             log.warning("pull %s <- %s failed: %s", rid, spec.source, why)
-        elapsed_ms = (time.perf_counter() - started) * 1e3
-        try:
-            await self._on_engine(lambda: self.worker.finish_pull(rid, written, elapsed_ms))
-        except Exception as exc:  # the request cannot be queued: it ends here, not silently
-            log.exception("pull %s: finishing failed", rid)
+        if not finished and await reserved is not None:
+            await self._on_engine(lambda: finish(written))
+        if failure is not None:  # the request cannot be queued: it ends here, not silently
+            log.error("pull %s: finishing failed", rid, exc_info=failure)
             self._submit(lambda: self.worker.abort(rid))
-            self._deliver(rid, WorkerFailed(f"worker {self.config.worker_id} failed: {exc}"))
+            self._deliver(rid, WorkerFailed(f"worker {self.config.worker_id} failed: {failure}"))
         self._wakeup.set()
 
     async def _fetch(self, spec: PullSpec, hashes: tuple[BlockHash, ...], write: Any) -> int:
@@ -236,34 +265,36 @@ class WorkerActor:
         assert self._nccl_link is not None, "nccl_warm_up before nccl_init"
         return self._nccl_link.warm_up_pairs()
 
-    async def nccl_accept(self, hashes: list[int]) -> list[int] | None:
-        """Agree to send the leading device run of `hashes`: pins it and keeps this worker
-        claimed until `nccl_send`. None if this worker is in another NCCL transfer."""
+    async def nccl_accept(self, hashes: list[int], dst_rank: int) -> list[int] | None:
+        """Agree to send the leading device run of `hashes` to `dst_rank`: pin it, answer with
+        its block ids and start the send on the engine thread (it completes once the puller
+        receives; then the run is unpinned and the claim let go). None if this worker is in
+        another NCCL transfer."""
         link = self._nccl_link
         if link is None or not link.try_claim():
             return None
-        ids = await self.pin_blocks(hashes)
+        try:
+            ids = await self.pin_blocks(hashes)
+        except BaseException:
+            link.release()
+            raise
         if not ids:
             link.release()
-        return ids
-
-    async def nccl_send(self, ids: list[int], dst_rank: int) -> int:
-        """Send the blocks `nccl_accept` pinned, then unpin them and release the claim."""
-        link = self._nccl_link
-        assert link is not None, "nccl_send before nccl_init"
+            return ids
+        loop = asyncio.get_running_loop()
         cache = self.worker.runner.kv_cache
 
         def send() -> None:
             try:
                 NcclLink.send(cache, ids, dst_rank)
+            except Exception:  # the puller recomputes what did not arrive; the engine serves on
+                log.exception("nccl send of %d blocks to rank %d failed", len(ids), dst_rank)
             finally:
                 self.worker.pull_source.unpin(ids)  # type: ignore[arg-type]
+                loop.call_soon_threadsafe(link.release)
 
-        try:
-            await self._on_engine(send)
-        finally:
-            link.release()
-        return len(ids)
+        self._submit(send)
+        return ids
 
     def make_probe(self, num_bytes: int) -> torch.Tensor:
         """A tensor of `num_bytes` for measuring a link at start-up."""

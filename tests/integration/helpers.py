@@ -27,6 +27,7 @@ def start_deployment(
     http: HttpConfig | None = None,
     metrics_port: int | None = None,
     host_cache_gb: float = 0.0,
+    gpus_per_worker: float = -1.0,
     **coordinator: object,
 ) -> Deployment:
     worker = WorkerConfig(
@@ -38,6 +39,7 @@ def start_deployment(
         worker=worker,
         http=http,
         metrics_port=metrics_port,
+        gpus_per_worker=gpus_per_worker,
     )
     deployment = Deployment(config)
     deployment.start()

@@ -11,7 +11,13 @@ from typing import Any
 import pytest
 
 from kvmesh.coordinator.cluster.cluster import agreed_nccl_group
-from kvmesh.workers.transfer.nccl import PIPELINE_CHUNKS, NcclLink, NcclTransport, chunk_spans
+from kvmesh.workers.transfer.nccl import (
+    PIPELINE_CHUNKS,
+    NcclLink,
+    NcclTransport,
+    chunk_spans,
+    kept_rows,
+)
 
 
 class Method:
@@ -28,7 +34,7 @@ class PeerStandIn:
     def __init__(self, link: NcclLink) -> None:
         self.link = link
 
-        async def accept(hashes: list[int]) -> list[int] | None:
+        async def accept(hashes: list[int], dst_rank: int) -> list[int] | None:
             if not link.try_claim():
                 return None
             return list(range(len(hashes)))
@@ -102,3 +108,18 @@ def test_chunk_spans_refuse_nonsense() -> None:
         chunk_spans(-1)
     with pytest.raises(ValueError, match="in 0 chunks"):
         chunk_spans(4, 0)
+
+
+def test_received_chunks_are_kept_where_they_line_up_with_the_reservation() -> None:
+    # 10 blocks sent in 4 chunks; the reservation holds message blocks [3, 9).
+    placed: dict[int, int] = {}  # target index -> message block
+    for lo, hi in chunk_spans(10, 4):
+        kept = kept_rows((lo, hi), first=3, n=6)
+        if kept is not None:
+            to, rows = kept
+            for t, r in zip(range(*to.indices(6)), rows, strict=True):
+                placed[t] = lo + r
+    assert placed == {i: i + 3 for i in range(6)}
+    assert kept_rows((0, 3), first=3, n=6) is None
+    assert kept_rows((4, 8), first=2, n=4) == (slice(2, 4), range(0, 2))
+    assert kept_rows((0, 5), first=0, n=0) is None

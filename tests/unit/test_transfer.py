@@ -14,12 +14,12 @@ from kvmesh.proto.events import TIER_DEVICE, TIER_HOST, BlockStored
 from kvmesh.workers.contract.replies import RequestOutput
 from kvmesh.workers.contract.requests import PullSpec, SamplingConfig, WorkerRequest
 from kvmesh.workers.engine.scheduler import SchedulerConfig
-from kvmesh.workers.engine.worker import BlockWriter, Worker
-from kvmesh.workers.kv.block_pool import BlockId
+from kvmesh.workers.engine.worker import BlockWriter, PullTargets, Worker
 from kvmesh.workers.kv.host_pool import HostPool
 from kvmesh.workers.model.model_config import preset
 from kvmesh.workers.model.runner import ModelRunner
 from kvmesh.workers.transfer.block_copy import copy_block_runs, copy_blocks
+from kvmesh.workers.transfer.object_store import export_writer
 
 BS = 16
 CONFIG = preset("tiny-random")
@@ -82,15 +82,7 @@ def chain_of(worker: Worker, prompt: list[int]) -> list[BlockHash]:
 
 def object_store_fill(peer: Worker, hashes: tuple[BlockHash, ...], target: Worker) -> BlockWriter:
     """What the object-store transport does, in process: the peer exports, the target scatters."""
-    export = peer.pull_source.export_blocks(hashes)
-
-    def fill(targets: list[BlockId]) -> int:
-        n = min(len(targets), len(export.hashes))
-        if n:
-            target.runner.import_blocks(targets[:n], export.blocks[:n])
-        return n
-
-    return fill
+    return export_writer(target.runner, peer.pull_source.export_blocks(hashes))
 
 
 def pull(target: Worker, peer: Worker, rid: str, prompt: list[int], spec: PullSpec) -> int:
@@ -98,7 +90,7 @@ def pull(target: Worker, peer: Worker, rid: str, prompt: list[int], spec: PullSp
     reservation = target.add_request(request(rid, prompt, pull=spec))
     assert reservation is not None
     target.check_invariants()
-    written = target.write_pull(rid, object_store_fill(peer, reservation.hashes, target))
+    written = target.write_pull(rid, object_store_fill(peer, spec.hashes, target))
     return target.finish_pull(rid, written, elapsed_ms=1.0)
 
 
@@ -122,6 +114,52 @@ def test_a_pulled_prefix_is_reused_and_matches_a_cold_recompute() -> None:
     assert_same_as_cold(outs, logits, "req", prompt)
     assert target.pool.num_free == target.pool.num_blocks  # nothing leaked
     assert target.info().counters.pulled_tokens == 96
+
+
+def test_a_plan_that_starts_inside_what_the_worker_holds_writes_only_the_rest() -> None:
+    # The source was asked for the plan before the target reserved: the target held the plan's
+    # first two blocks by then, so the source's run is lined up past them.
+    peer = warm_peer()
+    target, logits = make_worker("target")
+    run(target, "head", PREFIX[:32] + [1])
+    prompt = PREFIX + [7, 7]
+    chain = chain_of(target, prompt)
+    spec = PullSpec("peer", 0, tuple(chain[:6]))
+    reservation = target.add_request(request("req", prompt, pull=spec))
+    assert reservation is not None and len(reservation.local) == 2
+    assert target.write_pull("req", object_store_fill(peer, spec.hashes, target)) == 4
+    assert target.finish_pull("req", 4, elapsed_ms=1.0) == 4
+    outs = finish(target, "req")
+    facts = outs[0].prefill
+    assert facts is not None and (facts.local_tokens, facts.pulled_tokens) == (32, 64)
+    assert_same_as_cold(outs, logits, "req", prompt)
+
+
+def test_a_plan_that_starts_past_what_the_worker_holds_writes_nothing() -> None:
+    # The coordinator believed the target held two blocks it does not: nothing the source
+    # sends lines up with the reservation, so the request recomputes.
+    peer = warm_peer()
+    target, logits = make_worker("target")
+    prompt = PREFIX + [7, 7]
+    chain = chain_of(target, prompt)
+    spec = PullSpec("peer", 2, tuple(chain[2:6]))
+    reservation = target.add_request(request("req", prompt, pull=spec))
+    assert reservation is not None and reservation.local == ()
+    assert target.write_pull("req", object_store_fill(peer, spec.hashes, target)) == 0
+    assert target.finish_pull("req", 0, elapsed_ms=1.0) == 0
+    outs = finish(target, "req")
+    assert outs[0].prefill is not None and outs[0].prefill.computed_tokens == 98
+    assert_same_as_cold(outs, logits, "req", prompt)
+    target.check_invariants()
+
+
+def test_pull_targets_line_up_with_the_plan() -> None:
+    assert PullTargets([5, 6, 7], first=0).fillable(2) == 2
+    assert PullTargets([5, 6, 7], first=2).fillable(6) == 3
+    assert PullTargets([5, 6, 7], first=2).fillable(4) == 2
+    assert PullTargets([5, 6, 7], first=2).fillable(2) == 0
+    assert PullTargets([5, 6, 7], first=-1).fillable(9) == 0
+    assert PullTargets([]).fillable(9) == 0
 
 
 def test_pulled_blocks_stay_pinned_until_their_request_is_admitted() -> None:
@@ -164,7 +202,7 @@ def test_a_failed_pull_releases_its_blocks_and_the_request_recomputes() -> None:
     )
     assert reservation is not None and len(reservation.targets) == 6
 
-    def broken(targets: list[BlockId]) -> int:
+    def broken(targets: PullTargets) -> int:
         raise ValueError("peer went away mid-copy")
 
     with pytest.raises(ValueError):
@@ -281,13 +319,14 @@ def test_in_place_copy_from_a_pinned_peer_cache_matches_a_cold_recompute() -> No
     spec = PullSpec("peer", 0, tuple(chain[:6]))
     reservation = target.add_request(request("req", prompt, pull=spec))
     assert reservation is not None
-    ids = peer.pull_source.pin_run(reservation.hashes)
+    ids = peer.pull_source.pin_run(spec.hashes)
     assert len(ids) == 6 and all(peer.pool.ref_count(b) == 1 for b in ids)
     peer.check_invariants()  # the peer's pins are accounted for
 
-    def fill(targets: list[BlockId]) -> int:
-        copy_blocks(target.runner.kv_cache, [int(b) for b in targets], peer.runner.kv_cache, ids)
-        return len(targets)
+    def fill(targets: PullTargets) -> int:
+        dst = [int(b) for b in targets.blocks]
+        copy_blocks(target.runner.kv_cache, dst, peer.runner.kv_cache, ids)
+        return len(dst)
 
     written = target.write_pull("req", fill)
     peer.pull_source.unpin(ids)

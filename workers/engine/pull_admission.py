@@ -6,7 +6,8 @@ from the first moment and nothing can evict it before use:
     reserve(seq, spec)   local prefix pinned, blocks for the pulled run allocated (or None: the
                          plan does not fit this prompt's chain, or the pool has no room; then the
                          request simply recomputes)
-    write(id, fill)      the transport writes the reserved blocks
+    write(id, fill)      the transport writes the reserved blocks (`PullTargets`: which block
+                         holds which of the plan's hashes)
     finish(id, n, ms)    n blocks registered, the prefix pinned for the request, which the caller
                          then queues for admission
 
@@ -26,7 +27,25 @@ from kvmesh.workers.kv import pull_reservation
 from kvmesh.workers.kv.block_pool import BlockId, BlockPool
 from kvmesh.workers.kv.pull_reservation import PullReservation
 
-BlockWriter = Callable[[list[BlockId]], int]
+
+@dataclass(frozen=True, slots=True)
+class PullTargets:
+    """The reserved blocks a transport writes: `blocks[i]` is to hold the plan's hash
+    `first + i`. The source fetched the plan's leading run before the reservation was known, so
+    the two are lined up here: `first` > 0 when this worker already held the plan's first
+    blocks, < 0 when it lacks blocks before the plan (nothing the source sent fits then)."""
+
+    blocks: list[BlockId]
+    first: int = 0
+
+    def fillable(self, num_sent: int) -> int:
+        """How many leading blocks a run of the plan's first `num_sent` blocks fills."""
+        if self.first < 0:
+            return 0
+        return max(0, min(len(self.blocks), num_sent - self.first))
+
+
+BlockWriter = Callable[[PullTargets], int]
 """Fills the given reserved blocks (possibly none: the request went away) and returns how many
 of the leading ones it wrote."""
 
@@ -35,8 +54,9 @@ of the leading ones it wrote."""
 class PendingPull:
     seq: Sequence
     reservation: PullReservation
+    from_block: int
     end_block: int
-    """The pulled run is chain blocks [spec.from_block, end_block)."""
+    """The plan is chain blocks [from_block, end_block); the reservation may start later."""
 
 
 class PullAdmission:
@@ -81,15 +101,18 @@ class PullAdmission:
         self.host_tier.demote_evicted()  # before the transport overwrites reallocated blocks
         if reservation is None:
             return None
-        self._pending[seq.request_id] = PendingPull(seq, reservation, end)
+        self._pending[seq.request_id] = PendingPull(seq, reservation, spec.from_block, end)
         return reservation
 
     def write(self, request_id: str, fill: BlockWriter) -> int:
         """Run a transport's writer over the request's reserved blocks (none if it went away:
         a writer that must consume what a peer sends still runs)."""
         pending = self._pending.get(request_id)
-        targets = list(pending.reservation.targets) if pending is not None else []
-        return fill(targets)
+        if pending is None:
+            return fill(PullTargets([]))
+        reservation = pending.reservation
+        first = len(reservation.local) - pending.from_block
+        return fill(PullTargets(list(reservation.targets), first))
 
     def finish(
         self, request_id: str, num_written: int, elapsed_ms: float, block_num_bytes: int

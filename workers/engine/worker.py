@@ -48,7 +48,7 @@ from kvmesh.workers.engine.event_log import EventLog
 from kvmesh.workers.engine.failure import forward_and_sample
 from kvmesh.workers.engine.host_tier import HostTier
 from kvmesh.workers.engine.note_log import NoteLog
-from kvmesh.workers.engine.pull_admission import BlockWriter, PullAdmission
+from kvmesh.workers.engine.pull_admission import BlockWriter, PullAdmission, PullTargets
 from kvmesh.workers.engine.pull_source import PullSource
 from kvmesh.workers.engine.request_checks import check_request
 from kvmesh.workers.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig, StepKind
@@ -60,7 +60,7 @@ from kvmesh.workers.kv.pull_reservation import PullReservation
 from kvmesh.workers.kv.warm_sessions import WarmSessionConfig, WarmSessions
 from kvmesh.workers.model.runner import ModelRunner, SeqChunk
 
-__all__ = ["BlockWriter", "Worker"]
+__all__ = ["BlockWriter", "PullTargets", "Worker"]
 
 log = logging.getLogger(__name__)
 

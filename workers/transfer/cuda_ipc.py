@@ -1,14 +1,17 @@
 """Same-GPU pulls: the source pins its run, the target copies straight out of the source's cache
-(mapped once per peer through CUDA IPC) with the block-copy kernel; no staging, no host trip."""
+(mapped once per peer through CUDA IPC) with the block-copy kernel; no staging, no host trip. The
+request is queued as soon as the copy is enqueued (its forward follows on the same stream); the
+source unpins once the GPU has passed the copy."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import torch
 
 from kvmesh.proto.block_hash import BlockHash
-from kvmesh.workers.kv.block_pool import BlockId
+from kvmesh.workers.engine.pull_admission import PullTargets
 from kvmesh.workers.model.runner import ModelRunner
 from kvmesh.workers.transfer.block_copy import copy_blocks
 from kvmesh.workers.transfer.transport import PeerLookup, WriteOnEngine
@@ -35,21 +38,35 @@ class CudaIpcTransport:
             self._mapped[source] = rebuild(*args)
         peer_cache = self._mapped[source]
         ids: list[int] = await peer.pin_blocks.remote(list(hashes))
+        copied: list[torch.cuda.Event] = []
         try:
 
-            def fill(targets: list[BlockId]) -> int:
-                n = min(len(targets), len(ids))
+            def fill(targets: PullTargets) -> int:
+                n = targets.fillable(len(ids))
                 if n:
                     ours = self._runner.kv_cache
                     check_same_layout(ours, peer_cache)
-                    copy_blocks(ours, [int(b) for b in targets[:n]], peer_cache, ids[:n])
-                    torch.cuda.synchronize(peer_cache.device)  # the peer unpins once we return
+                    dst = [int(b) for b in targets.blocks[:n]]
+                    copy_blocks(ours, dst, peer_cache, ids[targets.first : targets.first + n])
+                    # The request's forward runs after the copy on this stream; only the
+                    # peer's unpin has to wait for it, not the request.
+                    done = torch.cuda.Event()
+                    done.record()
+                    copied.append(done)
                 return n
 
             return await write(fill)
         finally:
             if ids:
+                for done in copied:
+                    await until_done(done)
                 peer.unpin_blocks.remote(ids)
+
+
+async def until_done(event: torch.cuda.Event, poll_s: float = 0.0005) -> None:
+    """Wait, without holding the event loop, for the GPU to pass `event`."""
+    while not event.query():
+        await asyncio.sleep(poll_s)
 
 
 def check_same_layout(ours: torch.Tensor, theirs: torch.Tensor) -> None:

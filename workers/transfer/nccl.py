@@ -1,5 +1,7 @@
 """GPU-to-GPU pulls over NCCL (one rank per GPU): the source pins and sends its run, the target
-receives it into a staging tensor and copies it into the reserved blocks.
+receives it into a staging tensor and copies it into the reserved blocks. One call to the source
+does both: `nccl_accept` pins the run, answers with its block ids and starts the send at once,
+which completes when the target posts its receive.
 
 NCCL send/recv block both ranks until they pair up, so two workers pulling from each other at
 once would wait on each other forever. A worker therefore takes part in one NCCL transfer at a
@@ -18,7 +20,7 @@ import asyncio
 import torch
 
 from kvmesh.proto.block_hash import BlockHash
-from kvmesh.workers.kv.block_pool import BlockId
+from kvmesh.workers.engine.pull_admission import PullTargets
 from kvmesh.workers.model.runner import ModelRunner
 from kvmesh.workers.transfer.block_copy import copy_blocks
 from kvmesh.workers.transfer.transport import PeerLookup, WriteOnEngine
@@ -87,28 +89,38 @@ class NcclLink:
         torch.cuda.synchronize()
 
     @staticmethod
-    def recv_into(
-        cache: torch.Tensor, targets: list[BlockId], num_blocks: int, src_rank: int
-    ) -> int:
-        """Receive `num_blocks` (always, so the sender completes) and keep the leading ones
-        that fit `targets` (none if the request went away meanwhile). Chunks are scattered into
+    def recv_into(cache: torch.Tensor, targets: PullTargets, num_blocks: int, src_rank: int) -> int:
+        """Receive `num_blocks` (always, so the sender completes) and keep those that line up
+        with `targets` (none if the request went away meanwhile). Chunks are scattered into
         their blocks as each arrives, while the later ones are still on the wire."""
         import torch.distributed as dist
 
         spans = chunk_spans(num_blocks)
         bufs = [cache.new_empty((*cache.shape[:2], hi - lo, *cache.shape[3:])) for lo, hi in spans]
         works = [dist.irecv(buf, src=src_rank) for buf in bufs]
-        n = min(len(targets), num_blocks)
-        for (lo, hi), buf, work in zip(spans, bufs, works, strict=True):
+        n = targets.fillable(num_blocks)
+        for span, buf, work in zip(spans, bufs, works, strict=True):
             assert work is not None  # a process-group op always returns its handle
             work.wait()  # the stream, not the host, waits for this chunk
-            keep = max(0, min(hi, n) - lo)
-            if keep:
-                copy_blocks(
-                    cache, [int(b) for b in targets[lo : lo + keep]], buf, list(range(keep))
-                )
+            kept = kept_rows(span, targets.first, n)
+            if kept is not None:
+                to, rows = kept
+                copy_blocks(cache, [int(b) for b in targets.blocks[to]], buf, list(rows))
         torch.cuda.synchronize()
         return n
+
+
+def kept_rows(span: tuple[int, int], first: int, n: int) -> tuple[slice, range] | None:
+    """Which received rows of the chunk holding message blocks [lo, hi) are kept, and the slice
+    of the targets they go to, when the targets hold message blocks [first, first + n).
+
+        kept_rows((4, 8), first=2, n=4) -> (slice(2, 4), range(0, 2))   # blocks 4, 5
+    """
+    lo, hi = span
+    a, b = max(lo, first), min(hi, first + n)
+    if a >= b:
+        return None
+    return slice(a - first, b - first), range(a - lo, b - lo)
 
 
 def chunk_spans(num_blocks: int, num_chunks: int = PIPELINE_CHUNKS) -> list[tuple[int, int]]:
@@ -140,14 +152,15 @@ class NcclTransport:
         self.retry_s = retry_s
 
     async def _claim_both(self, source: str, hashes: tuple[BlockHash, ...]) -> list[int] | None:
-        """Claim this worker and the source (which pins the run); None if no moment came when
-        both were free within `claim_wait_s`. On success this worker holds its claim."""
+        """Claim this worker and the source (which pins the run and starts sending it); None if
+        no moment came when both were free within `claim_wait_s`. On success this worker holds
+        its claim, and must receive what the source sends."""
         link, peer = self._link, self._peers(source)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.claim_wait_s
         while True:
             if link.try_claim():
-                ids: list[int] | None = await peer.nccl_accept.remote(list(hashes))
+                ids: list[int] | None = await peer.nccl_accept.remote(list(hashes), link.rank)
                 if ids is not None:
                     return ids
                 link.release()  # the source is busy: let go before waiting
@@ -165,18 +178,14 @@ class NcclTransport:
         if ids is None:
             return None
         try:
-            peer = self._peers(source)
             if not ids:
                 return 0
-            send = peer.nccl_send.remote(ids, link.rank)
             src_rank = link.ranks[source]
             cache = self._runner.kv_cache
 
-            def fill(targets: list[BlockId]) -> int:
+            def fill(targets: PullTargets) -> int:
                 return NcclLink.recv_into(cache, targets, len(ids), src_rank)
 
-            written = await write(fill)
-            await send
-            return written
+            return await write(fill)
         finally:
             link.release()

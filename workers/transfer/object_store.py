@@ -4,7 +4,7 @@ any two workers, on any devices and nodes)."""
 from __future__ import annotations
 
 from kvmesh.proto.block_hash import BlockHash
-from kvmesh.workers.kv.block_pool import BlockId
+from kvmesh.workers.engine.pull_admission import BlockWriter, PullTargets
 from kvmesh.workers.model.runner import ModelRunner
 from kvmesh.workers.transfer.block_export import BlockExport
 from kvmesh.workers.transfer.transport import PeerLookup, WriteOnEngine
@@ -26,10 +26,17 @@ class ObjectStoreTransport:
                 f"{export.blocks.shape[0]} blocks for {len(export.hashes)} hashes from {source}"
             )
 
-        def fill(targets: list[BlockId]) -> int:
-            n = min(len(targets), len(export.hashes))
-            if n:
-                self._runner.import_blocks(targets[:n], export.blocks[:n])
-            return n
+        return await write(export_writer(self._runner, export))
 
-        return await write(fill)
+
+def export_writer(runner: ModelRunner, export: BlockExport) -> BlockWriter:
+    """Writes an exported run into the reserved blocks it lines up with."""
+
+    def fill(targets: PullTargets) -> int:
+        n = targets.fillable(len(export.hashes))
+        if n:
+            first = targets.first
+            runner.import_blocks(targets.blocks[:n], export.blocks[first : first + n])
+        return n
+
+    return fill

@@ -1,11 +1,14 @@
 """The interface every way of pulling KV from a peer implements, for the actor that pulls.
 
 A transport runs on the pulling worker's event loop. It asks the source actor for the leading run
-of `hashes` it holds and hands a writer to `write`, which runs it on the engine thread over the
-blocks the request reserved (see `kv/pull_reservation.py`). The worker registers what was written;
-whatever a transport fails to move is recomputed.
+of the plan's `hashes` it holds and hands a writer to `write`, which runs it on the engine thread
+over the blocks the request reserved (see `kv/pull_reservation.py`; `PullTargets` lines them up
+with the plan). The worker registers what was written; whatever a transport fails to move is
+recomputed. The source is asked while the worker is still reserving (both need only the plan), so
+a pull costs the longer of the two, not their sum; `write` waits for the reservation.
 
-    actor.generate --> worker.add_request (reserve) --> transport.fetch --> worker.finish_pull
+    actor.submit --+--> worker.add_request (reserve) ----+--> write: fill, finish_pull --> step
+                   +--> transport.fetch: ask the source --+
 """
 
 from __future__ import annotations
