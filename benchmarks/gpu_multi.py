@@ -87,16 +87,19 @@ def main() -> None:
     )
     print(
         f"actor first output: pulled {r['actor_pulled_ms']:.1f} ms vs local"
-        f" {r['actor_local_ms']:.1f} ms; pin round trip {r['pin_round_trip_ms']:.1f} ms"
+        f" {r['actor_target_local_ms']:.1f} ms on the same worker"
+        f" ({r['actor_local_ms']:.1f} on the source);"
+        f" pin round trip from the driver {r['pin_round_trip_ms']:.1f} ms"
     )
     print(
         f"  worker split: pulled queued {r['pulled_queued_ms']:.1f} + prefill"
-        f" {r['pulled_prefill_ms']:.1f} ms; local queued {r['local_queued_ms']:.1f} + prefill"
-        f" {r['local_prefill_ms']:.1f} ms"
+        f" {r['pulled_prefill_ms']:.1f} ms; local on the same worker queued"
+        f" {r['target_local_queued_ms']:.1f} + prefill {r['target_local_prefill_ms']:.1f} ms"
     )
     print(
         f"TTFT: cold {r['cold_ms']:.1f} ms, pulled {r['pulled_ms']:.1f} ms"
-        f" ({r['pulled_tokens_min']} tokens), local {r['local_hit_ms']:.1f} ms;"
+        f" ({r['pulled_tokens_min']} tokens), local {r['target_local_hit_ms']:.1f} ms on the"
+        f" same worker ({r['local_hit_ms']:.1f} on the source);"
         f" cold/pulled {r['cold_ms'] / r['pulled_ms']:.1f}x (goal >= 6)"
     )
 

@@ -1,6 +1,8 @@
 """The trials both GPU transfer benchmarks run: one 8K prompt whose 7.5K prefix is computed on
-`source`, then served by `target` (pulling it) and by `source` again (a local hit); and the pull
-alone, as the pulling worker reports it."""
+`source`, then served by `target` (pulling it), by `target` again (a local hit on the worker that
+pulled: the fair baseline, as two workers can take different prefill paths, see
+`workers/model/prefill_choice.py`) and by `source` (its local hit); and the pull alone, as the
+pulling worker reports it."""
 
 from __future__ import annotations
 
@@ -15,9 +17,10 @@ BLOCK_SIZE = 16
 def prefix_ttft_trials(
     client: Any, rand: Callable[[int], list[int]], source: str, target: str, trials: int = 5
 ) -> dict[str, float]:
-    """Median TTFT (client-side) of cold / pulled / local-hit requests, and the fewest tokens any
-    pulled request reported pulling."""
+    """Median TTFT (client-side) of cold / pulled / local-hit requests (the target's and the
+    source's), and the fewest tokens any pulled request reported pulling."""
     samples: dict[str, list[float]] = {"cold_ms": [], "pulled_ms": [], "local_hit_ms": []}
+    samples["target_local_hit_ms"] = []
     pulled_tokens = []
     # Two tokens, so the first is not the request's last output: a worker sends a last output
     # only after announcing the request's blocks, which no first token of a real answer waits for.
@@ -29,7 +32,9 @@ def prefix_ttft_trials(
         pulled = client.generate(
             prefix + rand(PROMPT - PREFIX), max_tokens=answer, worker_id=target
         )
+        again = client.generate(prefix + rand(PROMPT - PREFIX), max_tokens=answer, worker_id=target)
         local = client.generate(prefix + rand(PROMPT - PREFIX), max_tokens=answer, worker_id=source)
+        samples["target_local_hit_ms"].append(again.ttft_ms or 0.0)
         samples["cold_ms"].append(cold.ttft_ms or 0.0)
         samples["pulled_ms"].append(pulled.ttft_ms or 0.0)
         samples["local_hit_ms"].append(local.ttft_ms or 0.0)
@@ -59,7 +64,8 @@ def worker_pull_trials(
     samples: dict[str, list[float]] = {"pull_ms": [], "actor_pulled_ms": [], "actor_local_ms": []}
     for key in ("pin_round_trip_ms", "pulled_queued_ms", "pulled_prefill_ms"):
         samples[key] = []
-    samples.update(local_queued_ms=[], local_prefill_ms=[])
+    samples.update(local_queued_ms=[], local_prefill_ms=[], actor_target_local_ms=[])
+    samples.update(target_local_queued_ms=[], target_local_prefill_ms=[])
     num_blocks = []
 
     def first_output(worker: str, rid: str, prompt: list[int], spec: PullSpec | None) -> Any:
@@ -82,11 +88,16 @@ def worker_pull_trials(
         tail = rand(PROMPT - PREFIX)
         spec = PullSpec(source, 0, hashes, transport)
         out, pulled_ms = first_output(target, f"bare-pull-{k}", prefix + tail, spec)
+        again, again_ms = first_output(
+            target, f"bare-again-{k}", prefix + rand(PROMPT - PREFIX), None
+        )
         local, local_ms = first_output(
             source, f"bare-local-{k}", prefix + rand(PROMPT - PREFIX), None
         )
         samples["pull_ms"].append(out.prefill.pull_ms)
-        for name, facts in (("pulled", out.prefill), ("local", local.prefill)):
+        samples["actor_target_local_ms"].append(again_ms)
+        facts_of = (("pulled", out.prefill), ("local", local.prefill))
+        for name, facts in (*facts_of, ("target_local", again.prefill)):
             samples[f"{name}_queued_ms"].append(facts.queued_ms)
             samples[f"{name}_prefill_ms"].append(facts.prefill_ms)
         samples["actor_pulled_ms"].append(pulled_ms)

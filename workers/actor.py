@@ -19,11 +19,14 @@ the reserved blocks belong to the request from the start (see `workers/engine/wo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import queue
+import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent import futures
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -35,18 +38,16 @@ from torch.multiprocessing.reductions import reduce_tensor
 from kvmesh.proto.block_hash import BlockHash
 from kvmesh.workers.config import WorkerConfig
 from kvmesh.workers.contract.replies import RequestOutput, RequestRejected, WorkerFailed, WorkerInfo
-from kvmesh.workers.contract.requests import PullSpec, Transport, WorkerRequest
+from kvmesh.workers.contract.requests import WorkerRequest
 from kvmesh.workers.engine.event_publisher import EventPublisher
-from kvmesh.workers.engine.worker import BlockWriter
-from kvmesh.workers.kv.pull_reservation import PullReservation
 from kvmesh.workers.model.loader import build_worker
 from kvmesh.workers.output_batches import BatchItem
 from kvmesh.workers.output_streams import OutputStreams
+from kvmesh.workers.transfer import peer_channel
 from kvmesh.workers.transfer.block_export import BlockExport
-from kvmesh.workers.transfer.cuda_ipc import CudaIpcTransport
-from kvmesh.workers.transfer.nccl import NcclLink, NcclTransport
-from kvmesh.workers.transfer.object_store import ObjectStoreTransport
-from kvmesh.workers.transfer.transport import fetch_planned
+from kvmesh.workers.transfer.nccl import NcclLink
+from kvmesh.workers.transfer.peer_channel import ChannelOp
+from kvmesh.workers.transfer.puller import Puller
 
 log = logging.getLogger(__name__)
 
@@ -64,12 +65,11 @@ class WorkerActor:
             # Label the device by the GPU Ray gave us (every actor sees its own as cuda:0), so
             # the coordinator can tell workers sharing a GPU from workers on different GPUs.
             self.worker.device = f"cuda:{ray.get_gpu_ids()[0]}"
-        node_id = ray.get_runtime_context().get_node_id()
-        self.worker.node = f"{self.worker.node}/{node_id[:12]}"
+        self._node_id = ray.get_runtime_context().get_node_id()
+        self.worker.node = f"{self.worker.node}/{self._node_id[:12]}"
         self._inbox: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._outputs = OutputStreams()
-        self._pulls: set[asyncio.Task[None]] = set()
         self._stopped = threading.Event()
         self._publisher = (
             EventPublisher(config.redis_url, self.worker.namespace, config.worker_id)
@@ -81,10 +81,9 @@ class WorkerActor:
             self.worker.cache_epoch = self._publisher.cache_epoch() or 0
         self._last_heartbeat = 0.0
         self._last_tick = time.monotonic()  # the engine loop's progress, read by info()
-        self._peers: dict[str, Any] = {}
-        self._object_store = ObjectStoreTransport(self._peer, self.worker.runner)
-        self._cuda_ipc = CudaIpcTransport(self._peer, self.worker.runner)
-        self._nccl: NcclTransport | None = None
+        self._puller = Puller(self.worker, self._node_id, self._on_engine, self._fail_pull)
+        self._channel_server: asyncio.AbstractServer | None = None
+        self._channel_path = ""
         self._nccl_link: NcclLink | None = None
         self._heartbeat()
         self._thread = threading.Thread(target=self._engine_loop, name="kvmesh-engine", daemon=True)
@@ -103,12 +102,9 @@ class WorkerActor:
         admitted once the blocks land (or, failed, recomputes)."""
         rid = request.request_id
         self._outputs.route(rid, request.reply_to)
-        reserved: asyncio.Future[PullReservation | None] | None = None
+        reserved = None
         if request.pull is not None and not request.bypass_cache:
-            reserved = asyncio.get_running_loop().create_future()
-            pull = asyncio.create_task(self._pull(rid, request.pull, reserved))
-            self._pulls.add(pull)  # held until done: the loop keeps only weak references
-            pull.add_done_callback(self._pulls.discard)
+            reserved = self._puller.begin(rid, request.pull)
         reservation = None
         try:
             reservation = await self._on_engine(lambda: self.worker.add_request(request))
@@ -141,62 +137,35 @@ class WorkerActor:
         self._outputs.unroute(request_id)
         self._submit(lambda: self.worker.abort(request_id))
 
-    async def _pull(
-        self, rid: str, spec: PullSpec, reserved: asyncio.Future[PullReservation | None]
-    ) -> None:
-        """Fill the request's reserved blocks from `spec.source` and queue the request, in one
-        engine call; a failed pull means recompute. Without a reservation (the plan did not fit,
-        or the request was rejected) the request is already queued or gone: a transport that
-        started still runs its writer, which must consume what the source sends."""
-        started = time.perf_counter()
-        finished = False
-        failure: Exception | None = None
-
-        def finish(written: int) -> None:
-            nonlocal finished, failure
-            finished = True
-            try:
-                elapsed_ms = (time.perf_counter() - started) * 1e3
-                self.worker.finish_pull(rid, written, elapsed_ms)
-            except Exception as exc:
-                failure = exc
-
-        async def write(fill: BlockWriter) -> int:
-            reservation = await reserved
-
-            def write_and_finish() -> int:
-                written = self.worker.write_pull(rid, fill)
-                if reservation is not None:
-                    finish(written)  # queued: the engine steps it right after this call
-                return written
-
-            return await self._on_engine(write_and_finish)
-
-        written = 0
-        try:
-            written = await self._fetch(spec, spec.hashes, write)
-        except Exception as exc:  # a dead or confused peer: recompute what did not arrive
-            why = (str(exc) or type(exc).__name__).splitlines()[0]
-            log.warning("pull %s <- %s failed: %s", rid, spec.source, why)
-        if not finished and await reserved is not None:
-            await self._on_engine(lambda: finish(written))
-        if failure is not None:  # the request cannot be queued: it ends here, not silently
-            log.error("pull %s: finishing failed", rid, exc_info=failure)
-            self._submit(lambda: self.worker.abort(rid))
-            self._deliver(rid, WorkerFailed(f"worker {self.config.worker_id} failed: {failure}"))
-        self._wakeup.set()
-
-    async def _fetch(self, spec: PullSpec, hashes: tuple[BlockHash, ...], write: Any) -> int:
-        transports = {Transport.CUDA_IPC: self._cuda_ipc, Transport.NCCL: self._nccl}
-        planned = transports.get(spec.transport)
-        return await fetch_planned(planned, self._object_store, spec.source, hashes, write)
-
-    def _peer(self, worker_id: str) -> Any:
-        return self._peers[worker_id]
-
     def set_peers(self, peers: dict[str, Any]) -> None:
         """The other workers' actor handles, by id (pull sources)."""
-        self._peers = {w: a for w, a in peers.items() if w != self.config.worker_id}
+        self._puller.set_peers({w: a for w, a in peers.items() if w != self.config.worker_id})
+
+    async def channel_address(self) -> tuple[str, str] | None:
+        """(node id, Unix socket path) where a peer on this node makes a pull's small calls to
+        this worker (`PeerChannel`); served from the first ask on."""
+        if self._channel_server is None:
+            path = os.path.join(
+                tempfile.gettempdir(), f"kvmesh-{os.getpid()}-{self.config.worker_id}.sock"
+            )
+            if os.path.exists(path):
+                os.unlink(path)  # left by a process that had this pid before
+            self._channel_server = await peer_channel.serve(
+                path,
+                {
+                    ChannelOp.PIN: lambda hashes, _: self.pin_blocks(list(hashes)),
+                    ChannelOp.UNPIN: self._unpin_over_channel,
+                    ChannelOp.NCCL_ACCEPT: lambda hashes, rank: self.nccl_accept(
+                        list(hashes), rank
+                    ),
+                },
+            )
+            self._channel_path = path
+        return self._node_id, self._channel_path
+
+    async def _unpin_over_channel(self, ids: Sequence[int], _: int) -> list[int]:
+        await self.unpin_blocks(list(ids))
+        return []
 
     # ---- reports and admin ----------------------------------------------------------------------
 
@@ -251,7 +220,7 @@ class WorkerActor:
         torch.cuda.set_device(self.worker.runner.kv_cache.device)
         dist.init_process_group("nccl", init_method=init_method, world_size=len(ranks), rank=rank)
         self._nccl_link = NcclLink(rank, ranks)
-        self._nccl = NcclTransport(self._peer, self.worker.runner, self._nccl_link)
+        self._puller.join_nccl(self._nccl_link)
         return rank
 
     def nccl_group(self) -> dict[str, int]:
@@ -304,6 +273,11 @@ class WorkerActor:
         return int(probe.numel())
 
     def shutdown(self) -> None:
+        self._puller.close()
+        if self._channel_server is not None:
+            self._channel_server.close()
+            with contextlib.suppress(OSError):
+                os.unlink(self._channel_path)
         self._stopped.set()
         self._wakeup.set()
         self._thread.join(timeout=5)
@@ -434,6 +408,11 @@ class WorkerActor:
 
     def _ttl_ms(self) -> int:
         return int(self.config.heartbeat_ttl_s * 1000)
+
+    def _fail_pull(self, request_id: str, exc: Exception) -> None:
+        self._submit(lambda: self.worker.abort(request_id))
+        self._deliver(request_id, WorkerFailed(f"worker {self.config.worker_id} failed: {exc}"))
+        self._wakeup.set()
 
     def _deliver(self, request_id: str, item: RequestOutput | Exception) -> None:
         self._outputs.deliver(request_id, item)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 import ray
@@ -49,6 +51,41 @@ def test_forced_worker_pulls_a_prefix_that_lives_on_its_peer(ray_session: None) 
         # A second request on w1 now hits locally.
         again = generate(stub, PREFIX + [9], max_tokens=2, worker_id="w1")
         assert again[0].cache.cached_tokens == 1024 and again[0].cache.pulled_tokens == 0
+    finally:
+        d.stop()
+
+
+def test_a_peer_on_the_same_node_pins_and_unpins_over_its_channel(ray_session: None) -> None:
+    from kvmesh.workers.transfer.peer_channel import ChannelError
+    from kvmesh.workers.transfer.peer_source import PeerSource
+
+    d = start_deployment(num_workers=1, num_blocks=256)
+    try:
+        assert d.cluster is not None
+        stub = stub_for(d.address)
+        generate(stub, PREFIX + [1, 2], max_tokens=2, worker_id="w0")
+        wait_for(lambda: held(stub, PREFIX, "w0") == 64, what="w0's prefix in the index")
+        actor = d.cluster.actor("w0")
+        hashes = ray.get(actor.cached_hashes.remote())
+        free_before = ray.get(actor.info.remote()).num_free_blocks
+
+        async def scenario() -> None:
+            source = PeerSource(actor, ray.get_runtime_context().get_node_id())
+            assert await source.channel() is not None  # same node: the socket, not Ray
+            ids = await source.pin(hashes)
+            assert len(ids) == len(hashes) >= 64
+            assert ray.get(actor.info.remote()).num_free_blocks == free_before - len(ids)
+            assert ray.get(actor.check_invariants.remote())
+            assert await source.nccl_accept(hashes, 0) is None  # no NCCL group on a CPU
+            await source.unpin(ids)
+            assert ray.get(actor.info.remote()).num_free_blocks == free_before
+            ray.kill(actor)
+            with pytest.raises(ray.exceptions.RayActorError):
+                ray.get(actor.ping.remote())
+            with pytest.raises(ChannelError):  # its socket went with its process
+                await source.pin(hashes)
+
+        asyncio.run(scenario())
     finally:
         d.stop()
 

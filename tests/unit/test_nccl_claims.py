@@ -6,7 +6,6 @@ adopts, and how a run is split into the chunks that pipeline staging with the wi
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import pytest
 
@@ -20,26 +19,16 @@ from kvmesh.workers.transfer.nccl import (
 )
 
 
-class Method:
-    def __init__(self, fn: Any) -> None:
-        self.fn = fn
-
-    def remote(self, *args: Any) -> Any:
-        return self.fn(*args)
-
-
 class PeerStandIn:
-    """`nccl_accept` as the actor answers it: None while the peer's link is claimed."""
+    """`nccl_accept` as a pull source answers it: None while the peer's link is claimed."""
 
     def __init__(self, link: NcclLink) -> None:
         self.link = link
 
-        async def accept(hashes: list[int], dst_rank: int) -> list[int] | None:
-            if not link.try_claim():
-                return None
-            return list(range(len(hashes)))
-
-        self.nccl_accept = Method(accept)
+    async def nccl_accept(self, hashes: list[int], dst_rank: int) -> list[int] | None:
+        if not self.link.try_claim():
+            return None
+        return list(range(len(hashes)))
 
 
 def transport(wait_s: float) -> tuple[NcclTransport, NcclLink, NcclLink]:

@@ -23,9 +23,9 @@ SPLIT_ON = AttentionMode(
 )
 
 
-def test_the_split_stays_unless_the_paged_kernel_is_clearly_faster() -> None:
+def test_the_split_is_taken_only_when_it_is_clearly_faster() -> None:
     assert PrefillChoice(512, 7680, split_ms=19.0, paged_ms=21.5).split
-    assert PrefillChoice(512, 7680, split_ms=20.0, paged_ms=19.8).split  # within the margin
+    assert not PrefillChoice(512, 7680, split_ms=19.8, paged_ms=20.0).split  # within the margin
     slower = PrefillChoice(512, 7680, split_ms=34.0, paged_ms=27.0)
     assert not slower.split
     assert slower.applied_to(SPLIT_ON) == AttentionMode(

@@ -6,7 +6,6 @@ source unpins once the GPU has passed the copy."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import torch
 
@@ -31,13 +30,13 @@ class CudaIpcTransport:
     ) -> int | None:
         peer = self._peers(source)
         if source not in self._mapped:
-            handle: tuple[Any, Any] | None = await peer.ipc_handle.remote()
+            handle = await peer.ipc_handle()
             if handle is None:
                 return None  # the peer's cache is not on a GPU
             rebuild, args = handle
             self._mapped[source] = rebuild(*args)
         peer_cache = self._mapped[source]
-        ids: list[int] = await peer.pin_blocks.remote(list(hashes))
+        ids = await peer.pin(hashes)
         copied: list[torch.cuda.Event] = []
         try:
 
@@ -60,7 +59,7 @@ class CudaIpcTransport:
             if ids:
                 for done in copied:
                     await until_done(done)
-                peer.unpin_blocks.remote(ids)
+                await peer.unpin(ids)
 
 
 async def until_done(event: torch.cuda.Event, poll_s: float = 0.0005) -> None:

@@ -160,7 +160,7 @@ class NcclTransport:
         deadline = loop.time() + self.claim_wait_s
         while True:
             if link.try_claim():
-                ids: list[int] | None = await peer.nccl_accept.remote(list(hashes), link.rank)
+                ids = await peer.nccl_accept(hashes, link.rank)
                 if ids is not None:
                     return ids
                 link.release()  # the source is busy: let go before waiting

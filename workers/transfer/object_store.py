@@ -18,7 +18,7 @@ class ObjectStoreTransport:
     async def fetch(
         self, source: str, hashes: tuple[BlockHash, ...], write: WriteOnEngine
     ) -> int | None:
-        export: BlockExport = await self._peers(source).export_blocks.remote(list(hashes))
+        export = await self._peers(source).export(hashes)
         if export.hashes != hashes[: len(export.hashes)]:
             raise ValueError(f"peer {source} exported another chain than the one asked for")
         if export.blocks.shape[0] != len(export.hashes):

@@ -1,11 +1,12 @@
 """The interface every way of pulling KV from a peer implements, for the actor that pulls.
 
-A transport runs on the pulling worker's event loop. It asks the source actor for the leading run
-of the plan's `hashes` it holds and hands a writer to `write`, which runs it on the engine thread
-over the blocks the request reserved (see `kv/pull_reservation.py`; `PullTargets` lines them up
-with the plan). The worker registers what was written; whatever a transport fails to move is
-recomputed. The source is asked while the worker is still reserving (both need only the plan), so
-a pull costs the longer of the two, not their sum; `write` waits for the reservation.
+A transport runs on the pulling worker's event loop. It asks the source (`PeerSource`) for the
+leading run of the plan's `hashes` it holds and hands a writer to `write`, which runs it on the
+engine thread over the blocks the request reserved (see `kv/pull_reservation.py`; `PullTargets`
+lines them up with the plan). The worker registers what was written; whatever a transport fails
+to move is recomputed. The source is asked while the worker is still reserving (both need only
+the plan), so a pull costs the longer of the two, not their sum; `write` waits for the
+reservation.
 
     actor.submit --+--> worker.add_request (reserve) ----+--> write: fill, finish_pull --> step
                    +--> transport.fetch: ask the source --+
@@ -14,16 +15,17 @@ a pull costs the longer of the two, not their sum; `write` waits for the reserva
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 from kvmesh.proto.block_hash import BlockHash
 from kvmesh.workers.engine.worker import BlockWriter
+from kvmesh.workers.transfer.peer_source import PeerSource
 
 WriteOnEngine = Callable[[BlockWriter], Awaitable[int]]
 """Runs a writer over the request's reserved blocks on the engine thread; returns its count."""
 
-PeerLookup = Callable[[str], Any]
-"""Worker id -> the peer's actor handle (raises KeyError for an unknown peer)."""
+PeerLookup = Callable[[str], PeerSource]
+"""Worker id -> the peer as a pull source (raises KeyError for an unknown peer)."""
 
 
 class Transport(Protocol):

@@ -1,0 +1,144 @@
+"""The pulling side of a worker: its peers as pull sources, its transports, and each pull from the
+plan a request arrives with to the request queued on the engine.
+
+    submit --+--> engine: add_request (reserve) ---------------+--> engine: fill, finish_pull
+             +--> Puller.begin: transport asks the source ------+    (one call; the step follows)
+
+`begin` starts the pull before the request is reserved (the source needs only the plan); the
+caller resolves the returned future with the reservation, or None when there is none (the plan
+did not fit and the request recomputes, or the request was rejected).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from kvmesh.workers.contract.requests import PullSpec, Transport
+from kvmesh.workers.engine.worker import BlockWriter, Worker
+from kvmesh.workers.kv.pull_reservation import PullReservation
+from kvmesh.workers.transfer.cuda_ipc import CudaIpcTransport
+from kvmesh.workers.transfer.nccl import NcclLink, NcclTransport
+from kvmesh.workers.transfer.object_store import ObjectStoreTransport
+from kvmesh.workers.transfer.peer_source import PeerSource
+from kvmesh.workers.transfer.transport import fetch_planned
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+OnEngine = Callable[[Callable[[], T]], Awaitable[T]]
+
+
+class Puller:
+    """Invariant: every pull task is held in `_tasks` until it ends (the loop keeps only weak
+    references), and every pull whose request was reserved ends with the request queued
+    (`finish_pull`) or failed through `fail`."""
+
+    def __init__(
+        self,
+        worker: Worker,
+        node_id: str,
+        on_engine: OnEngine[Any],
+        fail: Callable[[str, Exception], None],
+    ) -> None:
+        self.worker = worker
+        self.node_id = node_id
+        self._on_engine = on_engine
+        self._fail = fail
+        self._peers: dict[str, PeerSource] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._object_store = ObjectStoreTransport(self.peer, worker.runner)
+        self._cuda_ipc = CudaIpcTransport(self.peer, worker.runner)
+        self._nccl: NcclTransport | None = None
+
+    def peer(self, worker_id: str) -> PeerSource:
+        return self._peers[worker_id]
+
+    def set_peers(self, peers: dict[str, Any]) -> None:
+        """The other workers' actor handles, by id. A peer whose actor is unchanged keeps its
+        channel; the others' channels are closed."""
+        old, self._peers = self._peers, {}
+        for w, actor in peers.items():
+            kept = old.pop(w, None)
+            if kept is not None and _actor_id(kept.actor) == _actor_id(actor):
+                self._peers[w] = kept
+            else:
+                self._peers[w] = PeerSource(actor, self.node_id)
+                if kept is not None:
+                    kept.close()
+        for gone in old.values():
+            gone.close()
+
+    def join_nccl(self, link: NcclLink) -> None:
+        self._nccl = NcclTransport(self.peer, self.worker.runner, link)
+
+    def begin(self, rid: str, spec: PullSpec) -> asyncio.Future[PullReservation | None]:
+        """Start pulling `spec` for request `rid`; resolve the returned future with its
+        reservation (or None) once the engine has reserved it."""
+        reserved: asyncio.Future[PullReservation | None] = (
+            asyncio.get_running_loop().create_future()
+        )
+        task = asyncio.create_task(self._pull(rid, spec, reserved))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return reserved
+
+    def close(self) -> None:
+        for peer in self._peers.values():
+            peer.close()
+
+    async def _pull(
+        self, rid: str, spec: PullSpec, reserved: asyncio.Future[PullReservation | None]
+    ) -> None:
+        """Fill the request's reserved blocks from `spec.source` and queue the request, in one
+        engine call; a failed pull means recompute. Without a reservation the request is already
+        queued or gone: a transport that started still runs its writer, which must consume what
+        the source sends."""
+        started = time.perf_counter()
+        finished = False
+        failure: Exception | None = None
+
+        def finish(written: int) -> None:
+            nonlocal finished, failure
+            finished = True
+            try:
+                elapsed_ms = (time.perf_counter() - started) * 1e3
+                self.worker.finish_pull(rid, written, elapsed_ms)
+            except Exception as exc:
+                failure = exc
+
+        async def write(fill: BlockWriter) -> int:
+            reservation = await reserved
+
+            def write_and_finish() -> int:
+                written = self.worker.write_pull(rid, fill)
+                if reservation is not None:
+                    finish(written)  # queued: the engine steps it right after this call
+                return written
+
+            written: int = await self._on_engine(write_and_finish)
+            return written
+
+        written = 0
+        try:
+            written = await self._fetch(spec, write)
+        except Exception as exc:  # a dead or confused peer: recompute what did not arrive
+            why = (str(exc) or type(exc).__name__).splitlines()[0]
+            log.warning("pull %s <- %s failed: %s", rid, spec.source, why)
+        if not finished and await reserved is not None:
+            await self._on_engine(lambda: finish(written))
+        if failure is not None:  # the request cannot be queued: it ends here, not silently
+            log.error("pull %s: finishing failed", rid, exc_info=failure)
+            self._fail(rid, failure)
+
+    async def _fetch(self, spec: PullSpec, write: Any) -> int:
+        transports = {Transport.CUDA_IPC: self._cuda_ipc, Transport.NCCL: self._nccl}
+        planned = transports.get(spec.transport)
+        return await fetch_planned(planned, self._object_store, spec.source, spec.hashes, write)
+
+
+def _actor_id(actor: Any) -> object:
+    return getattr(actor, "_actor_id", id(actor))
