@@ -7,9 +7,9 @@ already holds of the chain and allocates fresh blocks for the rest, before anyth
     chain:     [0 ..... held) [held ............. end)
     blocks:     pinned local    reserved: written by the transport, then registered in order
 
-`commit` registers the blocks the transport wrote, takes one reference on the whole prefix the
-pool now holds (the request's pin, released when the scheduler admits it) and drops the
-reservation's own references. Nothing matched or pulled is ever unpinned before it is used.
+`commit` registers the blocks the transport wrote and turns the reservation's references on the
+local run and the written blocks into the request's pin (released when the scheduler admits it);
+the unwritten blocks go back. Nothing matched or pulled is ever unpinned before it is used.
 """
 
 from __future__ import annotations
@@ -59,22 +59,30 @@ def reserve(
 def commit(
     pool: BlockPool, reservation: PullReservation, num_written: int, chain: Sequence[BlockHash]
 ) -> tuple[list[BlockId], int]:
-    """Register the first `num_written` targets, pin the prefix of `chain` the pool now holds
-    and release the reservation. Returns (pinned blocks, how many pulled blocks they include)."""
+    """Register the first `num_written` targets and pin the prefix of `chain` the pool now holds
+    (the reservation's own references, when every written block registered; otherwise fresh
+    ones, the reservation released). Returns (pinned blocks, how many pulled blocks they
+    include)."""
     if not 0 <= num_written <= len(reservation.targets):
         raise ValueError(
             f"{num_written} blocks written into a reservation of {len(reservation.targets)}"
         )
     parent = reservation.parent
     depth = len(reservation.local) + 1  # hashes[0] follows the local run
-    for block, h in zip(reservation.targets[:num_written], reservation.hashes, strict=False):
-        pool.register(block, h, parent, depth=depth)
+    written = reservation.targets[:num_written]
+    all_registered = True
+    for block, h in zip(written, reservation.hashes, strict=False):
+        all_registered &= pool.register(block, h, parent, depth=depth)
         parent, depth = h, depth + 1
+    if all_registered:
+        # The common case: the prefix the pool now holds is exactly the local run and the
+        # written blocks, and the reservation's references on them become the request's pin.
+        pool.free(reservation.targets[num_written:])
+        return [*reservation.local, *written], num_written
     pinned = pool.match_prefix(chain)
     pool.acquire(pinned)
     release(pool, reservation)
-    num_pulled = max(0, min(len(pinned) - len(reservation.local), num_written))
-    return pinned, num_pulled
+    return pinned, len(set(pinned).intersection(written))
 
 
 def release(pool: BlockPool, reservation: PullReservation) -> None:

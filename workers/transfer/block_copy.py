@@ -96,8 +96,12 @@ def copy_blocks(
         copy_block_runs(dst_cache, dst_ids, src_cache, src_ids)
         return
     device = dst_cache.device
-    src_t = torch.tensor(src_ids, dtype=torch.int32, device=device)
-    dst_t = torch.tensor(dst_ids, dtype=torch.int32, device=device)
+    ids = (
+        torch.tensor(src_ids + dst_ids, dtype=torch.int32)
+        .pin_memory()
+        .to(device, non_blocking=True)
+    )
+    src_t, dst_t = ids[: len(src_ids)], ids[len(src_ids) :]
     num_slabs = src_cache.shape[0] * src_cache.shape[1]
     slab_elems = src_cache[0, 0, 0].numel()
     grid = (num_slabs, len(src_ids))
