@@ -72,6 +72,10 @@ class BlockPool:
         self._protected: set[BlockId] = set()
         self._lost_protection: list[BlockId] = []
         self._pending_events: list[KVEvent] = []
+        # The chain being registered, one `stored` event once closed (a list, not a growing
+        # tuple: a 512-block prefill would copy its run 512 times).
+        self._run: list[BlockHash] = []
+        self._run_link: tuple[BlockHash, int] = (BlockHash(0), 0)
         # Registered blocks handed out again since the last drain: their KV is about to be
         # overwritten, so a host tier must copy them out first.
         self._evicted: list[tuple[BlockId, BlockHash]] = []
@@ -161,6 +165,7 @@ class BlockPool:
             self._last_use[b] = now
             blocks.append(b)
         if evicted:
+            self._close_run()
             self._pending_events.append(BlockRemoved(tuple(evicted)))
         return blocks
 
@@ -260,6 +265,7 @@ class BlockPool:
                 self._block_hash[b] = None
                 dropped.append(h)
         if dropped:
+            self._close_run()
             self._pending_events.append(BlockRemoved(tuple(dropped)))
         return len(dropped)
 
@@ -283,6 +289,7 @@ class BlockPool:
         return evicted
 
     def drain_events(self) -> list[KVEvent]:
+        self._close_run()
         events, self._pending_events = self._pending_events, []
         return events
 
@@ -317,13 +324,18 @@ class BlockPool:
 
     def _append_stored(self, block_hash: BlockHash, parent: BlockHash, depth: int) -> None:
         # Coalesce consecutive registrations of one chain into a single event.
-        last = self._pending_events[-1] if self._pending_events else None
-        if isinstance(last, BlockStored) and last.hashes[-1] == parent:
-            self._pending_events[-1] = BlockStored(
-                last.hashes + (block_hash,), last.tier, last.parent_hash, last.depth
-            )
-        else:
-            self._pending_events.append(BlockStored((block_hash,), TIER_DEVICE, parent, depth))
+        if self._run and self._run[-1] == parent:
+            self._run.append(block_hash)
+            return
+        self._close_run()
+        self._run = [block_hash]
+        self._run_link = (parent, depth)
+
+    def _close_run(self) -> None:
+        if self._run:
+            parent, depth = self._run_link
+            self._pending_events.append(BlockStored(tuple(self._run), TIER_DEVICE, parent, depth))
+            self._run = []
 
     def check_invariants(self) -> None:
         num_used = 0
