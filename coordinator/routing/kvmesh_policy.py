@@ -326,7 +326,9 @@ class KvmeshPolicy(RoutingPolicy):
         held = cols.matched_device_blocks
         if matched is not cols.matched_blocks:
             held = np.where(matched > cols.matched_blocks, matched, held)
-        stored = np.maximum(query.num_prompt_blocks - held, 0)
+        # (as floats: the maximum with 0.0 makes them, exactly, and the products below take
+        # them without converting an int64 operand each)
+        stored = np.maximum(query.num_prompt_blocks - held, 0.0)
         # (as floats once: an int64 operand is converted to float64 by each operation anyway;
         # the maximum with 1.0 gives float64 itself, the same numbers as converting after it)
         pool = np.maximum(cols.num_blocks, 1.0)
