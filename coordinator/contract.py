@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Protocol
 
+import numpy as np
+
 from kvmesh.coordinator.index.mirror import FleetMatch, PrefixMatch, WorkerId
 from kvmesh.proto.block_hash import BlockHash
 from kvmesh.workers.contract.replies import RequestOutput
@@ -42,6 +44,10 @@ class PrefixIndex(Protocol):
     def num_events_applied(self) -> int: ...
     def match(self, hashes: Sequence[BlockHash]) -> dict[WorkerId, PrefixMatch]: ...
     def match_fleet(
-        self, hashes: Sequence[BlockHash], row_of: Mapping[WorkerId, int], num_rows: int
+        self,
+        hashes: Sequence[BlockHash],
+        row_of: Mapping[WorkerId, int],
+        num_rows: int,
+        hash_array: np.ndarray | None = None,
     ) -> FleetMatch: ...
     def num_worker_blocks(self, worker: WorkerId) -> int: ...

@@ -70,7 +70,7 @@ class FleetView:
             num_device = np.zeros(len(ids), dtype=np.int64)
         else:
             num_matched, num_device, _ = self.mirror.match_fleet(
-                prompt.block_hashes, index_of, len(ids)
+                prompt.block_hashes, index_of, len(ids), prompt.block_hash_array
             )
         return WorkerColumns(
             ids,

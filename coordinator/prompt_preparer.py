@@ -5,14 +5,17 @@ LoRA adapter (the same chain the workers compute: `proto/block_hash.py`)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
+
+import numpy as np
 
 from kvmesh.coordinator.config import CoordinatorConfig
 from kvmesh.coordinator.contract import InvalidRequest
 from kvmesh.proto.block_hash import (
     BlockHash,
     MediaItem,
+    block_hash_array,
     block_hashes,
     media_extra_keys,
     prompt_root,
@@ -37,6 +40,9 @@ class PreparedPrompt:
     """Multimodal items in the prompt; their hashes are the blocks' extra keys."""
     bypass_cache: bool = False
     """Match nothing, plan no pull; the worker reuses and registers nothing for it."""
+    block_hash_array: np.ndarray | None = field(default=None, compare=False, repr=False)
+    """`block_hashes` as a uint64 array (`block_hash_array`), made with them, so that the index
+    reads the chain without converting it when the prompt is routed (None: converted there)."""
 
 
 class PromptPreparer:
@@ -98,6 +104,7 @@ class PromptPreparer:
             adapter=adapter,
             media=tuple(media),
             bypass_cache=bypass_cache,
+            block_hash_array=block_hash_array(hashes),
         )
 
     def chain(

@@ -21,7 +21,7 @@ import array
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import NewType
+from typing import NewType, cast
 
 import numpy as np
 import xxhash
@@ -133,7 +133,8 @@ def block_hashes(
     num_blocks = len(data) // (4 * block_size)
     block_num_bytes = block_size * 4
     digest = xxhash.xxh3_64_intdigest
-    hashes: list[BlockHash] = []
+    hashes: list[int] = []
+    append = hashes.append  # (ints appended as they are: `BlockHash(h)` is a call per block)
     h = int(parent)
     for i in range(num_blocks):
         chunk = data[i * block_num_bytes : (i + 1) * block_num_bytes]
@@ -142,8 +143,14 @@ def block_hashes(
             h = digest(bytes(chunk) + _EXTRA_SEPARATOR + extras, h)
         else:
             h = digest(chunk, h)
-        hashes.append(BlockHash(h))
-    return hashes
+        append(h)
+    return cast(list[BlockHash], hashes)
+
+
+def block_hash_array(hashes: Sequence[BlockHash]) -> np.ndarray:
+    """The chain as a uint64 array, as the index's vectorised lookups read it: made once, where
+    the prompt is hashed, so that routing it converts none of its hashes."""
+    return np.fromiter(hashes, np.uint64, len(hashes))
 
 
 def _canonical_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:

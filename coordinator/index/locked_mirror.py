@@ -12,6 +12,8 @@ import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
+import numpy as np
+
 from kvmesh.coordinator.index.mirror import (
     ApplyResult,
     FleetMatch,
@@ -78,11 +80,15 @@ class LockedMirror:
             return matches
 
     def match_fleet(
-        self, hashes: Sequence[BlockHash], row_of: Mapping[WorkerId, int], num_rows: int
+        self,
+        hashes: Sequence[BlockHash],
+        row_of: Mapping[WorkerId, int],
+        num_rows: int,
+        hash_array: np.ndarray | None = None,
     ) -> FleetMatch:
         """`match` as a fleet's columns (`IndexMirror.match_fleet`); counts the same hit."""
         with self._lock:
-            matched = self._mirror.match_fleet(hashes, row_of, num_rows)
+            matched = self._mirror.match_fleet(hashes, row_of, num_rows, hash_array)
             if matched.deepest:
                 self._mirror.tree.note_hit(hashes[matched.deepest - 1])
             return matched

@@ -231,17 +231,22 @@ class IndexMirror:
         return {worker_of_bit[b]: PrefixMatch(n, device_get(b, 0)) for b, n in num_blocks.items()}
 
     def match_fleet(
-        self, hashes: Sequence[BlockHash], row_of: Mapping[WorkerId, int], num_rows: int
+        self,
+        hashes: Sequence[BlockHash],
+        row_of: Mapping[WorkerId, int],
+        num_rows: int,
+        hash_array: np.ndarray | None = None,
     ) -> FleetMatch:
         """`match` written into the columns of a fleet of `num_rows` workers (`row_of`: a
         worker's row; workers outside the fleet are left out). The same numbers as `match`.
         The rows of the workers' bits are kept while the same `row_of` object comes: another
-        fleet is another mapping, never the same one changed."""
+        fleet is another mapping, never the same one changed. `hash_array`: `hashes` as a
+        uint64 array (`block_hash_array`), when the caller made one with them."""
         num_blocks = np.zeros(num_rows, dtype=np.int64)
         num_device = np.zeros(num_rows, dtype=np.int64)
         if not hashes:
             return FleetMatch(num_blocks, num_device, 0)
-        starts, run_sets = self._runs(hashes)
+        starts, run_sets = self._runs(hashes, hash_array)
         if not run_sets[0]:
             return FleetMatch(num_blocks, num_device, 0)
         by_bit, device_by_bit = self._walk(starts, run_sets, len(hashes))
@@ -328,7 +333,9 @@ class IndexMirror:
         self._record(on_device, i, num_device)
         return num_device
 
-    def _runs(self, hashes: Sequence[BlockHash]) -> tuple[list[int], list[int]]:
+    def _runs(
+        self, hashes: Sequence[BlockHash], hash_array: np.ndarray | None = None
+    ) -> tuple[list[int], list[int]]:
         """Where the chain's holder set changes, and to what: (first positions of the runs of
         one holder set, their sets). Only there can a worker's prefix end; the runs may stop
         at the first block nobody holds (no worker's prefix goes past it)."""
@@ -336,7 +343,7 @@ class IndexMirror:
             sets = self._table.lookup_few(hashes, leading=True)
             starts = [i for i in range(len(sets)) if not i or sets[i] != sets[i - 1]]
             return starts, [sets[i] for i in starts]
-        array = self._table.lookup(hashes)
+        array = self._table.lookup(hashes, hash_array)
         at = (array[1:] != array[:-1]).nonzero()[0] + 1
         return [0, *at.tolist()], [int(array[0]), *array[at].tolist()]
 

@@ -326,9 +326,12 @@ class KvmeshPolicy(RoutingPolicy):
         held = cols.matched_device_blocks
         if matched is not cols.matched_blocks:
             held = np.where(matched > cols.matched_blocks, matched, held)
-        stored = np.maximum(query.num_prompt_blocks - held, 0)
-        # (as floats once: an int64 operand is converted to float64 by each operation anyway)
-        pool = np.maximum(cols.num_blocks, 1).astype(np.float64)
+        # (as floats: the maximum with 0.0 makes them, exactly, and the products below take
+        # them without converting an int64 operand each)
+        stored = np.maximum(query.num_prompt_blocks - held, 0.0)
+        # (as floats once: an int64 operand is converted to float64 by each operation anyway;
+        # the maximum with 1.0 gives float64 itself, the same numbers as converting after it)
+        pool = np.maximum(cols.num_blocks, 1.0)
         if weights.memory_weight > 0:
             # The request holds what it stores and its answer's blocks for its answer's steps;
             # where w's pool is in use, the requests after it at w wait for them.
@@ -352,10 +355,9 @@ class KvmeshPolicy(RoutingPolicy):
             block_ms = weights.eviction_weight * (cm.prefill_per_token_ms * bs)
             cost += block_ms * stored * share
         uncached_share = 1.0 - options.cached_tokens / n
-        # Recent work and requests above the least worker's (x[x.argmin()] is x.min(), without
-        # the Python wrapper the method goes through).
-        for row in recent:
-            row -= row[row.argmin()]
+        # Recent work and requests above the least worker's: both rows' least at once (the
+        # ufunc's own reduce, without the Python wrapper `x.min` goes through).
+        recent -= np.minimum.reduce(recent, axis=1, keepdims=True)
         cost += weights.placement_balance * recent[0] * uncached_share
         cheapest_ready = options.ready_ms[options.ready_ms.argmin()]
         cost += weights.request_balance * recent[1] * cheapest_ready

@@ -28,7 +28,11 @@ class SharedPoolIndex:
         return dict.fromkeys(self.workers, PrefixMatch(held, held)) if held else {}
 
     def match_fleet(
-        self, hashes: Sequence[BlockHash], row_of: Mapping[WorkerId, int], num_rows: int
+        self,
+        hashes: Sequence[BlockHash],
+        row_of: Mapping[WorkerId, int],
+        num_rows: int,
+        hash_array: np.ndarray | None = None,
     ) -> FleetMatch:
         held = len(self.pool.match_prefix(hashes))
         num_blocks = np.zeros(num_rows, dtype=np.int64)

@@ -3,7 +3,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvmesh.proto.block_hash import BlockHash, block_hashes, namespace_hash
+from kvmesh.proto.block_hash import BlockHash, block_hash_array, block_hashes, namespace_hash
 
 ROOT = namespace_hash("tiny-random-abc")
 
@@ -44,6 +44,13 @@ def test_namespaces_never_share_hashes() -> None:
 def test_numpy_and_list_inputs_agree() -> None:
     tokens = np.arange(100, 164, dtype=np.int64)
     assert block_hashes(tokens, 16, ROOT) == block_hashes(tokens.tolist(), 16, ROOT)
+
+
+def test_the_chain_as_an_array_holds_the_same_hashes() -> None:
+    hashes = block_hashes(list(range(16 * 50)), 16, ROOT)
+    array = block_hash_array(hashes)
+    assert array.dtype == np.uint64 and array.tolist() == hashes
+    assert block_hash_array([]).tolist() == []
 
 
 def test_bad_input_raises_with_numbers() -> None:

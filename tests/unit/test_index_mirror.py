@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from kvmesh.coordinator.index.mirror import ApplyResult, IndexMirror, PrefixMatch, WorkerId
-from kvmesh.proto.block_hash import BlockHash
+from kvmesh.proto.block_hash import BlockHash, block_hash_array
 from kvmesh.proto.events import TIER_HOST, AllCleared, BlockRemoved, BlockStored, EventBatch
 
 W0, W1 = WorkerId("w0"), WorkerId("w1")
@@ -196,6 +196,13 @@ def _assert_fleet_match_is_match(
         expected.get(w, nothing).num_device_blocks for w in fleet
     ]
     assert got.deepest == max((p.num_blocks for p in expected.values()), default=0)
+    # the chain handed over as its uint64 array too (a prepared prompt's): the same columns
+    with_array = m.match_fleet(
+        hashes, {w: i for i, w in enumerate(fleet)}, len(fleet), block_hash_array(hashes)
+    )
+    assert with_array.num_blocks.tolist() == got.num_blocks.tolist()
+    assert with_array.num_device_blocks.tolist() == got.num_device_blocks.tolist()
+    assert with_array.deepest == got.deepest
 
 
 def test_fleet_match_is_match_past_64_workers() -> None:
