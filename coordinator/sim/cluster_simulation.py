@@ -40,6 +40,7 @@ from kvmesh.coordinator.routing.policy import RoutingPolicy
 from kvmesh.coordinator.routing.router import POLICIES
 from kvmesh.coordinator.sim.backend import SimBackend
 from kvmesh.coordinator.sim.decision_log import SimDecisionLog
+from kvmesh.coordinator.sim.delivery import StreamDelivery
 from kvmesh.coordinator.sim.fleet_pools import FleetPools
 from kvmesh.coordinator.sim.pulls import SimPulls
 from kvmesh.coordinator.sim.report import PolicyResult, summarize
@@ -118,6 +119,7 @@ class ClusterSimulation:
         for coordinator in self.coordinators:
             coordinator.note_sink = self._post_notes
         self._streams: dict[str, Iterator[StreamEvent]] = {}
+        self.delivery = StreamDelivery(config.cost, config.num_coordinators)
         self._heap: list[tuple[float, int, int, int]] = []
         self._scheduled_epoch = [-1] * n
         self._order = 0
@@ -331,7 +333,9 @@ class ClusterSimulation:
         if outcome.prefilled is not None:
             request = outcome.prefilled.request
             latency = self.config.cost.service_latency_ms
-            self._ttft[request.index] = self.now_ms - request.arrival_ms + latency
+            coordinator = request.index % len(self.coordinators)
+            client_ms = self.delivery.open(request.index, coordinator, self.now_ms)
+            self._ttft[request.index] = client_ms - request.arrival_ms + latency
             self.backend.first_token(outcome.prefilled)
             next(self._streams[request.request_id])  # the coordinator sees the first token
         for seq in outcome.finished:
@@ -346,9 +350,11 @@ class ClusterSimulation:
     def _finish(self, seq: SimSequence) -> None:
         request = seq.request
         latency = self.config.cost.service_latency_ms
-        self._e2e[request.index] = self.now_ms - request.arrival_ms + latency
+        num_tokens = max(1, request.output_len)
+        first_ms, last_ms = self.delivery.close(request.index, self.now_ms, num_tokens)
+        self._e2e[request.index] = last_ms - request.arrival_ms + latency
         if request.output_len > 1:  # one token has no time *per output token*
-            decode_ms = self.now_ms - seq.first_token_ms
+            decode_ms = last_ms - first_ms
             self._tpot[request.index] = decode_ms / (request.output_len - 1)
         self.backend.last_token(seq)
         for _ in self._streams.pop(seq.request.request_id):

@@ -9,7 +9,8 @@ worker can match, and what it evicts, is exactly what the live system would do.
 
 * The worker runs steps, like a continuous-batching engine. A decode step produces one token for
   every running sequence and costs `decode_step_ms(batch, context)`, the context being the KV the
-  batch reads *at that step* (each sequence's grows by one token per step: `DecodeRun`).
+  batch reads *at that step* (each sequence's grows by one token per step: `DecodeRun`), plus
+  the engine's host time per step (`host_step_ms`, 0 by default).
 * One prefill at a time, in arrival order (prefill-first). It runs in chunks of at most
   `chunk_tokens`; a chunk step carries the running decodes too (each gets its token), so it costs
   the chunk's prefill plus one decode step. A long prefill therefore slows every running
@@ -343,8 +344,9 @@ class SimWorker:
         if self._load_end_ms > now_ms + BOUNDARY_EPSILON_MS:
             return  # the pull has not landed: decode steps go on meanwhile
         self._chunk_len = min(self.cost.chunk_tokens, seq.request.prompt_len - self._prefill_done)
-        duration = self.cost.prefill_ms(self._chunk_len, self._prefill_done)
-        duration += self.cost.decode_step_ms(len(self._batch), self._batch_context())
+        duration = self.cost.chunk_step_ms(
+            self._chunk_len, self._prefill_done, len(self._batch), self._batch_context()
+        )
         self._chunk_end_ms = now_ms + duration
         self._run = None
 
