@@ -16,11 +16,17 @@ sequences of a P-token prompt, T tokens each) and its local hit (an 8K prompt, 7
     `delivery_ms(B)`; at batch 1 the service keeps up with the worker, which only bounds
     delivery_ms(1) from above, so `delivery_fixed_ms` is 0 and
     `delivery_per_stream_ms = service ms per token at B / B`;
+  * `prefill_fixed_ms`, from the runner's forward of the local hit (N new tokens behind C
+    cached) less its per-token and attention terms (from `--base`): a forward reads every
+    weight, however few its tokens, so a short prefill costs about what a decode step does;
   * `service_latency_ms`, what a local hit's first token spends outside the worker's step and
     its delivery: the service's TTFT - the runner's forward - host_step_ms(1) - delivery_ms(1).
 
-The prefill terms are not measured here: they come from `--base` (default: the runner's
-measured prefill rate, `docs/data/sim_cost_h100_measured.json`).
+The per-token prefill terms are not measured here: they come from `--base` (default: the
+runner's measured prefill rate, `docs/data/sim_cost_h100_measured.json`). Two fields describe
+kvmesh's engine rather than a measurement: its prefill steps carry no decodes
+(`decodes_ride_prefill` false: prefill first, then a batched decode step) and a prompt runs in
+one step however long (`chunk_tokens` 131072, more than any prompt of the runs compared).
 
 Usage: python benchmarks/sim_cost_fit.py docs/data/service_path_shared_stream_h100.json \
            [more service_path JSON ...] [--base FILE] \
@@ -39,6 +45,8 @@ from typing import Any
 from kvmesh.coordinator.sim.cost_model import SimCostModel
 
 BASE = Path("docs/data/sim_cost_h100_measured.json")
+ENGINE: dict[str, bool | int] = {"decodes_ride_prefill": False, "chunk_tokens": 131072}
+"""kvmesh's engine's step shape (see the module docstring)."""
 
 
 def fit(report: dict[str, Any], base: SimCostModel) -> dict[str, float]:
@@ -60,9 +68,13 @@ def fit(report: dict[str, Any], base: SimCostModel) -> dict[str, float]:
     host_per_seq = (host_b - host_1) / (b - 1)
     host_fixed = host_1 - host_per_seq
     delivery_per_stream = service_b / b if service_b > actor_b else 0.0
-    hit = actor["local_hit"]["service_ms"] - engine["local_hit"]["runner_ms"]
+    hit_runner = engine["local_hit"]["runner_ms"]
+    new_tokens, cached = args["prompt"] - args["prefix"], args["prefix"]
+    prefill_fixed = hit_runner - base.prefill_ms(new_tokens, cached) + base.prefill_fixed_ms
+    hit = actor["local_hit"]["service_ms"] - hit_runner
     service_latency = hit - host_1 - delivery_per_stream
-    fields = {
+    fields: dict[str, float] = {
+        "prefill_fixed_ms": prefill_fixed,
         "decode_fixed_ms": decode_fixed,
         "decode_per_context_token_ms": per_context,
         "host_step_fixed_ms": host_fixed,
@@ -101,7 +113,7 @@ def main() -> None:  # noqa: D103
         for key, value in fields.items():
             print(f"  {key:30s} {value:g}")
     if args.out:
-        merged = {**base_fields, **fits[0]}
+        merged = {**base_fields, **fits[0], **ENGINE}
         SimCostModel.from_mapping(merged)  # every field known and >= 0
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(merged, indent=2) + "\n")

@@ -67,7 +67,8 @@ def real_schedule(
             out.append(replace(request, arrival_ms=(start_s + at_s) * 1e3))
             slices.append(i)
         last_s = schedule[-1][0] if schedule else 0.0
-        start_s += max(config["duration_s"], last_s + row["e2e_p99_ms"] / 1e3) + DRAIN_S
+        slowest_s = (row.get("e2e_p99_ms") or 0.0) / 1e3  # 0: a rate whose requests all failed
+        start_s += max(config["duration_s"], last_s + slowest_s) + DRAIN_S
     return out, slices
 
 
@@ -111,9 +112,12 @@ def compare_policy(
     simulation = ClusterSimulation(sim_config, policy, requests)
     simulation.run()
     times = simulation.request_times()
+    tokens = simulation.request_tokens()
     per_rate = []
     for i, row in enumerate(rows):
         mine = [t for t, s in zip(times, slices, strict=True) if s == i]
+        prompt = sum(r.token_ids.size for r, s in zip(arrivals, slices, strict=True) if s == i)
+        reused = sum(c + p for (c, p), s in zip(tokens, slices, strict=True) if s == i)
         sim = {
             "ttft_p50_ms": percentile([t[0] for t in mine], 50),
             "ttft_p90_ms": percentile([t[0] for t in mine], 90),
@@ -125,6 +129,10 @@ def compare_policy(
             "num_requests": len(mine),
             "num_requests_real": row.get("num_requests"),
             "num_failed_real": row.get("num_failed", 0),
+            "reuse": {  # (cached + pulled) / prompt tokens: where each fleet put the prompts
+                "real": row.get("hit_rate", 0.0) + row.get("pulled_rate", 0.0),
+                "sim": reused / prompt if prompt else 0.0,
+            },
         }
         for key, value in sim.items():
             entry[key] = cell(row.get(key), value, tolerance)
@@ -166,7 +174,11 @@ def _cell_text(c: dict[str, Any]) -> str:
 
 
 def print_table(result: dict[str, Any], tolerance: float = 0.2) -> None:
-    print("policy        rate      n  " + "  ".join(f"{k:>29}" for k in KEYS) + "  all")
+    print(
+        "policy        rate      n  "
+        + "  ".join(f"{k:>29}" for k in KEYS)
+        + "  all  reuse real / sim"
+    )
     cells = within = 0
     for policy, rows in result.items():
         for r in rows:
@@ -176,7 +188,8 @@ def print_table(result: dict[str, Any], tolerance: float = 0.2) -> None:
             print(
                 f"{policy:12s} {r['rate_rps']:5.0f} {n:>6}  "
                 + "  ".join(_cell_text(r[k]) for k in KEYS)
-                + f"  {'ok' if r['within_tolerance'] else 'no'}"
+                + f"  {'ok' if r['within_tolerance'] else 'no':>3}"
+                + f"  {r['reuse']['real']:5.0%} / {r['reuse']['sim']:4.0%}"
             )
             verdicts = [r[k]["within_tolerance"] for k in KEYS]
             cells += sum(v is not None for v in verdicts)

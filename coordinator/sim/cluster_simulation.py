@@ -252,6 +252,10 @@ class ClusterSimulation:
         (TPOT is NaN for a one-token answer)."""
         return list(zip(self._ttft, self._tpot, self._e2e, strict=True))
 
+    def request_tokens(self) -> list[tuple[int, int]]:
+        """(cached, pulled) prompt tokens of every request, in workload order, after `run`."""
+        return list(zip(self._cached, self._pulled, strict=True))
+
     def _on_arrival(self, request: SimRequest) -> None:
         tokens = UnreadTokens(request.prompt_len)
         prompt = PreparedPrompt(tokens, request.prompt_hashes, "")

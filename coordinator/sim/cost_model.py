@@ -29,7 +29,8 @@ matmul 790 TFLOP/s, pinned PCIe 55 GB/s, 2026-11-26) and the model's shape (32 l
     paged blocks at the measured 1,423 GB/s.
   * decode_per_seq_ms 0.02: per-sequence sampling and bookkeeping (engine-typical).
   * chunk_tokens 8192: the chunked-prefill budget vLLM and SGLang use on an H100; running decodes
-    ride along each prefill chunk, so a chunk costs one decode step more.
+    ride along each prefill chunk, so a chunk costs one decode step more (decodes_ride_prefill;
+    kvmesh's own engine runs a prompt in one step and its decodes wait through it).
   * service_latency_ms 0: compute alone. Measured through kvmesh on an H100 (gRPC + Ray, local
     hit of 7.5K of 8K cached): 15-17 ms over the runner's forward (`docs/benchmarks.md`).
   * host_step_fixed_ms, host_step_per_seq_ms, delivery_fixed_ms, delivery_per_stream_ms 0: the
@@ -75,6 +76,10 @@ class SimCostModel:
     """Extra decode-step cost per token of KV the batch attends to."""
     chunk_tokens: int = 8192
     """Chunked-prefill budget: a prefill of n new tokens runs in ceil(n / chunk_tokens) steps."""
+    decodes_ride_prefill: bool = True
+    """Each prefill chunk's step carries the running decodes, each of which gets its token (vLLM's
+    and SGLang's chunked prefill). False: a prefill step runs alone and the decodes wait for it
+    (kvmesh's engine: prefill first, then one batched decode step)."""
     transfer_fixed_ms: float = 1.0
     """Set-up of one peer-to-peer KV pull (request, registration, completion)."""
     transfer_per_token_ms: float = 0.0024
@@ -114,6 +119,9 @@ class SimCostModel:
         for key, raw in values.items():
             if key not in known:
                 raise ValueError(f"unknown cost-model field {key!r}; fields: {', '.join(known)}")
+            if known[key] in (bool, "bool"):
+                converted[key] = _flag(key, raw)
+                continue
             kind = int if known[key] in (int, "int") else float
             try:
                 converted[key] = kind(raw)
@@ -162,7 +170,10 @@ class SimCostModel:
     ) -> float:
         """A step that prefills `chunk_len` prompt tokens behind `num_done_tokens` and carries a
         decode batch: the chunk, the batch's decode step, and the prefilling sequence's own host
-        work (the step's fixed part too when no batch rides along)."""
+        work (the step's fixed part too when no batch rides along). Without
+        `decodes_ride_prefill` the batch does not ride: the step is the chunk's alone."""
+        if not self.decodes_ride_prefill:
+            batch_size, context_tokens = 0, 0
         own_host_ms = self.host_step_per_seq_ms + (
             0.0 if batch_size > 0 else self.host_step_fixed_ms
         )
@@ -213,3 +224,14 @@ class SimCostModel:
             decode_per_seq_ms=per_seq,
             decode_per_kv_token_ms=self.decode_per_context_token_ms,
         )
+
+
+def _flag(key: str, raw: object) -> bool:
+    """A yes/no field from JSON (true / false) or a command line (true, false, 1, 0)."""
+    if isinstance(raw, bool):
+        return raw
+    if isinstance(raw, int | float) and raw in (0, 1):
+        return bool(raw)
+    if isinstance(raw, str) and raw.lower() in ("true", "false", "1", "0"):
+        return raw.lower() in ("true", "1")
+    raise ValueError(f"cost-model {key} must be true or false, got {raw!r}")

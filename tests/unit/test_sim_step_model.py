@@ -185,3 +185,41 @@ def test_the_fitted_h100_cost_model_loads() -> None:
     cost = SimCostModel.from_json(path)
     assert cost.host_step_fixed_ms == values["host_step_fixed_ms"] > 0
     assert cost.delivery_per_stream_ms == values["delivery_per_stream_ms"] > 0
+
+
+def test_without_riding_a_prefill_step_is_the_prefills_alone() -> None:
+    alone = SimCostModel(decodes_ride_prefill=False)
+    assert alone.chunk_step_ms(512, 0, 8, 16000) == alone.chunk_step_ms(512, 0, 0, 0)
+    assert alone.chunk_step_ms(512, 0, 0, 0) == SimCostModel().prefill_ms(512, 0)
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"), [(False, False), ("true", True), ("0", False), (1, True)]
+)
+def test_the_ride_flag_reads_from_json_and_the_command_line(raw: object, expected: bool) -> None:
+    cost = SimCostModel.from_mapping({"decodes_ride_prefill": raw})  # type: ignore[dict-item]
+    assert cost.decodes_ride_prefill is expected
+
+
+def test_the_ride_flag_refuses_anything_else() -> None:
+    with pytest.raises(ValueError, match="must be true or false"):
+        SimCostModel.from_mapping({"decodes_ride_prefill": "maybe"})
+
+
+def test_decodes_wait_through_queued_prefills_that_do_not_carry_them() -> None:
+    """A has one token left to make when three 8K prefills queue up. Riding, the first prefill's
+    step makes A's token; not riding (prefill first), A waits for all three."""
+    a_first_ms = SimCostModel().prefill_ms(64, 0)
+    requests = [WorkloadRequest(0.0, np.full(64, 1, dtype=np.uint32), 3)] + [
+        WorkloadRequest(a_first_ms + 0.5, np.full(8192, 2 + i, dtype=np.uint32), 2)
+        for i in range(3)
+    ]
+    riding, waiting = SimCostModel(), SimCostModel(decodes_ride_prefill=False)
+    ride_times, wait_times = _times(riding, requests), _times(waiting, requests)
+    prefill_ms = riding.prefill_ms(8192, 0)
+    ride_e2e, wait_e2e = ride_times[0][2], wait_times[0][2]
+    assert ride_e2e < a_first_ms + 2 * riding.decode_step_ms(1, 70) + prefill_ms
+    assert wait_e2e > a_first_ms + 3 * prefill_ms
+    # The queued prefills' first tokens come sooner without A's decode in their steps.
+    for ride, wait in zip(ride_times[1:], wait_times[1:], strict=True):
+        assert wait[0] < ride[0]
