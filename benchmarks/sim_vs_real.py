@@ -6,10 +6,17 @@ requests at exactly those send times (each slice starting when the last one's an
 as the real sweep did, estimated from its duration plus the slice's slowest request) through
 `kvmesh simulate`'s engine, the same policy, worker count and pool size, and compares TTFT and
 TPOT per rate with what the real run measured. The simulator's cost model is Llama-3-8B bf16 on
-an H100, the shape and card of the real run.
+an H100, the shape and card of the real run; `--cost-model` replaces any of its fields
+(`docs/data/sim_cost_h100_service_path.json`: the runner's decode and prefill rates, the engine's
+host time per step and the service's delivery per token, fitted by `sim_cost_fit.py`).
+
+Every cell is real / simulated (simulated over real) and a verdict: `ok` when the ratio is within
+--tolerance of 1, `no` when not, `-` when the real run has no figure (a rate whose requests all
+failed, or one-token answers). A policy the real run did not finish is reported and skipped.
+Takes `gpu_e2e.py --json`'s report as it is.
 
 Usage: python benchmarks/sim_vs_real.py docs/data/gpu_e2e_8b_2gpu_h100.json \
-           [--cost-model docs/data/sim_cost_h100_measured.json] [--json FILE] [--tolerance 0.2]
+           [--cost-model docs/data/sim_cost_h100_service_path.json] [--json FILE] [--tolerance 0.2]
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import numpy as np
 
 from kvmesh.client.bench import send_times
 from kvmesh.client.workloads import SharedPrefixConfig, WorkloadRequest, shared_prefix
+from kvmesh.coordinator.routing.router import POLICIES
 from kvmesh.coordinator.sim.cluster_simulation import ClusterSimulation
 from kvmesh.coordinator.sim.cost_model import SimCostModel
 from kvmesh.coordinator.sim.simulator import SimConfig, prepare_requests
@@ -59,7 +67,8 @@ def real_schedule(
             out.append(replace(request, arrival_ms=(start_s + at_s) * 1e3))
             slices.append(i)
         last_s = schedule[-1][0] if schedule else 0.0
-        start_s += max(config["duration_s"], last_s + row["e2e_p99_ms"] / 1e3) + DRAIN_S
+        slowest_s = (row.get("e2e_p99_ms") or 0.0) / 1e3  # 0: a rate whose requests all failed
+        start_s += max(config["duration_s"], last_s + slowest_s) + DRAIN_S
     return out, slices
 
 
@@ -68,58 +77,127 @@ def percentile(values: list[float], q: int) -> float:
     return float(np.percentile(finite, q)) if finite else math.nan
 
 
+KEYS = ("ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms")
+
+
+def cell(real: float | None, sim: float, tolerance: float) -> dict[str, Any]:
+    """One figure: real, simulated, their ratio and whether it is within the tolerance."""
+    if real is None or not real > 0 or math.isnan(sim):
+        return {"real": real, "sim": sim, "sim_over_real": None, "within_tolerance": None}
+    ratio = sim / real
+    return {
+        "real": real,
+        "sim": sim,
+        "sim_over_real": ratio,
+        "within_tolerance": abs(ratio - 1.0) <= tolerance,
+    }
+
+
+def compare_policy(
+    config: dict[str, Any],
+    policy: str,
+    rows: list[dict[str, Any]],
+    tolerance: float,
+    cost: SimCostModel,
+) -> list[dict[str, Any]]:
+    """Each rate of one policy's real sweep beside the simulator's replay of it."""
+    arrivals, slices = real_schedule(config, rows)
+    requests = prepare_requests(arrivals, 16)
+    sim_config = SimConfig(
+        num_workers=config["num_workers"],
+        capacity_tokens=config["num_blocks"] * 16,
+        seed=config["seed"],
+        cost=cost,
+    )
+    simulation = ClusterSimulation(sim_config, policy, requests)
+    simulation.run()
+    times = simulation.request_times()
+    tokens = simulation.request_tokens()
+    per_rate = []
+    for i, row in enumerate(rows):
+        mine = [t for t, s in zip(times, slices, strict=True) if s == i]
+        prompt = sum(r.token_ids.size for r, s in zip(arrivals, slices, strict=True) if s == i)
+        reused = sum(c + p for (c, p), s in zip(tokens, slices, strict=True) if s == i)
+        sim = {
+            "ttft_p50_ms": percentile([t[0] for t in mine], 50),
+            "ttft_p90_ms": percentile([t[0] for t in mine], 90),
+            "tpot_p50_ms": percentile([t[1] for t in mine], 50),
+            "tpot_p90_ms": percentile([t[1] for t in mine], 90),
+        }
+        entry: dict[str, Any] = {
+            "rate_rps": row["rate_rps"],
+            "num_requests": len(mine),
+            "num_requests_real": row.get("num_requests"),
+            "num_failed_real": row.get("num_failed", 0),
+            "reuse": {  # (cached + pulled) / prompt tokens: where each fleet put the prompts
+                "real": row.get("hit_rate", 0.0) + row.get("pulled_rate", 0.0),
+                "sim": reused / prompt if prompt else 0.0,
+            },
+        }
+        for key, value in sim.items():
+            entry[key] = cell(row.get(key), value, tolerance)
+        verdicts = [entry[k]["within_tolerance"] for k in sim]
+        entry["within_tolerance"] = all(v is True for v in verdicts)
+        per_rate.append(entry)
+    return per_rate
+
+
 def compare(
     report: dict[str, Any], tolerance: float, cost: SimCostModel | None = None
 ) -> dict[str, Any]:
+    """Per policy, per rate: real and simulated TTFT and TPOT percentiles (policies the real
+    run has no rows for, or the simulator does not know, are left out with a note)."""
     config = report["config"]
     out: dict[str, Any] = {}
     for policy, rows in report["results"].items():
-        arrivals, slices = real_schedule(config, rows)
-        requests = prepare_requests(arrivals, 16)
-        sim_config = SimConfig(
-            num_workers=config["num_workers"],
-            capacity_tokens=config["num_blocks"] * 16,
-            seed=config["seed"],
-            cost=cost or SimCostModel(),
+        if not rows:
+            print(f"# {policy}: no rates in the real run, skipped", file=sys.stderr)
+            continue
+        if policy not in POLICIES:
+            print(f"# {policy}: not a simulated policy, skipped", file=sys.stderr)
+            continue
+        out[policy] = compare_policy(config, policy, rows, tolerance, cost or SimCostModel())
+    for policy, error in report.get("errors", {}).items():
+        print(
+            f"# {policy}: the real run failed ({error}); its finished rates are above",
+            file=sys.stderr,
         )
-        simulation = ClusterSimulation(sim_config, policy, requests)
-        simulation.run()
-        times = simulation.request_times()
-        per_rate = []
-        for i, row in enumerate(rows):
-            mine = [t for t, s in zip(times, slices, strict=True) if s == i]
-            sim = {
-                "ttft_p50_ms": percentile([t[0] for t in mine], 50),
-                "ttft_p90_ms": percentile([t[0] for t in mine], 90),
-                "tpot_p50_ms": percentile([t[1] for t in mine], 50),
-                "tpot_p90_ms": percentile([t[1] for t in mine], 90),
-            }
-            entry: dict[str, Any] = {"rate_rps": row["rate_rps"], "num_requests": len(mine)}
-            for key, value in sim.items():
-                entry[key] = {"real": row[key], "sim": value, "sim_over_real": value / row[key]}
-            entry["within_tolerance"] = all(
-                abs(entry[k]["sim_over_real"] - 1.0) <= tolerance for k in sim
-            )
-            per_rate.append(entry)
-        out[policy] = per_rate
     return out
 
 
-def print_table(result: dict[str, Any]) -> None:
-    keys = ("ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms")
-    print("policy        rate  " + "  ".join(f"{k:>26}" for k in keys) + "  within")
+def _cell_text(c: dict[str, Any]) -> str:
+    real = "-" if c["real"] is None else f"{c['real']:.1f}"
+    if c["sim_over_real"] is None:
+        return f"{real:>8} / {c['sim']:8.1f} (   -   )"
+    verdict = "ok" if c["within_tolerance"] else "no"
+    return f"{real:>8} / {c['sim']:8.1f} ({c['sim_over_real']:4.2f} {verdict})"
+
+
+def print_table(result: dict[str, Any], tolerance: float = 0.2) -> None:
+    print(
+        "policy        rate      n  "
+        + "  ".join(f"{k:>29}" for k in KEYS)
+        + "  all  reuse real / sim"
+    )
+    cells = within = 0
     for policy, rows in result.items():
         for r in rows:
-            cells = [
-                f"{r[k]['real']:8.1f} / {r[k]['sim']:8.1f} ({r[k]['sim_over_real']:4.2f})"
-                for k in keys
-            ]
+            n = f"{r['num_requests']}"
+            if r.get("num_requests_real") not in (None, r["num_requests"]):
+                n += f"!{r['num_requests_real']}"  # the replay does not match the real slice
             print(
-                f"{policy:12s} {r['rate_rps']:5.0f}  "
-                + "  ".join(cells)
-                + f"  {r['within_tolerance']}"
+                f"{policy:12s} {r['rate_rps']:5.0f} {n:>6}  "
+                + "  ".join(_cell_text(r[k]) for k in KEYS)
+                + f"  {'ok' if r['within_tolerance'] else 'no':>3}"
+                + f"  {r['reuse']['real']:5.0%} / {r['reuse']['sim']:4.0%}"
             )
-    print("(real / simulated (simulated over real); times in ms)")
+            verdicts = [r[k]["within_tolerance"] for k in KEYS]
+            cells += sum(v is not None for v in verdicts)
+            within += sum(v is True for v in verdicts)
+    print(
+        f"(real / simulated (simulated over real, ok: within {tolerance:.0%}); times in ms; "
+        f"n: simulated requests, !real count where they differ) {within} of {cells} cells within"
+    )
 
 
 def main() -> None:  # noqa: D103
@@ -142,7 +220,7 @@ def main() -> None:  # noqa: D103
     except (OSError, ValueError) as exc:
         sys.exit(f"sim_vs_real: cannot use {args.cost_model}: {exc}")
     result = compare(report, args.tolerance, cost)
-    print_table(result)
+    print_table(result, args.tolerance)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         out = {"tolerance": args.tolerance, "cost_model": (cost or SimCostModel()).as_dict()}

@@ -40,6 +40,7 @@ from kvmesh.coordinator.routing.policy import RoutingPolicy
 from kvmesh.coordinator.routing.router import POLICIES
 from kvmesh.coordinator.sim.backend import SimBackend
 from kvmesh.coordinator.sim.decision_log import SimDecisionLog
+from kvmesh.coordinator.sim.delivery import StreamDelivery
 from kvmesh.coordinator.sim.fleet_pools import FleetPools
 from kvmesh.coordinator.sim.pulls import SimPulls
 from kvmesh.coordinator.sim.report import PolicyResult, summarize
@@ -118,6 +119,7 @@ class ClusterSimulation:
         for coordinator in self.coordinators:
             coordinator.note_sink = self._post_notes
         self._streams: dict[str, Iterator[StreamEvent]] = {}
+        self.delivery = StreamDelivery(config.cost, config.num_coordinators)
         self._heap: list[tuple[float, int, int, int]] = []
         self._scheduled_epoch = [-1] * n
         self._order = 0
@@ -250,6 +252,10 @@ class ClusterSimulation:
         (TPOT is NaN for a one-token answer)."""
         return list(zip(self._ttft, self._tpot, self._e2e, strict=True))
 
+    def request_tokens(self) -> list[tuple[int, int]]:
+        """(cached, pulled) prompt tokens of every request, in workload order, after `run`."""
+        return list(zip(self._cached, self._pulled, strict=True))
+
     def _on_arrival(self, request: SimRequest) -> None:
         tokens = UnreadTokens(request.prompt_len)
         prompt = PreparedPrompt(tokens, request.prompt_hashes, "")
@@ -331,7 +337,9 @@ class ClusterSimulation:
         if outcome.prefilled is not None:
             request = outcome.prefilled.request
             latency = self.config.cost.service_latency_ms
-            self._ttft[request.index] = self.now_ms - request.arrival_ms + latency
+            coordinator = request.index % len(self.coordinators)
+            client_ms = self.delivery.open(request.index, coordinator, self.now_ms)
+            self._ttft[request.index] = client_ms - request.arrival_ms + latency
             self.backend.first_token(outcome.prefilled)
             next(self._streams[request.request_id])  # the coordinator sees the first token
         for seq in outcome.finished:
@@ -346,9 +354,11 @@ class ClusterSimulation:
     def _finish(self, seq: SimSequence) -> None:
         request = seq.request
         latency = self.config.cost.service_latency_ms
-        self._e2e[request.index] = self.now_ms - request.arrival_ms + latency
+        num_tokens = max(1, request.output_len)
+        first_ms, last_ms = self.delivery.close(request.index, self.now_ms, num_tokens)
+        self._e2e[request.index] = last_ms - request.arrival_ms + latency
         if request.output_len > 1:  # one token has no time *per output token*
-            decode_ms = self.now_ms - seq.first_token_ms
+            decode_ms = last_ms - first_ms
             self._tpot[request.index] = decode_ms / (request.output_len - 1)
         self.backend.last_token(seq)
         for _ in self._streams.pop(seq.request.request_id):

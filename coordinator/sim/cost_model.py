@@ -5,6 +5,15 @@
     decode_step_ms(batch, context_tokens)
                              = decode_fixed_ms + batch * decode_per_seq_ms
                                + context_tokens * decode_per_context_token_ms
+                               + host_step_ms(batch)
+    host_step_ms(seqs)       = host_step_fixed_ms + seqs * host_step_per_seq_ms
+    delivery_ms(streams)     = delivery_fixed_ms + streams * delivery_per_stream_ms
+
+A step is the GPU's work plus the engine's host work around it (scheduling, sampling, KV events,
+handing outputs over): host time occupies the worker, so it delays the next step. Delivery is the
+outputs' way from the worker to the client (the worker's stream to the coordinator, the
+coordinator, gRPC): it delays each token the client sees but takes no worker time. Its cost per
+token grows with the streams the coordinator carries at once (`coordinator/sim/delivery.py`).
 
 Defaults model Llama-3-8B in bf16 on one H100 SXM, from ceilings measured on an H100 (bf16
 matmul 790 TFLOP/s, pinned PCIe 55 GB/s, 2026-11-26) and the model's shape (32 layers, 4096 wide,
@@ -20,9 +29,14 @@ matmul 790 TFLOP/s, pinned PCIe 55 GB/s, 2026-11-26) and the model's shape (32 l
     paged blocks at the measured 1,423 GB/s.
   * decode_per_seq_ms 0.02: per-sequence sampling and bookkeeping (engine-typical).
   * chunk_tokens 8192: the chunked-prefill budget vLLM and SGLang use on an H100; running decodes
-    ride along each prefill chunk, so a chunk costs one decode step more.
+    ride along each prefill chunk, so a chunk costs one decode step more (decodes_ride_prefill;
+    kvmesh's own engine runs a prompt in one step and its decodes wait through it).
   * service_latency_ms 0: compute alone. Measured through kvmesh on an H100 (gRPC + Ray, local
     hit of 7.5K of 8K cached): 15-17 ms over the runner's forward (`docs/benchmarks.md`).
+  * host_step_fixed_ms, host_step_per_seq_ms, delivery_fixed_ms, delivery_per_stream_ms 0: the
+    GPU's time alone, outputs at the client the moment the worker makes them. Fitted from the
+    four-depth measurement on an H100 by `benchmarks/sim_cost_fit.py` (steps 0.64 ms + 0.038 ms
+    per sequence over the runner's forward; delivery 0.78 ms per token per stream in flight).
   * transfer_per_token_ms 0.0024: "moving its KV over PCIe 2.4 us" per token, measured (55 GB/s
     pinned host<->device); a 400 Gb/s NIC moves it at about the same rate. transfer_fixed_ms 1.0:
     one round trip of control messages plus registration (engine-typical).
@@ -62,6 +76,10 @@ class SimCostModel:
     """Extra decode-step cost per token of KV the batch attends to."""
     chunk_tokens: int = 8192
     """Chunked-prefill budget: a prefill of n new tokens runs in ceil(n / chunk_tokens) steps."""
+    decodes_ride_prefill: bool = True
+    """Each prefill chunk's step carries the running decodes, each of which gets its token (vLLM's
+    and SGLang's chunked prefill). False: a prefill step runs alone and the decodes wait for it
+    (kvmesh's engine: prefill first, then one batched decode step)."""
     transfer_fixed_ms: float = 1.0
     """Set-up of one peer-to-peer KV pull (request, registration, completion)."""
     transfer_per_token_ms: float = 0.0024
@@ -70,6 +88,18 @@ class SimCostModel:
     """What a request's first (and last) token spends outside the worker's compute: the client,
     gRPC, the coordinator, Ray's actor call and stream. It delays TTFT and end-to-end time but
     takes no worker time, so it changes no routing; 0 models the compute alone."""
+    host_step_fixed_ms: float = 0.0
+    """The engine's host work of every step, prefill or decode (scheduling, the step's outputs,
+    its KV events): worker time, so it delays the next step."""
+    host_step_per_seq_ms: float = 0.0
+    """... and per sequence in the step (its sampling, its output, its blocks)."""
+    delivery_fixed_ms: float = 0.0
+    """Each token's way from the worker to the client, apart from the streams it shares the way
+    with. Delays the client's token, takes no worker time."""
+    delivery_per_stream_ms: float = 0.0
+    """... and per stream the coordinator carries at once: the coordinator's (and gRPC's) work
+    per token, shared by every stream, so n streams deliver a token each every
+    delivery_ms(n)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -89,6 +119,9 @@ class SimCostModel:
         for key, raw in values.items():
             if key not in known:
                 raise ValueError(f"unknown cost-model field {key!r}; fields: {', '.join(known)}")
+            if known[key] in (bool, "bool"):
+                converted[key] = _flag(key, raw)
+                continue
             kind = int if known[key] in (int, "int") else float
             try:
                 converted[key] = kind(raw)
@@ -121,13 +154,48 @@ class SimCostModel:
         return max(1, -(-num_new_tokens // self.chunk_tokens))
 
     def decode_step_ms(self, batch_size: int, context_tokens: int) -> float:
+        """One decode step of `batch_size` sequences reading `context_tokens` of KV, host work
+        included (0 for no batch: no step runs)."""
         if batch_size <= 0:
             return 0.0
         return (
             self.decode_fixed_ms
             + batch_size * self.decode_per_seq_ms
             + context_tokens * self.decode_per_context_token_ms
+            + self.host_step_ms(batch_size)
         )
+
+    def chunk_step_ms(
+        self, chunk_len: int, num_done_tokens: int, batch_size: int, context_tokens: int
+    ) -> float:
+        """A step that prefills `chunk_len` prompt tokens behind `num_done_tokens` and carries a
+        decode batch: the chunk, the batch's decode step, and the prefilling sequence's own host
+        work (the step's fixed part too when no batch rides along). Without
+        `decodes_ride_prefill` the batch does not ride: the step is the chunk's alone."""
+        if not self.decodes_ride_prefill:
+            batch_size, context_tokens = 0, 0
+        own_host_ms = self.host_step_per_seq_ms + (
+            0.0 if batch_size > 0 else self.host_step_fixed_ms
+        )
+        return (
+            self.prefill_ms(chunk_len, num_done_tokens)
+            + self.decode_step_ms(batch_size, context_tokens)
+            + own_host_ms
+        )
+
+    def host_step_ms(self, num_seqs: int) -> float:
+        """The engine's host work in a step over `num_seqs` sequences (0 for an empty step)."""
+        if num_seqs <= 0:
+            return 0.0
+        return self.host_step_fixed_ms + num_seqs * self.host_step_per_seq_ms
+
+    def delivery_ms(self, num_streams: float) -> float:
+        """How often each of `num_streams` streams sharing the way to the client gets a token
+        through it (also the least time a token spends on it). `num_streams` may be a mean
+        over time, hence a float."""
+        if num_streams <= 0:
+            return 0.0
+        return self.delivery_fixed_ms + num_streams * self.delivery_per_stream_ms
 
     def transfer_ms(self, num_tokens: int) -> float:
         if num_tokens <= 0:
@@ -144,13 +212,26 @@ class SimCostModel:
 
     def router_cost_model(self, typical_context_tokens: int = 4096) -> CostModel:
         """The router's (coarser) model of the same hardware: what a calibrated coordinator
-        would hold. Its decode cost per sequence folds in a typical context length."""
+        would hold. Its decode cost per sequence folds in a typical context length, and its step
+        the engine's host time (a calibrated coordinator measures whole steps)."""
         per_seq = self.decode_per_seq_ms + typical_context_tokens * self.decode_per_context_token_ms
+        per_seq += self.host_step_per_seq_ms
         return CostModel(
             prefill_fixed_ms=self.prefill_fixed_ms,
             prefill_per_token_ms=self.prefill_per_token_ms,
             attention_per_token_pair_ms=self.attention_per_token_pair_ms,
-            decode_fixed_ms=self.decode_fixed_ms,
+            decode_fixed_ms=self.decode_fixed_ms + self.host_step_fixed_ms,
             decode_per_seq_ms=per_seq,
             decode_per_kv_token_ms=self.decode_per_context_token_ms,
         )
+
+
+def _flag(key: str, raw: object) -> bool:
+    """A yes/no field from JSON (true / false) or a command line (true, false, 1, 0)."""
+    if isinstance(raw, bool):
+        return raw
+    if isinstance(raw, int | float) and raw in (0, 1):
+        return bool(raw)
+    if isinstance(raw, str) and raw.lower() in ("true", "false", "1", "0"):
+        return raw.lower() in ("true", "1")
+    raise ValueError(f"cost-model {key} must be true or false, got {raw!r}")

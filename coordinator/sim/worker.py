@@ -9,11 +9,13 @@ worker can match, and what it evicts, is exactly what the live system would do.
 
 * The worker runs steps, like a continuous-batching engine. A decode step produces one token for
   every running sequence and costs `decode_step_ms(batch, context)`, the context being the KV the
-  batch reads *at that step* (each sequence's grows by one token per step: `DecodeRun`).
+  batch reads *at that step* (each sequence's grows by one token per step: `DecodeRun`), plus
+  the engine's host time per step (`host_step_ms`, 0 by default).
 * One prefill at a time, in arrival order (prefill-first). It runs in chunks of at most
   `chunk_tokens`; a chunk step carries the running decodes too (each gets its token), so it costs
   the chunk's prefill plus one decode step. A long prefill therefore slows every running
-  sequence's time per output token, as on a real engine.
+  sequence's time per output token, as on a real engine. With `decodes_ride_prefill` off (as
+  kvmesh's own engine runs) a chunk step is the prefill's alone and the decodes wait through it.
 * The batch changes only at step boundaries: a request that arrives mid-step starts its prefill
   at the next boundary; a sequence leaves at the end of the step that made its last token.
 * A planned pull copies the blocks the peer still holds at admission. The copy runs beside the
@@ -152,7 +154,7 @@ class SimWorker:
         self._batch: list[tuple[int, int, SimSequence]] = []  # heap by finish step
         self._order = 0
         self.context_base = 0
-        self.steps = 0  # steps finished (chunk steps included)
+        self.steps = 0  # steps that made the decoding batch a token (chunk steps, if it rides)
         self._run: DecodeRun | None = None
         self._run_start_step = 0
         self._last_boundary_ms = 0.0
@@ -227,7 +229,8 @@ class SimWorker:
         prefilled = None
         if self._chunk_end_ms <= now_ms + BOUNDARY_EPSILON_MS:
             self._chunk_end_ms = math.inf
-            self.steps += 1
+            if self.cost.decodes_ride_prefill:
+                self.steps += 1  # the batch got its token
             self._prefill_done += self._chunk_len
             seq = self.prefilling
             assert seq is not None
@@ -343,8 +346,9 @@ class SimWorker:
         if self._load_end_ms > now_ms + BOUNDARY_EPSILON_MS:
             return  # the pull has not landed: decode steps go on meanwhile
         self._chunk_len = min(self.cost.chunk_tokens, seq.request.prompt_len - self._prefill_done)
-        duration = self.cost.prefill_ms(self._chunk_len, self._prefill_done)
-        duration += self.cost.decode_step_ms(len(self._batch), self._batch_context())
+        duration = self.cost.chunk_step_ms(
+            self._chunk_len, self._prefill_done, len(self._batch), self._batch_context()
+        )
         self._chunk_end_ms = now_ms + duration
         self._run = None
 
