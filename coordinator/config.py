@@ -44,6 +44,11 @@ class CoordinatorConfig:
     """Commit every routing decision to the fleet-wide decision log in Redis, and apply every
     replica's decisions from it in order (`routing/decision_log.py`): replicas over one fleet
     then share one policy state. Costs one Redis round trip per decision."""
+    speculative_dispatch: bool = False
+    """With `decision_log`: send each request to its worker as soon as it is decided and commit
+    meanwhile, so the commit's round trip is off the request's path; a lost commit whose new
+    decision picks another worker aborts the request there and sends it on (a redirect,
+    `decision_replica.py`). Off by default until a cluster measurement shows it pays."""
     max_commit_retries: int = 3
     """Lost commits (a peer committed first) a decision is retried after; then it is appended
     without the check, and counted."""
