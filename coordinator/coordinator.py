@@ -158,6 +158,7 @@ class Coordinator:
             self._lock,
             origin=self.origin,
             max_commit_retries=config.max_commit_retries,
+            max_move_rate=config.speculation_max_move_rate,
             clock=clock,
             observers=self.observers,
         )

@@ -48,6 +48,10 @@ Send = Callable[[RouteDecision, str], None]
 aborting wherever it sent it before (the coordinator's `SpeculativeSend`)."""
 
 
+_MOVE_WINDOW = 64
+"""Decisions `DecisionReplica.move_rate` averages over (an exponential average)."""
+
+
 def redirected_id(request_id: str, num_redirects: int) -> str:
     """The id a request runs under after its `num_redirects`-th redirect: a new one, so that
     the aborted copy's notes (its worker's) never end the redirected one in a peer's load."""
@@ -78,6 +82,7 @@ class DecisionReplica:
         max_commit_retries: int,
         clock: Callable[[], float],
         observers: Sequence[RequestObserver] = (),
+        max_move_rate: float = 1.0,
     ) -> None:
         self.log = log
         """Where this replica commits (None: it decides alone, as without a log)."""
@@ -89,6 +94,12 @@ class DecisionReplica:
         self.counters = counters
         self.origin = origin
         self.max_commit_retries = max_commit_retries
+        self.max_move_rate = max_move_rate
+        """Speculative dispatch pauses while `move_rate` exceeds this."""
+        self.move_rate = 0.0
+        """Recent share of this replica's decisions that a lost commit moved to another worker
+        (a redirect, or what would have been one), averaged over about `_MOVE_WINDOW`
+        decisions."""
         self._lock = lock
         self._clock = clock
         self.observers = tuple(observers)
@@ -109,11 +120,15 @@ class DecisionReplica:
         a lost commit applies the entries it missed and decides again (`decision_log.py`).
         `columns`: the fleet as the router sees it, read under the lock on every attempt.
         `send`: speculative dispatch (the request goes out before each commit; a new decision
-        for another worker redirects it); the decision returned is the one last sent."""
+        for another worker redirects it), unless paused (`speculates`); the decision returned
+        is the one last sent."""
         log = self.log
         assert log is not None
+        if not self.speculates:
+            send = None
         attempt = num_redirects = 0
         sent: RouteDecision | None = None
+        first: WorkerId | None = None
         placed = query
         while True:
             with self._lock:
@@ -123,6 +138,7 @@ class DecisionReplica:
                 elapsed = self._clock() - started
             for observer in self.observers:
                 observer.on_routed(elapsed)
+            first = decision.worker_id if first is None else first
             if send is not None:
                 if sent is None or decision.worker_id != sent.worker_id:
                     if sent is not None:
@@ -146,9 +162,19 @@ class DecisionReplica:
                     self._committed(result, placement, forced)
                     self.counters.num_speculative_sends += send is not None
                     self.counters.num_redirects += num_redirects
+                    moved = decision.worker_id != first
+                    self.move_rate += (moved - self.move_rate) / _MOVE_WINDOW
                     return decision
                 self._apply(result.missed, result.seq)
             attempt += 1
+
+    @property
+    def speculates(self) -> bool:
+        """Speculative dispatch is worth it now: few recent decisions were moved by a lost
+        commit. Where decisions collide often (bursts of arrivals routed by several replicas
+        at once), a redirect reaches its worker after the burst's other requests, which costs
+        more than the commit's trip saves (`docs/reliability.md`), so it pauses there."""
+        return self.move_rate <= self.max_move_rate
 
     def _committed(self, result: CommitResult | None, placement: Placement, forced: bool) -> None:
         """Under the lock: this replica's decision is in the log (None: the log is away, so it

@@ -107,6 +107,7 @@ def test_a_lost_commit_that_moves_the_request_aborts_it_and_redirects_it() -> No
     assert [t for e in events for t in e.token_ids] == [100, 101, 102]
     assert [(w, r.request_id) for w, r in backend_b.requests] == [(other, "r2.r1")]
     list(stream_a), list(single_a), list(single_b)
+    assert b.decisions.move_rate > a.decisions.move_rate == 0.0  # b's decision moved
     # b's load tracker let go of its request (it ran under its new id); what is left on the
     # first worker is a's r1, heard of through the log (its end would come in a worker note).
     assert b.load.num_running(other) == 0 and b.load.num_running(first) == 1
@@ -143,3 +144,25 @@ def test_routing_that_fails_after_a_send_aborts_what_was_sent() -> None:
         c.generate(c.prompts.prepare(PROMPT, "", ""), SAMPLING, request_id="r1")
     assert len(backend.sent) == 1 and backend.aborted == backend.sent
     assert backend.requests == []
+
+
+def test_speculation_pauses_while_lost_commits_keep_moving_decisions() -> None:
+    """Where decisions collide so often that many move, a redirect costs more than the trip
+    saves: the replica commits first again until few recent decisions moved."""
+    c, backend, _ = speculative()
+    log = WatchedLog(SimDecisionLog(lambda: 0.0, 1e9, 1), backend)
+    c.decisions.log = log
+    prompt = c.prompts.prepare(PROMPT, "", "")
+    c.decisions.move_rate = 2 * c.config.speculation_max_move_rate
+    list(c.generate(prompt, SAMPLING, request_id="r1"))
+    assert log.sent_at_commit == [[]] and backend.sent == []  # committed, then sent
+    assert c.stats()["num_speculative_sends"] == 0
+    # Decisions that do not move bring the rate down; then requests go out before commits.
+    k = 2
+    while not c.decisions.speculates:
+        list(c.generate(prompt, SAMPLING, request_id=f"r{k}"))
+        k += 1
+    assert backend.sent == [] and k > 2
+    list(c.generate(prompt, SAMPLING, request_id="last"))
+    assert backend.sent == [(backend.requests[-1][0], "last")]
+    assert log.sent_at_commit[-1] == backend.sent
