@@ -2,6 +2,7 @@
 
 Usage: python benchmarks/replicas.py [--json bench-results/replicas.json] [--trace PATH]
                                      [--seeds 0,1,2,3,4] [--trace-seeds 0,1,2]
+                                     [--setups "1,2 log,2 spec"]
 
 The simulator drives the real Coordinator; with `--coordinators K` it runs K of them over the
 same simulated workers, arrivals dealt to them in turn. All read the same index mirror, every
@@ -14,6 +15,9 @@ routing state are compared:
   log     every decision is committed to one ordered log (compare-and-set on its sequence, one
           1 ms round trip per attempt, added to the request's times); every replica applies the
           log in order to its load tracker and its policy state (`--decision-log`)
+  spec    the log with speculative dispatch (`--speculative-dispatch`): a request travels to
+          its worker while its commit does; only a redirect (a lost commit whose new decision
+          picks another worker) holds it back, by the trips up to the redirect
 
 Per workload and seed: hit rate, pulled share and p90 TTFT, each against one coordinator without
 the log on the same seed; printed as the median over the seeds and their range. Goal (issue):
@@ -50,8 +54,18 @@ SETUPS = (
     ("2 log", 2, ["--decision-log"]),
     ("4 notes", 4, []),
     ("4 log", 4, ["--decision-log"]),
+    ("1 spec", 1, ["--decision-log", "--speculative-dispatch"]),
+    ("2 spec", 2, ["--decision-log", "--speculative-dispatch"]),
+    ("4 spec", 4, ["--decision-log", "--speculative-dispatch"]),
 )
-KEYS = ("hit_rate", "pulled_rate", "ttft_p90_ms", "commit_attempts_per_request", "commit_ms_mean")
+KEYS = (
+    "hit_rate",
+    "pulled_rate",
+    "ttft_p90_ms",
+    "commit_attempts_per_request",
+    "commit_ms_mean",
+    "redirects_per_request",
+)
 
 
 def simulate(args: list[str], coordinators: int, extra: list[str], seed: int) -> dict[str, float]:
@@ -76,7 +90,17 @@ def main() -> None:
     parser.add_argument("--trace", default=TRACE)
     parser.add_argument("--seeds", type=_seeds, default=[0, 1, 2, 3, 4])
     parser.add_argument("--trace-seeds", type=_seeds, default=[0, 1, 2])
+    parser.add_argument(
+        "--setups",
+        type=lambda text: [s.strip() for s in text.split(",") if s.strip()],
+        default=[label for label, _, _ in SETUPS],
+        help="which setups to run (comma-separated labels; '1' is always run: the baseline)",
+    )
     args = parser.parse_args()
+    unknown = set(args.setups) - {label for label, _, _ in SETUPS}
+    if unknown:
+        parser.error(f"unknown setups {sorted(unknown)}; choose from {[s[0] for s in SETUPS]}")
+    setups = [s for s in SETUPS if s[0] == "1" or s[0] in args.setups]
     runs = {name: (a, args.seeds) for name, a in WORKLOADS.items()}
     if Path(args.trace).exists():
         trace_args = ["--trace", args.trace, "--workers", "8", "--capacity-tokens", "1000000"]
@@ -86,7 +110,7 @@ def main() -> None:
     for name, (sim_args, seeds) in runs.items():
         results[name] = {
             label: {str(s): simulate(sim_args, k, extra, s) for s in seeds}
-            for label, k, extra in SETUPS
+            for label, k, extra in setups
         }
     print(_table(results))
     if args.json:
@@ -98,6 +122,7 @@ def _table(results: dict[str, dict[str, dict[str, dict[str, float]]]]) -> str:
     lines = [
         f"{'workload':19} {'setup':8} {'hit %':>6} {'pulled %':>9} {'p90 TTFT ms':>12}"
         f" {'vs K=1 median [range]':>22} {'commits/req':>12} {'commit ms':>10}"
+        f" {'redirects/req':>14}"
     ]
     for name, setups in results.items():
         base = setups["1"]
@@ -112,6 +137,7 @@ def _table(results: dict[str, dict[str, dict[str, dict[str, float]]]]) -> str:
                 f" {med('ttft_p90_ms'):12.1f} {statistics.median(ratios):8.3f}"
                 f" [{min(ratios):.3f}, {max(ratios):.3f}]"
                 f" {med('commit_attempts_per_request'):12.3f} {med('commit_ms_mean'):10.3f}"
+                f" {med('redirects_per_request'):14.4f}"
             )
     return "\n".join(lines)
 

@@ -1,6 +1,7 @@
 """Coordinator replicas on a real CPU cluster: one coordinator, then K, over one fleet.
 
-    python benchmarks/replicas_cluster.py --seeds 0 [--replicas 1,2,4] --json FILE
+    python benchmarks/replicas_cluster.py --seeds 0,1,2 --replicas 1,2,4 --decision-log
+        [--speculative-dispatch off|on|both] [--processes] [--duration 30] --json FILE
 
 Each run starts a fresh Redis, two `tiny-random` CPU workers as long-lived services (as
 `kvmesh serve --workers 2` does) behind one coordinator and, for K > 1, K - 1 more coordinators
@@ -12,8 +13,16 @@ other coordinators' counts of the peer requests they replayed are printed too. W
 `--decision-log`, the K > 1 coordinators commit every decision to the decision log in Redis and
 apply each other's from it (one coordinator stays without it, the baseline); printed per
 coordinator: decisions committed, lost commits retried, and the mean commit round trip. With
-`--processes`, each further coordinator is its own `kvmesh serve --attach` process, as deployed
-(by default all share this process, and so its GIL); their figures then come from `Stats`.
+`--speculative-dispatch on`, those coordinators also send each request to its worker while its
+commit travels (`both`: every K > 1 runs twice per seed, without then with, against the same
+K=1 baseline); printed per coordinator: requests sent before their commit and redirects (lost
+commits that moved a request to another worker). With `--processes`, each further coordinator
+is its own `kvmesh serve --attach` process, as deployed (by default all share this process, and
+so its GIL); their figures then come from `Stats`.
+
+What it measures, per run: hit rate, pulled share, TTFT p50 / p90 (client side), requests and
+failures; the goal compares each K's p90 TTFT and hit rate with the K=1 run of the same seed in
+the same invocation (within 5 %).
 """
 
 from __future__ import annotations
@@ -49,9 +58,16 @@ WORKLOAD_ARGS = {
 }
 
 
-def deployment(redis_url: str, attach: bool, decision_log: bool) -> Deployment:
+def deployment(
+    redis_url: str, attach: bool, decision_log: bool, speculative: bool = False
+) -> Deployment:
     config = DeploymentConfig(
-        coordinator=CoordinatorConfig(port=0, redis_url=redis_url, decision_log=decision_log),
+        coordinator=CoordinatorConfig(
+            port=0,
+            redis_url=redis_url,
+            decision_log=decision_log,
+            speculative_dispatch=speculative,
+        ),
         num_workers=2,
         worker=WorkerConfig(worker_id="template", num_blocks=256, device="cpu"),
         own_workers=False,
@@ -62,7 +78,9 @@ def deployment(redis_url: str, attach: bool, decision_log: bool) -> Deployment:
     return d
 
 
-def serve_attached(redis_url: str, decision_log: bool) -> tuple[subprocess.Popen[bytes], str]:
+def serve_attached(
+    redis_url: str, decision_log: bool, speculative: bool = False
+) -> tuple[subprocess.Popen[bytes], str]:
     """A second coordinator in its own process (`kvmesh serve --attach`), once it serves."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -70,6 +88,7 @@ def serve_attached(redis_url: str, decision_log: bool) -> tuple[subprocess.Popen
     cmd = [sys.executable, "-m", "kvmesh.client.cli", "serve", "--attach", "--port", str(port)]
     cmd += ["--ray-address", ray.get_runtime_context().gcs_address, "--redis-url", redis_url]
     cmd += ["--decision-log"] if decision_log else []
+    cmd += ["--speculative-dispatch"] if speculative else []
     log = tempfile.TemporaryFile()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     address = f"127.0.0.1:{port}"
@@ -90,17 +109,24 @@ def serve_attached(redis_url: str, decision_log: bool) -> tuple[subprocess.Popen
 
 
 def one_run(
-    num_coordinators: int, seed: int, duration_s: float, log: bool, processes: bool
+    num_coordinators: int,
+    seed: int,
+    duration_s: float,
+    log: bool,
+    processes: bool,
+    speculative: bool = False,
 ) -> dict[str, Any]:
     redis = start_redis_server()
-    coordinators = [deployment(redis.url, attach=False, decision_log=log)]
+    coordinators = [deployment(redis.url, attach=False, decision_log=log, speculative=speculative)]
     others: list[tuple[subprocess.Popen[bytes], str]] = []
     try:
         for _ in range(num_coordinators - 1):
             if processes:
-                others.append(serve_attached(redis.url, log))
+                others.append(serve_attached(redis.url, log, speculative))
             else:
-                coordinators.append(deployment(redis.url, attach=True, decision_log=log))
+                coordinators.append(
+                    deployment(redis.url, attach=True, decision_log=log, speculative=speculative)
+                )
         addresses = [d.address for d in coordinators] + [address for _, address in others]
         cmd = [sys.executable, "-m", "kvmesh.client.cli", "bench", "--address"]
         cmd += [",".join(addresses), "--deal", "--workload", "shared_prefix"]
@@ -123,6 +149,7 @@ def one_run(
             "num_failed": metrics["num_failed"],
             "peer_requests_replayed": [d.coordinator.peer_routes.num_taken for d in coordinators],
             "decision_log": log,
+            "speculative_dispatch": speculative,
             "decisions": [_decisions(d) for d in coordinators]
             + [_served_decisions(address) for _, address in others],
         }
@@ -163,6 +190,8 @@ def _served_decisions(address: str) -> dict[str, float]:
         "forced": s.num_decision_forced_commits,
         "unlogged": s.num_decisions_unlogged,
         "commit_ms_mean": 1e3 * s.decision_commit_seconds / attempts if attempts else 0.0,
+        "speculative_sends": s.num_speculative_sends,
+        "redirects": s.num_decision_redirects,
     }
 
 
@@ -175,11 +204,15 @@ def _decisions(d: Deployment) -> dict[str, float]:
         "unlogged": c.num_unlogged,
         "commit_ms_mean": 1e3 * c.commit_s / c.num_commit_attempts if c.num_commit_attempts else 0,
         "applied_seq": d.coordinator.decisions.cursor.applied_seq,
+        "speculative_sends": c.num_speculative_sends,
+        "redirects": c.num_redirects,
     }
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--seeds", default="0")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals")
     p.add_argument("--json", metavar="FILE")
@@ -188,19 +221,37 @@ def main() -> int:
     )
     p.add_argument("--decision-log", action="store_true", help="K>1 replicas share the log")
     p.add_argument(
+        "--speculative-dispatch",
+        choices=("off", "on", "both"),
+        default="off",
+        help="with --decision-log: K>1 replicas send each request while its commit travels"
+        " (both: run each K>1 without, then with)",
+    )
+    p.add_argument(
         "--processes", action="store_true", help="each further coordinator in its own process"
     )
     args = p.parse_args()
+    if args.speculative_dispatch != "off" and not args.decision_log:
+        p.error("--speculative-dispatch needs --decision-log")
+    modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.speculative_dispatch]
     # A private local Ray on loopback; the --processes coordinator joins it with the same mode.
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
     rows = []
     for seed in (int(s) for s in args.seeds.split(",")):
-        for k in (int(r) for r in args.replicas.split(",")):
-            row = one_run(k, seed, args.duration, args.decision_log and k > 1, args.processes)
+        runs = [
+            (k, spec)
+            for k in (int(r) for r in args.replicas.split(","))
+            for spec in (modes if k > 1 else (False,))
+        ]
+        for k, spec in runs:
+            log = args.decision_log and k > 1
+            row = one_run(k, seed, args.duration, log, args.processes, spec and log)
             rows.append(row)
+            mode = " spec" if row["speculative_dispatch"] else ""
             print(
-                f"K={k} seed {seed}: hit {row['hit_rate']:.1%} pulled {row['pulled_rate']:.1%}"
+                f"K={k}{mode} seed {seed}: hit {row['hit_rate']:.1%}"
+                f" pulled {row['pulled_rate']:.1%}"
                 f"  TTFT p50 {row['ttft_p50_ms']:.1f} p90 {row['ttft_p90_ms']:.1f} ms"
                 f"  requests {row['num_requests']} failed {row['num_failed']}"
                 f"  peer requests replayed {row['peer_requests_replayed']}"

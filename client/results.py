@@ -198,6 +198,11 @@ class Stats:
     num_decisions_unlogged: int
     """Decisions made while the decision log was unreachable (applied here only)."""
     decision_commit_seconds: float
+    num_speculative_sends: int
+    """Requests sent to their worker before their decision was committed
+    (`--speculative-dispatch`)."""
+    num_decision_redirects: int
+    """Of those, requests aborted on their worker and sent to another after a lost commit."""
 
 
 @dataclass(frozen=True, slots=True)

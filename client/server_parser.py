@@ -60,6 +60,12 @@ def _add_model_options(parser: argparse.ArgumentParser, env: CliEnvironment) -> 
         help="coordinator replicas share one ordered log of routing decisions in Redis"
         " (one round trip per decision; use with several coordinators over one fleet)",
     )
+    parser.add_argument(
+        "--speculative-dispatch",
+        action="store_true",
+        help="with --decision-log: send each request to its worker while its decision is being"
+        " committed; a lost commit that moves it aborts it there and sends it on (a redirect)",
+    )
 
 
 def _add_worker_options(

@@ -100,6 +100,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="MS",
         help="a decision-log commit's round trip, added per attempt to the request's times",
     )
+    parser.add_argument(
+        "--speculative-dispatch",
+        action="store_true",
+        help="with --decision-log: a request travels to its worker while its commit does; only"
+        " a redirect (a lost commit that moves it) costs it the trips before it",
+    )
     add_slo_arguments(parser)
     parser.add_argument("--plot", metavar="DIR", help="write PNG charts into DIR")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
@@ -130,6 +136,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         note_delay_ms=args.note_delay_ms,
         decision_log=args.decision_log,
         commit_trip_ms=args.commit_trip_ms,
+        speculative_dispatch=args.speculative_dispatch,
     )
     start = time.perf_counter()
     requests = simulator.prepare_requests(load_requests(args), block_size)
@@ -182,6 +189,7 @@ def _metrics(result: Any, config: Any) -> dict[str, float]:
     if config.decision_log:
         metrics["commit_attempts_per_request"] = result.commit_attempts_per_request
         metrics["commit_ms_mean"] = result.commit_ms_mean
+        metrics["redirects_per_request"] = result.redirects_per_request
     return metrics
 
 

@@ -44,6 +44,15 @@ class CoordinatorConfig:
     """Commit every routing decision to the fleet-wide decision log in Redis, and apply every
     replica's decisions from it in order (`routing/decision_log.py`): replicas over one fleet
     then share one policy state. Costs one Redis round trip per decision."""
+    speculative_dispatch: bool = False
+    """With `decision_log`: send each request to its worker as soon as it is decided and commit
+    meanwhile, so the commit's round trip is off the request's path; a lost commit whose new
+    decision picks another worker aborts the request there and sends it on (a redirect,
+    `decision_replica.py`). Off by default until a cluster measurement shows it pays."""
+    speculation_max_move_rate: float = 0.05
+    """Speculative dispatch pauses while more than this share of the replica's recent
+    decisions (about the last 64) were moved to another worker by a lost commit: where
+    decisions collide that often, redirects cost more than the commit's trip saves."""
     max_commit_retries: int = 3
     """Lost commits (a peer committed first) a decision is retried after; then it is appended
     without the check, and counted."""
@@ -100,6 +109,10 @@ class CoordinatorConfig:
             raise ValueError(
                 f"session_queue_timeout_s must be a finite number >= 0,"
                 f" got {self.session_queue_timeout_s}"
+            )
+        if not 0.0 <= self.speculation_max_move_rate <= 1.0:
+            raise ValueError(
+                f"speculation_max_move_rate must be in [0, 1], got {self.speculation_max_move_rate}"
             )
         if self.health_interval_s <= 0:
             raise ValueError(f"health_interval_s must be > 0, got {self.health_interval_s}")

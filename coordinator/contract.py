@@ -4,7 +4,7 @@ path (the service maps them to status codes)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -32,6 +32,12 @@ class WorkerBackend(Protocol):
     `generate` raises `WorkerDied` when the worker is gone, `RequestRejected` for bad input."""
 
     def generate(self, worker_id: str, request: WorkerRequest) -> Iterator[RequestOutput]: ...
+
+    def send(self, worker_id: str, request: WorkerRequest) -> Generator[RequestOutput, None, None]:
+        """Like `generate`, but the request is on its way to the worker when this returns
+        (speculative dispatch: the coordinator commits its decision meanwhile). Closing the
+        returned iterator, read or not, aborts the request; nothing it produced is read."""
+        ...
 
 
 class PrefixIndex(Protocol):

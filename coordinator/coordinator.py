@@ -5,7 +5,9 @@ fleet      block hashes -> per-worker held prefix, from the in-memory mirror (fl
 route()    prices every routable worker and picks one, maybe with a pull plan   (routing/);
            one that will run is committed to the decision log (decision_replica.py)
 generate() sends the chosen worker a `WorkerRequest` (with its pull plan: the worker runs the
-           pull itself) and streams its outputs, keeping the load tracker honest
+           pull itself) and streams its outputs, keeping the load tracker honest; with
+           speculative dispatch the request is sent while its commit travels, and redirected
+           if the commit loses to a decision that moves it (speculative_send.py)
 
 Pure of torch, Ray and gRPC: the worker is reached through `WorkerBackend` (`contract.py`: the
 Ray shell in production, simulated workers in the simulator, a fake in tests); which workers may
@@ -44,6 +46,7 @@ from kvmesh.coordinator.routing.pull_planner import PullPlan, best_peer, cheapes
 from kvmesh.coordinator.routing.router import make_policy
 from kvmesh.coordinator.routing.transfer_planner import PullPricing
 from kvmesh.coordinator.session_turns import SessionTurns, TurnMode
+from kvmesh.coordinator.speculative_send import SpeculativeSend
 from kvmesh.coordinator.stream_event import StreamEvent
 from kvmesh.coordinator.telemetry.request_counters import RequestCounters
 from kvmesh.coordinator.telemetry.request_record import (
@@ -155,6 +158,7 @@ class Coordinator:
             self._lock,
             origin=self.origin,
             max_commit_retries=config.max_commit_retries,
+            max_move_rate=config.speculation_max_move_rate,
             clock=clock,
             observers=self.observers,
         )
@@ -171,11 +175,13 @@ class Coordinator:
         max_tokens: int | None = None,
         *,
         commit: bool = False,
+        speculative: SpeculativeSend | None = None,
     ) -> RouteDecision:
         """`max_tokens`: what the request may generate, when the caller said (its decode load
         is priced over it); None routes as for an answer of unknown length. `commit`: the
         request will run (Generate), so the decision goes to the decision log when there is
-        one; a decision-only call (Route) stays this replica's."""
+        one; a decision-only call (Route) stays this replica's. `speculative`: with the log,
+        the request is sent through it before each commit (else it is left unsent)."""
         live = self._routable_for(prompt.adapter)
         query = RouteQuery(
             request_id or uuid.uuid4().hex,
@@ -187,7 +193,9 @@ class Coordinator:
         )
         if commit and self.decisions.commits:
             return self.decisions.route(
-                query, lambda: self.fleet.columns(prompt, live, self.cost_model)
+                query,
+                lambda: self.fleet.columns(prompt, live, self.cost_model),
+                speculative.send if speculative is not None else None,
             )
         with self._lock:
             started = self._clock()
@@ -252,12 +260,31 @@ class Coordinator:
         self, prompt: PreparedPrompt, sampling: SamplingConfig, turn: _Turn
     ) -> Iterator[StreamEvent]:
         session_id, worker_id, allow_pull = turn.session_id, turn.worker_id, turn.allow_pull
-        started, label = turn.started, turn.label
         request_id = turn.request_id or uuid.uuid4().hex
+        speculative: SpeculativeSend | None = None
         if worker_id:
             chosen, predicted, pull, matched = self._forced(prompt, worker_id, allow_pull)
         else:
-            decision = self.route(prompt, session_id, request_id, turn.max_tokens, commit=True)
+            if self.config.speculative_dispatch:
+                speculative = SpeculativeSend(
+                    self.backend,
+                    lambda d, rid: self._worker_request(
+                        prompt, sampling, session_id, rid, d.pull, d.worker_id
+                    ),
+                )
+            try:
+                decision = self.route(
+                    prompt,
+                    session_id,
+                    request_id,
+                    turn.max_tokens,
+                    commit=True,
+                    speculative=speculative,
+                )
+            except BaseException:
+                if speculative is not None:
+                    speculative.abort()
+                raise
             chosen, predicted, pull = (
                 decision.worker_id,
                 decision.predicted_prefill_ms,
@@ -266,15 +293,38 @@ class Coordinator:
             matched = decision.matched_blocks
         if pull is not None:
             matched = pull.num_blocks
+        outputs: Iterator[RequestOutput] | None = None
+        if speculative is not None and speculative.stream is not None:
+            assert speculative.request is not None and speculative.worker_id == chosen
+            request, outputs = speculative.request, speculative.stream
+        else:
+            request = self._worker_request(prompt, sampling, session_id, request_id, pull, chosen)
         with self._lock:
             uncached = self._uncached_tokens(len(prompt.token_ids), matched)
-            self.load.on_routed(request_id, chosen, predicted, uncached)
+            self.load.on_routed(request.request_id, chosen, predicted, uncached)
             self.counters.num_requests += 1
         if self.note_sink is not None:
-            taken = RequestTaken(request_id, self.origin, len(prompt.token_ids), uncached)
+            taken = RequestTaken(request.request_id, self.origin, len(prompt.token_ids), uncached)
             self.note_sink(NoteBatch(chosen, (taken,)))
+        if outputs is None:
+            # Handed to the backend now: a lazy backend (Ray) calls the worker on the first
+            # read, an eager one (the simulator) queues the request at once.
+            outputs = self.backend.generate(chosen, request)
+        return self._stream(
+            chosen, request, outputs, started=turn.started, label=turn.label, count_turn=turn.count
+        )
+
+    def _worker_request(
+        self,
+        prompt: PreparedPrompt,
+        sampling: SamplingConfig,
+        session_id: str,
+        request_id: str,
+        pull: PullPlan | None,
+        chosen: WorkerId,
+    ) -> WorkerRequest:
         spec = self._pull_spec(pull, chosen, prompt) if pull is not None else None
-        request = WorkerRequest(
+        return WorkerRequest(
             request_id,
             prompt.token_ids,
             sampling,
@@ -284,12 +334,6 @@ class Coordinator:
             bypass_cache=prompt.bypass_cache,
             adapter=prompt.adapter,
             origin=self.origin,
-        )
-        # Handed to the backend now: a lazy backend (Ray) calls the worker on the first read, an
-        # eager one (the simulator) queues the request at once.
-        outputs = self.backend.generate(chosen, request)
-        return self._stream(
-            chosen, request, outputs, started=started, label=label, count_turn=turn.count
         )
 
     def _pull_spec(

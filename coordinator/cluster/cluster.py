@@ -11,9 +11,9 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
@@ -113,21 +113,49 @@ class Cluster:
 
     def generate(self, worker_id: str, request: WorkerRequest) -> Iterator[RequestOutput]:
         """Stream a request's outputs; raises RequestRejected, WorkerFailed or WorkerDied.
+        The request goes to the worker on the first read (`send` sends it at once). Closing the
+        iterator early (a client that left, a stop string) aborts the request on the worker, so
+        it stops computing for it instead of running on to max_tokens."""
+        call = self._call(worker_id, request)
+        try:
+            for item in call:
+                if item is not None:
+                    yield item
+        finally:
+            call.close()
+
+    def send(self, worker_id: str, request: WorkerRequest) -> Generator[RequestOutput, None, None]:
+        """As `generate`, but the request is submitted before this returns (speculative
+        dispatch: the coordinator commits its decision while the submit travels). Closing the
+        stream, read or not, aborts the request on the worker."""
+        call = self._call(worker_id, request)
+        first = next(call)  # submits: the call's first item is None
+        assert first is None
+        return cast(Generator[RequestOutput, None, None], call)
+
+    def _call(
+        self, worker_id: str, request: WorkerRequest
+    ) -> Generator[RequestOutput | None, None, None]:
+        """One request on one worker: yields None once it is submitted (or found unsendable,
+        which the next read raises), then its outputs.
         The request goes to the worker with `submit`; its outputs come back on the worker's one
         stream to this coordinator (`output_reader.py`), and those that queued while the caller
-        was busy with the last one come out joined (`RequestOutput.then`). Closing the iterator
-        early (a client that left, a stop string) aborts the request on the worker, so it stops
-        computing for it instead of running on to max_tokens."""
+        was busy with the last one come out joined (`RequestOutput.then`). Closed before its
+        final output, it aborts the request on the worker."""
         actor = self.actor(worker_id)
         reader = self._reader(worker_id, actor, request.origin)
         rid = request.request_id
         outputs = reader.register(rid)
-        finished = False
+        sent = finished = False
         try:
             if outputs is None or not reader.wait_open(_STREAM_OPEN_TIMEOUT_S):
+                yield None
                 raise WorkerDied(worker_id)  # the stream broke (or never opened)
+            submitted = actor.submit.remote(replace(request, reply_to=reader.stream_id))
+            sent = True
+            yield None
             try:
-                ray.get(actor.submit.remote(replace(request, reply_to=reader.stream_id)))
+                ray.get(submitted)
             except RayTaskError as exc:
                 cause = exc.cause if hasattr(exc, "cause") else None
                 if isinstance(cause, RequestRejected | WorkerFailed):
@@ -159,7 +187,7 @@ class Cluster:
                 if finished:
                     return
         except GeneratorExit:
-            if not finished:
+            if sent and not finished:
                 actor.abort.remote(rid)
             raise
         finally:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import http.client
 import json
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import urlsplit
@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 
 class Backend(Protocol):
     def generate(self, worker_id: str, request: WorkerRequest) -> Iterator[RequestOutput]: ...
+    def send(
+        self, worker_id: str, request: WorkerRequest
+    ) -> Generator[RequestOutput, None, None]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +140,19 @@ class EngineBackend:
             return self.fallback.generate(worker_id, request)
         return self._proxy(engine, request)
 
-    def _proxy(self, engine: EngineEndpoint, request: WorkerRequest) -> Iterator[RequestOutput]:
+    def send(self, worker_id: str, request: WorkerRequest) -> Generator[RequestOutput, None, None]:
+        """An engine's request goes out on the first read (an HTTP stream has nothing to abort
+        before it); other workers' at once, through `fallback`."""
+        engine = self.engines.get(worker_id)
+        if engine is None:
+            if self.fallback is None:
+                raise WorkerDied(worker_id)
+            return self.fallback.send(worker_id, request)
+        return self._proxy(engine, request)
+
+    def _proxy(
+        self, engine: EngineEndpoint, request: WorkerRequest
+    ) -> Generator[RequestOutput, None, None]:
         url = urlsplit(engine.base_url)
         conn = _connection(engine, url.scheme, url.netloc)
         try:

@@ -118,7 +118,9 @@ class ClusterSimulation:
         self._notes_in_flight: deque[tuple[float, NoteBatch]] = deque()
         for coordinator in self.coordinators:
             coordinator.note_sink = self._post_notes
-        self._streams: dict[str, Iterator[StreamEvent]] = {}
+        self._streams: dict[int, Iterator[StreamEvent]] = {}
+        """Each workload request's coordinator stream, by `SimRequest.index` (a redirected
+        request reaches its worker under another id)."""
         self.delivery = StreamDelivery(config.cost, config.num_coordinators)
         self._heap: list[tuple[float, int, int, int]] = []
         self._scheduled_epoch = [-1] * n
@@ -169,6 +171,7 @@ class ClusterSimulation:
             policy="least_loaded" if self.oracle else self.policy_name,
             route_seed=config.seed + k,
             decision_log=self.decision_log is not None,
+            speculative_dispatch=config.speculative_dispatch,
         )
         index = SharedPoolIndex(self.workers[0].pool, self.worker_ids) if self.oracle else None
         pools = {wid: w.pool for wid, w in zip(self.worker_ids, self.workers, strict=True)}
@@ -241,10 +244,12 @@ class ClusterSimulation:
         if self.decision_log is None or not requests:
             return result
         attempts = sum(c.counters.num_commit_attempts for c in self.coordinators)
+        redirects = sum(c.counters.num_redirects for c in self.coordinators)
         return replace(
             result,
             commit_attempts_per_request=attempts / len(requests),
             commit_ms_mean=float(np.mean(self._commit_ms)),
+            redirects_per_request=redirects / len(requests),
         )
 
     def request_times(self) -> list[tuple[float, float, float]]:
@@ -272,14 +277,15 @@ class ClusterSimulation:
             (coordinator.counters.num_commit_attempts - attempts) * trip_ms
         )
         start = self._timer()
-        self._streams[request.request_id] = coordinator.generate(
+        self._streams[request.index] = coordinator.generate(
             prompt, sampling, session_id=request.session_id, request_id=request.request_id
         )
         self._decision_s += self._timer() - start
         self.backend.deliver_pending()  # the worker's queueing: not the decision's
-        attempts = coordinator.counters.num_commit_attempts - attempts
-        self._commit_ms[request.index] = attempts * trip_ms
-        for delay_ms, w, sim_request, pull, origin in self.backend.deferred:
+        # What the commits held the request back by: every attempt without speculative
+        # dispatch; with it, the trips before its last redirect (the copy that was not aborted).
+        self._commit_ms[request.index] = max((d for d, _ in self.backend.deferred), default=0.0)
+        for delay_ms, (w, sim_request, pull, origin) in self.backend.deferred:
             self._order += 1
             entry = (self.now_ms + delay_ms, self._order, w, sim_request, pull, origin)
             heapq.heappush(self._dispatches, entry)
@@ -341,7 +347,7 @@ class ClusterSimulation:
             client_ms = self.delivery.open(request.index, coordinator, self.now_ms)
             self._ttft[request.index] = client_ms - request.arrival_ms + latency
             self.backend.first_token(outcome.prefilled)
-            next(self._streams[request.request_id])  # the coordinator sees the first token
+            next(self._streams[request.index])  # the coordinator sees the first token
         for seq in outcome.finished:
             self._finish(seq)
         self._flush_events(w)
@@ -361,7 +367,7 @@ class ClusterSimulation:
             decode_ms = last_ms - first_ms
             self._tpot[request.index] = decode_ms / (request.output_len - 1)
         self.backend.last_token(seq)
-        for _ in self._streams.pop(seq.request.request_id):
+        for _ in self._streams.pop(seq.request.index):
             pass  # the last event, then the stream closes: load and policy let go of it
         self._last_finish_ms = max(self._last_finish_ms, self.now_ms)
 

@@ -103,7 +103,10 @@ class PolicyResult:
     commit_attempts_per_request: float = 0.0
     """Decision-log commits per request, lost ones included (0: no log)."""
     commit_ms_mean: float = 0.0
-    """Mean time a request spent committing its decision (attempts x the round trip)."""
+    """Mean time the commits held a request back from its worker (attempts x the round trip;
+    with speculative dispatch, the trips before its last redirect)."""
+    redirects_per_request: float = 0.0
+    """Speculatively sent requests moved to another worker after a lost commit, per request."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.hit_rate <= 1.0:

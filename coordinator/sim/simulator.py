@@ -74,6 +74,10 @@ class SimConfig:
     commit_trip_ms: float = 1.0
     """A commit's round trip to Redis (`benchmarks/note_trip.py` measured a stream trip of
     0.74 ms p50 on a local Redis), added to the request's times per attempt."""
+    speculative_dispatch: bool = False
+    """With `decision_log`: the coordinators send a request before committing its decision
+    (`CoordinatorConfig.speculative_dispatch`), so it reaches its worker without the commit's
+    trips unless redirected; a redirected one arrives after the trips up to its redirect."""
     sessions: WarmSessionConfig | None = None
     """Workers keep idle sessions warm (as live workers do); None: plain LRU, as before. The
     oracle stays the shared-LRU bound either way."""

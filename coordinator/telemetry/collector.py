@@ -74,6 +74,16 @@ _TOKEN_COUNTERS = (
         "kvmesh_decision_commit_seconds_total",
         "Time spent committing routing decisions to the decision log.",
     ),
+    (
+        "num_speculative_sends",
+        "kvmesh_speculative_sends_total",
+        "Requests sent to their worker before their decision was committed.",
+    ),
+    (
+        "num_decision_redirects",
+        "kvmesh_decision_redirects_total",
+        "Speculatively sent requests aborted and sent to another worker after a lost commit.",
+    ),
 )
 
 # (WorkerInfo field or counters field, metric name, kind, help)

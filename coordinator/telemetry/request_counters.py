@@ -32,6 +32,12 @@ class RequestCounters:
     """Decisions made while the log was unreachable (applied here only)."""
     commit_s: float = 0.0
     """Time spent in commit calls, on this coordinator's clock."""
+    num_speculative_sends: int = 0
+    """Requests sent to their worker before their decision was committed (speculative
+    dispatch)."""
+    num_redirects: int = 0
+    """Speculatively sent requests aborted on their worker and sent to another, after a lost
+    commit whose new decision picked another worker."""
     per_worker: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def on_prefilled(self, worker: str, facts: PrefillFacts) -> None:
@@ -64,6 +70,8 @@ class RequestCounters:
             "num_decision_forced_commits": self.num_forced_commits,
             "num_decisions_unlogged": self.num_unlogged,
             "decision_commit_seconds": self.commit_s,
+            "num_speculative_sends": self.num_speculative_sends,
+            "num_decision_redirects": self.num_redirects,
             "hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
         }
 

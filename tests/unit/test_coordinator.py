@@ -3,7 +3,8 @@ and registry, and an injected clock (no Ray, no gRPC, no torch in the coordinato
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
+from typing import cast
 
 import pytest
 
@@ -31,11 +32,34 @@ MODEL = preset("tiny-random")
 
 class FakeBackend:
     """Answers every request with `max_tokens` tokens; the first output carries facts that say
-    the pulled run arrived. `die` names workers that fail after their first token."""
+    the pulled run arrived. `die` names workers that fail after their first token. `requests`:
+    those read (that ran); `sent`: every `send`; `aborted`: sent ones closed unfinished."""
 
     def __init__(self) -> None:
         self.requests: list[tuple[str, WorkerRequest]] = []
         self.die: set[str] = set()
+        self.sent: list[tuple[str, str]] = []
+        self.aborted: list[tuple[str, str]] = []
+
+    def send(self, worker_id: str, request: WorkerRequest) -> Generator[RequestOutput, None, None]:
+        self.sent.append((worker_id, request.request_id))
+        stream = self._sent(worker_id, request)
+        next(stream)  # sent now: closing it, read or not, aborts it
+        return cast(Generator[RequestOutput, None, None], stream)
+
+    def _sent(
+        self, worker_id: str, request: WorkerRequest
+    ) -> Generator[RequestOutput | None, None, None]:
+        finished = False
+        try:
+            yield None
+            for out in self.generate(worker_id, request):
+                finished = out.finished
+                yield out
+        except GeneratorExit:
+            if not finished:
+                self.aborted.append((worker_id, request.request_id))
+            raise
 
     def generate(self, worker_id: str, request: WorkerRequest) -> Iterator[RequestOutput]:
         self.requests.append((worker_id, request))

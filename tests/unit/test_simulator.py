@@ -274,6 +274,49 @@ def test_one_coordinator_places_the_same_with_the_decision_log(
     assert trip.ttft_ms[0] == pytest.approx(a.ttft_ms[0] + 1.0)
 
 
+def test_one_coordinator_with_speculative_dispatch_pays_no_commit_trip(
+    shared_prefix: list[SimRequest],
+) -> None:
+    """Alone, a replica never loses a commit, so with speculative dispatch every request
+    reaches its worker at once, as without the log, whatever the trip."""
+    a = ClusterSimulation(small_config(), "kvmesh", shared_prefix).run()
+    spec = ClusterSimulation(
+        small_config(decision_log=True, commit_trip_ms=1.0, speculative_dispatch=True),
+        "kvmesh",
+        shared_prefix,
+    ).run()
+    assert (a.cached_tokens, a.pulled_tokens, a.ttft_ms, a.requests_per_worker) == (
+        spec.cached_tokens,
+        spec.pulled_tokens,
+        spec.ttft_ms,
+        spec.requests_per_worker,
+    )
+    assert spec.commit_attempts_per_request == 1.0
+    assert spec.commit_ms_mean == 0.0 and spec.redirects_per_request == 0.0
+
+
+def test_replicas_with_speculative_dispatch_hold_back_only_redirected_requests(
+    shared_prefix: list[SimRequest],
+) -> None:
+    config = small_config(
+        num_coordinators=2, decision_log=True, commit_trip_ms=1.0, speculative_dispatch=True
+    )
+    sim = ClusterSimulation(config, "kvmesh", shared_prefix)
+    result = sim.run()  # raises if a request never got its last token
+    log = sim.decision_log
+    assert log is not None and len(log) == len(shared_prefix)
+    redirects = sum(c.counters.num_redirects for c in sim.coordinators)
+    sends = sum(c.counters.num_speculative_sends for c in sim.coordinators)
+    assert sends == len(shared_prefix) and redirects > 0  # simultaneous decisions moved some
+    assert result.redirects_per_request == redirects / len(shared_prefix)
+    # Only a redirect holds a request back, by the trips before it (here one: none is forced).
+    held = [ms for ms in sim._commit_ms if ms > 0]  # noqa: SLF001 - the simulation's record
+    assert len(held) == redirects and all(ms >= 1.0 for ms in held)
+    placed = {p.request_id for p in log._entries}  # noqa: SLF001
+    assert len(placed) == len(shared_prefix)
+    assert sum(rid.endswith(".r1") for rid in placed) == redirects
+
+
 def test_replicas_with_the_decision_log_apply_every_decision_in_order(
     shared_prefix: list[SimRequest],
 ) -> None:
