@@ -108,6 +108,7 @@ def _pull_path(rank: int, chunks: int) -> float:
 
 def _transport_path(rank: int) -> float:
     """The same pull through the transport's own code (`NcclLink.send` / `recv_into`)."""
+    from kvmesh.workers.engine.pull_admission import PullTargets
     from kvmesh.workers.transfer.nccl import NcclLink
 
     cache = torch.zeros(CACHE_SHAPE, dtype=torch.bfloat16, device="cuda")
@@ -115,7 +116,7 @@ def _transport_path(rank: int) -> float:
     ids = torch.randperm(CACHE_SHAPE[2], generator=g)[:PULL_BLOCKS].tolist()
     if rank == 0:
         return _timed(rank, lambda: NcclLink.send(cache, ids, 1))
-    return _timed(rank, lambda: NcclLink.recv_into(cache, ids, PULL_BLOCKS, 0))
+    return _timed(rank, lambda: NcclLink.recv_into(cache, PullTargets(ids), PULL_BLOCKS, 0))
 
 
 def _rank_main(rank: int, setting: str, num_bytes: int, queue: Any) -> None:

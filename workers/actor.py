@@ -1,19 +1,21 @@
 """The Ray shell around `Worker`: the one module that imports ray.
 
-One engine thread owns the worker (pool, scheduler, model) and drives `Worker.step()`; Ray's
-event loop serves calls. Anything that touches the worker runs on the engine thread as a closure
-(`_on_engine`). A coordinator sends requests with `submit` and reads every output of its
-requests from one stream (`outputs`), a batch per message (`OutputBatches`); each request names
-the stream its outputs go to (`WorkerRequest.reply_to`; `OutputStreams` keeps which is which).
-After every step the engine thread hands out first and middle tokens, publishes the step's KV
-events, then hands out the requests' last outputs, so by the time a client sees a request end
-the index already knows the blocks it left behind.
+One engine thread owns the worker (pool, scheduler, model) and drives `Worker.step()`
+(`workers/engine_thread.py`); Ray's event loop serves calls. Anything that touches the worker
+runs on the engine thread as a closure (`_on_engine`). A coordinator sends requests with
+`submit` and reads every output of its requests from one stream (`outputs`), a batch per message
+(`OutputBatches`); each request names the stream its outputs go to (`WorkerRequest.reply_to`;
+`OutputStreams` keeps which is which). After every step the engine thread hands out first and
+middle tokens, publishes the step's KV events, then hands out the requests' last outputs, so by
+the time a client sees a request end the index already knows the blocks it left behind.
 
-    coordinator --submit(req)--> [pull: reserve, transport.fetch, finish] --> engine thread:
+    coordinator --submit(req)--> [pull: reserve | ask the source, write, finish] --> engine:
                 <--outputs()---  step, tokens, publish events, last outputs --> OutputBatches
 
-A request with a pull plan is pulled here, by the worker that serves it, while it is admitted:
-the reserved blocks belong to the request from the start (see `workers/engine/worker.py`).
+A request with a pull plan is pulled here, by the worker that serves it, while it is admitted
+(`workers/transfer/puller.py`): the reserved blocks belong to the request from the start. As a
+pull source the actor answers its peers' calls over Ray, and those on its node also over its
+Unix-socket channel (`channel_address`).
 """
 
 from __future__ import annotations
@@ -22,14 +24,11 @@ import asyncio
 import contextlib
 import logging
 import os
-import queue
 import tempfile
-import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent import futures
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import Any
 
 import ray
 import torch
@@ -40,6 +39,7 @@ from kvmesh.workers.config import WorkerConfig
 from kvmesh.workers.contract.replies import RequestOutput, RequestRejected, WorkerFailed, WorkerInfo
 from kvmesh.workers.contract.requests import WorkerRequest
 from kvmesh.workers.engine.event_publisher import EventPublisher
+from kvmesh.workers.engine_thread import EngineThread
 from kvmesh.workers.model.loader import build_worker
 from kvmesh.workers.output_batches import BatchItem
 from kvmesh.workers.output_streams import OutputStreams
@@ -50,13 +50,6 @@ from kvmesh.workers.transfer.peer_channel import ChannelOp
 from kvmesh.workers.transfer.puller import Puller
 
 log = logging.getLogger(__name__)
-
-_IDLE_WAIT_S = 0.05
-_LANDING_S = 0.01
-"""While a pull reserved this recently is pending and no step ran, the engine holds its KV
-events and notes back rather than spend a Redis round trip (0.3-0.8 ms) that the pull's landing
-would wait behind."""
-T = TypeVar("T")
 
 
 class WorkerActor:
@@ -71,31 +64,23 @@ class WorkerActor:
             self.worker.device = f"cuda:{ray.get_gpu_ids()[0]}"
         self._node_id = ray.get_runtime_context().get_node_id()
         self.worker.node = f"{self.worker.node}/{self._node_id[:12]}"
-        self._inbox: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
-        self._wakeup = threading.Event()
         self._outputs = OutputStreams()
-        self._stopped = threading.Event()
-        self._publisher = (
+        publisher = (
             EventPublisher(config.redis_url, self.worker.namespace, config.worker_id)
             if config.redis_url
             else None
         )
-        if self._publisher is not None:
+        if publisher is not None:
             # A worker started after a ClearCache hashes under the epoch the fleet is at.
-            self.worker.cache_epoch = self._publisher.cache_epoch() or 0
-        self._last_heartbeat = 0.0
-        self._last_tick = time.monotonic()  # the engine loop's progress, read by info()
+            self.worker.cache_epoch = publisher.cache_epoch() or 0
+        self._engine = EngineThread(self.worker, config, publisher, self._deliver, self._fail_all)
+        self._submit = self._engine.submit
+        self._on_engine = self._engine.on_engine
         self._puller = Puller(self.worker, self._node_id, self._on_engine, self._fail_pull)
         self._channel_server: asyncio.AbstractServer | None = None
         self._channel_path = ""
         self._nccl_link: NcclLink | None = None
-        self._heartbeat()
-        self._thread = threading.Thread(target=self._engine_loop, name="kvmesh-engine", daemon=True)
-        self._thread.start()
-        self._keepalive = threading.Thread(
-            target=self._keep_alive, name="kvmesh-keepalive", daemon=True
-        )
-        self._keepalive.start()
+        self._engine.start()
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -120,7 +105,7 @@ class WorkerActor:
         finally:
             if reserved is not None:
                 reserved.set_result(reservation)
-        self._wakeup.set()
+        self._engine.wake()
 
     async def outputs(self, stream_id: str) -> AsyncIterator[list[BatchItem]]:
         """Every output of the requests submitted with `reply_to=stream_id`, a batch at a time,
@@ -176,7 +161,7 @@ class WorkerActor:
     def info(self) -> WorkerInfo:
         info = self.worker.info()
         busy = info.num_running + info.num_waiting > 0
-        stalled = time.monotonic() - self._last_tick if busy else 0.0
+        stalled = time.monotonic() - self._engine.last_tick if busy else 0.0
         return replace(info, engine_stalled_s=stalled)
 
     def ping(self) -> str:
@@ -185,7 +170,7 @@ class WorkerActor:
     async def clear_cache(self, cache_epoch: int | None = None) -> int:
         def clear() -> int:
             dropped = self.worker.clear_cache(cache_epoch)
-            self._publish(self.worker.full_state_batch())
+            self._engine.publish(self.worker.full_state_batch())
             return dropped
 
         return await self._on_engine(clear)
@@ -282,142 +267,14 @@ class WorkerActor:
             self._channel_server.close()
             with contextlib.suppress(OSError):
                 os.unlink(self._channel_path)
-        self._stopped.set()
-        self._wakeup.set()
-        self._thread.join(timeout=5)
-        self._keepalive.join(timeout=5)
-        if self._publisher is not None:
-            self._publisher.close()
-
-    # ---- engine thread ------------------------------------------------------------------------
-
-    def _submit(self, fn: Callable[[], object]) -> None:
-        self._inbox.put(fn)
-        self._wakeup.set()
-
-    async def _on_engine(self, fn: Callable[[], T]) -> T:
-        """Run `fn` on the engine thread (which owns the worker) and await its result."""
-        reply: futures.Future[T] = futures.Future()
-
-        def call() -> None:
-            try:
-                reply.set_result(fn())
-            except Exception as exc:  # the caller gets the error; the engine keeps serving
-                reply.set_exception(exc)
-
-        self._submit(call)
-        return await asyncio.wrap_future(reply)
-
-    def _engine_loop(self) -> None:
-        while not self._stopped.is_set():
-            self._warn_if_slow(self._last_tick)
-            self._last_tick = time.monotonic()
-            try:
-                self._drain_inbox()
-                outputs = self.worker.step() if self.worker.has_work else []
-                # A first token goes out before the step's KV events (an 8K prefill's 512
-                # blocks are a ~1.5 ms Redis script); a request's last output only after them,
-                # so a finished request's blocks are already announced.
-                for o in outputs:
-                    if not o.finished:
-                        self._deliver(o.request_id, o)
-                if outputs or not self.worker.pulls.landing(_LANDING_S):
-                    self._publish_events()  # else: after the pull lands, a few ms later
-                for o in outputs:
-                    if o.finished:
-                        self._deliver(o.request_id, o)
-                if time.monotonic() - self._last_heartbeat >= self.config.heartbeat_interval_s:
-                    self._heartbeat()
-                if not outputs and not self.worker.has_work:
-                    if self._inbox.empty() and self.worker.write_back_host(
-                        self.config.host_write_back_blocks
-                    ):
-                        continue  # more may be left: check for requests, then go on
-                    self._wakeup.wait(_IDLE_WAIT_S)
-                    self._wakeup.clear()
-            except Exception as exc:  # keep serving: fail the running requests, not the worker
-                log.exception("engine step failed")
-                self._fail_all(exc)
-
-    def _keep_alive(self) -> None:
-        """Keep the liveness key fresh while one engine iteration runs long: heartbeats (with
-        the worker's info and the purge check) go out between iterations, and a kernel compile
-        or a large pull can hold one for seconds, which must not get the worker purged. An
-        engine stuck past `stall_limit_s` is let go: its key lapses and the fleet moves on."""
-        interval = self.config.heartbeat_interval_s
-        while not self._stopped.wait(interval):
-            publisher = self._publisher
-            stalled = time.monotonic() - self._last_tick
-            if publisher is not None and interval <= stalled < self.config.stall_limit_s:
-                publisher.keep_alive(self._ttl_ms())
-
-    def _warn_if_slow(self, started: float) -> None:
-        """Heartbeats go out between iterations: say so when one took half their TTL."""
-        took = time.monotonic() - started
-        if took > self.config.heartbeat_ttl_s / 2:
-            log.warning(
-                "engine iteration took %.2f s (heartbeat TTL %.1f s): a long step or pull delays"
-                " this worker's heartbeat",
-                took,
-                self.config.heartbeat_ttl_s,
-            )
-
-    def _drain_inbox(self) -> None:
-        while True:
-            try:
-                fn = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            fn()  # what it changes in the pool (e.g. pulled blocks) is announced after the step
-
-    def _publish_events(self) -> None:
-        # Request notes are hints for the other coordinators: dropped while Redis is away.
-        notes = self.worker.drain_request_notes()
-        if self._publisher is None:
-            self.worker.pool.drain_events()
-            return
-        if self._publisher.lost_events:
-            if not self._publisher.heartbeat(self._heartbeat_info(), self._ttl_ms()):
-                return  # still unreachable; events keep accumulating in the pool
-            self._publisher.lost_events = False
-            self._publish(self.worker.full_state_batch())
-            return
-        batch = self.worker.drain_event_batch()
-        if batch is not None:
-            self._publisher.publish(batch, notes)  # one round trip for both
-        elif notes is not None and self._publisher.connected:
-            self._publisher.publish_notes(notes)
-
-    def _publish(self, batch: Any) -> None:
-        if self._publisher is not None:
-            self._publisher.publish(batch)
-
-    def _heartbeat(self) -> None:
-        self._last_heartbeat = time.monotonic()
-        if self._publisher is not None:
-            self._publisher.heartbeat(self._heartbeat_info(), self._ttl_ms())
-
-    def _heartbeat_info(self) -> dict[str, str | int]:
-        i = self.worker.info()
-        return {
-            "node": i.node,
-            "device": i.device,
-            "pid": i.pid,
-            "model": i.model,
-            "block_size": i.block_size,
-            "num_blocks": i.num_blocks,
-            "num_free_blocks": i.num_free_blocks,
-            "cache_epoch": i.cache.cache_epoch,
-            "updated_ms": time.time_ns() // 1_000_000,
-        }
-
-    def _ttl_ms(self) -> int:
-        return int(self.config.heartbeat_ttl_s * 1000)
+        self._engine.stop()
+        if self._engine.publisher is not None:
+            self._engine.publisher.close()
 
     def _fail_pull(self, request_id: str, exc: Exception) -> None:
         self._submit(lambda: self.worker.abort(request_id))
         self._deliver(request_id, WorkerFailed(f"worker {self.config.worker_id} failed: {exc}"))
-        self._wakeup.set()
+        self._engine.wake()
 
     def _deliver(self, request_id: str, item: RequestOutput | Exception) -> None:
         self._outputs.deliver(request_id, item)

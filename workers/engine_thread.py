@@ -1,0 +1,199 @@
+"""The thread that owns a worker: every call that touches the worker's state runs on it, as a
+closure from the actor's event loop (`submit`, `on_engine`), between engine steps.
+
+    loop:  run queued calls -> step -> first and middle tokens out -> publish the step's KV
+           events and notes -> last outputs out -> heartbeat when due -> idle: write back to
+           the host tier, or wait for a call
+
+A first token goes out before the step's KV events (an 8K prefill's 512 blocks are a ~1.5 ms
+Redis script); a request's last output only after them, so a finished request's blocks are
+already announced. A second thread keeps the liveness key fresh while one iteration runs long.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent import futures
+from typing import Any, TypeVar
+
+from kvmesh.workers.config import WorkerConfig
+from kvmesh.workers.contract.replies import RequestOutput
+from kvmesh.workers.engine.event_publisher import EventPublisher
+from kvmesh.workers.engine.worker import Worker
+
+log = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.05
+_LANDING_S = 0.01
+"""While a pull reserved this recently is pending and no step ran, the engine holds its KV
+events and notes back rather than spend a Redis round trip (0.3-0.8 ms) that the pull's landing
+would wait behind."""
+T = TypeVar("T")
+
+
+class EngineThread:
+    """Invariant: only this thread touches `worker` once `start` has run; `last_tick` is when
+    the current iteration began (read by other threads to tell a stalled engine)."""
+
+    def __init__(
+        self,
+        worker: Worker,
+        config: WorkerConfig,
+        publisher: EventPublisher | None,
+        deliver: Callable[[str, RequestOutput | Exception], None],
+        fail_all: Callable[[Exception], None],
+    ) -> None:
+        self.worker = worker
+        self.config = config
+        self.publisher = publisher
+        self._deliver = deliver
+        self._fail_all = fail_all
+        self._inbox: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._stopped = threading.Event()
+        self._last_heartbeat = 0.0
+        self.last_tick = time.monotonic()
+        self._thread = threading.Thread(target=self._loop, name="kvmesh-engine", daemon=True)
+        self._keepalive = threading.Thread(
+            target=self._keep_alive, name="kvmesh-keepalive", daemon=True
+        )
+
+    def start(self) -> None:
+        self.heartbeat()
+        self._thread.start()
+        self._keepalive.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._wakeup.set()
+        self._thread.join(timeout=5)
+        self._keepalive.join(timeout=5)
+
+    def wake(self) -> None:
+        self._wakeup.set()
+
+    def submit(self, fn: Callable[[], object]) -> None:
+        """Run `fn` on the engine thread before its next step (nothing waits for it)."""
+        self._inbox.put(fn)
+        self._wakeup.set()
+
+    async def on_engine(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the engine thread and await its result (or its exception)."""
+        reply: futures.Future[T] = futures.Future()
+
+        def call() -> None:
+            try:
+                reply.set_result(fn())
+            except Exception as exc:  # the caller gets the error; the engine keeps serving
+                reply.set_exception(exc)
+
+        self.submit(call)
+        return await asyncio.wrap_future(reply)
+
+    def publish(self, batch: Any) -> None:
+        if self.publisher is not None:
+            self.publisher.publish(batch)
+
+    def heartbeat(self) -> None:
+        self._last_heartbeat = time.monotonic()
+        if self.publisher is not None:
+            self.publisher.heartbeat(self._heartbeat_info(), self._ttl_ms())
+
+    def _loop(self) -> None:
+        while not self._stopped.is_set():
+            self._warn_if_slow(self.last_tick)
+            self.last_tick = time.monotonic()
+            try:
+                self._drain_inbox()
+                outputs = self.worker.step() if self.worker.has_work else []
+                for o in outputs:
+                    if not o.finished:
+                        self._deliver(o.request_id, o)
+                if outputs or not self.worker.pulls.landing(_LANDING_S):
+                    self._publish_events()  # else: after the pull lands, a few ms later
+                for o in outputs:
+                    if o.finished:
+                        self._deliver(o.request_id, o)
+                if time.monotonic() - self._last_heartbeat >= self.config.heartbeat_interval_s:
+                    self.heartbeat()
+                if not outputs and not self.worker.has_work:
+                    if self._inbox.empty() and self.worker.write_back_host(
+                        self.config.host_write_back_blocks
+                    ):
+                        continue  # more may be left: check for requests, then go on
+                    self._wakeup.wait(_IDLE_WAIT_S)
+                    self._wakeup.clear()
+            except Exception as exc:  # keep serving: fail the running requests, not the worker
+                log.exception("engine step failed")
+                self._fail_all(exc)
+
+    def _keep_alive(self) -> None:
+        """Keep the liveness key fresh while one engine iteration runs long: heartbeats (with
+        the worker's info and the purge check) go out between iterations, and a kernel compile
+        or a large pull can hold one for seconds, which must not get the worker purged. An
+        engine stuck past `stall_limit_s` is let go: its key lapses and the fleet moves on."""
+        interval = self.config.heartbeat_interval_s
+        while not self._stopped.wait(interval):
+            publisher = self.publisher
+            stalled = time.monotonic() - self.last_tick
+            if publisher is not None and interval <= stalled < self.config.stall_limit_s:
+                publisher.keep_alive(self._ttl_ms())
+
+    def _warn_if_slow(self, started: float) -> None:
+        """Heartbeats go out between iterations: say so when one took half their TTL."""
+        took = time.monotonic() - started
+        if took > self.config.heartbeat_ttl_s / 2:
+            log.warning(
+                "engine iteration took %.2f s (heartbeat TTL %.1f s): a long step or pull delays"
+                " this worker's heartbeat",
+                took,
+                self.config.heartbeat_ttl_s,
+            )
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                fn = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            fn()  # what it changes in the pool (e.g. pulled blocks) is announced after the step
+
+    def _publish_events(self) -> None:
+        # Request notes are hints for the other coordinators: dropped while Redis is away.
+        notes = self.worker.drain_request_notes()
+        if self.publisher is None:
+            self.worker.pool.drain_events()
+            return
+        if self.publisher.lost_events:
+            if not self.publisher.heartbeat(self._heartbeat_info(), self._ttl_ms()):
+                return  # still unreachable; events keep accumulating in the pool
+            self.publisher.lost_events = False
+            self.publish(self.worker.full_state_batch())
+            return
+        batch = self.worker.drain_event_batch()
+        if batch is not None:
+            self.publisher.publish(batch, notes)  # one round trip for both
+        elif notes is not None and self.publisher.connected:
+            self.publisher.publish_notes(notes)
+
+    def _heartbeat_info(self) -> dict[str, str | int]:
+        i = self.worker.info()
+        return {
+            "node": i.node,
+            "device": i.device,
+            "pid": i.pid,
+            "model": i.model,
+            "block_size": i.block_size,
+            "num_blocks": i.num_blocks,
+            "num_free_blocks": i.num_free_blocks,
+            "cache_epoch": i.cache.cache_epoch,
+            "updated_ms": time.time_ns() // 1_000_000,
+        }
+
+    def _ttl_ms(self) -> int:
+        return int(self.config.heartbeat_ttl_s * 1000)
