@@ -5,7 +5,8 @@ fleet      block hashes -> per-worker held prefix, from the in-memory mirror (fl
 route()    prices every routable worker and picks one, maybe with a pull plan   (routing/);
            one that will run is committed to the decision log (decision_replica.py)
 generate() sends the chosen worker a `WorkerRequest` (with its pull plan: the worker runs the
-           pull itself) and streams its outputs, keeping the load tracker honest; with
+           pull itself) and streams its outputs through a worker's death, keeping the load
+           tracker honest (request_stream.py); with
            speculative dispatch the request is sent while its commit travels, and redirected
            if the commit loses to a decision that moves it (speculative_send.py)
 
@@ -31,12 +32,12 @@ from kvmesh.coordinator.contract import (
     NoLiveWorker,
     PrefixIndex,
     WorkerBackend,
-    WorkerDied,
 )
 from kvmesh.coordinator.decision_replica import DecisionReplica
 from kvmesh.coordinator.fleet_view import FleetView, FreeBlocksMany
 from kvmesh.coordinator.index.mirror import WorkerId
 from kvmesh.coordinator.prompt_preparer import PreparedPrompt, PromptPreparer, TextCodec
+from kvmesh.coordinator.request_stream import RequestStream
 from kvmesh.coordinator.routing.cost_model import CostModel
 from kvmesh.coordinator.routing.decision_log import DecisionLog
 from kvmesh.coordinator.routing.load_tracker import LoadTracker, ReportedLoad
@@ -52,15 +53,11 @@ from kvmesh.coordinator.telemetry.request_counters import RequestCounters
 from kvmesh.coordinator.telemetry.request_record import (
     RequestObserver,
     RequestRecord,
-    finished_record,
 )
 from kvmesh.proto.block_hash import num_reusable_blocks, num_reusable_tokens
 from kvmesh.proto.request_notes import NoteBatch, RequestTaken
 from kvmesh.workers.contract.replies import (
-    PrefillFacts,
     RequestOutput,
-    RequestRejected,
-    WorkerFailed,
     WorkerInfo,
 )
 from kvmesh.workers.contract.requests import PullSpec, SamplingConfig, WorkerRequest
@@ -310,9 +307,9 @@ class Coordinator:
             # Handed to the backend now: a lazy backend (Ray) calls the worker on the first
             # read, an eager one (the simulator) queues the request at once.
             outputs = self.backend.generate(chosen, request)
-        return self._stream(
-            chosen, request, outputs, started=turn.started, label=turn.label, count_turn=turn.count
-        )
+        return RequestStream(
+            self, chosen, request, outputs, started=turn.started, label=turn.label
+        ).events(count_turn=turn.count)
 
     def _worker_request(
         self,
@@ -389,74 +386,6 @@ class Coordinator:
         """Prompt tokens the worker must prefill (the last one always is)."""
         return prompt_len - num_reusable_tokens(prompt_len, matched_blocks, self.config.block_size)
 
-    def _stream(
-        self,
-        worker: WorkerId,
-        request: WorkerRequest,
-        outputs: Iterator[RequestOutput],
-        *,
-        started: float | None = None,
-        label: str = "",
-        count_turn: bool = True,
-    ) -> Iterator[StreamEvent]:
-        """The worker's outputs as stream events. If the worker dies mid-stream, the request
-        moves to another live worker with its prompt plus the tokens already streamed (at most
-        `max_migrations` times), so the client sees a slower stream, not an error; it keeps its
-        session. `count_turn`: count it among its session's turns in flight (an exclusive turn
-        was counted before it was routed)."""
-        if count_turn:
-            self.turns.begin(request.session_id, TurnMode.CONCURRENT)
-        ok = cancelled = False
-        produced: list[int] = []
-        migrations = 0
-        current = request
-        first_at: float | None = None
-        prefills: list[PrefillFacts] = []
-        reason = ""
-        try:
-            while True:
-                try:
-                    for event in self._events(worker, current, outputs):
-                        produced.extend(event.token_ids)
-                        if first_at is None:
-                            first_at = self._clock()
-                        if event.prefill is not None:
-                            prefills.append(event.prefill)
-                        yield event
-                        if event.finished:
-                            ok = True
-                            return
-                    return  # the worker's stream ended without a final output
-                except WorkerDied:
-                    migrations += 1
-                    if migrations > self.config.max_migrations:
-                        raise
-                    worker, current = self._migrate(worker, request, produced, migrations)
-                    outputs = self.backend.generate(worker, current)
-        except GeneratorExit:  # the consumer went away: a cancel, not a failure
-            cancelled = True
-            raise
-        except Exception as exc:
-            reason = str(exc) or type(exc).__name__
-            raise
-        finally:
-            if count_turn:
-                self.turns.end(request.session_id)
-            with self._lock:
-                self.load.on_finished(current.request_id)
-                self.policy.on_request_done(current.request_id)
-                if current is not request:
-                    self.policy.on_request_done(request.request_id)
-                if cancelled:
-                    self.counters.num_cancelled_requests += 1
-                elif not ok:
-                    self.counters.num_failed_requests += 1
-            if self.observers:
-                outcome = "ok" if ok else "cancelled" if cancelled else "failed"
-                ttft = None if first_at is None or started is None else first_at - started
-                record = finished_record(request, label, outcome, worker, ttft, prefills, produced)
-                self._notify(replace(record, num_migrations=migrations, reason=reason))
-
     def note_refused(self, label: str, outcome: str, reason: str, *, request_id: str = "") -> None:
         """A request refused before it reached a worker (invalid input, no live worker)."""
         if self.observers:
@@ -465,67 +394,6 @@ class Coordinator:
     def _notify(self, record: RequestRecord) -> None:
         for observer in self.observers:
             observer.on_request_done(record)
-
-    def _events(
-        self, worker: WorkerId, request: WorkerRequest, outputs: Iterator[RequestOutput]
-    ) -> Iterator[StreamEvent]:
-        for out in outputs:
-            if out.failure is not None:  # this request alone failed; the worker serves on
-                if out.failure.internal:
-                    raise WorkerFailed(f"worker {worker}: {out.failure.message}")
-                raise RequestRejected(out.failure.message)
-            if out.prefill is not None:
-                self._on_prefilled(worker, request, out.prefill)
-            with self._lock:
-                self.counters.generated_tokens += len(out.new_token_ids)
-            yield StreamEvent(
-                out.new_token_ids, worker, out.finished, out.finish_reason, out.prefill
-            )
-
-    def _migrate(
-        self, dead: WorkerId, original: WorkerRequest, produced: list[int], attempt: int
-    ) -> tuple[WorkerId, WorkerRequest]:
-        """Re-route what is left of `original` after its worker died."""
-        with self._lock:
-            self.load.forget_worker(dead)
-            self.peer_routes.forget_worker(dead)
-            self.counters.num_migrations += 1
-        remaining = original.sampling.max_tokens - len(produced)
-        if remaining < 1:
-            raise WorkerDied(dead)  # nothing left to generate but the final message was lost
-        prompt = self.prompts.prepare(
-            list(original.prompt_ids) + produced,
-            "",
-            original.cache_salt,
-            bypass_cache=original.bypass_cache,
-            adapter=original.adapter,
-        )
-        request_id = f"{original.request_id}.m{attempt}"
-        # raises NoLiveWorker if none; the session's affinity moves with the turn
-        decision = self.route(prompt, original.session_id, request_id, remaining, commit=True)
-        with self._lock:
-            uncached = self._uncached_tokens(len(prompt.token_ids), decision.matched_blocks)
-            self.load.on_routed(
-                request_id, decision.worker_id, decision.predicted_prefill_ms, uncached
-            )
-        sampling = replace(original.sampling, max_tokens=remaining)
-        return decision.worker_id, WorkerRequest(
-            request_id,
-            prompt.token_ids,
-            sampling,
-            original.cache_salt,
-            session_id=original.session_id,
-            bypass_cache=original.bypass_cache,
-            adapter=original.adapter,
-            origin=self.origin,
-        )
-
-    def _on_prefilled(self, worker: WorkerId, request: WorkerRequest, facts: PrefillFacts) -> None:
-        if request.pull is not None and self.transfers is not None:
-            self.transfers.observe(request.pull.source, worker, facts)
-        with self._lock:
-            self.load.on_prefilled(request.request_id)
-            self.counters.on_prefilled(worker, facts)
 
     def forget_worker(self, worker_id: str) -> None:
         """A worker is gone (the registry's on_dead): drop its load and the policy's state."""
