@@ -23,10 +23,12 @@ sequences of a P-token prompt, T tokens each) and its local hit (an 8K prompt, 7
     its delivery: the service's TTFT - the runner's forward - host_step_ms(1) - delivery_ms(1).
 
 The per-token prefill terms are not measured here: they come from `--base` (default: the
-runner's measured prefill rate, `docs/data/sim_cost_h100_measured.json`). Two fields describe
+runner's measured prefill rate, `docs/data/sim_cost_h100_measured.json`). Three fields describe
 kvmesh's engine rather than a measurement: its prefill steps carry no decodes
-(`decodes_ride_prefill` false: prefill first, then a batched decode step) and a prompt runs in
-one step however long (`chunk_tokens` 131072, more than any prompt of the runs compared).
+(`decodes_ride_prefill` false: prefill first, then a batched decode step), a prompt runs in
+one step however long (`chunk_tokens` 131072, more than any prompt of the runs compared), and
+one prefill step takes every waiting request whose new tokens fit the scheduler's
+`max_num_batched_tokens` (`prefill_batch_tokens` 8192, `workers/engine/scheduler.py`).
 
 Usage: python benchmarks/sim_cost_fit.py docs/data/service_path_shared_stream_h100.json \
            [more service_path JSON ...] [--base FILE] \
@@ -45,7 +47,11 @@ from typing import Any
 from kvmesh.coordinator.sim.cost_model import SimCostModel
 
 BASE = Path("docs/data/sim_cost_h100_measured.json")
-ENGINE: dict[str, bool | int] = {"decodes_ride_prefill": False, "chunk_tokens": 131072}
+ENGINE: dict[str, bool | int] = {
+    "decodes_ride_prefill": False,
+    "chunk_tokens": 131072,
+    "prefill_batch_tokens": 8192,
+}
 """kvmesh's engine's step shape (see the module docstring)."""
 
 

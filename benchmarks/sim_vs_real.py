@@ -37,8 +37,12 @@ from typing import Any
 import numpy as np
 
 from kvmesh.client.bench import send_times
-from kvmesh.client.workloads import parse_overrides
-from kvmesh.client.workloads import SharedPrefixConfig, WorkloadRequest, shared_prefix
+from kvmesh.client.workloads import (
+    SharedPrefixConfig,
+    WorkloadRequest,
+    parse_overrides,
+    shared_prefix,
+)
 from kvmesh.coordinator.routing.router import POLICIES
 from kvmesh.coordinator.sim.cluster_simulation import ClusterSimulation
 from kvmesh.coordinator.sim.cost_model import SimCostModel
