@@ -22,14 +22,23 @@ sequences of a P-token prompt, T tokens each) and its local hit (an 8K prompt, 7
   * `service_latency_ms`, what a local hit's first token spends outside the worker's step and
     its delivery: the service's TTFT - the runner's forward - host_step_ms(1) - delivery_ms(1).
 
-The per-token prefill terms are not measured here: they come from `--base` (default: the
-runner's measured prefill rate, `docs/data/sim_cost_h100_measured.json`). Two fields describe
-kvmesh's engine rather than a measurement: its prefill steps carry no decodes
-(`decodes_ride_prefill` false: prefill first, then a batched decode step) and a prompt runs in
-one step however long (`chunk_tokens` 131072, more than any prompt of the runs compared).
+The per-token prefill terms are not measured here: they come from `--base` (default:
+`docs/data/sim_cost_h100_measured.json`, whose 0.026 ms a token is the runner's cold 8K prefill
+with torch's element-wise ops, 244-250 ms, before the fused kernels). `--runner` replaces
+`prefill_per_token_ms` with what a `gpu_runner.py` report gives, from its cold prefill (P
+tokens) and its cached forward (N new behind C cached) on the runner's default path, the same
+run: the two forwards differ by (P - N) tokens and by their attention (`--base`'s pair rate), so
+`prefill_per_token_ms = (cold - cached - pairs(P, 0) x a + pairs(N, C) x a) / (P - N)`.
+
+Three fields describe kvmesh's engine rather than a measurement: its prefill steps carry no decodes
+(`decodes_ride_prefill` false: prefill first, then a batched decode step), a prompt runs in
+one step however long (`chunk_tokens` 131072, more than any prompt of the runs compared), and
+one prefill step takes every waiting request whose new tokens fit the scheduler's
+`max_num_batched_tokens` (`prefill_batch_tokens` 8192, `workers/engine/scheduler.py`).
 
 Usage: python benchmarks/sim_cost_fit.py docs/data/service_path_shared_stream_h100.json \
            [more service_path JSON ...] [--base FILE] \
+           [--runner docs/data/gpu_runner_final_h100.json] \
            [--out docs/data/sim_cost_h100_service_path.json]
 The first file is the one written to --out; every file's fit is printed.
 """
@@ -45,7 +54,11 @@ from typing import Any
 from kvmesh.coordinator.sim.cost_model import SimCostModel
 
 BASE = Path("docs/data/sim_cost_h100_measured.json")
-ENGINE: dict[str, bool | int] = {"decodes_ride_prefill": False, "chunk_tokens": 131072}
+ENGINE: dict[str, bool | int] = {
+    "decodes_ride_prefill": False,
+    "chunk_tokens": 131072,
+    "prefill_batch_tokens": 8192,
+}
 """kvmesh's engine's step shape (see the module docstring)."""
 
 
@@ -89,6 +102,21 @@ def fit(report: dict[str, Any], base: SimCostModel) -> dict[str, float]:
     return fields
 
 
+def runner_prefill_per_token_ms(report: dict[str, Any], base: SimCostModel) -> float:
+    """The runner's prefill rate per token (see the module docstring) from a `gpu_runner.py`
+    report: its cold prefill and its cached forward on the default path."""
+    prefill, shape = report["prefill"], report["cached_attention"]
+    new_tokens, cached = int(shape["query_len"]), int(shape["prefix_len"])
+    prompt = new_tokens + cached
+    cold_ms, cached_ms = prefill["cold_ms"], prefill["cached_ms"][prefill["runner_default"]]
+    a = base.attention_per_token_pair_ms
+    attention_gap = (prompt * prompt / 2 - new_tokens * (cached + new_tokens / 2)) * a
+    per_token = (cold_ms - cached_ms - attention_gap) / (prompt - new_tokens)
+    if not per_token > 0:
+        raise ValueError(f"the runner's forwards give a prefill rate of {per_token} ms a token")
+    return per_token
+
+
 def rounded(fields: dict[str, float]) -> dict[str, float]:
     """Three significant figures: the measurement's precision, at most."""
     return {k: float(f"{v:.3g}") for k, v in fields.items()}
@@ -100,11 +128,19 @@ def main() -> None:  # noqa: D103
     )
     parser.add_argument("reports", type=Path, nargs="+", help="service_path.py JSON reports")
     parser.add_argument("--base", type=Path, default=BASE, help="cost-model JSON the fit extends")
+    parser.add_argument(
+        "--runner", type=Path, help="gpu_runner.py report: the prefill rate per token from it"
+    )
     parser.add_argument("--out", type=Path, help="write the first report's cost model here")
     args = parser.parse_args()
     try:
         base_fields = json.loads(args.base.read_text())
         base = SimCostModel.from_mapping(base_fields)
+        if args.runner:
+            per_token = runner_prefill_per_token_ms(json.loads(args.runner.read_text()), base)
+            base_fields["prefill_per_token_ms"] = rounded({"p": per_token})["p"]
+            base = SimCostModel.from_mapping(base_fields)
+            print(f"{args.runner}: prefill_per_token_ms {base.prefill_per_token_ms:g}")
         fits = [rounded(fit(json.loads(p.read_text()), base)) for p in args.reports]
     except (OSError, ValueError, KeyError) as exc:
         sys.exit(f"sim_cost_fit: {exc!r}")

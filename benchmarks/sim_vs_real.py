@@ -15,8 +15,13 @@ Every cell is real / simulated (simulated over real) and a verdict: `ok` when th
 failed, or one-token answers). A policy the real run did not finish is reported and skipped.
 Takes `gpu_e2e.py --json`'s report as it is.
 
-Usage: python benchmarks/sim_vs_real.py docs/data/gpu_e2e_8b_2gpu_h100.json \
-           [--cost-model docs/data/sim_cost_h100_service_path.json] [--json FILE] [--tolerance 0.2]
+`--cost FIELD=VALUE` (repeatable) replaces one field over `--cost-model`'s, for what-if runs
+(a term changed to see what it would take, not a calibration). The last line counts the cells
+within, in all and per policy.
+
+Usage: python benchmarks/sim_vs_real.py docs/data/gpu_e2e_8b_2gpu_h100_pull_calls.json \
+           [--cost-model docs/data/sim_cost_h100_service_path.json] [--cost FIELD=VALUE ...] \
+           [--json FILE] [--tolerance 0.2]
 """
 
 from __future__ import annotations
@@ -32,7 +37,12 @@ from typing import Any
 import numpy as np
 
 from kvmesh.client.bench import send_times
-from kvmesh.client.workloads import SharedPrefixConfig, WorkloadRequest, shared_prefix
+from kvmesh.client.workloads import (
+    SharedPrefixConfig,
+    WorkloadRequest,
+    parse_overrides,
+    shared_prefix,
+)
 from kvmesh.coordinator.routing.router import POLICIES
 from kvmesh.coordinator.sim.cluster_simulation import ClusterSimulation
 from kvmesh.coordinator.sim.cost_model import SimCostModel
@@ -173,6 +183,12 @@ def _cell_text(c: dict[str, Any]) -> str:
     return f"{real:>8} / {c['sim']:8.1f} ({c['sim_over_real']:4.2f} {verdict})"
 
 
+def cells_within(rows: list[dict[str, Any]]) -> tuple[int, int]:
+    """(cells within the tolerance, cells with a verdict) over one policy's rates."""
+    verdicts = [r[k]["within_tolerance"] for r in rows for k in KEYS]
+    return sum(v is True for v in verdicts), sum(v is not None for v in verdicts)
+
+
 def print_table(result: dict[str, Any], tolerance: float = 0.2) -> None:
     print(
         "policy        rate      n  "
@@ -191,12 +207,13 @@ def print_table(result: dict[str, Any], tolerance: float = 0.2) -> None:
                 + f"  {'ok' if r['within_tolerance'] else 'no':>3}"
                 + f"  {r['reuse']['real']:5.0%} / {r['reuse']['sim']:4.0%}"
             )
-            verdicts = [r[k]["within_tolerance"] for k in KEYS]
-            cells += sum(v is not None for v in verdicts)
-            within += sum(v is True for v in verdicts)
+    counts = {policy: cells_within(rows) for policy, rows in result.items()}
+    within, cells = sum(c[0] for c in counts.values()), sum(c[1] for c in counts.values())
+    per_policy = ", ".join(f"{p} {w}/{n}" for p, (w, n) in counts.items())
     print(
         f"(real / simulated (simulated over real, ok: within {tolerance:.0%}); times in ms; "
         f"n: simulated requests, !real count where they differ) {within} of {cells} cells within"
+        f" ({per_policy})"
     )
 
 
@@ -210,20 +227,28 @@ def main() -> None:  # noqa: D103
     parser.add_argument(
         "--cost-model", type=Path, help="JSON object of cost-model fields (default: the defaults)"
     )
+    parser.add_argument(
+        "--cost",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="replace one cost-model field over --cost-model's (repeatable; a what-if)",
+    )
     args = parser.parse_args()
     try:
         report = json.loads(args.real.read_text())
     except (OSError, ValueError) as exc:
         sys.exit(f"sim_vs_real: cannot read {args.real}: {exc}")
     try:
-        cost = SimCostModel.from_json(args.cost_model) if args.cost_model else None
+        cost = SimCostModel.from_json(args.cost_model) if args.cost_model else SimCostModel()
+        cost = SimCostModel.from_mapping(parse_overrides(args.cost), cost)
     except (OSError, ValueError) as exc:
-        sys.exit(f"sim_vs_real: cannot use {args.cost_model}: {exc}")
+        sys.exit(f"sim_vs_real: cannot use {args.cost_model or ''} {args.cost}: {exc}")
     result = compare(report, args.tolerance, cost)
     print_table(result, args.tolerance)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        out = {"tolerance": args.tolerance, "cost_model": (cost or SimCostModel()).as_dict()}
+        out = {"tolerance": args.tolerance, "cost_model": cost.as_dict()}
         args.json.write_text(json.dumps({**out, "results": result}, indent=2))
 
 

@@ -340,13 +340,14 @@ class ClusterSimulation:
         worker = self.workers[w]
         outcome = worker.advance(self.now_ms)
         self._fleet_pools.refresh(w)
-        if outcome.prefilled is not None:
-            request = outcome.prefilled.request
+        for seq in outcome.prefilled:
+            request = seq.request
+            self._note_admitted(w, seq)  # one batched into a step was not seen at admission
             latency = self.config.cost.service_latency_ms
             coordinator = request.index % len(self.coordinators)
             client_ms = self.delivery.open(request.index, coordinator, self.now_ms)
             self._ttft[request.index] = client_ms - request.arrival_ms + latency
-            self.backend.first_token(outcome.prefilled)
+            self.backend.first_token(seq)
             next(self._streams[request.index])  # the coordinator sees the first token
         for seq in outcome.finished:
             self._finish(seq)
@@ -375,10 +376,13 @@ class ClusterSimulation:
         seq = self.workers[w].try_admit(self.now_ms)
         self._fleet_pools.refresh(w)
         if seq is not None:
-            self._cached[seq.request.index] = seq.cached_tokens
-            self._pulled[seq.request.index] = seq.pulled_tokens
-            self._worker_of[seq.request.index] = w
+            self._note_admitted(w, seq)
             self._flush_events(w)
+
+    def _note_admitted(self, w: int, seq: SimSequence) -> None:
+        self._cached[seq.request.index] = seq.cached_tokens
+        self._pulled[seq.request.index] = seq.pulled_tokens
+        self._worker_of[seq.request.index] = w
 
     def _schedule(self, w: int) -> None:
         worker = self.workers[w]

@@ -7,6 +7,9 @@
                                + context_tokens * decode_per_context_token_ms
                                + host_step_ms(batch)
     host_step_ms(seqs)       = host_step_fixed_ms + seqs * host_step_per_seq_ms
+    prefill_batch_step_ms([(new_i, cached_i)])
+                             = prefill_fixed_ms + sum_i (prefill_ms(new_i, cached_i)
+                               - prefill_fixed_ms) + host_step_ms(len(chunks))
     delivery_ms(streams)     = delivery_fixed_ms + streams * delivery_per_stream_ms
 
 A step is the GPU's work plus the engine's host work around it (scheduling, sampling, KV events,
@@ -31,6 +34,10 @@ matmul 790 TFLOP/s, pinned PCIe 55 GB/s, 2026-11-26) and the model's shape (32 l
   * chunk_tokens 8192: the chunked-prefill budget vLLM and SGLang use on an H100; running decodes
     ride along each prefill chunk, so a chunk costs one decode step more (decodes_ride_prefill;
     kvmesh's own engine runs a prompt in one step and its decodes wait through it).
+  * prefill_batch_tokens 0: one prefill a step. kvmesh's engine admits every waiting request
+    whose new tokens fit `max_num_batched_tokens` (8192) into one prefill step
+    (`workers/engine/scheduler.py`): one forward, so the fixed part and the step's host time
+    are paid once for all of them.
   * service_latency_ms 0: compute alone. Measured through kvmesh on an H100 (gRPC + Ray, local
     hit of 7.5K of 8K cached): 15-17 ms over the runner's forward (`docs/benchmarks.md`).
   * host_step_fixed_ms, host_step_per_seq_ms, delivery_fixed_ms, delivery_per_stream_ms 0: the
@@ -48,7 +55,7 @@ Override any of them with `--cost-model FILE.json` (a JSON object of these field
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -76,6 +83,12 @@ class SimCostModel:
     """Extra decode-step cost per token of KV the batch attends to."""
     chunk_tokens: int = 8192
     """Chunked-prefill budget: a prefill of n new tokens runs in ceil(n / chunk_tokens) steps."""
+    prefill_batch_tokens: int = 0
+    """New tokens one prefill step may carry over several waiting requests, as kvmesh's engine
+    does (its scheduler's `max_num_batched_tokens`, 8192): the head of the queue always runs,
+    however long; the requests behind it join its last step in arrival order while their new
+    tokens fit what is left and their KV is ready (no pull, no host copy). 0: one prefill a step.
+    Needs `decodes_ride_prefill` false (kvmesh's engine's step shape)."""
     decodes_ride_prefill: bool = True
     """Each prefill chunk's step carries the running decodes, each of which gets its token (vLLM's
     and SGLang's chunked prefill). False: a prefill step runs alone and the decodes wait for it
@@ -108,6 +121,11 @@ class SimCostModel:
                 raise ValueError(f"{f.name} must be >= 0, got {value}")
         if self.chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
+        if self.prefill_batch_tokens and self.decodes_ride_prefill:
+            raise ValueError(
+                f"prefill_batch_tokens {self.prefill_batch_tokens} needs decodes_ride_prefill "
+                "false: kvmesh's engine batches prefills in steps that carry no decodes"
+            )
 
     @classmethod
     def from_mapping(
@@ -182,6 +200,19 @@ class SimCostModel:
             + self.decode_step_ms(batch_size, context_tokens)
             + own_host_ms
         )
+
+    def prefill_batch_step_ms(self, chunks: Sequence[tuple[int, int]]) -> float:
+        """A prefill step over several sequences' chunks, each (new tokens, tokens before them),
+        no decodes in it: one forward, so its fixed part and the step's fixed host time are
+        paid once, each chunk's tokens and attention and host time per sequence each time.
+        One chunk costs what `chunk_step_ms(new, done, 0, 0)` does."""
+        if not chunks:
+            raise ValueError("a prefill step needs at least one chunk")
+        for new, done in chunks:
+            if new < 1 or done < 0:
+                raise ValueError(f"a chunk needs >= 1 new token and >= 0 before it: {new}, {done}")
+        own = sum(self.prefill_ms(new, done) - self.prefill_fixed_ms for new, done in chunks)
+        return self.prefill_fixed_ms + own + self.host_step_ms(len(chunks))
 
     def host_step_ms(self, num_seqs: int) -> float:
         """The engine's host work in a step over `num_seqs` sequences (0 for an empty step)."""

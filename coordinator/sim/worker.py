@@ -16,6 +16,11 @@ worker can match, and what it evicts, is exactly what the live system would do.
   the chunk's prefill plus one decode step. A long prefill therefore slows every running
   sequence's time per output token, as on a real engine. With `decodes_ride_prefill` off (as
   kvmesh's own engine runs) a chunk step is the prefill's alone and the decodes wait through it.
+* With `prefill_batch_tokens` (kvmesh's engine's `max_num_batched_tokens`), the requests queued
+  behind the prefilling one join its last step while their new tokens fit the budget left, the
+  pool can reserve their blocks and their KV is ready (no pull, no host copy), as the engine's
+  scheduler admits every waiting request that fits into one prefill step; they all get their
+  first token when the step ends. Without it, one prefill a step.
 * The batch changes only at step boundaries: a request that arrives mid-step starts its prefill
   at the next boundary; a sequence leaves at the end of the step that made its last token.
 * A planned pull copies the blocks the peer still holds at admission. The copy runs beside the
@@ -109,8 +114,9 @@ class SimSequence:
 class StepOutcome:
     """What happened on a worker at one event time."""
 
-    prefilled: SimSequence | None
-    """The sequence whose prefill (and first token) completed, if any."""
+    prefilled: tuple[SimSequence, ...]
+    """The sequences whose prefill (and first token) completed: the prefilling one and those
+    that rode its last step, in arrival order; empty if none."""
     finished: tuple[SimSequence, ...]
     """Sequences that generated their last token."""
 
@@ -120,6 +126,7 @@ class SimWorker:
 
     Invariants (checked by `check_invariants`):
       * at most one sequence prefills; a chunk step is in flight only while one does
+      * riders (sequences batched into the prefill's last step) exist only while that step runs
       * every running sequence holds its reserved blocks
       * context_base == sum of the decoding sequences' context_base
       * a decode run exists iff sequences decode and no chunk step is in flight
@@ -147,6 +154,7 @@ class SimWorker:
         self.root = root
         self.queue: deque[tuple[SimRequest, PullSource | None]] = deque()
         self.prefilling: SimSequence | None = None
+        self._riders: list[SimSequence] = []  # batched into the prefilling one's last step
         self._prefill_done = 0  # prompt tokens of `prefilling` whose KV is ready
         self._load_end_ms = 0.0  # its pulled KV has landed by then
         self._chunk_len = 0
@@ -189,11 +197,13 @@ class SimWorker:
         )
         if self.prefilling is not None:
             queued += self.prefilling.request.prompt_len - self.prefilling.cached_tokens
+        queued += sum(r.request.prompt_len - r.cached_tokens for r in self._riders)
         return queued
 
     @property
     def num_requests(self) -> int:
-        return len(self.queue) + (self.prefilling is not None) + len(self._batch)
+        prefilling = (self.prefilling is not None) + len(self._riders)
+        return len(self.queue) + prefilling + len(self._batch)
 
     def enqueue(
         self, request: SimRequest, pull: PullSource | None = None, origin: str = ""
@@ -226,7 +236,7 @@ class SimWorker:
         """Bring the worker to `now_ms` (a step boundary): end the chunk step and the sequences
         due by then, and start the next chunk when the prefill's KV is ready."""
         self._sync(now_ms)
-        prefilled = None
+        prefilled: tuple[SimSequence, ...] = ()
         if self._chunk_end_ms <= now_ms + BOUNDARY_EPSILON_MS:
             self._chunk_end_ms = math.inf
             if self.cost.decodes_ride_prefill:
@@ -235,9 +245,11 @@ class SimWorker:
             seq = self.prefilling
             assert seq is not None
             if self._prefill_done >= seq.request.prompt_len:
-                self.prefilling, prefilled = None, seq
-                self._join(seq, now_ms)
-                self.notes.prefilled(seq.request.request_id)
+                self.prefilling, prefilled = None, (seq, *self._riders)
+                self._riders = []
+                for done in prefilled:
+                    self._join(done, now_ms)
+                    self.notes.prefilled(done.request.request_id)
         finished = self._retire()
         self._rebase(now_ms)
         self._maybe_start_chunk(now_ms)
@@ -346,11 +358,50 @@ class SimWorker:
         if self._load_end_ms > now_ms + BOUNDARY_EPSILON_MS:
             return  # the pull has not landed: decode steps go on meanwhile
         self._chunk_len = min(self.cost.chunk_tokens, seq.request.prompt_len - self._prefill_done)
-        duration = self.cost.chunk_step_ms(
-            self._chunk_len, self._prefill_done, len(self._batch), self._batch_context()
-        )
+        last_step = self._prefill_done + self._chunk_len >= seq.request.prompt_len
+        if last_step and self.cost.prefill_batch_tokens:
+            self._take_riders(now_ms, self.cost.prefill_batch_tokens - self._chunk_len)
+        riders = self._riders
+        if riders:
+            chunks = [(self._chunk_len, self._prefill_done)]
+            chunks += [(r.request.prompt_len - r.cached_tokens, r.cached_tokens) for r in riders]
+            duration = self.cost.prefill_batch_step_ms(chunks)
+        else:
+            duration = self.cost.chunk_step_ms(
+                self._chunk_len, self._prefill_done, len(self._batch), self._batch_context()
+            )
         self._chunk_end_ms = now_ms + duration
         self._run = None
+
+    def _take_riders(self, now_ms: float, budget_tokens: int) -> None:
+        """Admit the queued requests that fit the step's budget, in order, stopping at the first
+        that does not (too many new tokens, blocks the pool cannot reserve, KV not ready): the
+        engine's scheduler admits a prefix of its queue the same way."""
+        pool, bs = self.pool, self.block_size
+        while self.queue:
+            request, pull = self.queue[0]
+            if pull is not None and self._pullable_tokens(request, pull) > 0:
+                return  # its KV comes over a link: it prefills in a step of its own
+            matched = pool.match_prefix(request.prompt_hashes)
+            if self.host is not None and self.host.match(request.prompt_hashes[len(matched) :]):
+                return  # part of its KV is on the host: copied before its step
+            cached = num_reusable_tokens(request.prompt_len, len(matched), bs)
+            if request.prompt_len - cached > budget_tokens:
+                return
+            need = request.num_reserved_blocks - len(matched)
+            reclaimed = sum(1 for b in matched if pool.ref_count(b) == 0)
+            if need > pool.num_free - reclaimed:
+                return
+            self.queue.popleft()
+            pool.acquire(matched)
+            fresh = pool.allocate(need)
+            assert fresh is not None
+            self._demote_evicted()
+            rider = SimSequence(request, matched + fresh, len(matched), cached, 0, now_ms)
+            if self.register_on_admit:
+                self._register(rider, rider.num_matched_blocks, request.num_prompt_blocks)
+            self._riders.append(rider)
+            budget_tokens -= request.prompt_len - cached
 
     def _join(self, seq: SimSequence, now_ms: float) -> None:
         request = seq.request
@@ -399,6 +450,9 @@ class SimWorker:
     def check_invariants(self) -> None:
         assert self.context_base == sum(s.context_base for _, _, s in self._batch)
         assert self._chunk_end_ms == math.inf or self.prefilling is not None
+        assert not self._riders or self._chunk_end_ms < math.inf
+        for rider in self._riders:
+            assert all(self.pool.ref_count(b) > 0 for b in rider.blocks)
         assert (self._run is not None) == (bool(self._batch) and self._chunk_end_ms == math.inf)
         for _, _, seq in self._batch:
             assert all(self.pool.ref_count(b) > 0 for b in seq.blocks)
