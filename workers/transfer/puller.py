@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from kvmesh.workers.contract.requests import PullSpec, Transport
-from kvmesh.workers.engine.worker import BlockWriter, Worker
+from kvmesh.workers.engine.worker import BlockWriter, PullTargets, Worker
 from kvmesh.workers.kv.pull_reservation import PullReservation
 from kvmesh.workers.transfer.cuda_ipc import CudaIpcTransport
 from kvmesh.workers.transfer.nccl import NcclLink, NcclTransport
@@ -114,9 +114,10 @@ class Puller:
             reservation = await reserved
 
             def write_and_finish() -> int:
+                if reservation is None:  # nothing of this request's to write into
+                    return fill(PullTargets([]))
                 written = self.worker.write_pull(rid, fill)
-                if reservation is not None:
-                    finish(written)  # queued: the engine steps it right after this call
+                finish(written)  # queued: the engine steps it right after this call
                 return written
 
             written: int = await self._on_engine(write_and_finish)
