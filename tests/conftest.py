@@ -17,7 +17,15 @@ def ray_session() -> Iterator[None]:
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        # "local": a fresh Ray of its own, whatever cluster `ray start` last recorded here (an
+        # interrupted multi-node run leaves its dead head's address behind).
+        ray.init(
+            address="local",
+            num_cpus=8,
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+        )
     yield
     ray.shutdown()
 

@@ -40,7 +40,11 @@ def nodes(ray_session: None) -> Iterator[RayNodes]:
         cluster.shutdown()
         _retry_startup(
             lambda: ray.init(
-                num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False
+                address="local",
+                num_cpus=8,
+                include_dashboard=False,
+                log_to_driver=False,
+                configure_logging=False,
             ),
             ray.shutdown,
         )
