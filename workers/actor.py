@@ -264,7 +264,8 @@ class WorkerActor:
     def shutdown(self) -> None:
         self._puller.close()
         if self._channel_server is not None:
-            self._channel_server.close()
+            server = self._channel_server
+            server.get_loop().call_soon_threadsafe(server.close)  # from any thread
             with contextlib.suppress(OSError):
                 os.unlink(self._channel_path)
         self._engine.stop()

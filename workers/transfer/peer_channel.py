@@ -116,6 +116,7 @@ class PeerChannel:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._reader = reader
         self._writer = writer
+        self._loop = asyncio.get_running_loop()
         self._lock = asyncio.Lock()
         self.broken = False
 
@@ -139,5 +140,7 @@ class PeerChannel:
                 raise ChannelError(f"the peer channel broke: {exc!r}") from None
 
     def close(self) -> None:
+        """Safe from any thread (a Ray actor's plain methods may run off its event loop)."""
         self.broken = True
-        self._writer.close()
+        if not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._writer.close)
