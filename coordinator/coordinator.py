@@ -137,13 +137,13 @@ class Coordinator:
         self.note_sink: Callable[[NoteBatch], None] | None = None
         """Where each routing decision goes as a `RequestTaken` note for the other replicas
         (the deployment's `NoteSender`; None: peers hear of it from the worker only)."""
-        self._lock = threading.Lock()  # guards policy, load tracker and counters
+        self.lock = threading.Lock()  # guards policy, load tracker and counters
         self.counters = RequestCounters()
         self.transfers = transfers
         if transfers is not None:
             self.policy.transfer_ms = transfers.price
             self.policy.transfer_ms_many = transfers.price_many
-        self._clock = clock
+        self.clock = clock
         self.observers = tuple(observers)
         """Told of every routing decision and every request's end (metrics, the request log)."""
         self.decisions = DecisionReplica(
@@ -152,7 +152,7 @@ class Coordinator:
             self.peer_routes,
             registry,
             self.counters,
-            self._lock,
+            self.lock,
             origin=self.origin,
             max_commit_retries=config.max_commit_retries,
             max_move_rate=config.speculation_max_move_rate,
@@ -194,10 +194,10 @@ class Coordinator:
                 lambda: self.fleet.columns(prompt, live, self.cost_model),
                 speculative.send if speculative is not None else None,
             )
-        with self._lock:
-            started = self._clock()
+        with self.lock:
+            started = self.clock()
             decision = self.policy.choose(query, self.fleet.columns(prompt, live, self.cost_model))
-            elapsed = self._clock() - started
+            elapsed = self.clock() - started
         for observer in self.observers:
             observer.on_routed(elapsed)
         return decision
@@ -229,7 +229,7 @@ class Coordinator:
         `SessionBusy`) another turn of the session in flight, and routes only then.
         `max_tokens_known=False`: `sampling.max_tokens` is a server default (the rest of the
         context), not the caller's, so the router treats the answer's length as unknown."""
-        started = self._clock()
+        started = self.clock()
         self.prompts.check_sampling(prompt, sampling)
         if prompt.media:
             raise InvalidRequest(
@@ -296,8 +296,8 @@ class Coordinator:
             request, outputs = speculative.request, speculative.stream
         else:
             request = self._worker_request(prompt, sampling, session_id, request_id, pull, chosen)
-        with self._lock:
-            uncached = self._uncached_tokens(len(prompt.token_ids), matched)
+        with self.lock:
+            uncached = self.uncached_tokens(len(prompt.token_ids), matched)
             self.load.on_routed(request.request_id, chosen, predicted, uncached)
             self.counters.num_requests += 1
         if self.note_sink is not None:
@@ -382,28 +382,28 @@ class Coordinator:
             f"no worker serves adapter {adapter!r}; served: {self.registry.adapters()}"
         )
 
-    def _uncached_tokens(self, prompt_len: int, matched_blocks: int) -> int:
+    def uncached_tokens(self, prompt_len: int, matched_blocks: int) -> int:
         """Prompt tokens the worker must prefill (the last one always is)."""
         return prompt_len - num_reusable_tokens(prompt_len, matched_blocks, self.config.block_size)
 
     def note_refused(self, label: str, outcome: str, reason: str, *, request_id: str = "") -> None:
         """A request refused before it reached a worker (invalid input, no live worker)."""
         if self.observers:
-            self._notify(RequestRecord(request_id or label, label, outcome, reason=reason))
+            self.notify(RequestRecord(request_id or label, label, outcome, reason=reason))
 
-    def _notify(self, record: RequestRecord) -> None:
+    def notify(self, record: RequestRecord) -> None:
         for observer in self.observers:
             observer.on_request_done(record)
 
     def forget_worker(self, worker_id: str) -> None:
         """A worker is gone (the registry's on_dead): drop its load and the policy's state."""
-        with self._lock:
+        with self.lock:
             self.load.forget_worker(WorkerId(worker_id))
             self.policy.on_worker_removed(WorkerId(worker_id))
             self.peer_routes.forget_worker(WorkerId(worker_id))
 
     def stats(self) -> dict[str, Any]:
-        with self._lock:
+        with self.lock:
             snapshot = self.counters.snapshot(self.turns.num_refused)
         snapshot["num_indexed_blocks"] = self.mirror.num_blocks
         snapshot["num_events_applied"] = self.mirror.num_events_applied
@@ -415,12 +415,12 @@ class Coordinator:
         magnitude)."""
         report = ReportedLoad(info.num_queued_prefill_tokens, info.num_running + info.num_waiting)
         self.registry.set_adapters(worker_id, info.adapters)
-        with self._lock:
+        with self.lock:
             self.load.on_reported(WorkerId(worker_id), report)
         measured = info.counters.prefill_ms_per_token
         if measured <= 0:
             return
-        with self._lock:
+        with self.lock:
             self.cost_model = self.cost_model.with_measured_prefill(measured)
             self.policy.cost_model = self.cost_model
 
@@ -429,13 +429,13 @@ class Coordinator:
         in this replica's load tracker from now on (`PeerRoutes`)."""
         if not self.registry.is_known(batch.worker_id):
             return
-        with self._lock:
-            self.peer_routes.apply(batch, self.cost_model, self._clock())
+        with self.lock:
+            self.peer_routes.apply(batch, self.cost_model, self.clock())
 
     def forget_peer_routes(self) -> None:
         """Request notes were skipped (the follower rebuilt from Redis): let go of the other
         replicas' requests, whose ends may be among them."""
-        with self._lock:
+        with self.lock:
             self.peer_routes.clear()
 
     def indexed_blocks_of(self, worker_id: str) -> int:

@@ -70,7 +70,7 @@ class RequestStream:
                     for event in self._worker_events():
                         self.produced.extend(event.token_ids)
                         if first_at is None:
-                            first_at = c._clock()
+                            first_at = c.clock()
                         if event.prefill is not None:
                             prefills.append(event.prefill)
                         yield event
@@ -93,7 +93,7 @@ class RequestStream:
         finally:
             if count_turn:
                 c.turns.end(request.session_id)
-            with c._lock:
+            with c.lock:
                 c.load.on_finished(self.current.request_id)
                 c.policy.on_request_done(self.current.request_id)
                 if self.current is not request:
@@ -108,7 +108,7 @@ class RequestStream:
                 record = finished_record(
                     request, self.label, outcome, self.worker, ttft, prefills, self.produced
                 )
-                c._notify(replace(record, num_migrations=self.migrations, reason=reason))
+                c.notify(replace(record, num_migrations=self.migrations, reason=reason))
 
     def _worker_events(self) -> Iterator[StreamEvent]:
         c, worker = self.coordinator, self.worker
@@ -119,7 +119,7 @@ class RequestStream:
                 raise RequestRejected(out.failure.message)
             if out.prefill is not None:
                 self._on_prefilled(out.prefill)
-            with c._lock:
+            with c.lock:
                 c.counters.generated_tokens += len(out.new_token_ids)
             yield StreamEvent(
                 out.new_token_ids, worker, out.finished, out.finish_reason, out.prefill
@@ -128,7 +128,7 @@ class RequestStream:
     def _migrate(self) -> tuple[WorkerId, WorkerRequest]:
         """Re-route what is left of the original request after its worker died."""
         c, dead, original = self.coordinator, self.worker, self.request
-        with c._lock:
+        with c.lock:
             c.load.forget_worker(dead)
             c.peer_routes.forget_worker(dead)
             c.counters.num_migrations += 1
@@ -145,8 +145,8 @@ class RequestStream:
         request_id = f"{original.request_id}.m{self.migrations}"
         # raises NoLiveWorker if none; the session's affinity moves with the turn
         decision = c.route(prompt, original.session_id, request_id, remaining, commit=True)
-        with c._lock:
-            uncached = c._uncached_tokens(len(prompt.token_ids), decision.matched_blocks)
+        with c.lock:
+            uncached = c.uncached_tokens(len(prompt.token_ids), decision.matched_blocks)
             c.load.on_routed(
                 request_id, decision.worker_id, decision.predicted_prefill_ms, uncached
             )
@@ -166,6 +166,6 @@ class RequestStream:
         c, worker, request = self.coordinator, self.worker, self.current
         if request.pull is not None and c.transfers is not None:
             c.transfers.observe(request.pull.source, worker, facts)
-        with c._lock:
+        with c.lock:
             c.load.on_prefilled(request.request_id)
             c.counters.on_prefilled(worker, facts)

@@ -149,6 +149,7 @@ class WorkerActor:
                     ),
                 },
             )
+            os.chmod(path, 0o600)  # this user's processes only: a pin holds the pool's blocks
             self._channel_path = path
         return self._node_id, self._channel_path
 

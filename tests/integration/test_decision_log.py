@@ -114,7 +114,7 @@ def test_a_replica_starts_at_the_end_of_the_log(url: str) -> None:
 def _state(c: Coordinator) -> tuple:  # type: ignore[type-arg]
     policy = c.policy
     ids = [WorkerId(w) for w in WORKERS]
-    work, requests = policy._recent.snapshot(ids, c._clock())  # type: ignore[attr-defined]
+    work, requests = policy._recent.snapshot(ids, c.clock())  # type: ignore[attr-defined]
     running = policy._running.tokens_many(ids).tolist()  # type: ignore[attr-defined]
     hashes = c.prompts.prepare(PROMPT, "", "").block_hashes
     routed = [policy._routed.extend(w, hashes, 0) for w in ids]  # type: ignore[attr-defined]
