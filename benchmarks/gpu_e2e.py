@@ -302,13 +302,13 @@ def main() -> None:  # noqa: D103
     deadline = started + config.time_budget_s
     requests = workload(config)
     if config.device == "cpu":
-        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     else:
         import torch
 
         # Every GPU of the machine: a deployment asking for more GPUs than Ray knows waits forever.
         num_gpus = max(1, torch.cuda.device_count())
-        ray.init(num_gpus=num_gpus, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_gpus=num_gpus, include_dashboard=False, log_to_driver=False)
     report: dict[str, Any] = {"config": asdict(config), "results": {}, "errors": {}}
     try:
         for i, policy in enumerate(policies):

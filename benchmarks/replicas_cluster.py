@@ -236,7 +236,13 @@ def main() -> int:
     modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.speculative_dispatch]
     # A private local Ray on loopback; the --processes coordinator joins it with the same mode.
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+    )
     rows = []
     for seed in (int(s) for s in args.seeds.split(",")):
         runs = [

@@ -315,7 +315,10 @@ def main() -> None:  # noqa: D103
     if not args.skip_actor:
         import ray
 
-        ray.init(num_gpus=torch.cuda.device_count() if args.device.startswith("cuda") else 0)
+        ray.init(
+            address="local",
+            num_gpus=torch.cuda.device_count() if args.device.startswith("cuda") else 0,
+        )
         result["actor"] = actor_depth(args)
         _dump(args, result)
     print(

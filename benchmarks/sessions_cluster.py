@@ -104,7 +104,13 @@ def main() -> int:
     p.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals")
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+    )
     rows = []
     for num_blocks in (int(n) for n in args.num_blocks.split(",")):
         for seed in (int(s) for s in args.seeds.split(",")):

@@ -195,7 +195,7 @@ def check_after_drain(d: Deployment, stub: pb_grpc.KVMeshStub) -> dict[str, Any]
 def main() -> int:
     args = parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False)
     config = DeploymentConfig(
         coordinator=CoordinatorConfig(port=0),
         num_workers=args.workers,

@@ -93,7 +93,13 @@ def main() -> None:
         )
         return
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+    )
     deployment = Deployment(
         DeploymentConfig(
             coordinator=CoordinatorConfig(port=0),
