@@ -96,8 +96,8 @@ def worker_pull_trials(
         )
         samples["pull_ms"].append(out.prefill.pull_ms)
         samples["actor_target_local_ms"].append(again_ms)
-        facts_of = (("pulled", out.prefill), ("local", local.prefill))
-        for name, facts in (*facts_of, ("target_local", again.prefill)):
+        facts_of = {"pulled": out.prefill, "local": local.prefill, "target_local": again.prefill}
+        for name, facts in facts_of.items():
             samples[f"{name}_queued_ms"].append(facts.queued_ms)
             samples[f"{name}_prefill_ms"].append(facts.prefill_ms)
         samples["actor_pulled_ms"].append(pulled_ms)

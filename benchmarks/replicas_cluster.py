@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -38,6 +37,7 @@ import time
 from typing import Any
 
 import ray
+from local_ray import start_local_ray
 from result_rows import write_rows
 
 from kvmesh.client import Client
@@ -235,14 +235,7 @@ def main() -> int:
         p.error("--speculative-dispatch needs --decision-log")
     modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.speculative_dispatch]
     # A private local Ray on loopback; the --processes coordinator joins it with the same mode.
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(
-        address="local",
-        num_cpus=4,
-        include_dashboard=False,
-        log_to_driver=False,
-        configure_logging=False,
-    )
+    start_local_ray(num_cpus=4)
     rows = []
     for seed in (int(s) for s in args.seeds.split(",")):
         runs = [

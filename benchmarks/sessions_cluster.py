@@ -18,7 +18,7 @@ import subprocess
 import sys
 from typing import Any
 
-import ray
+from local_ray import start_local_ray
 from result_rows import write_rows
 
 from kvmesh.coordinator.cluster.deployment import Deployment, DeploymentConfig
@@ -104,13 +104,7 @@ def main() -> int:
     p.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals")
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args()
-    ray.init(
-        address="local",
-        num_cpus=4,
-        include_dashboard=False,
-        log_to_driver=False,
-        configure_logging=False,
-    )
+    start_local_ray(num_cpus=4)
     rows = []
     for num_blocks in (int(n) for n in args.num_blocks.split(",")):
         for seed in (int(s) for s in args.seeds.split(",")):

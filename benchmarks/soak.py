@@ -34,6 +34,8 @@ import ray
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.integration helpers
 
+from local_ray import start_local_ray
+
 from kvmesh.coordinator.cluster.deployment import Deployment, DeploymentConfig  # noqa: E402
 from kvmesh.coordinator.config import CoordinatorConfig  # noqa: E402
 from kvmesh.proto import kvmesh_pb2 as pb  # noqa: E402
@@ -194,8 +196,7 @@ def check_after_drain(d: Deployment, stub: pb_grpc.KVMeshStub) -> dict[str, Any]
 
 def main() -> int:
     args = parse_args()
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False)
+    start_local_ray()
     config = DeploymentConfig(
         coordinator=CoordinatorConfig(port=0),
         num_workers=args.workers,

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import ray
+from local_ray import start_local_ray
 
 from kvmesh.client import Client
 from kvmesh.coordinator.cluster.deployment import Deployment, DeploymentConfig
@@ -92,14 +93,7 @@ def main() -> None:
             json.dumps(run_clients(args.client, args.streams, args.tokens, args.seed)), flush=True
         )
         return
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(
-        address="local",
-        num_cpus=4,
-        include_dashboard=False,
-        log_to_driver=False,
-        configure_logging=False,
-    )
+    start_local_ray(num_cpus=4)
     deployment = Deployment(
         DeploymentConfig(
             coordinator=CoordinatorConfig(port=0),
