@@ -1,15 +1,11 @@
-"""The interface every way of pulling KV from a peer implements, for the actor that pulls.
+"""The interface every way of pulling KV from a peer implements, for the worker that pulls.
 
 A transport runs on the pulling worker's event loop. It asks the source (`PeerSource`) for the
 leading run of the plan's `hashes` it holds and hands a writer to `write`, which runs it on the
 engine thread over the blocks the request reserved (see `kv/pull_reservation.py`; `PullTargets`
 lines them up with the plan). The worker registers what was written; whatever a transport fails
-to move is recomputed. The source is asked while the worker is still reserving (both need only
-the plan), so a pull costs the longer of the two, not their sum; `write` waits for the
-reservation.
-
-    actor.submit --+--> worker.add_request (reserve) ----+--> write: fill, finish_pull --> step
-                   +--> transport.fetch: ask the source --+
+to move is recomputed. `write` waits for the reservation, which the engine makes while the
+source is being asked (the order of a pull: `puller.py`).
 """
 
 from __future__ import annotations
