@@ -8,10 +8,16 @@ Every policy gets a fresh deployment (fresh caches, its own Redis) inside one Ra
 rates reuse one request stream in disjoint slices: the same system prompts, never the same
 question, so caches carry over from rate to rate as in a long-running service.
 
+`--calibrate` measures, on the first deployment after its warm-up and before its sweep, what the
+simulator's step model needs (`deployment_calibration.py`: a hit's and a cold prompt's TTFT at
+the client and the worker's own split, the worker's decode step and the client's time per token
+at `--calibrate-batches` sequences on every worker, a short stream's end), under the report's
+`calibration` key. Its time is added to the time budget, so the sweep keeps its share.
+
 Usage (GPU machine): python benchmarks/gpu_e2e.py --json $OUT/e2e.json --png $OUT/e2e.png
 Smoke test (CPU):    python benchmarks/gpu_e2e.py --device cpu --model tiny-random \
                         --num-blocks 512 --system-len 200 --question-len 20 --vocab-size 256 \
-                        --rates 2,4 --duration 3
+                        --rates 2,4 --duration 3 [--calibrate --calibrate-trials 2]
 """
 
 from __future__ import annotations
@@ -26,11 +32,17 @@ from typing import Any
 
 import numpy as np
 import ray
+from deployment_calibration import (  # type: ignore[import-not-found]
+    Calibration,
+    CalibrationShape,
+    print_summary,
+)
 
 from kvmesh.client.async_client import AsyncClient
 from kvmesh.client.bench import BenchSample, send_times, summarize
 from kvmesh.client.errors import KVMeshError
 from kvmesh.client.workloads import SharedPrefixConfig, WorkloadRequest, shared_prefix
+from kvmesh.coordinator.cluster.cluster import Cluster
 from kvmesh.coordinator.cluster.deployment import Deployment, DeploymentConfig
 from kvmesh.coordinator.config import CoordinatorConfig
 from kvmesh.workers.config import WorkerConfig
@@ -62,6 +74,12 @@ class E2EConfig:
     seed: int
     cuda_graphs: bool = True
     """Workers replay decode steps as CUDA graphs (`--no-cuda-graphs`: eager launches)."""
+    calibrate_batches: tuple[int, ...] = ()
+    """Sequences per worker of the calibration's decode phase; empty: no calibration."""
+    calibrate_trials: int = 4
+    """The calibration's hits (and cold prompts) per worker and path."""
+    calibrate_decode_tokens: int = 32
+    """Tokens of each sequence of the calibration's decode phase."""
 
 
 def parse_args() -> tuple[E2EConfig, Path | None, Path | None, list[str]]:
@@ -84,6 +102,14 @@ def parse_args() -> tuple[E2EConfig, Path | None, Path | None, list[str]]:
     p.add_argument("--policies", default="round_robin,kvmesh,least_loaded")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-cuda-graphs", action="store_true", help="workers decode without graphs")
+    p.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure the simulator's step terms on the first deployment before its sweep",
+    )
+    p.add_argument("--calibrate-batches", default="1,4,8,16", help="sequences per worker")
+    p.add_argument("--calibrate-trials", type=int, default=4)
+    p.add_argument("--calibrate-decode-tokens", type=int, default=32)
     p.add_argument("--json", type=Path)
     p.add_argument("--png", type=Path)
     a = p.parse_args()
@@ -105,6 +131,11 @@ def parse_args() -> tuple[E2EConfig, Path | None, Path | None, list[str]]:
         request_timeout_s=a.request_timeout,
         seed=a.seed,
         cuda_graphs=not a.no_cuda_graphs,
+        calibrate_batches=(
+            tuple(int(b) for b in a.calibrate_batches.split(",")) if a.calibrate else ()
+        ),
+        calibrate_trials=a.calibrate_trials,
+        calibrate_decode_tokens=a.calibrate_decode_tokens,
     )
     return config, a.json, a.png, [s.strip() for s in a.policies.split(",")]
 
@@ -186,14 +217,44 @@ async def run_rate(
     return list(samples), time.perf_counter() - start
 
 
+def calibration_shape(config: E2EConfig) -> CalibrationShape:
+    return CalibrationShape(
+        system_len=config.system_len,
+        question_len=config.question_len,
+        output_len=config.output_len,
+        vocab_size=config.vocab_size,
+        batches=config.calibrate_batches,
+        decode_tokens=config.calibrate_decode_tokens,
+        trials=config.calibrate_trials,
+        seed=config.seed,
+    )
+
+
 async def sweep_policy(
-    address: str, config: E2EConfig, requests: list[WorkloadRequest], deadline: float
-) -> list[dict[str, Any]]:
+    address: str,
+    config: E2EConfig,
+    requests: list[WorkloadRequest],
+    deadline: float,
+    calibrate_on: Cluster | None = None,
+) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """The policy's rows, and the calibration block when `calibrate_on` is given (its time is
+    added to `deadline`)."""
     rows: list[dict[str, Any]] = []
+    calibration: dict[str, Any] | None = None
     async with AsyncClient(address, timeout_s=config.request_timeout_s) as client:
         await client.wait_ready(30.0)
         worker_ids = [w.worker_id for w in await client.list_workers()]
         await warm_up(client, config, worker_ids)
+        if calibrate_on is not None:
+            started = time.monotonic()
+            try:
+                shape = calibration_shape(config)
+                calibration = await Calibration(client, calibrate_on, worker_ids, shape).run()
+                print_summary(calibration)
+            except Exception as exc:  # the sweep still runs; the report says why it has no fit
+                print(f"  calibration failed: {exc!r}", flush=True)
+                calibration = {"error": repr(exc), "wall_s": time.monotonic() - started}
+            deadline += calibration["wall_s"]
         offset = 0
         for i, rate in enumerate(config.rates):
             if rows and time.monotonic() > deadline:  # every policy gets at least one rate
@@ -216,7 +277,7 @@ async def sweep_policy(
             )
             if metrics["ttft_p90_ms"] > config.stop_p90_s * 1e3:
                 break
-    return rows
+    return rows, calibration
 
 
 def max_rate_under(rows: list[dict[str, Any]], p90_ms: float) -> float:
@@ -318,12 +379,23 @@ def main() -> None:  # noqa: D103
             try:
                 deployment = start_deployment(config, policy)
                 print(f"{policy}: deployment up in {time.monotonic() - t0:.1f} s", flush=True)
+                calibrate = bool(config.calibrate_batches) and "calibration" not in report
                 try:
-                    report["results"][policy] = asyncio.run(
-                        sweep_policy(deployment.address, config, requests, policy_deadline)
+                    rows, calibration = asyncio.run(
+                        sweep_policy(
+                            deployment.address,
+                            config,
+                            requests,
+                            policy_deadline,
+                            deployment.cluster if calibrate else None,
+                        )
                     )
                 finally:
                     deployment.stop()
+                report["results"][policy] = rows
+                if calibration is not None:
+                    report["calibration"] = calibration
+                    deadline += calibration["wall_s"]  # the sweeps keep their time
             except Exception as exc:  # one policy's failure must not lose the others' sweeps
                 print(f"{policy}: failed: {exc!r}", flush=True)
                 report["errors"][policy] = repr(exc)

@@ -1,4 +1,13 @@
-"""The simulator's step and delivery terms, fitted from `service_path.py`'s four depths.
+"""The simulator's step and delivery terms, fitted from `service_path.py`'s four depths, or
+derived from the deployment an end-to-end run judges (`--calibration`).
+
+`--calibration REPORT` takes a `gpu_e2e.py --calibrate` report instead and derives the cost model
+from its `calibration` block, measured in that run's own deployment before its sweep; the
+derivation is `kvmesh.coordinator.sim.calibration`'s docstring. `--base` gives what the block
+does not measure: the attention rate, the decode step's GPU terms that split the measured step
+from the engine's host time (`docs/data/sim_cost_h100_service_path.json`: the runner's, on an
+H100), the transfer terms. `sim_vs_real.py --cost-model-from-report` does the same from the report
+it compares, so the device run's JSON alone gives the calibrated comparison.
 
 `service_path.py` serves the same requests at four depths on one GPU: the runner's forward, the
 engine (`Worker.step()` in-process), the worker's Ray actor, and the whole service (gRPC, the
@@ -40,6 +49,8 @@ Usage: python benchmarks/sim_cost_fit.py docs/data/service_path_shared_stream_h1
            [more service_path JSON ...] [--base FILE] \
            [--runner docs/data/gpu_runner_final_h100.json] \
            [--out docs/data/sim_cost_h100_service_path.json]
+       python benchmarks/sim_cost_fit.py --calibration E2E.json \
+           --base docs/data/sim_cost_h100_service_path.json [--out FILE]
 The first file is the one written to --out; every file's fit is printed.
 """
 
@@ -51,6 +62,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvmesh.coordinator.sim.calibration import (
+    CalibratedFit,
+    DeploymentCalibration,
+    calibrated_fields,
+)
 from kvmesh.coordinator.sim.cost_model import SimCostModel
 
 BASE = Path("docs/data/sim_cost_h100_measured.json")
@@ -117,6 +133,33 @@ def runner_prefill_per_token_ms(report: dict[str, Any], base: SimCostModel) -> f
     return per_token
 
 
+def from_calibration(
+    report: dict[str, Any], base_fields: dict[str, Any]
+) -> tuple[dict[str, Any], CalibratedFit]:
+    """The cost model (`base_fields` with the derived fields and kvmesh's engine's step shape
+    over them) from a `gpu_e2e.py --calibrate` report, and the fit it came from."""
+    block = report.get("calibration")
+    if not isinstance(block, dict):
+        raise ValueError("the report has no calibration block (run gpu_e2e.py with --calibrate)")
+    if "error" in block:
+        raise ValueError(f"the report's calibration failed: {block['error']}")
+    calibration = DeploymentCalibration.from_mapping(block)
+    fitted = calibrated_fields(calibration, SimCostModel.from_mapping(base_fields))
+    merged = {**base_fields, **rounded(fitted.fields), **ENGINE}
+    SimCostModel.from_mapping(merged)  # every field known and >= 0
+    return merged, fitted
+
+
+def print_calibrated(path: Path, fitted: CalibratedFit) -> None:
+    print(f"{path} (calibration):")
+    for key, value in rounded(fitted.fields).items():
+        print(f"  {key:30s} {value:g}")
+    for key, value in fitted.checks.items():
+        print(f"  check {key:36s} {value:.2f}")
+    for note in fitted.notes:
+        print(f"  note: {note}")
+
+
 def rounded(fields: dict[str, float]) -> dict[str, float]:
     """Three significant figures: the measurement's precision, at most."""
     return {k: float(f"{v:.3g}") for k, v in fields.items()}
@@ -126,15 +169,29 @@ def main() -> None:  # noqa: D103
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument("reports", type=Path, nargs="+", help="service_path.py JSON reports")
+    parser.add_argument("reports", type=Path, nargs="*", help="service_path.py JSON reports")
+    parser.add_argument(
+        "--calibration",
+        type=Path,
+        help="gpu_e2e.py --calibrate report: the cost model from its calibration block",
+    )
     parser.add_argument("--base", type=Path, default=BASE, help="cost-model JSON the fit extends")
     parser.add_argument(
         "--runner", type=Path, help="gpu_runner.py report: the prefill rate per token from it"
     )
     parser.add_argument("--out", type=Path, help="write the first report's cost model here")
     args = parser.parse_args()
+    if bool(args.reports) == bool(args.calibration):
+        parser.error("give service_path.py reports or --calibration, one of the two")
     try:
         base_fields = json.loads(args.base.read_text())
+        if args.calibration:
+            merged, fitted = from_calibration(json.loads(args.calibration.read_text()), base_fields)
+            print_calibrated(args.calibration, fitted)
+            if args.out:
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps(merged, indent=2) + "\n")
+            return
         base = SimCostModel.from_mapping(base_fields)
         if args.runner:
             per_token = runner_prefill_per_token_ms(json.loads(args.runner.read_text()), base)

@@ -15,13 +15,18 @@ Every cell is real / simulated (simulated over real) and a verdict: `ok` when th
 failed, or one-token answers). A policy the real run did not finish is reported and skipped.
 Takes `gpu_e2e.py --json`'s report as it is.
 
+`--cost-model-from-report` derives the cost model from the report's own `calibration` block
+(`gpu_e2e.py --calibrate`: measured in the run's deployment before its sweep; the derivation is
+`kvmesh.coordinator.sim.calibration`'s docstring, as `sim_cost_fit.py --calibration` prints it),
+over `--cost-model`'s fields (which give what the block does not measure).
+
 `--cost FIELD=VALUE` (repeatable) replaces one field over `--cost-model`'s, for what-if runs
 (a term changed to see what it would take, not a calibration). The last line counts the cells
 within, in all and per policy.
 
 Usage: python benchmarks/sim_vs_real.py docs/data/gpu_e2e_8b_2gpu_h100_pull_calls.json \
-           [--cost-model docs/data/sim_cost_h100_service_path.json] [--cost FIELD=VALUE ...] \
-           [--json FILE] [--tolerance 0.2]
+           [--cost-model docs/data/sim_cost_h100_service_path.json] [--cost-model-from-report] \
+           [--cost FIELD=VALUE ...] [--json FILE] [--tolerance 0.2]
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from sim_cost_fit import from_calibration, print_calibrated  # type: ignore[import-not-found]
 
 from kvmesh.client.bench import send_times
 from kvmesh.client.workloads import (
@@ -228,6 +234,11 @@ def main() -> None:  # noqa: D103
         "--cost-model", type=Path, help="JSON object of cost-model fields (default: the defaults)"
     )
     parser.add_argument(
+        "--cost-model-from-report",
+        action="store_true",
+        help="the cost model from the report's calibration block, over --cost-model's",
+    )
+    parser.add_argument(
         "--cost",
         action="append",
         default=[],
@@ -240,7 +251,13 @@ def main() -> None:  # noqa: D103
     except (OSError, ValueError) as exc:
         sys.exit(f"sim_vs_real: cannot read {args.real}: {exc}")
     try:
-        cost = SimCostModel.from_json(args.cost_model) if args.cost_model else SimCostModel()
+        base = json.loads(args.cost_model.read_text()) if args.cost_model else {}
+        if not isinstance(base, dict):
+            raise ValueError("expected a JSON object of cost-model fields")
+        if args.cost_model_from_report:
+            base, fitted = from_calibration(report, base)
+            print_calibrated(args.real, fitted)
+        cost = SimCostModel.from_mapping(base)
         cost = SimCostModel.from_mapping(parse_overrides(args.cost), cost)
     except (OSError, ValueError) as exc:
         sys.exit(f"sim_vs_real: cannot use {args.cost_model or ''} {args.cost}: {exc}")
@@ -248,7 +265,15 @@ def main() -> None:  # noqa: D103
     print_table(result, args.tolerance)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        out = {"tolerance": args.tolerance, "cost_model": cost.as_dict()}
+        out = {
+            "tolerance": args.tolerance,
+            "cost_model": cost.as_dict(),
+            "cost_model_source": {
+                "file": str(args.cost_model) if args.cost_model else None,
+                "from_report_calibration": args.cost_model_from_report,
+                "overrides": args.cost,
+            },
+        }
         args.json.write_text(json.dumps({**out, "results": result}, indent=2))
 
 

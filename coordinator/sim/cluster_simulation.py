@@ -363,6 +363,7 @@ class ClusterSimulation:
         latency = self.config.cost.service_latency_ms
         num_tokens = max(1, request.output_len)
         first_ms, last_ms = self.delivery.close(request.index, self.now_ms, num_tokens)
+        last_ms += self.config.cost.stream_end_ms
         self._e2e[request.index] = last_ms - request.arrival_ms + latency
         if request.output_len > 1:  # one token has no time *per output token*
             decode_ms = last_ms - first_ms

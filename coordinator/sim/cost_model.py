@@ -47,6 +47,8 @@ matmul 790 TFLOP/s, pinned PCIe 55 GB/s, 2026-11-26) and the model's shape (32 l
   * transfer_per_token_ms 0.0024: "moving its KV over PCIe 2.4 us" per token, measured (55 GB/s
     pinned host<->device); a 400 Gb/s NIC moves it at about the same rate. transfer_fixed_ms 1.0:
     one round trip of control messages plus registration (engine-typical).
+  * stream_end_ms 0: a stream ends with its last token. Measured in a deployment by
+    `benchmarks/deployment_calibration.py` (`coordinator/sim/calibration.py` derives it).
 
 Override any of them with `--cost-model FILE.json` (a JSON object of these field names) or with
 `--cost FIELD=VALUE`.
@@ -113,6 +115,10 @@ class SimCostModel:
     """... and per stream the coordinator carries at once: the coordinator's (and gRPC's) work
     per token, shared by every stream, so n streams deliver a token each every
     delivery_ms(n)."""
+    stream_end_ms: float = 0.0
+    """What a stream's end costs the client beyond its last token's step and delivery (the last
+    output's way, the stream's close): it lengthens the request's end-to-end time and its last
+    gap, so its TPOT, and takes no worker time."""
 
     def __post_init__(self) -> None:
         for f in fields(self):

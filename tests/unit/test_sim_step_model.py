@@ -223,3 +223,14 @@ def test_decodes_wait_through_queued_prefills_that_do_not_carry_them() -> None:
     # The queued prefills' first tokens come sooner without A's decode in their steps.
     for ride, wait in zip(ride_times[1:], wait_times[1:], strict=True):
         assert wait[0] < ride[0]
+
+
+def test_a_streams_end_lengthens_its_last_gap_and_takes_no_worker_time() -> None:
+    """stream_end_ms: the request's end-to-end time grows by it, its TPOT by it / (tokens - 1),
+    its TTFT and the worker's busy time not at all."""
+    request = [WorkloadRequest(0.0, np.arange(256, dtype=np.uint32), 8)]
+    ((ttft, tpot, e2e),) = _times(SimCostModel(), request)
+    ((e_ttft, e_tpot, e_e2e),) = _times(SimCostModel(stream_end_ms=3.5), request)
+    assert e_ttft == pytest.approx(ttft)
+    assert e_tpot == pytest.approx(tpot + 3.5 / 7)
+    assert e_e2e == pytest.approx(e2e + 3.5)
