@@ -214,9 +214,16 @@ class Calibration:
         streams = await self.prompts()
         decode_rows: list[DecodeTiming] = []
         trials: dict[str, Any] = {
-            name: {kind: [t.ttft_ms for t in got] for kind, got in per.items()}
+            f"{name}_{kind}_ttft_ms": [t.ttft_ms for t in got]
             for name, per in streams.items()
+            for kind, got in per.items()
         }
+        for kind, got in streams["actor"].items():
+            facts = [t.prefill for t in got if t.prefill is not None]
+            trials[f"worker_{kind}_queued_ms"] = [f.queued_ms for f in facts]
+            trials[f"worker_{kind}_prefill_ms"] = [f.prefill_ms for f in facts]
+        # the client's hits reused what the worker's did (the fit reads the worker's facts)
+        trials["client_hit_cached_tokens"] = [t.cached_tokens for t in streams["client"]["hit"]]
         for batch in s.batches:
             actor, client = await self.decode(batch)
             steps = [g for t in actor for g in t.gaps_ms()]
@@ -283,6 +290,8 @@ def print_summary(block: dict[str, Any]) -> None:
             f"{d['client_tpot_ms']:.2f}",
             flush=True,
         )
+    cached = block["trials"]["client_hit_cached_tokens"]
+    print(f"  calibration client hits reused {min(cached)}-{max(cached)} tokens", flush=True)
     e = block["stream_end"]
     print(
         f"  calibration {e['output_len']}-token stream: client mid gap "

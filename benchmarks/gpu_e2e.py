@@ -12,9 +12,13 @@ question, so caches carry over from rate to rate as in a long-running service.
 simulator's step model needs (`deployment_calibration.py`: a hit's and a cold prompt's TTFT at
 the client and the worker's own split, the worker's decode step and the client's time per token
 at `--calibrate-batches` sequences on every worker, a short stream's end), under the report's
-`calibration` key. Its time is added to the time budget, so the sweep keeps its share.
+`calibration` key. Its time is added to the time budget, so the sweep keeps its share. Once, not
+per policy: what it measures is the deployment's (its workers, coordinator and host), and every
+calibration request is pinned to a worker, so no policy decides anything in it; its prompts
+(fresh tokens) are the least recently used blocks when the sweep starts, so the first reused.
 
-Usage (GPU machine): python benchmarks/gpu_e2e.py --json $OUT/e2e.json --png $OUT/e2e.png
+Usage (GPU machine): python benchmarks/gpu_e2e.py --json $OUT/e2e.json --png $OUT/e2e.png \
+                        [--calibrate --calibrate-trials 8]
 Smoke test (CPU):    python benchmarks/gpu_e2e.py --device cpu --model tiny-random \
                         --num-blocks 512 --system-len 200 --question-len 20 --vocab-size 256 \
                         --rates 2,4 --duration 3 [--calibrate --calibrate-trials 2]
@@ -26,6 +30,7 @@ import argparse
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -113,6 +118,8 @@ def parse_args() -> tuple[E2EConfig, Path | None, Path | None, list[str]]:
     p.add_argument("--json", type=Path)
     p.add_argument("--png", type=Path)
     a = p.parse_args()
+    if a.calibrate and (a.calibrate_trials < 1 or a.calibrate_decode_tokens < 3):
+        p.error("--calibrate needs >= 1 trial and >= 3 decode tokens (a gap, and one without it)")
     config = E2EConfig(
         model=a.model,
         device=a.device,
@@ -230,31 +237,40 @@ def calibration_shape(config: E2EConfig) -> CalibrationShape:
     )
 
 
+async def calibrate(
+    client: AsyncClient, cluster: Cluster, worker_ids: list[str], config: E2EConfig
+) -> dict[str, Any]:
+    """The report's `calibration` block (or why there is none: the sweep runs either way)."""
+    started = time.monotonic()
+    try:
+        shape = calibration_shape(config)
+        block = await Calibration(client, cluster, worker_ids, shape).run()
+        print_summary(block)
+        return block
+    except Exception as exc:
+        print(f"  calibration failed: {exc!r}", flush=True)
+        return {"error": repr(exc), "wall_s": time.monotonic() - started}
+
+
 async def sweep_policy(
     address: str,
     config: E2EConfig,
     requests: list[WorkloadRequest],
     deadline: float,
     calibrate_on: Cluster | None = None,
-) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
-    """The policy's rows, and the calibration block when `calibrate_on` is given (its time is
-    added to `deadline`)."""
+    keep_calibration: Callable[[dict[str, Any]], None] = lambda block: None,
+) -> list[dict[str, Any]]:
+    """The policy's rows; with `calibrate_on`, first the calibration, handed to
+    `keep_calibration` at once (its time is added to `deadline`)."""
     rows: list[dict[str, Any]] = []
-    calibration: dict[str, Any] | None = None
     async with AsyncClient(address, timeout_s=config.request_timeout_s) as client:
         await client.wait_ready(30.0)
         worker_ids = [w.worker_id for w in await client.list_workers()]
         await warm_up(client, config, worker_ids)
         if calibrate_on is not None:
-            started = time.monotonic()
-            try:
-                shape = calibration_shape(config)
-                calibration = await Calibration(client, calibrate_on, worker_ids, shape).run()
-                print_summary(calibration)
-            except Exception as exc:  # the sweep still runs; the report says why it has no fit
-                print(f"  calibration failed: {exc!r}", flush=True)
-                calibration = {"error": repr(exc), "wall_s": time.monotonic() - started}
-            deadline += calibration["wall_s"]
+            block = await calibrate(client, calibrate_on, worker_ids, config)
+            keep_calibration(block)
+            deadline += block["wall_s"]
         offset = 0
         for i, rate in enumerate(config.rates):
             if rows and time.monotonic() > deadline:  # every policy gets at least one rate
@@ -277,7 +293,7 @@ async def sweep_policy(
             )
             if metrics["ttft_p90_ms"] > config.stop_p90_s * 1e3:
                 break
-    return rows, calibration
+    return rows
 
 
 def max_rate_under(rows: list[dict[str, Any]], p90_ms: float) -> float:
@@ -380,22 +396,26 @@ def main() -> None:  # noqa: D103
                 deployment = start_deployment(config, policy)
                 print(f"{policy}: deployment up in {time.monotonic() - t0:.1f} s", flush=True)
                 calibrate = bool(config.calibrate_batches) and "calibration" not in report
+
+                def keep(block: dict[str, Any]) -> None:
+                    nonlocal deadline
+                    report["calibration"] = block
+                    deadline += block["wall_s"]  # the sweeps keep their time
+                    save(report, config, json_path, None)  # a run cut short keeps it
+
                 try:
-                    rows, calibration = asyncio.run(
+                    report["results"][policy] = asyncio.run(
                         sweep_policy(
                             deployment.address,
                             config,
                             requests,
                             policy_deadline,
                             deployment.cluster if calibrate else None,
+                            keep,
                         )
                     )
                 finally:
                     deployment.stop()
-                report["results"][policy] = rows
-                if calibration is not None:
-                    report["calibration"] = calibration
-                    deadline += calibration["wall_s"]  # the sweeps keep their time
             except Exception as exc:  # one policy's failure must not lose the others' sweeps
                 print(f"{policy}: failed: {exc!r}", flush=True)
                 report["errors"][policy] = repr(exc)

@@ -41,7 +41,8 @@ attention_per_token_pair_ms.
     as (end - mid) / (O - 1) more a token.
 
 Checks (not fitted, printed beside the fields): the cold prompt's client TTFT as the derived model
-prices it, against the measured one, and each batch's client gap against max(S(b), delivery_ms(n)).
+prices it, against the measured one; each batch's step against the line's; each batch's client gap
+against max(step, delivery_ms(n)).
 """
 
 from __future__ import annotations
@@ -252,6 +253,8 @@ def _checks(calibration: DeploymentCalibration, model: SimCostModel) -> dict[str
     for d in calibration.decode:
         context = round(d.batch * d.context_tokens_per_seq)
         step = model.decode_step_ms(d.batch, context)
+        out[f"worker_step_ms_b{d.batch}"] = d.worker_step_ms
+        out[f"worker_step_ms_b{d.batch}_derived"] = step  # the line's residual
         out[f"client_gap_ms_b{d.batch}"] = d.client_gap_ms
         out[f"client_gap_ms_b{d.batch}_derived"] = max(step, model.delivery_ms(d.num_streams))
     return out

@@ -97,3 +97,13 @@ def test_the_block_round_trips_through_the_report_and_refuses_a_partial_one() ->
     one_batch = block | {"decode": block["decode"][:1]}
     with pytest.raises(ValueError, match="two batch sizes"):
         DeploymentCalibration.from_mapping(one_batch)
+
+
+def test_the_checks_set_each_measured_figure_beside_the_derived_one() -> None:
+    checks = calibrated_fields(calibration(), BASE).checks
+    assert checks["worker_step_ms_b16"] == 15.0
+    assert checks["worker_step_ms_b16_derived"] == pytest.approx(15.0)  # on the line
+    assert checks["client_gap_ms_b16_derived"] == pytest.approx(32 * 0.75)  # delivery paces
+    assert checks["client_gap_ms_b1_derived"] == pytest.approx(7.5)  # the step paces
+    # the cold prompt: its prefill step + delivery + what the hit spent outside the worker
+    assert checks["cold_client_ttft_ms_derived"] == pytest.approx(217.394432 + 0.75 + 19.25)
