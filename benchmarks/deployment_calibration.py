@@ -213,17 +213,7 @@ class Calibration:
         s = self.shape
         streams = await self.prompts()
         decode_rows: list[DecodeTiming] = []
-        trials: dict[str, Any] = {
-            f"{name}_{kind}_ttft_ms": [t.ttft_ms for t in got]
-            for name, per in streams.items()
-            for kind, got in per.items()
-        }
-        for kind, got in streams["actor"].items():
-            facts = [t.prefill for t in got if t.prefill is not None]
-            trials[f"worker_{kind}_queued_ms"] = [f.queued_ms for f in facts]
-            trials[f"worker_{kind}_prefill_ms"] = [f.prefill_ms for f in facts]
-        # the client's hits reused what the worker's did (the fit reads the worker's facts)
-        trials["client_hit_cached_tokens"] = [t.cached_tokens for t in streams["client"]["hit"]]
+        trials = raw_prompt_trials(streams)
         for batch in s.batches:
             actor, client = await self.decode(batch)
             steps = [g for t in actor for g in t.gaps_ms()]
@@ -258,6 +248,22 @@ class Calibration:
             "trials": trials,
             "wall_s": time.monotonic() - started,
         }
+
+
+def raw_prompt_trials(streams: dict[str, dict[str, list[TokenTimes]]]) -> dict[str, Any]:
+    """Phase 1's figures one by one, beside the medians the block keeps."""
+    trials: dict[str, Any] = {
+        f"{name}_{kind}_ttft_ms": [t.ttft_ms for t in got]
+        for name, per in streams.items()
+        for kind, got in per.items()
+    }
+    for kind, got in streams["actor"].items():
+        facts = [t.prefill for t in got if t.prefill is not None]
+        trials[f"worker_{kind}_queued_ms"] = [f.queued_ms for f in facts]
+        trials[f"worker_{kind}_prefill_ms"] = [f.prefill_ms for f in facts]
+    # the client's hits reused what the worker's did (the fit reads the worker's facts)
+    trials["client_hit_cached_tokens"] = [t.cached_tokens for t in streams["client"]["hit"]]
+    return trials
 
 
 def timing(client: list[TokenTimes], actor: list[TokenTimes]) -> PromptTiming:
