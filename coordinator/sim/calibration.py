@@ -28,7 +28,10 @@ attention_per_token_pair_ms.
     the simulator's step for the hit alone (`chunk_step_ms(N, C, 0, 0)`) is what the worker
     measured.
   * delivery_per_stream_ms (delivery_fixed_ms 0): where the client's gap between tokens is
-    longer than the worker's step, the coordinator's way to the client sets the pace, n streams
+    longer than the worker's step by more than `PACED_MARGIN` (the two are means of the same
+    tokens: a gap a few percent over the step is timing noise, and a batch counted as paced
+    by it prices every token's way as gap / n, e.g. 4.3 ms a stream from an 8.55 ms gap at
+    two streams against an 8.45 ms step), the coordinator's way to the client sets the pace, n streams
     (b x workers) a token each every delivery_ms(n); least squares through 0 over those batches,
     0 where the client kept up at every batch (the simulator's first and last tokens then spend
     no time on the way, which the next two terms absorb).
@@ -52,6 +55,10 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from kvmesh.coordinator.sim.cost_model import SimCostModel
+
+PACED_MARGIN = 0.05
+"""How much longer than the worker's step the client's gap must be for a batch to count as paced
+by the way to the client (`delivery_per_stream_ms`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,7 +220,9 @@ def calibrated_fields(calibration: DeploymentCalibration, base: SimCostModel) ->
     if prefill_fixed < 0:
         notes.append(f"prefill_fixed_ms {prefill_fixed:g} raised to 0")
         prefill_fixed = 0.0
-    paced = [d for d in calibration.decode if d.client_gap_ms > d.worker_step_ms]
+    paced = [
+        d for d in calibration.decode if d.client_gap_ms > (1 + PACED_MARGIN) * d.worker_step_ms
+    ]
     delivery_per_stream = (
         sum(d.num_streams * d.client_gap_ms for d in paced) / sum(d.num_streams**2 for d in paced)
         if paced

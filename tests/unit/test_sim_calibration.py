@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from kvmesh.coordinator.sim.calibration import (
@@ -107,3 +109,11 @@ def test_the_checks_set_each_measured_figure_beside_the_derived_one() -> None:
     assert checks["client_gap_ms_b1_derived"] == pytest.approx(7.5)  # the step paces
     # the cold prompt: its prefill step + delivery + what the hit spent outside the worker
     assert checks["cold_client_ttft_ms_derived"] == pytest.approx(217.394432 + 0.75 + 19.25)
+
+
+def test_a_gap_within_the_margin_of_the_step_is_not_delivery() -> None:
+    # Two streams, a gap 1 % over the step: timing noise, not a paced way to the client (read as
+    # paced it would price every stream's token at 8.55 / 2 ms).
+    base = calibration()
+    kept_up = replace(base, decode=(_decode(1, 8.45, 8.55), _decode(4, 11.24, 11.18)))
+    assert calibrated_fields(kept_up, BASE).fields["delivery_per_stream_ms"] == 0.0
