@@ -88,7 +88,7 @@ def serve_attached(
     cmd = [sys.executable, "-m", "kvmesh.client.cli", "serve", "--attach", "--port", str(port)]
     cmd += ["--ray-address", ray.get_runtime_context().gcs_address, "--redis-url", redis_url]
     cmd += ["--decision-log"] if decision_log else []
-    cmd += ["--speculative-dispatch"] if speculative else []
+    cmd += ["--speculative-dispatch" if speculative else "--no-speculative-dispatch"]
     log = tempfile.TemporaryFile()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     address = f"127.0.0.1:{port}"

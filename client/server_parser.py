@@ -62,9 +62,11 @@ def _add_model_options(parser: argparse.ArgumentParser, env: CliEnvironment) -> 
     )
     parser.add_argument(
         "--speculative-dispatch",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="with --decision-log: send each request to its worker while its decision is being"
-        " committed; a lost commit that moves it aborts it there and sends it on (a redirect)",
+        " committed; a lost commit that moves it aborts it there and sends it on (a redirect)"
+        " (default: on)",
     )
 
 

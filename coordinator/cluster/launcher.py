@@ -58,7 +58,7 @@ def deployment_config(args: argparse.Namespace, *, embedded_redis: bool) -> Depl
         stream_send_timeout_s=float(_opt(args, "stream_send_timeout", 30.0)),
         session_affinity_blocks=float(_opt(args, "session_affinity_blocks", 1.0)),
         decision_log=bool(_opt(args, "decision_log", False)),
-        speculative_dispatch=bool(_opt(args, "speculative_dispatch", False)),
+        speculative_dispatch=bool(_opt(args, "speculative_dispatch", True)),
     )
     sessions = WarmSessionConfig(
         idle_ttl_s=float(_opt(args, "session_ttl_s", 300.0)),

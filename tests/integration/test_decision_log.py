@@ -54,7 +54,9 @@ def replica(url: str) -> tuple[Coordinator, DecisionStream]:
         registry.add(w)
         mirror.load_worker(WorkerId(w), 1, 0, [])
     stream = DecisionStream(IndexStore(url))
-    config = CoordinatorConfig(block_size=BS, policy="kvmesh", decision_log=True)
+    config = CoordinatorConfig(
+        block_size=BS, policy="kvmesh", decision_log=True, speculative_dispatch=False
+    )
     coordinator = Coordinator(
         config,
         preset("tiny-random"),

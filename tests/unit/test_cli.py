@@ -478,3 +478,19 @@ def test_cli_reports_server_errors_in_one_line_with_exit_1(
     code, out, err = run_cli(capsys, "generate", "--address", address, "--tokens", "1,999999")
     assert code == 1 and out == ""
     assert err.strip() == f"kvmesh: error: INVALID_ARGUMENT: token id >= vocab size {VOCAB_SIZE}"
+
+
+@pytest.mark.parametrize(
+    ("flags", "speculative"),
+    [([], True), (["--speculative-dispatch"], True), (["--no-speculative-dispatch"], False)],
+)
+def test_serve_sends_while_committing_unless_told_not_to(
+    flags: list[str], speculative: bool
+) -> None:
+    from kvmesh.coordinator.cluster.launcher import deployment_config
+
+    argv = ["serve", "--redis-url", "redis://127.0.0.1:1", "--attach", "--decision-log", *flags]
+    args = build_parser(read_environment({})).parse_args(argv)
+    config = deployment_config(args, embedded_redis=False)
+    assert config.coordinator.decision_log
+    assert config.coordinator.speculative_dispatch is speculative

@@ -103,7 +103,9 @@ def make(workers: tuple[str, ...] = ("w0", "w1"), *, transfers: bool = False):  
         links = LinkTable()
         links.set(LinkType.SAME_NODE, 1e9, 0.01)  # a fast link: pulling beats recomputing
         planner = TransferPlanner(info, 64, BS, links)
-    config = CoordinatorConfig(block_size=BS, policy="kvmesh")
+    # A decision log a test sets commits before the request is sent (test_speculative_send.py
+    # covers sending while the commit travels).
+    config = CoordinatorConfig(block_size=BS, policy="kvmesh", speculative_dispatch=False)
     coordinator = Coordinator(
         config, MODEL, backend, mirror, registry, transfers=planner, clock=Clock()
     )
