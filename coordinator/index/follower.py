@@ -153,6 +153,8 @@ class IndexFollower:
                 result = self.mirror.apply(entry.batch)
                 if result is ApplyResult.NEEDS_RESYNC:
                     self.resync(entry.batch.worker_id)
+                elif result is ApplyResult.STARTED:  # an older snapshot's links are not its
+                    self._links_pending.pop(WorkerId(entry.batch.worker_id), None)
             elif entry.notes is not None and self.on_notes is not None:
                 self.on_notes(entry.notes)
             self._last_ids[entry.stream] = entry.entry_id

@@ -7,7 +7,9 @@ stream; a batch is applied only if it is the next one of its worker's current ge
       same generation, seq == last + 1  -> applied
       same generation, seq <= last      -> duplicate, ignored
       same generation, seq >  last + 1  -> gap: the worker's set must be reloaded (resync)
-      newer generation                  -> the worker restarted or cleared: reload
+      newer generation, seq == 1        -> the worker restarted or cleared: its older blocks
+                                           go, the batch applies (as Redis does it)
+      newer generation, seq >  1        -> its start was missed: reload
       older generation                  -> stale, ignored
 """
 
@@ -35,6 +37,10 @@ class ApplyResult(enum.Enum):
     DUPLICATE = "duplicate"
     STALE = "stale"
     NEEDS_RESYNC = "needs_resync"
+    STARTED = "started"
+    """Applied as the first batch of a new generation (or of a worker not known yet): the
+    worker's older blocks went first, as Redis wipes them before that batch (`APPLY_BATCH`),
+    so the batches from here on are its whole state and no snapshot is needed."""
 
 
 class PrefixMatch(NamedTuple):
@@ -153,15 +159,20 @@ class IndexMirror:
     def apply(self, batch: EventBatch) -> ApplyResult:
         worker = WorkerId(batch.worker_id)
         cursor = self._cursors.get(worker)
-        if cursor is None or batch.generation > cursor.generation:
-            return ApplyResult.NEEDS_RESYNC
+        removed: list[BlockHash] = []
+        started = cursor is None or batch.generation > cursor.generation
+        if started:
+            if batch.seq != 1:  # the generation's start is gone (trimmed, or read before)
+                return ApplyResult.NEEDS_RESYNC
+            removed = self._drop_worker(worker)
+            cursor = self._cursors[worker] = _WorkerCursor(batch.generation, 0)
+        assert cursor is not None
         if batch.generation < cursor.generation:
             return ApplyResult.STALE
         if batch.seq <= cursor.seq:
             return ApplyResult.DUPLICATE
         if batch.seq > cursor.seq + 1:
             return ApplyResult.NEEDS_RESYNC
-        removed: list[BlockHash] = []
         for event in batch.events:
             if isinstance(event, BlockStored):
                 self._add(worker, event.hashes, event.tier)
@@ -176,7 +187,7 @@ class IndexMirror:
         cursor.seq = batch.seq
         self.num_events_applied += batch.num_block_events
         self._table.maybe_merge()
-        return ApplyResult.APPLIED
+        return ApplyResult.STARTED if started else ApplyResult.APPLIED
 
     def load_worker(
         self, worker: WorkerId, generation: int, seq: int, blocks: Iterable[tuple[BlockHash, int]]

@@ -39,9 +39,9 @@ def test_gap_and_new_generation_ask_for_resync_and_stale_is_ignored() -> None:
     assert m.apply(batch("w0", 1, BlockStored((H[0],)))) is ApplyResult.APPLIED
     assert m.apply(batch("w0", 1, BlockStored((H[1],)))) is ApplyResult.DUPLICATE
     assert m.apply(batch("w0", 3, BlockStored((H[2],)))) is ApplyResult.NEEDS_RESYNC
-    assert m.apply(batch("w0", 1, BlockStored((H[3],)), gen=2)) is ApplyResult.NEEDS_RESYNC
+    assert m.apply(batch("w0", 2, BlockStored((H[3],)), gen=2)) is ApplyResult.NEEDS_RESYNC
     assert m.apply(batch("w0", 2, BlockStored((H[4],)), gen=0)) is ApplyResult.STALE
-    assert m.apply(batch("w9", 1, BlockStored((H[4],)))) is ApplyResult.NEEDS_RESYNC
+    assert m.apply(batch("w9", 2, BlockStored((H[4],)))) is ApplyResult.NEEDS_RESYNC
     assert m.worker_hashes(W0) == {H[0]: 0}
     m.check_invariants()
 
@@ -251,4 +251,20 @@ def test_lookup_finds_blocks_far_from_their_home_slot() -> None:
     assert m.indexed([*held[45:], *absent[:5]]) == [True] * 5 + [False] * 5  # one at a time
     m.apply(batch("w1", 2, BlockStored(tuple(held[:3]))))  # in the delta until the next merge
     assert m.match(held) == {W0: PrefixMatch(50, 50), W1: PrefixMatch(3, 3)}
+    m.check_invariants()
+
+
+def test_a_new_generations_first_batch_replaces_the_worker_without_a_resync() -> None:
+    """Redis wipes a worker's blocks before its new generation's first batch; the mirror does
+    the same, so a restarted (or new) worker's seq 1 needs no snapshot."""
+    m = loaded_mirror()
+    m.apply(batch("w0", 1, BlockStored(tuple(H[:3]))))
+    m.apply(batch("w1", 1, BlockStored(tuple(H[:2]))))
+    assert m.apply(batch("w0", 1, BlockStored((H[0], H[5])), gen=2)) is ApplyResult.STARTED
+    assert m.worker_hashes(W0) == {H[0]: 0, H[5]: 0}  # H[1], H[2] went with generation 1
+    assert m.cursor(W0) == (2, 1)
+    assert m.apply(batch("w0", 2, BlockRemoved((H[5],)), gen=2)) is ApplyResult.APPLIED
+    assert m.apply(batch("w9", 1, BlockStored((H[7],)))) is ApplyResult.STARTED  # a new worker
+    assert m.match([H[0], H[1]]) == {W0: PrefixMatch(1, 1), W1: PrefixMatch(2, 2)}
+    assert m.match([H[7]]) == {WorkerId("w9"): PrefixMatch(1, 1)}
     m.check_invariants()
