@@ -31,10 +31,10 @@ attention_per_token_pair_ms.
     longer than the worker's step by more than `PACED_MARGIN` (the two are means of the same
     tokens: a gap a few percent over the step is timing noise, and a batch counted as paced
     by it prices every token's way as gap / n, e.g. 4.3 ms a stream from an 8.55 ms gap at
-    two streams against an 8.45 ms step), the coordinator's way to the client sets the pace, n streams
-    (b x workers) a token each every delivery_ms(n); least squares through 0 over those batches,
-    0 where the client kept up at every batch (the simulator's first and last tokens then spend
-    no time on the way, which the next two terms absorb).
+    two streams against an 8.45 ms step), the coordinator's way to the client sets the pace,
+    n streams (b x workers) a token each every delivery_ms(n); least squares through 0 over
+    those batches, 0 where the client kept up at every batch (the simulator's first and last
+    tokens then spend no time on the way, which the next two terms absorb).
   * service_latency_ms = hit.client_ttft - hit.prefill - delivery_ms(1): the worker's queue at
     idle (its `queued_ms`), the actor call, the coordinator, gRPC and the client, all that a first
     token spends beside the worker's step and its delivery.
