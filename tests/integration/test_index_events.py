@@ -79,6 +79,33 @@ def test_a_lost_event_is_a_gap_that_triggers_a_resync(url: str) -> None:
     follower.mirror.check_invariants()
 
 
+def test_a_restarted_worker_is_followed_from_its_first_batch_without_a_snapshot(url: str) -> None:
+    """A new generation's seq 1 wipes the worker's older blocks in Redis (the event script) and
+    in the mirror alike, so the follower reads no snapshot for it; a later batch of a generation
+    whose start it missed still resyncs."""
+    pub = EventPublisher(url, NS, "w0")
+    follower = follower_for(url, NS)
+    pub.publish(EventBatch("w0", GEN, 1, (stored(1, 2, 3),)))
+    pub.publish(EventBatch("w0", GEN, 2, (stored(4),)))
+    drain(follower)
+    resyncs = follower.num_resyncs
+    pub.publish(EventBatch("w0", GEN + 1, 1, (stored(1, 7),)))  # restarted: 1 again, and 7
+    pub.publish(EventBatch("w0", GEN + 1, 2, (BlockRemoved((BlockHash(7),)),)))
+    drain(follower)
+    assert follower.num_resyncs == resyncs
+    assert follower.mirror.worker_hashes(WorkerId("w0")) == redis_blocks(url, "w0") == {1: 0}
+    assert follower.mirror.cursor(WorkerId("w0")) == (GEN + 1, 2)
+    pub.publish(EventBatch("w0", GEN + 2, 1, (stored(8),)))
+    pub.publish(EventBatch("w0", GEN + 2, 2, (stored(9),)))
+    client = redis.Redis.from_url(url)
+    first = client.xrevrange(W0_EVENTS, count=2)[1][0]  # type: ignore[index]
+    client.xdel(W0_EVENTS, first)  # the new generation's start never reaches the mirror
+    drain(follower)
+    assert follower.num_resyncs == resyncs + 1
+    assert follower.mirror.worker_hashes(WorkerId("w0")) == redis_blocks(url, "w0") == {8: 0, 9: 0}
+    follower.mirror.check_invariants()
+
+
 def test_reordered_events_resync_once_then_the_late_one_is_a_duplicate(url: str) -> None:
     pub, client = EventPublisher(url, NS, "w0"), redis.Redis.from_url(url)
     pub.publish(EventBatch("w0", GEN, 1, (stored(1),)))
