@@ -17,6 +17,10 @@ random tokens (never the workload's prompts):
      every worker at once, for each B of `--calibrate-batches`: through the actor (the worker's
      step: its output stream's time per token) and through the service (the client's time per
      token between tokens, and the sweep's TPOT, (end - first) / (tokens - 1)).
+  3. batched hits: on every worker at once, a cold prompt, then, once it runs, B hits (a cached
+     S-token prefix, a fresh Q-token question, O tokens) for each B of `--calibrate-batches`:
+     they queue behind it and one prefill step admits them all, as the hits waiting behind a
+     long prefill on a loaded worker. The worker's `prefill_ms` of each hit is that step.
 
 The worker does not report its host time per step apart from its forward; `coordinator/sim/
 calibration.py` keeps the GPU terms of its base model and counts the rest of the step as host
@@ -38,6 +42,7 @@ import numpy as np
 from kvmesh.client.async_client import AsyncClient
 from kvmesh.coordinator.cluster.cluster import Cluster
 from kvmesh.coordinator.sim.calibration import (
+    BatchedHits,
     DecodeTiming,
     DeploymentCalibration,
     PromptTiming,
@@ -45,6 +50,12 @@ from kvmesh.coordinator.sim.calibration import (
 )
 from kvmesh.workers.contract.replies import PrefillFacts
 from kvmesh.workers.contract.requests import SamplingConfig, WorkerRequest
+
+HEAD_START_S = 0.03
+"""How long the batched hits wait after their cold prompt is sent: enough for it to reach its
+worker and start its step (a cold 8K prefill takes ~0.2 s on an H100), so the hits queue."""
+BATCHED_ROUNDS = 3
+"""Rounds of each batch of hits; the first (new shapes for the kernels) is left out."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,6 +218,34 @@ class Calibration:
         client = await asyncio.gather(*(client_stream(self.client, p, n, w) for w, p in prompts))
         return actor, list(client)
 
+    def _hits_behind_cold(self, worker_id: str, batch: int) -> list[TokenTimes]:
+        """One round on one worker: a cold prompt, then `batch` hits sent while it runs."""
+        s = self.shape
+        cold = self.tokens(s.system_len + s.question_len)
+        hits = [self.prefixes[worker_id] + self.tokens(s.question_len) for _ in range(batch)]
+        with ThreadPoolExecutor(batch + 1) as pool:
+            head = pool.submit(actor_stream, self.cluster, worker_id, cold, 1)
+            time.sleep(HEAD_START_S)
+            got = list(
+                pool.map(lambda p: actor_stream(self.cluster, worker_id, p, s.output_len), hits)
+            )
+            head.result()
+        return got
+
+    async def batched_hits(self, batch: int) -> list[TokenTimes]:
+        """Phase 3 at one batch: the hits' actor streams, every worker at once, the first round
+        left out."""
+
+        def rounds() -> list[TokenTimes]:
+            out: list[TokenTimes] = []
+            with ThreadPoolExecutor(len(self.worker_ids)) as pool:
+                for i in range(BATCHED_ROUNDS):
+                    got = pool.map(lambda w: self._hits_behind_cold(w, batch), self.worker_ids)
+                    out += [t for per_worker in got for t in per_worker] if i else []
+            return out
+
+        return await asyncio.to_thread(rounds)
+
     async def run(self) -> dict[str, Any]:
         """The `calibration` block: `DeploymentCalibration.as_dict()`, the raw lists, the time."""
         started = time.monotonic()
@@ -228,6 +267,12 @@ class Calibration:
                 )
             )
             trials[f"decode_b{batch}_worker_step_ms"] = steps
+        batched_rows: list[BatchedHits] = []
+        for batch in s.batches:
+            facts = [t.prefill for t in await self.batched_hits(batch) if t.prefill is not None]
+            batched_rows.append(BatchedHits(batch, median([f.prefill_ms for f in facts])))
+            trials[f"batched_b{batch}_worker_prefill_ms"] = [f.prefill_ms for f in facts]
+            trials[f"batched_b{batch}_worker_queued_ms"] = [f.queued_ms for f in facts]
         actor_hits, client_hits = streams["actor"]["hit"], streams["client"]["hit"]
         calibration = DeploymentCalibration(
             num_workers=len(self.worker_ids),
@@ -241,6 +286,7 @@ class Calibration:
                 actor_mid_gap_ms=median([t.mid_gap_ms() for t in actor_hits]),
                 actor_end_gap_ms=median([t.end_gap_ms() for t in actor_hits]),
             ),
+            batched=tuple(batched_rows),
         )
         return {
             **calibration.as_dict(),
@@ -294,6 +340,13 @@ def print_summary(block: dict[str, Any]) -> None:
             f"  calibration decode b{d['batch']} x {block['num_workers']} workers: worker step "
             f"{d['worker_step_ms']:.2f} ms, client gap {d['client_gap_ms']:.2f}, client TPOT "
             f"{d['client_tpot_ms']:.2f}",
+            flush=True,
+        )
+    for b in block.get("batched", ()):
+        queued = block["trials"][f"batched_b{b['batch']}_worker_queued_ms"]
+        print(
+            f"  calibration {b['batch']} hits batched behind a cold prompt: worker prefill "
+            f"{b['worker_prefill_ms']:.2f} ms (queued {median(queued):.1f})",
             flush=True,
         )
     cached = block["trials"]["client_hit_cached_tokens"]

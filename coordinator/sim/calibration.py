@@ -14,6 +14,16 @@ attention_per_token_pair_ms.
 
   * prefill_per_token_ms = (cold.prefill - hit.prefill - a x (pairs(N + C, 0) - pairs(N, C))) / C
     (the two forwards differ by C tokens and by their attention; the step's fixed parts cancel).
+  * Where hits batched in one prefill step were timed (`batched`: b hits queued on a worker
+    behind a cold prompt, so that one step admits them all, as a loaded worker batches the hits
+    waiting behind a long prefill) at two or more b: the step's least-squares slope in b, less
+    host_step_per_seq_ms, is what one more hit costs the step,
+        N x prefill_per_token_ms + a x (N x C x f + N^2 / 2),  f = cached_attention_factor
+    (pairs over cached keys counted f times: the cached-prefix kernel does not run at fresh
+    attention's speed). Added to the cold - hit difference it gives
+        (cold.prefill - hit.prefill) + slope = (N + C) x prefill_per_token_ms + a x pairs(N + C, 0),
+    so the rate per token from both, then f; the hit alone still sets prefill_fixed_ms (below,
+    with f). Without them the rate comes from the first bullet and f is `base`'s.
   * The decode step S(b): the worker's own step at b sequences (the time per token of its
     output stream, read at the coordinator's process, every worker decoding b at once), and its
     least-squares line S(b) = s0 + s1 x b at the run's context per sequence K. `base`'s GPU
@@ -112,6 +122,17 @@ class StreamEnd:
 
 
 @dataclass(frozen=True, slots=True)
+class BatchedHits:
+    """`batch` hits queued on one worker behind a cold prompt, so that one prefill step admits
+    them all (as a loaded worker batches the hits waiting behind a long prefill)."""
+
+    batch: int
+    worker_prefill_ms: float
+    """Their step to their first token, as the worker reported it: median over the hits,
+    trials and workers."""
+
+
+@dataclass(frozen=True, slots=True)
 class DeploymentCalibration:
     """The figures `calibrated_fields` needs, as one deployment measured them."""
 
@@ -120,6 +141,8 @@ class DeploymentCalibration:
     cold: PromptTiming
     decode: tuple[DecodeTiming, ...]
     stream_end: StreamEnd
+    batched: tuple[BatchedHits, ...] = ()
+    """Prefill steps of several hits (none in reports from before they were timed)."""
 
     def __post_init__(self) -> None:
         if self.hit.cached_tokens < 1 or self.cold.cached_tokens:
@@ -149,6 +172,7 @@ class DeploymentCalibration:
                 cold=_known(PromptTiming, values["cold"]),
                 decode=tuple(_known(DecodeTiming, d) for d in values["decode"]),
                 stream_end=_known(StreamEnd, values["stream_end"]),
+                batched=tuple(_known(BatchedHits, b) for b in values.get("batched", ())),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"not a calibration block: missing or bad {exc}") from None
@@ -168,9 +192,21 @@ class CalibratedFit:
     """Terms lowered to the measurement (a GPU term of `base` above the measured step)."""
 
 
-def pairs(new: float, cached: float) -> float:
-    """(query, key) pairs of a causal prefill of `new` tokens behind `cached`."""
-    return new * (cached + new / 2)
+def pairs(new: float, cached: float, cached_factor: float = 1.0) -> float:
+    """(query, key) pairs of a causal prefill of `new` tokens behind `cached`, those over cached
+    keys counted `cached_factor` times (`SimCostModel.cached_attention_factor`)."""
+    return new * (cached * cached_factor + new / 2)
+
+
+def batch_line(batched: Sequence[BatchedHits]) -> tuple[float, float]:
+    """Least-squares (intercept, slope) of a prefill step of hits against their number."""
+    xs = [float(b.batch) for b in batched]
+    ys = [b.worker_prefill_ms for b in batched]
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / sum(
+        (x - mean_x) ** 2 for x in xs
+    )
+    return mean_y - slope * mean_x, slope
 
 
 def step_line(decode: Sequence[DecodeTiming]) -> tuple[float, float]:
@@ -186,16 +222,8 @@ def step_line(decode: Sequence[DecodeTiming]) -> tuple[float, float]:
 
 def calibrated_fields(calibration: DeploymentCalibration, base: SimCostModel) -> CalibratedFit:
     """Cost-model fields from one deployment's calibration (see the module docstring)."""
-    hit, cold, notes = calibration.hit, calibration.cold, []
+    hit, notes = calibration.hit, []
     a = base.attention_per_token_pair_ms
-    computed_gap = cold.new_tokens - hit.new_tokens
-    attention_gap = a * (pairs(cold.new_tokens, 0) - pairs(hit.new_tokens, hit.cached_tokens))
-    per_token = (cold.worker_prefill_ms - hit.worker_prefill_ms - attention_gap) / computed_gap
-    if not per_token > 0:
-        raise ValueError(
-            f"the cold prompt's prefill ({cold.worker_prefill_ms:.2f} ms) is not longer than the "
-            f"hit's ({hit.worker_prefill_ms:.2f} ms) by its {computed_gap} tokens' attention"
-        )
     s0, s1 = step_line(calibration.decode)
     context = sum(d.context_tokens_per_seq for d in calibration.decode) / len(calibration.decode)
     decode_fixed, host_fixed = s0 - base.decode_fixed_ms, 0.0
@@ -215,7 +243,9 @@ def calibrated_fields(calibration: DeploymentCalibration, base: SimCostModel) ->
             f"decode_per_context_token_ms {per_context:g}, decode_per_seq_ms {per_seq:g}"
         )
     host_1 = host_fixed + host_per_seq
-    hit_tokens_ms = hit.new_tokens * per_token + pairs(hit.new_tokens, hit.cached_tokens) * a
+    per_token, factor = _prefill_terms(calibration, base, host_per_seq, notes)
+    hit_pairs = pairs(hit.new_tokens, hit.cached_tokens, factor)
+    hit_tokens_ms = hit.new_tokens * per_token + hit_pairs * a
     prefill_fixed = hit.worker_prefill_ms - host_1 - hit_tokens_ms
     if prefill_fixed < 0:
         notes.append(f"prefill_fixed_ms {prefill_fixed:g} raised to 0")
@@ -237,6 +267,7 @@ def calibrated_fields(calibration: DeploymentCalibration, base: SimCostModel) ->
     derived = {
         "prefill_fixed_ms": prefill_fixed,
         "prefill_per_token_ms": per_token,
+        "cached_attention_factor": factor,
         "decode_fixed_ms": decode_fixed,
         "decode_per_seq_ms": per_seq,
         "decode_per_context_token_ms": per_context,
@@ -249,6 +280,42 @@ def calibrated_fields(calibration: DeploymentCalibration, base: SimCostModel) ->
     }
     model = SimCostModel.from_mapping(derived, base)
     return CalibratedFit(derived, _checks(calibration, model), tuple(notes))
+
+
+def _prefill_terms(
+    calibration: DeploymentCalibration, base: SimCostModel, host_per_seq: float, notes: list[str]
+) -> tuple[float, float]:
+    """(prefill_per_token_ms, cached_attention_factor): from the cold prompt and the hit alone
+    with `base`'s factor, or, where hits batched in one step were timed, with the factor that
+    prices one more hit in a step as measured (see the module docstring)."""
+    hit, cold = calibration.hit, calibration.cold
+    a, factor = base.attention_per_token_pair_ms, base.cached_attention_factor
+    gap_ms = cold.worker_prefill_ms - hit.worker_prefill_ms
+    if len({b.batch for b in calibration.batched}) >= 2:
+        slope = batch_line(calibration.batched)[1] - host_per_seq
+        per_token = (gap_ms + slope - a * pairs(cold.new_tokens, 0)) / cold.new_tokens
+        cached_pairs = hit.new_tokens * hit.cached_tokens
+        batched_factor = (slope - hit.new_tokens * per_token - a * pairs(hit.new_tokens, 0)) / (
+            a * cached_pairs
+        )
+        if per_token > 0 and batched_factor >= 0:
+            return per_token, batched_factor
+        notes.append(
+            f"the batched hits' slope ({slope:g} ms a hit) gives a prefill rate of {per_token:g} "
+            f"ms a token and a cached-pair factor of {batched_factor:g}: not used (did the hits "
+            "queue behind the cold prompt?)"
+        )
+    computed_gap = cold.new_tokens - hit.new_tokens
+    attention_gap = a * (
+        pairs(cold.new_tokens, 0) - pairs(hit.new_tokens, hit.cached_tokens, factor)
+    )
+    per_token = (gap_ms - attention_gap) / computed_gap
+    if not per_token > 0:
+        raise ValueError(
+            f"the cold prompt's prefill ({cold.worker_prefill_ms:.2f} ms) is not longer than the "
+            f"hit's ({hit.worker_prefill_ms:.2f} ms) by its {computed_gap} tokens' attention"
+        )
+    return per_token, factor
 
 
 def _checks(calibration: DeploymentCalibration, model: SimCostModel) -> dict[str, float]:
@@ -266,6 +333,11 @@ def _checks(calibration: DeploymentCalibration, model: SimCostModel) -> dict[str
         out[f"worker_step_ms_b{d.batch}_derived"] = step  # the line's residual
         out[f"client_gap_ms_b{d.batch}"] = d.client_gap_ms
         out[f"client_gap_ms_b{d.batch}_derived"] = max(step, model.delivery_ms(d.num_streams))
+    hit = calibration.hit
+    for b in calibration.batched:
+        chunks = [(hit.new_tokens, hit.cached_tokens)] * b.batch
+        out[f"hits_step_ms_b{b.batch}"] = b.worker_prefill_ms
+        out[f"hits_step_ms_b{b.batch}_derived"] = model.prefill_batch_step_ms(chunks)
     return out
 
 

@@ -1,7 +1,8 @@
 """What compute costs in the simulated cluster, and where the default numbers come from.
 
     prefill_ms(new, cached)  = prefill_fixed_ms + new * prefill_per_token_ms
-                               + new * (cached + new / 2) * attention_per_token_pair_ms
+                               + new * (cached * cached_attention_factor + new / 2)
+                                 * attention_per_token_pair_ms
     decode_step_ms(batch, context_tokens)
                              = decode_fixed_ms + batch * decode_per_seq_ms
                                + context_tokens * decode_per_context_token_ms
@@ -77,6 +78,9 @@ class SimCostModel:
     """Linear prefill cost per uncached prompt token."""
     attention_per_token_pair_ms: float = 8.8e-7
     """Quadratic term: cost per (new token, attended token) pair, all layers."""
+    cached_attention_factor: float = 1.0
+    """What a pair whose key was cached before the chunk (a hit's prefix) costs, in fresh pairs:
+    the cached-prefix kernel's speed against fresh attention's (1: the same)."""
     decode_fixed_ms: float = 5.3
     """Fixed cost of one decode step (reading the weights)."""
     decode_per_seq_ms: float = 0.02
@@ -167,7 +171,9 @@ class SimCostModel:
     def prefill_ms(self, num_new_tokens: int, num_cached_tokens: int) -> float:
         if num_new_tokens <= 0:
             return 0.0
-        pairs = num_new_tokens * (num_cached_tokens + num_new_tokens / 2)
+        pairs = num_new_tokens * (
+            num_cached_tokens * self.cached_attention_factor + num_new_tokens / 2
+        )
         return (
             self.prefill_fixed_ms
             + num_new_tokens * self.prefill_per_token_ms

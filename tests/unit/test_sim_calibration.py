@@ -7,11 +7,13 @@ from dataclasses import replace
 import pytest
 
 from kvmesh.coordinator.sim.calibration import (
+    BatchedHits,
     DecodeTiming,
     DeploymentCalibration,
     PromptTiming,
     StreamEnd,
     calibrated_fields,
+    pairs,
 )
 from kvmesh.coordinator.sim.cost_model import SimCostModel
 
@@ -117,3 +119,35 @@ def test_a_gap_within_the_margin_of_the_step_is_not_delivery() -> None:
     base = calibration()
     kept_up = replace(base, decode=(_decode(1, 8.45, 8.55), _decode(4, 11.24, 11.18)))
     assert calibrated_fields(kept_up, BASE).fields["delivery_per_stream_ms"] == 0.0
+
+
+def test_hits_batched_in_one_step_price_the_pairs_over_cached_keys() -> None:
+    """Hits timed together give the marginal hit; with the cold prompt it fixes the prefill's
+    rate per token and what a pair over cached keys costs. Built from a known model (0.018 ms a
+    token, cached pairs 2.5x a fresh one), the fit recovers it, and prices each batch's step as
+    measured."""
+    a, per_token, factor = BASE.attention_per_token_pair_ms, 0.018, 2.5
+    host_per_seq = calibrated_fields(calibration(), BASE).fields["host_step_per_seq_ms"]
+    hit_ms = 256 * per_token + a * pairs(256, 8192, factor)
+    cold_prefill = (
+        20.0 + (8448 - 256) * per_token + a * pairs(8448, 0) - a * pairs(256, 8192, factor)
+    )
+    steps = [BatchedHits(b, 20.0 + (b - 1) * (hit_ms + host_per_seq)) for b in (1, 4, 8)]
+    measured = replace(calibration(cold_prefill), batched=tuple(steps))
+    fit = calibrated_fields(measured, BASE)
+    assert fit.fields["prefill_per_token_ms"] == pytest.approx(per_token)
+    assert fit.fields["cached_attention_factor"] == pytest.approx(factor)
+    for b in steps:
+        assert fit.checks[f"hits_step_ms_b{b.batch}_derived"] == pytest.approx(b.worker_prefill_ms)
+    # the block's round trip keeps them
+    assert DeploymentCalibration.from_mapping(measured.as_dict()).batched == measured.batched
+
+
+def test_batched_hits_that_did_not_queue_are_not_used() -> None:
+    # A step that gets shorter with more hits: they ran apart, not in one step behind the cold
+    # prompt; the fit keeps the rate of the cold prompt and the hit alone, and says why.
+    steps = (BatchedHits(1, 20.0), BatchedHits(4, 15.0), BatchedHits(8, 12.0))
+    fit = calibrated_fields(replace(calibration(), batched=steps), BASE)
+    assert fit.fields["prefill_per_token_ms"] == pytest.approx(0.02)
+    assert fit.fields["cached_attention_factor"] == BASE.cached_attention_factor
+    assert any("not used" in note for note in fit.notes)
