@@ -234,7 +234,8 @@ def test_fleet_match_is_match_past_64_workers() -> None:
 
 def _same_home_slot(num_hashes: int) -> list[BlockHash]:
     """Hashes whose product with the index's multiplier differs only in the low bits, so all
-    of them start probing at the same slot, whatever the table's size."""
+    of them have the same home slot, whatever the table's size (one keeps it, the rest are
+    displaced)."""
     inverse = pow(0x9E3779B97F4A7C15, -1, 1 << 64)
     return [BlockHash(inverse * ((0x5A5A << 48) + j) % (1 << 64)) for j in range(num_hashes)]
 
@@ -245,7 +246,7 @@ def test_lookup_finds_blocks_far_from_their_home_slot() -> None:
     m = loaded_mirror()
     m.apply(batch("w0", 1, BlockStored(tuple(held))))
     m.apply(batch("w1", 1, BlockStored(tuple(H))))
-    m.check_invariants()  # merges: the crowded run now lives in the index, 50 slots long
+    m.check_invariants()  # merges: one of the crowded hashes in its home slot, 49 displaced
     assert m.match(held) == {W0: PrefixMatch(50, 50)}
     assert m.indexed([*held[::-1], *absent, *H]) == [True] * 50 + [False] * 10 + [True] * 10
     assert m.indexed([*held[45:], *absent[:5]]) == [True] * 5 + [False] * 5  # one at a time
