@@ -15,9 +15,9 @@ from bisect import bisect_left
 
 import numpy as np
 
-NOBODY = 0  # the holder set of a block nobody holds
+from kvmesh.coordinator.index.hash_table import NOBODY
+
 _U64 = (1 << 64) - 1
-_BIT_POSITIONS = 64  # the vectorised walk's masks (`walk_low`): bits 0..63
 
 
 class HolderSets:
@@ -140,8 +140,9 @@ class HolderSets:
 
     def walk_low(self, starts: np.ndarray, run_sets: np.ndarray, length: int) -> np.ndarray:
         """`walk` (any tier) in array operations, for sets whose masks all fit 64 bits: the
-        leading blocks held by the worker of each bit position 0..63, then a 0 (for rows of no
-        bit). `starts`: the runs' first positions (starts[0] == 0), `run_sets` their sets.
+        leading blocks held by the worker of each bit position 0..63, then a 0 at position 64
+        (`worker_bits.NO_POSITION`, the rows of no bit). `starts`: the runs' first positions
+        (starts[0] == 0), `run_sets` their sets.
 
         The masks ANDed over the runs (a worker still holding at each run) only lose bits, so
         a bit set in the first k of them belongs to a worker whose prefix ends where run k

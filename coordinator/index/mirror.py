@@ -24,6 +24,7 @@ import numpy as np
 from kvmesh.coordinator.index.hash_table import FEW_HASHES, NOBODY, HashTable
 from kvmesh.coordinator.index.holder_sets import HolderSets
 from kvmesh.coordinator.index.radix_tree import RadixTree
+from kvmesh.coordinator.index.worker_bits import WorkerBits
 from kvmesh.proto.block_hash import BlockHash
 from kvmesh.proto.events import TIER_DEVICE, AllCleared, BlockRemoved, BlockStored, EventBatch
 
@@ -57,18 +58,6 @@ class FleetMatch(NamedTuple):
     """The longest match of any worker, in the fleet or not (0: nobody holds the first)."""
 
 
-class _FleetBits(NamedTuple):
-    """The rows of the workers' bits in one fleet, as `match_fleet` keeps them."""
-
-    row_of: Mapping[WorkerId, int]
-    num_rows: int
-    row_of_bit: dict[int, int]
-    """Each worker bit's row (bits of workers outside the fleet left out)."""
-    positions: np.ndarray | None
-    """Each row's bit position (64: a worker without a bit), while every worker's bit, in the
-    fleet or not, is below 64 (None past that)."""
-
-
 @dataclass(slots=True)
 class _WorkerCursor:
     generation: int
@@ -86,6 +75,8 @@ class IndexMirror:
                 and a delta of recent changes (`hash_table.py`)
         _sets   holder set id -> bitmask of its workers (any tier; device tier), reference
                 counts, and the walks over a chain's runs of sets (`holder_sets.py`)
+        _bits   worker <-> bit, and the bits' rows in the fleet being routed to
+                (`worker_bits.py`)
 
     `match` looks a chain up at once and walks only the positions where the holder set changes.
     The radix tree of the indexed blocks (`self.tree`, `radix_tree.py`) is fed from here but
@@ -97,7 +88,7 @@ class IndexMirror:
       * bit(w) is in any(s) of a block's set s iff w holds it; in device(s) iff on the device tier
       * num_worker_blocks(w) == blocks whose set has bit(w); num_blocks == blocks with a set != 0
       * every worker with blocks has a cursor and a bit
-      * the table's own (`HashTable.check_invariants`)
+      * the table's and the bits' own (`HashTable`, `WorkerBits.check_invariants`)
       * the radix tree links only indexed hashes (a hash leaves it when it leaves the index)
     """
 
@@ -107,11 +98,7 @@ class IndexMirror:
         self._num_blocks = 0
         self._num_blocks_of: dict[WorkerId, int] = {}
         self._cursors: dict[WorkerId, _WorkerCursor] = {}
-        self._bit_of: dict[WorkerId, int] = {}
-        self._worker_of_bit: dict[int, WorkerId] = {}
-        # The row of each worker bit in the last fleet matched (`match_fleet`'s `row_of`),
-        # until another fleet comes or a bit is given or taken.
-        self._fleet_bits: _FleetBits | None = None
+        self._bits = WorkerBits()
         self.num_events_applied = 0
         self.tree = RadixTree()
         """Parent and depth of the indexed blocks, from the stored events (`radix_tree.py`)."""
@@ -127,7 +114,7 @@ class IndexMirror:
         return self._num_blocks_of.get(worker, 0)
 
     def worker_hashes(self, worker: WorkerId) -> dict[BlockHash, int]:
-        bit = self._bit_of.get(worker)
+        bit = self._bits.get(worker)
         if not bit or not self._num_blocks_of.get(worker):
             return {}
         self._table.merge()
@@ -144,7 +131,7 @@ class IndexMirror:
         mask, device, out = self._sets.any[s], self._sets.device[s], {}
         while mask:
             low = mask & -mask
-            out[self._worker_of_bit[low]] = TIER_DEVICE if device & low else 1
+            out[self._bits.worker_of_bit[low]] = TIER_DEVICE if device & low else 1
             mask ^= low
         return out
 
@@ -210,10 +197,7 @@ class IndexMirror:
     def _drop_worker(self, worker: WorkerId) -> list[BlockHash]:
         """Forget the worker (blocks, bit, cursor); returns the blocks nobody holds any more."""
         orphaned = self._drop_worker_blocks(worker)
-        bit = self._bit_of.pop(worker, 0)
-        if bit:
-            del self._worker_of_bit[bit]
-            self._fleet_bits = None
+        self._bits.release(worker)
         self._cursors.pop(worker, None)
         self._num_blocks_of.pop(worker, None)
         return orphaned
@@ -235,7 +219,7 @@ class IndexMirror:
         if not run_sets[0]:
             return {}
         num_blocks, num_device = self._sets.walk(starts, run_sets, len(hashes))
-        worker_of_bit, device_get = self._worker_of_bit, num_device.get
+        worker_of_bit, device_get = self._bits.worker_of_bit, num_device.get
         return {worker_of_bit[b]: PrefixMatch(n, device_get(b, 0)) for b, n in num_blocks.items()}
 
     def match_fleet(
@@ -250,7 +234,7 @@ class IndexMirror:
         The rows of the workers' bits are kept while the same `row_of` object comes: another
         fleet is another mapping, never the same one changed. `hash_array`: `hashes` as a
         uint64 array (`block_hash_array`), when the caller made one with them."""
-        fleet = self._fleet(row_of, num_rows)
+        fleet = self._bits.fleet(row_of, num_rows)
         if len(hashes) > FEW_HASHES and fleet.positions is not None and not self._sets.num_tiered:
             return self._match_fleet_low(hashes, hash_array, fleet.positions)
         num_blocks = np.zeros(num_rows, dtype=np.int64)
@@ -262,7 +246,7 @@ class IndexMirror:
             return FleetMatch(num_blocks, num_device, 0)
         by_bit, device_by_bit = self._sets.walk(starts, run_sets, len(hashes))
         row_of_bit = fleet.row_of_bit
-        if len(row_of_bit) == len(self._worker_of_bit):  # every worker with a bit is in the fleet
+        if len(row_of_bit) == len(self._bits):  # every worker with a bit is in the fleet
             bits = list(by_bit)
         else:
             bits = [b for b in by_bit if b in row_of_bit]
@@ -286,8 +270,8 @@ class IndexMirror:
         self, hashes: Sequence[BlockHash], hash_array: np.ndarray | None, positions: np.ndarray
     ) -> FleetMatch:
         """`match_fleet` of a long chain in array operations, where every worker's bit is below
-        64 and every block on the device tier (`positions`: each row's bit position, 64 for a
-        worker without a bit): the runs as arrays, walked by `HolderSets.walk_low`."""
+        64 and every block on the device tier (`positions`: `FleetBits.positions`): the runs
+        as arrays, walked by `HolderSets.walk_low`."""
         sets = self._table.lookup(hashes, hash_array)
         changed = np.empty(len(sets), dtype=bool)
         changed[0] = True
@@ -296,19 +280,6 @@ class IndexMirror:
         by_position = self._sets.walk_low(starts, sets.take(starts), len(hashes))
         num_blocks = by_position.take(positions)
         return FleetMatch(num_blocks, num_blocks.copy(), int(by_position.max()))
-
-    def _fleet(self, row_of: Mapping[WorkerId, int], num_rows: int) -> _FleetBits:
-        """The rows of the workers' bits in the fleet `row_of` (see `_FleetBits`)."""
-        cached = self._fleet_bits
-        if cached is None or cached.row_of is not row_of or cached.num_rows != num_rows:
-            rows = {b: row_of[w] for b, w in self._worker_of_bit.items() if w in row_of}
-            positions = None
-            if all(b < 1 << 64 for b in self._worker_of_bit):  # (the fleet's and the others')
-                positions = np.full(num_rows, 64, dtype=np.int64)
-                for b, r in rows.items():
-                    positions[r] = b.bit_length() - 1
-            cached = self._fleet_bits = _FleetBits(row_of, num_rows, rows, positions)
-        return cached
 
     def _runs(
         self, hashes: Sequence[BlockHash], hash_array: np.ndarray | None = None
@@ -340,22 +311,10 @@ class IndexMirror:
         else:
             self._table.delta[h] = new
 
-    def _bit(self, worker: WorkerId) -> int:
-        bit = self._bit_of.get(worker)
-        if bit is None:
-            used = 0
-            for b in self._worker_of_bit:
-                used |= b
-            bit = ~used & (used + 1)  # lowest free bit
-            self._bit_of[worker] = bit
-            self._worker_of_bit[bit] = worker
-            self._fleet_bits = None
-        return bit
-
     def _add(self, worker: WorkerId, hashes: Sequence[BlockHash], tier: int) -> None:
         if not hashes:
             return
-        bit = self._bit(worker)
+        bit = self._bits.bit(worker)
         wanted = np.fromiter(hashes, np.uint64, len(hashes))
         rows = self._table.find(wanted).tolist()  # -1: not in the table's arrays
         self._table.note_changing(wanted)
@@ -376,7 +335,7 @@ class IndexMirror:
 
     def _remove(self, worker: WorkerId, hashes: Sequence[BlockHash], tier: int) -> list[BlockHash]:
         """Drop the worker's hold on `hashes`; returns those it held."""
-        bit = self._bit_of.get(worker)
+        bit = self._bits.get(worker)
         if not bit or not self._num_blocks_of.get(worker) or not hashes:
             return []  # nothing indexed (a worker gets its bit with its first block)
         wanted = np.fromiter(hashes, np.uint64, len(hashes))
@@ -400,7 +359,7 @@ class IndexMirror:
     def _drop_worker_blocks(self, worker: WorkerId) -> list[BlockHash]:
         """Take the worker's bit out of every block (one pass over the arrays, no per-block
         Python); returns the blocks nobody holds any more (their links may have to go)."""
-        bit = self._bit_of.get(worker)
+        bit = self._bits.get(worker)
         if not bit or not self._num_blocks_of.get(worker, 0):
             return []
         self._table.merge()
@@ -436,10 +395,10 @@ class IndexMirror:
                 live = self._sets.is_interned(s)
                 assert refs == (counts[s] if live else 0), f"set {s}: {refs} refs, {counts[s]}"
         assert self._num_blocks == int(np.count_nonzero(sets)), "block count drifted"
-        for w, bit in self._bit_of.items():
-            assert self._worker_of_bit[bit] == w
+        self._bits.check_invariants()
+        for w, bit in self._bits.bit_of.items():
             held = [s for s, m in enumerate(self._sets.any) if m & bit and self._sets.refs[s]]
             assert self.num_worker_blocks(w) == int(counts[held].sum()), f"{w}'s count drifted"
         for w, n in self._num_blocks_of.items():
-            assert not n or (w in self._cursors and w in self._bit_of), f"{w} has blocks only"
+            assert not n or (w in self._cursors and w in self._bits.bit_of), f"{w} has blocks only"
         self.tree.check_invariants(set(self._table.keys[sets != NOBODY].tolist()))
