@@ -41,7 +41,7 @@ class HolderSets:
         self.refs: list[int] = [0]
         self._id_of: dict[tuple[int, int], int] = {(0, 0): NOBODY}
         self._free_ids: list[int] = []
-        self._any_low = np.zeros(64, dtype=np.uint64)
+        self._any_low = np.zeros(64, dtype="<u8")  # little-endian: `walk_low` reads its bytes
         # Interned sets holding some of their blocks off the device tier (a host tier in use):
         # while there are none, a chain's device match is its match.
         self.num_tiered = 0
@@ -148,10 +148,15 @@ class HolderSets:
         a bit set in the first k of them belongs to a worker whose prefix ends where run k
         starts (the chain's length after the last run)."""
         active = np.bitwise_and.accumulate(self._any_low.take(run_sets))
-        bits = np.unpackbits(active.view(np.uint8).reshape(-1, 8), axis=1, bitorder="little")
-        ends = np.append(starts, (length, 0))  # run k's start; after the last, the length
+        bits = np.unpackbits(active.view(np.uint8), bitorder="little").reshape(-1, 64)
+        num_starts = len(starts)
+        ends = np.empty(num_starts + 2, dtype=np.int64)  # run k's start, the length, then 0
+        ends[:num_starts] = starts
+        ends[num_starts], ends[num_starts + 1] = length, 0
         # (a bit never set counts 0 runs: ends[0] == 0; position 64 reads the trailing 0)
-        num_runs = np.append(bits.sum(axis=0, dtype=np.int64), len(ends) - 1)
+        num_runs = np.empty(65, dtype=np.int64)
+        num_runs[64] = num_starts + 1
+        np.add.reduce(bits, axis=0, dtype=np.int64, out=num_runs[:64])
         return ends.take(num_runs)
 
     def check_invariants(self) -> None:
