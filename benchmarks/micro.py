@@ -98,7 +98,8 @@ def bench_router(
     """One decision = what `FleetView.columns` + `route` do: the mirror's match, the workers'
     columns (load, capacity, match), kvmesh's policy pricing all of them and picking one. Each
     prompt's hashes come with their uint64 array, made where they are hashed, as the prompt
-    preparer makes it (timed in `bench_hash`).
+    preparer makes it (timed in `bench_hash`), to the mirror and in the query, as
+    `Coordinator.route` passes them.
     Timed twice: wall clock (`p50_ms`, ...) and this thread's CPU time (`cpu_p50_ms`, ...):
     on a shared machine the wall clock's tail is other processes' time slices."""
     rng = random.Random(0)
@@ -126,7 +127,8 @@ def bench_router(
             workers, capacity, free, queued_ms, queued_tokens, running, matched, device, index_of
         )
         views = cols if policy_type is KvmeshPolicy else list(cols)
-        policy.choose(RouteQuery(str(i), hashes, 8192, BS), views)
+        query = RouteQuery(str(i), hashes, 8192, BS, block_hash_array=arrays[i % len(families)])
+        policy.choose(query, views)
         samples.append((time.perf_counter() - t) * 1e3)
         cpu_samples.append((time.thread_time() - cpu) * 1e3)
     out = percentiles(samples) | percentiles(cpu_samples, "cpu_")

@@ -187,6 +187,7 @@ class Coordinator:
             self.config.block_size,
             session_id,
             max_tokens,
+            prompt.block_hash_array,
         )
         if commit and self.decisions.commits:
             return self.decisions.route(

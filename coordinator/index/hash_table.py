@@ -17,9 +17,6 @@ _GOLDEN_INT = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads any key pattern o
 _GOLDEN = np.uint64(_GOLDEN_INT)
 _U64 = (1 << 64) - 1
 _FILTER_SLOTS_PER_ENTRY = 8  # delta filter slots per delta entry: <= 1/8 false positives
-_WINDOW_SLOTS = 8  # slots after the home slot that `find` probes at once
-_WINDOW_STEPS = np.arange(1, _WINDOW_SLOTS + 1, dtype=np.uint64)
-_SCALAR_PROBES = 16  # keys left after a vector round below which probing goes one by one
 
 
 def _home_slots(keys: np.ndarray, bits: int) -> np.ndarray:
@@ -32,10 +29,11 @@ class HashTable:
 
         keys   uint64[n]  block hashes, sorted (merges insert with one pass)
         values uint32[n]  holder set of each, current (NOBODY: no holder left)
-        _index int32[2^k >= 4n]  open addressing (linear probing) from a hash to its row, so a
-               chain's lookups are a few vectorised probes each, whatever n is (at most a
-               quarter of the slots used: ~9/10 of the keys sit in their home slot, and a
-               chain's lookup leaves fewer keys to the window stage of `find` than at half)
+        _index int32[2^k >= 4n]  a hash's home slot -> the row of one key it is home to (-1:
+               none), so a chain's lookups are one vectorised gather each, whatever n is
+        _displaced_keys uint64[m], _displaced_rows int32[m]  the keys whose home slot another
+               key holds (at a quarter load or less, about 1/9 of them), sorted, and their
+               rows: a chain's few are found by one binary search (`searchsorted`)
         delta  {hash: set id}  blocks that are not in the arrays, added since the last merge
                (id NOBODY: no holder left); merged in, and the index rebuilt, when it outgrows
                1/8 of them
@@ -52,7 +50,7 @@ class HashTable:
     Invariants (checked by `check_invariants`):
       * every hash in the delta passes the delta filter, and none is in the arrays
       * keys are sorted and unique; values has their length
-      * the index finds every key's row
+      * every key is in its home slot or among the displaced keys, not both
     """
 
     def __init__(self) -> None:
@@ -63,6 +61,8 @@ class HashTable:
         self._delta_filter_mask = np.uint64(len(self._delta_filter) - 1)
         self._index = np.full(16, -1, dtype=np.int32)
         self._index_bits = 4
+        self._displaced_keys = np.zeros(0, dtype=np.uint64)
+        self._displaced_rows = np.zeros(0, dtype=np.int32)
 
     def lookup(self, hashes: Sequence[BlockHash], wanted: np.ndarray | None = None) -> np.ndarray:
         """The current holder set of each hash (0: nobody), as an int64 array. `wanted`: the
@@ -76,7 +76,7 @@ class HashTable:
             missing = np.arange(len(wanted))
         else:
             rows = self.find(wanted)
-            sets = self.values[rows].astype(np.int64)
+            sets = self.values.take(rows).astype(np.int64)  # (-1 reads the last: set below)
             missing = (rows < 0).nonzero()[0]
             sets[missing] = NOBODY
         delta = self.delta
@@ -93,24 +93,30 @@ class HashTable:
 
     def lookup_few(self, hashes: Sequence[BlockHash], leading: bool = False) -> list[int]:
         """`lookup` one hash at a time, in Python ints: for a short chain, cheaper than the
-        fixed cost of the vector rounds (the same slots probed in the same order; a hash in
-        the delta, which the arrays do not have, is not probed at all). `leading`: stop after
-        the first hash nobody holds (the list is shorter then): a prefix match reads no
-        further, since no worker's leading run of the chain goes past it."""
+        fixed cost of the vector rounds (the same home slot, then the displaced keys; a hash
+        in the delta, which the arrays do not have, is not looked for there at all).
+        `leading`: stop after the first hash nobody holds (the list is shorter then): a prefix
+        match reads no further, since no worker's leading run of the chain goes past it."""
         in_delta = self.delta.get
         if not len(self.keys):
             sets = [in_delta(h, NOBODY) for h in hashes]
             return sets[: sets.index(NOBODY) + 1] if leading and NOBODY in sets else sets
         row_at, key_at, set_of_row = self._index.item, self.keys.item, self.values.item
-        bits = self._index_bits
-        shift, mask = 64 - bits, (1 << bits) - 1
+        displaced_at, displaced_key_at = (
+            self._displaced_keys.searchsorted,
+            self._displaced_keys.item,
+        )
+        displaced_row_at, num_displaced = self._displaced_rows.item, len(self._displaced_keys)
+        shift = 64 - self._index_bits
         sets = []
         for h in hashes:
             s = in_delta(h)
             if s is None:
-                slot = (h * _GOLDEN_INT & _U64) >> shift  # `_home_slots`, in Python ints
-                while (row := row_at(slot)) >= 0 and key_at(row) != h:
-                    slot = (slot + 1) & mask
+                row = row_at((h * _GOLDEN_INT & _U64) >> shift)  # `_home_slots`, in Python ints
+                if row >= 0 and key_at(row) != h:
+                    at = int(displaced_at(h))
+                    found = at < num_displaced and displaced_key_at(at) == h
+                    row = displaced_row_at(at) if found else -1
                 s = set_of_row(row) if row >= 0 else NOBODY
             sets.append(s)
             if leading and s == NOBODY:
@@ -132,78 +138,43 @@ class HashTable:
         self._delta_filter[wanted & self._delta_filter_mask] = True
 
     def find(self, wanted: np.ndarray) -> np.ndarray:
-        """Row of each wanted hash in the arrays, -1 where absent. Three stages, each for the
-        keys the last one left (linear probing: a present key sits in the run of occupied slots
-        that starts at its home slot; at the load kept, ~9/10 of the keys sit in their home slot):
+        """Row of each wanted hash in the arrays, -1 where absent (int32). Two stages:
 
-            home slot, all keys at once      -> found, or absent (an empty slot), or on
-            the next _WINDOW_SLOTS at once   -> found, or absent (an empty slot among them), or on
-            slot by slot                     (vector rounds while many are left, then one by one)
+            home slot, all keys at once  -> found, or absent (an empty slot), or
+            the displaced keys           -> found, or absent (one binary search of the ~1/9
+                                            left, in a sorted array of ~1/9 of the keys)
 
         A row of -1 (an empty slot) reads the last key, which cannot be the wanted one there:
-        a present key never has an empty slot on its way from its home slot; in a window, a hit
-        after an empty slot can only be the last key, found before that slot."""
-        index, keys, bits = self._index, self.keys, self._index_bits
+        a present key's home slot is never empty."""
+        keys = self.keys
         if not len(keys):
-            return np.full(len(wanted), -1, dtype=np.int64)
-        mask = np.uint64((1 << bits) - 1)
-        slots = _home_slots(wanted, bits)
-        rows = index[slots]
-        found = np.where(keys[rows] == wanted, rows, -1).astype(np.int64)
-        todo = (rows > found).nonzero()[0]  # an occupied home slot that holds another key
-        if not len(todo):
-            return found
-        slots = slots[todo]
-        window = index[(slots[:, None] + _WINDOW_STEPS) & mask]
-        # Keys are unique: at most one slot of a window holds the wanted key (-1: none does).
-        in_window = np.maximum.reduce(
-            np.where(keys[window] == wanted[todo][:, None], window, -1), axis=1
-        )
-        found[todo] = in_window
-        on = (in_window < 0) & (np.minimum.reduce(window, axis=1) >= 0)
-        if np.count_nonzero(on):
-            todo, slots = todo[on], (slots[on] + np.uint64(_WINDOW_SLOTS + 1)) & mask
-            self._probe_on(wanted, found, todo, slots)
+            return np.full(len(wanted), -1, dtype=np.int32)
+        # (the slots are below 2**60: as int64, `take` reads them without a conversion)
+        rows = self._index.take(_home_slots(wanted, self._index_bits).view(np.int64))
+        found = np.where(keys.take(rows) == wanted, rows, -1)
+        todo = (rows > found).nonzero()[0]  # a home slot that holds another key
+        displaced_keys = self._displaced_keys
+        if len(todo) and len(displaced_keys):
+            left = wanted[todo]
+            at = displaced_keys.searchsorted(left)  # (len: past the last, clipped below)
+            hit = displaced_keys.take(at, mode="clip") == left
+            found[todo] = np.where(hit, self._displaced_rows.take(at, mode="clip"), -1)
         return found
 
-    def _probe_on(
-        self, wanted: np.ndarray, found: np.ndarray, todo: np.ndarray, slots: np.ndarray
-    ) -> None:
-        """`find`'s last stage: probe on from `slots` for keys `todo`, one slot per vector
-        round while many are left, then one by one (a round's fixed cost is more than a few
-        scalar probes)."""
-        index, keys = self._index, self.keys
-        mask = np.uint64((1 << self._index_bits) - 1)
-        while len(todo) > _SCALAR_PROBES:
-            rows = index[slots].astype(np.int64)
-            hit = (rows >= 0) & (keys[rows] == wanted[todo])
-            found[todo[hit]] = rows[hit]
-            again = (rows >= 0) & ~hit
-            todo, slots = todo[again], (slots[again] + np.uint64(1)) & mask
-        for i, slot in zip(todo.tolist(), slots.tolist(), strict=True):
-            want = wanted[i]
-            while (row := int(index[slot])) >= 0:
-                if keys[row] == want:
-                    found[i] = row
-                    break
-                slot = (slot + 1) & int(mask)
-
     def _build_index(self) -> None:
-        """Place every row in a table of at least four times as many slots (linear probing): all
-        rows at once per round; of the rows landing on one free slot one wins, the rest move
-        on one slot."""
+        """Give every key's home slot (in a table of at least four times as many slots) to one
+        of the keys it is home to; the others are the displaced keys (in key order, as the
+        keys are sorted)."""
         n = len(self.keys)
         bits = max(4, (4 * n).bit_length())
         index = np.full(1 << bits, -1, dtype=np.int32)
-        mask = np.uint64((1 << bits) - 1)
         rows = np.arange(n, dtype=np.int32)
-        slots = _home_slots(self.keys, bits)
-        while len(rows):
-            free = index[slots] < 0
-            index[slots[free]] = rows[free]  # of several rows on one slot, one is kept
-            placed = free & (index[slots] == rows)
-            rows, slots = rows[~placed], (slots[~placed] + np.uint64(1)) & mask
+        slots = _home_slots(self.keys, bits).view(np.int64)
+        index[slots] = rows  # of several rows with one home slot, one is kept
+        displaced = (index.take(slots) != rows).nonzero()[0]
         self._index, self._index_bits = index, bits
+        self._displaced_keys = self.keys[displaced]
+        self._displaced_rows = displaced.astype(np.int32)
 
     def maybe_merge(self) -> None:
         if len(self.delta) > self._max_delta():
@@ -257,5 +228,8 @@ class HashTable:
         self.merge()
         assert len(self.values) == len(self.keys), "keys and values differ in length"
         assert np.all(self.keys[1:] > self.keys[:-1]), "keys are not sorted and unique"
-        rows = self.find(self.keys)
-        assert np.array_equal(rows, np.arange(len(rows))), "the index misses a key's row"
+        rows = np.arange(len(self.keys))
+        at_home = self._index[_home_slots(self.keys, self._index_bits)] == rows
+        assert np.array_equal(self._displaced_rows, rows[~at_home]), "displaced rows drifted"
+        assert np.array_equal(self._displaced_keys, self.keys[~at_home]), "displaced keys drifted"
+        assert np.array_equal(self.find(self.keys), rows), "the index misses a key's row"

@@ -16,7 +16,6 @@ stream; a batch is applied only if it is the next one of its worker's current ge
 from __future__ import annotations
 
 import enum
-from bisect import bisect_left
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import repeat
@@ -25,7 +24,9 @@ from typing import NamedTuple, NewType
 import numpy as np
 
 from kvmesh.coordinator.index.hash_table import FEW_HASHES, NOBODY, HashTable
+from kvmesh.coordinator.index.holder_sets import HolderSets
 from kvmesh.coordinator.index.radix_tree import RadixTree
+from kvmesh.coordinator.index.worker_bits import WorkerBits
 from kvmesh.proto.block_hash import BlockHash
 from kvmesh.proto.events import TIER_DEVICE, AllCleared, BlockRemoved, BlockStored, EventBatch
 
@@ -76,41 +77,34 @@ class IndexMirror:
     *holder set* (an any-tier mask and a device-tier mask of bits; id 0 is nobody), so a block
     costs a hash and a set id; there are few distinct sets, however many blocks:
 
-        _table  block hash -> holder set id: sorted arrays, an open-addressing index over
-                them and a delta of recent changes (`hash_table.py`)
-        _set_any, _set_device  holder set id -> bitmask of its workers (any tier; device tier)
+        _table  block hash -> holder set id: sorted arrays, an index of home slots over them
+                and a delta of recent changes (`hash_table.py`)
+        _sets   holder set id -> bitmask of its workers (any tier; device tier), reference
+                counts, and the walks over a chain's runs of sets (`holder_sets.py`)
+        _bits   worker <-> bit, and the bits' rows in the fleet being routed to
+                (`worker_bits.py`)
 
     `match` looks a chain up at once and walks only the positions where the holder set changes.
     The radix tree of the indexed blocks (`self.tree`, `radix_tree.py`) is fed from here but
     kept apart: its links cost their own memory, and only for blocks whose parent was announced.
 
     Invariants (checked by `check_invariants`):
-      * refs[s] == number of blocks whose current set is s (s != 0); an interned set has refs > 0
+      * refs[s] == number of blocks whose current set is s (s != 0); the sets' own
+        (`HolderSets.check_invariants`)
       * bit(w) is in any(s) of a block's set s iff w holds it; in device(s) iff on the device tier
       * num_worker_blocks(w) == blocks whose set has bit(w); num_blocks == blocks with a set != 0
       * every worker with blocks has a cursor and a bit
-      * the table's own (`HashTable.check_invariants`)
+      * the table's and the bits' own (`HashTable`, `WorkerBits.check_invariants`)
       * the radix tree links only indexed hashes (a hash leaves it when it leaves the index)
     """
 
     def __init__(self) -> None:
         self._table = HashTable()
-        self._set_any: list[int] = [0]
-        self._set_device: list[int] = [0]
-        self._set_refs: list[int] = [0]
-        self._set_id: dict[tuple[int, int], int] = {(0, 0): NOBODY}
-        self._free_set_ids: list[int] = []
-        # Interned sets holding some of their blocks off the device tier (a host tier in use):
-        # while there are none, a chain's device match is its match.
-        self._num_tiered_sets = 0
+        self._sets = HolderSets()
         self._num_blocks = 0
         self._num_blocks_of: dict[WorkerId, int] = {}
         self._cursors: dict[WorkerId, _WorkerCursor] = {}
-        self._bit_of: dict[WorkerId, int] = {}
-        self._worker_of_bit: dict[int, WorkerId] = {}
-        # The row of each worker bit in the last fleet matched (`match_fleet`'s `row_of`),
-        # until another fleet comes or a bit is given or taken.
-        self._fleet_bits: tuple[Mapping[WorkerId, int], dict[int, int]] | None = None
+        self._bits = WorkerBits()
         self.num_events_applied = 0
         self.tree = RadixTree()
         """Parent and depth of the indexed blocks, from the stored events (`radix_tree.py`)."""
@@ -126,12 +120,13 @@ class IndexMirror:
         return self._num_blocks_of.get(worker, 0)
 
     def worker_hashes(self, worker: WorkerId) -> dict[BlockHash, int]:
-        bit = self._bit_of.get(worker)
+        bit = self._bits.get(worker)
         if not bit or not self._num_blocks_of.get(worker):
             return {}
         self._table.merge()
-        held = [s for s, m in enumerate(self._set_any) if m & bit and self._set_refs[s]]
-        on_device = np.array([bool(self._set_device[s] & bit) for s in held], dtype=bool)
+        sets = self._sets
+        held = [s for s, m in enumerate(sets.any) if m & bit and sets.refs[s]]
+        on_device = np.array([bool(sets.device[s] & bit) for s in held], dtype=bool)
         rows = np.flatnonzero(np.isin(self._table.values, held))
         tiers = np.where(on_device[np.searchsorted(held, self._table.values[rows])], TIER_DEVICE, 1)
         return dict(zip(self._table.keys[rows].tolist(), tiers.tolist(), strict=True))
@@ -139,10 +134,10 @@ class IndexMirror:
     def holders(self, h: BlockHash) -> dict[WorkerId, int]:
         """worker -> tier of every worker holding block `h`."""
         s = int(self._table.lookup((h,))[0])
-        mask, device, out = self._set_any[s], self._set_device[s], {}
+        mask, device, out = self._sets.any[s], self._sets.device[s], {}
         while mask:
             low = mask & -mask
-            out[self._worker_of_bit[low]] = TIER_DEVICE if device & low else 1
+            out[self._bits.worker_of_bit[low]] = TIER_DEVICE if device & low else 1
             mask ^= low
         return out
 
@@ -213,10 +208,7 @@ class IndexMirror:
     def _drop_worker(self, worker: WorkerId) -> list[BlockHash]:
         """Forget the worker (blocks, bit, cursor); returns the blocks nobody holds any more."""
         orphaned = self._drop_worker_blocks(worker)
-        bit = self._bit_of.pop(worker, 0)
-        if bit:
-            del self._worker_of_bit[bit]
-            self._fleet_bits = None
+        self._bits.release(worker)
         self._cursors.pop(worker, None)
         self._num_blocks_of.pop(worker, None)
         return orphaned
@@ -237,8 +229,8 @@ class IndexMirror:
         starts, run_sets = self._runs(hashes)
         if not run_sets[0]:
             return {}
-        num_blocks, num_device = self._walk(starts, run_sets, len(hashes))
-        worker_of_bit, device_get = self._worker_of_bit, num_device.get
+        num_blocks, num_device = self._sets.walk(starts, run_sets, len(hashes))
+        worker_of_bit, device_get = self._bits.worker_of_bit, num_device.get
         return {worker_of_bit[b]: PrefixMatch(n, device_get(b, 0)) for b, n in num_blocks.items()}
 
     def match_fleet(
@@ -253,6 +245,9 @@ class IndexMirror:
         The rows of the workers' bits are kept while the same `row_of` object comes: another
         fleet is another mapping, never the same one changed. `hash_array`: `hashes` as a
         uint64 array (`block_hash_array`), when the caller made one with them."""
+        fleet = self._bits.fleet(row_of, num_rows)
+        if len(hashes) > FEW_HASHES and fleet.positions is not None and not self._sets.num_tiered:
+            return self._match_fleet_low(hashes, hash_array, fleet.positions)
         num_blocks = np.zeros(num_rows, dtype=np.int64)
         num_device = np.zeros(num_rows, dtype=np.int64)
         if not hashes:
@@ -260,9 +255,9 @@ class IndexMirror:
         starts, run_sets = self._runs(hashes, hash_array)
         if not run_sets[0]:
             return FleetMatch(num_blocks, num_device, 0)
-        by_bit, device_by_bit = self._walk(starts, run_sets, len(hashes))
-        row_of_bit = self._rows_of_bits(row_of)
-        if len(row_of_bit) == len(self._worker_of_bit):  # every worker with a bit is in the fleet
+        by_bit, device_by_bit = self._sets.walk(starts, run_sets, len(hashes))
+        row_of_bit = fleet.row_of_bit
+        if len(row_of_bit) == len(self._bits):  # every worker with a bit is in the fleet
             bits = list(by_bit)
         else:
             bits = [b for b in by_bit if b in row_of_bit]
@@ -282,67 +277,20 @@ class IndexMirror:
             num_blocks[rows[0]], num_device[rows[0]] = held[0], held_device[0]
         return FleetMatch(num_blocks, num_device, max(by_bit.values(), default=0))
 
-    def _rows_of_bits(self, row_of: Mapping[WorkerId, int]) -> dict[int, int]:
-        """Each worker bit's row in the fleet `row_of` (bits of workers outside it left out)."""
-        cached = self._fleet_bits
-        if cached is None or cached[0] is not row_of:
-            rows = {b: row_of[w] for b, w in self._worker_of_bit.items() if w in row_of}
-            cached = self._fleet_bits = (row_of, rows)
-        return cached[1]
-
-    def _walk(
-        self, starts: list[int], run_sets: list[int], length: int
-    ) -> tuple[dict[int, int], dict[int, int]]:
-        """Per worker bit, the leading blocks it holds (any tier, then device) of a chain of
-        `length` blocks whose holder sets change at `starts` (to `run_sets`). Where every run
-        walked holds its blocks on the device tier (no host tier in use), both are one dict."""
-        set_any = self._set_any
-        active = set_any[run_sets[0]]
-        num_blocks: dict[int, int] = {}
-        i = 0
-        masks = map(set_any.__getitem__, run_sets)
-        for i, mask in zip(starts, masks, strict=True):  # noqa: B007 - i is read after the loop
-            held = active & mask
-            if held != active:
-                gone = active ^ held
-                if gone & (gone - 1):
-                    self._record(gone, i, num_blocks)
-                else:  # one worker's run ends (most do): `_record`, inline
-                    num_blocks[gone] = i
-                active = held
-                if not active:
-                    break
-        else:
-            i = length
-        self._record(active, i, num_blocks)
-        if not self._num_tiered_sets:
-            return num_blocks, num_blocks
-        # the runs walked: up to the one where the last prefix ended, or all
-        num_walked = bisect_left(starts, i) + 1 if not active else len(run_sets)
-        set_device = self._set_device
-        for s in run_sets[:num_walked]:
-            if set_device[s] != set_any[s]:
-                return num_blocks, self._walk_device(starts, run_sets, length)
-        return num_blocks, num_blocks
-
-    def _walk_device(self, starts: list[int], run_sets: list[int], length: int) -> dict[int, int]:
-        """`_walk`'s device tier: per worker bit, the leading run it holds on the device."""
-        set_any, set_device = self._set_any, self._set_device
-        active = on_device = set_any[run_sets[0]]
-        num_device: dict[int, int] = {}
-        i = 0
-        for i, s in zip(starts, run_sets, strict=True):  # noqa: B007 - i is read after the loop
-            active &= set_any[s]
-            held_dev = on_device & set_device[s]
-            if held_dev != on_device:
-                self._record(on_device ^ held_dev, i, num_device)
-                on_device = held_dev
-            if not active:
-                break
-        else:
-            i = length
-        self._record(on_device, i, num_device)
-        return num_device
+    def _match_fleet_low(
+        self, hashes: Sequence[BlockHash], hash_array: np.ndarray | None, positions: np.ndarray
+    ) -> FleetMatch:
+        """`match_fleet` of a long chain in array operations, where every worker's bit is below
+        64 and every block on the device tier (`positions`: `FleetBits.positions`): the runs
+        as arrays, walked by `HolderSets.walk_low`."""
+        sets = self._table.lookup(hashes, hash_array)
+        changed = np.empty(len(sets), dtype=bool)
+        changed[0] = True
+        np.not_equal(sets[1:], sets[:-1], out=changed[1:])
+        starts = changed.nonzero()[0]
+        by_position = self._sets.walk_low(starts, sets.take(starts), len(hashes))
+        num_blocks = by_position.take(positions)
+        return FleetMatch(num_blocks, num_blocks.copy(), int(by_position.max()))
 
     def _runs(
         self, hashes: Sequence[BlockHash], hash_array: np.ndarray | None = None
@@ -358,45 +306,15 @@ class IndexMirror:
         at = (array[1:] != array[:-1]).nonzero()[0] + 1
         return [0, *at.tolist()], [int(array[0]), *array[at].tolist()]
 
-    @staticmethod
-    def _record(mask: int, length: int, out: dict[int, int]) -> None:
-        if not mask & (mask - 1):  # one worker (or none): most runs end one worker at a time
-            if mask:
-                out[mask] = length
-            return
-        while mask:
-            low = mask & -mask
-            out[low] = length
-            mask ^= low
-
-    def _intern(self, any_mask: int, device_mask: int) -> int:
-        key = (any_mask, device_mask)
-        s = self._set_id.get(key)
-        if s is None:
-            if self._free_set_ids:
-                s = self._free_set_ids.pop()
-                self._set_any[s], self._set_device[s], self._set_refs[s] = any_mask, device_mask, 0
-            else:
-                s = len(self._set_any)
-                self._set_any.append(any_mask)
-                self._set_device.append(device_mask)
-                self._set_refs.append(0)
-            self._set_id[key] = s
-            self._num_tiered_sets += device_mask != any_mask
-        return s
-
     def _move(self, h: BlockHash, row: int, old: int, new: int) -> None:
         """Block `h` goes from holder set `old` to `new` (refs, the block count, and the table:
         the arrays' `row` of it, or the delta where it has none, -1)."""
-        refs = self._set_refs
         if old:
-            refs[old] -= 1
-            if not refs[old]:
-                self._release_set(old)
+            self._sets.unref(old)
         else:
             self._num_blocks += 1
         if new:
-            refs[new] += 1
+            self._sets.ref(new)
         else:
             self._num_blocks -= 1
         if row >= 0:
@@ -404,31 +322,14 @@ class IndexMirror:
         else:
             self._table.delta[h] = new
 
-    def _release_set(self, s: int) -> None:
-        del self._set_id[(self._set_any[s], self._set_device[s])]
-        self._num_tiered_sets -= self._set_device[s] != self._set_any[s]
-        self._free_set_ids.append(s)
-
-    def _bit(self, worker: WorkerId) -> int:
-        bit = self._bit_of.get(worker)
-        if bit is None:
-            used = 0
-            for b in self._worker_of_bit:
-                used |= b
-            bit = ~used & (used + 1)  # lowest free bit
-            self._bit_of[worker] = bit
-            self._worker_of_bit[bit] = worker
-            self._fleet_bits = None
-        return bit
-
     def _add(self, worker: WorkerId, hashes: Sequence[BlockHash], tier: int) -> None:
         if not hashes:
             return
-        bit = self._bit(worker)
+        bit = self._bits.bit(worker)
         wanted = np.fromiter(hashes, np.uint64, len(hashes))
         rows = self._table.find(wanted).tolist()  # -1: not in the table's arrays
         self._table.note_changing(wanted)
-        set_any, set_device, delta = self._set_any, self._set_device, self._table.delta
+        set_any, set_device, delta = self._sets.any, self._sets.device, self._table.delta
         set_of_row = self._table.values.item
         added = 0
         for h, row in zip(hashes, rows, strict=True):
@@ -439,19 +340,19 @@ class IndexMirror:
             if any_mask & bit and device == set_device[s]:
                 continue
             added += not any_mask & bit
-            self._move(h, row, s, self._intern(any_mask | bit, device))
+            self._move(h, row, s, self._sets.intern(any_mask | bit, device))
         if added:
             self._num_blocks_of[worker] = self._num_blocks_of.get(worker, 0) + added
 
     def _remove(self, worker: WorkerId, hashes: Sequence[BlockHash], tier: int) -> list[BlockHash]:
         """Drop the worker's hold on `hashes`; returns those it held."""
-        bit = self._bit_of.get(worker)
+        bit = self._bits.get(worker)
         if not bit or not self._num_blocks_of.get(worker) or not hashes:
             return []  # nothing indexed (a worker gets its bit with its first block)
         wanted = np.fromiter(hashes, np.uint64, len(hashes))
         rows = self._table.find(wanted).tolist()  # -1: not in the table's arrays
         self._table.note_changing(wanted)
-        set_any, set_device, delta = self._set_any, self._set_device, self._table.delta
+        set_any, set_device, delta = self._sets.any, self._sets.device, self._table.delta
         set_of_row = self._table.values.item
         removed: list[BlockHash] = []
         for h, row in zip(hashes, rows, strict=True):
@@ -461,7 +362,7 @@ class IndexMirror:
             held = TIER_DEVICE if set_device[s] & bit else 1
             if held != tier:
                 continue  # a removal from another tier than the one indexed: keep ours
-            self._move(h, row, s, self._intern(set_any[s] & ~bit, set_device[s] & ~bit))
+            self._move(h, row, s, self._sets.intern(set_any[s] & ~bit, set_device[s] & ~bit))
             removed.append(h)
         self._num_blocks_of[worker] -= len(removed)
         return removed
@@ -469,26 +370,24 @@ class IndexMirror:
     def _drop_worker_blocks(self, worker: WorkerId) -> list[BlockHash]:
         """Take the worker's bit out of every block (one pass over the arrays, no per-block
         Python); returns the blocks nobody holds any more (their links may have to go)."""
-        bit = self._bit_of.get(worker)
+        bit = self._bits.get(worker)
         if not bit or not self._num_blocks_of.get(worker, 0):
             return []
         self._table.merge()
-        refs = self._set_refs
-        remap = np.arange(len(self._set_any), dtype=np.uint32)
-        for s, any_mask in enumerate(self._set_any):
-            if refs[s] and any_mask & bit:
-                remap[s] = self._intern(any_mask & ~bit, self._set_device[s] & ~bit)
+        sets = self._sets
+        remap = np.arange(len(sets), dtype=np.uint32)
+        for s, any_mask in enumerate(sets.any):  # (sets interned on the way have no refs)
+            if sets.refs[s] and any_mask & bit:
+                remap[s] = sets.intern(any_mask & ~bit, sets.device[s] & ~bit)
         old = self._table.values
         new = remap[old]
         changed = old != new
-        counts_old = np.bincount(old[changed], minlength=len(self._set_any))
-        counts_new = np.bincount(new[changed], minlength=len(self._set_any))
+        counts_old = np.bincount(old[changed], minlength=len(sets))
+        counts_new = np.bincount(new[changed], minlength=len(sets))
         for s in np.flatnonzero(counts_new).tolist():
-            refs[s] += int(counts_new[s])
+            sets.ref(s, int(counts_new[s]))
         for s in np.flatnonzero(counts_old).tolist():
-            refs[s] -= int(counts_old[s])
-            if not refs[s]:
-                self._release_set(s)
+            sets.unref(s, int(counts_old[s]))
         self._num_blocks -= int(counts_new[NOBODY])
         self._table.values = new
         self._num_blocks_of[worker] = 0
@@ -499,22 +398,18 @@ class IndexMirror:
 
     def check_invariants(self) -> None:
         self._table.check_invariants()  # merges the delta
+        self._sets.check_invariants()
         sets = self._table.values
-        counts = np.bincount(sets, minlength=len(self._set_any))
-        for s, refs in enumerate(self._set_refs):
-            if s == NOBODY:
-                continue
-            live = self._set_id.get((self._set_any[s], self._set_device[s])) == s
-            assert refs == (counts[s] if live else 0), f"set {s}: {refs} refs, {counts[s]} blocks"
-            assert live == (refs > 0), f"set {s} interned with {refs} refs"
-            assert self._set_device[s] & ~self._set_any[s] == 0, f"set {s}: device not in any"
+        counts = np.bincount(sets, minlength=len(self._sets))
+        for s, refs in enumerate(self._sets.refs):
+            if s != NOBODY:
+                live = self._sets.is_interned(s)
+                assert refs == (counts[s] if live else 0), f"set {s}: {refs} refs, {counts[s]}"
         assert self._num_blocks == int(np.count_nonzero(sets)), "block count drifted"
-        tiered = sum(self._set_device[s] != self._set_any[s] for s in self._set_id.values())
-        assert self._num_tiered_sets == tiered, "tiered set count drifted"
-        for w, bit in self._bit_of.items():
-            assert self._worker_of_bit[bit] == w
-            held = [s for s, m in enumerate(self._set_any) if m & bit and self._set_refs[s]]
+        self._bits.check_invariants()
+        for w, bit in self._bits.bit_of.items():
+            held = [s for s, m in enumerate(self._sets.any) if m & bit and self._sets.refs[s]]
             assert self.num_worker_blocks(w) == int(counts[held].sum()), f"{w}'s count drifted"
         for w, n in self._num_blocks_of.items():
-            assert not n or (w in self._cursors and w in self._bit_of), f"{w} has blocks only"
+            assert not n or (w in self._cursors and w in self._bits.bit_of), f"{w} has blocks only"
         self.tree.check_invariants(set(self._table.keys[sets != NOBODY].tolist()))

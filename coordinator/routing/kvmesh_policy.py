@@ -188,7 +188,9 @@ class KvmeshPolicy(RoutingPolicy):
         matched = cols.matched_blocks
         if len(self._routed):
             # Only the local match grows: a routed prefix is not yet there for a peer to pull.
-            matched = self._routed.extend_many(cols.index_of, query.block_hashes, matched)
+            matched = self._routed.extend_many(
+                cols.index_of, query.block_hashes, matched, query.block_hash_array
+            )
         options = self._prefill_options(query, cols, matched)
         costs = self._costs(query, cols, matched, options, now)
         i = self._lowest(costs)

@@ -17,7 +17,7 @@ import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, NamedTuple, overload
 
 import numpy as np
@@ -190,6 +190,9 @@ class RouteQuery:
     max_tokens: int | None = None
     """Tokens the request may generate, when the caller set them (None: unknown). kvmesh's
     policy prices a worker's decode load over them (`KvmeshWeights.decode_tokens_for`)."""
+    block_hash_array: np.ndarray | None = field(default=None, compare=False, repr=False)
+    """`block_hashes` as a uint64 array (`block_hash_array`), when the prompt was prepared
+    with one: kvmesh's policy reads the hashes of its routed prefixes' lookups from it."""
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:

@@ -126,23 +126,31 @@ class RoutedPrefixes:
         for request_id in [r for r, w in self._worker_of.items() if w == worker]:
             self.discard(request_id)
 
-    def extend(self, worker: WorkerId, hashes: Sequence[BlockHash], held: int) -> int:
+    def extend(
+        self,
+        worker: WorkerId,
+        hashes: Sequence[BlockHash],
+        held: int,
+        hash_array: np.ndarray | None = None,
+    ) -> int:
         """How many leading blocks of `hashes` `worker` will hold, given that it holds the first
         `held` (the index says so) and the routed blocks that continue them.
 
         A routed run of blocks is contiguous, so its end is found by bisection, not by walking
-        the prompt: a handful of lookups whatever the prompt's length.
+        the prompt: a handful of lookups whatever the prompt's length. `hash_array`: as for
+        `extend_many`.
         """
         refs = self._hash_to_worker_refs
         n = len(hashes)
         if held >= n:
             return held
-        if not _holds(refs.get(hashes[held]), worker):
+        hash_at = hashes.__getitem__ if hash_array is None else hash_array.item
+        if not _holds(refs.get(hash_at(held)), worker):
             return held
         lo, hi = held + 1, n  # worker holds hashes[:lo]; it does not hold hashes[:hi + 1]
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if _holds(refs.get(hashes[mid - 1]), worker):
+            if _holds(refs.get(hash_at(mid - 1)), worker):
                 lo = mid
             else:
                 hi = mid - 1
@@ -153,11 +161,15 @@ class RoutedPrefixes:
         index_of: Mapping[WorkerId, int],
         hashes: Sequence[BlockHash],
         held: np.ndarray,
+        hash_array: np.ndarray | None = None,
     ) -> np.ndarray:
         """`extend` for a whole fleet: `held[i]` is what row i's worker holds (`index_of` maps a
         worker to its row). Only the workers routed the block right after their own match can
         grow, so the cost follows the few distinct matches and their routed holders, not the
-        size of the fleet."""
+        size of the fleet. `hash_array`: `hashes` as a uint64 array, when the caller has it:
+        the hashes looked up are then made from it, not read from the prompt's int objects,
+        which are cold by now (one cache miss each; a lookup reads a key of the dict only
+        where it finds one)."""
         refs, n = self._hash_to_worker_refs, len(hashes)
         out = held
         if len(hashes) <= _FEW_HASHES and refs.keys().isdisjoint(hashes):
@@ -165,9 +177,14 @@ class RoutedPrefixes:
             # check would cost more than the lookups below)
         held_list = held.tolist()
         # each row grows on its own: the order does not matter
-        starts = [start for start in set(held_list) if start < n]
+        starts = list(set(held_list))
+        if max(starts) >= n:  # only a match shorter than the chain may grow
+            starts = [start for start in starts if start < n]
         # (the lookups in C maps; most starts have no routed block next)
-        routed = list(map(refs.get, map(hashes.__getitem__, starts)))
+        if hash_array is not None:
+            routed = list(map(refs.get, hash_array.take(starts).tolist()))
+        else:
+            routed = list(map(refs.get, map(hashes.__getitem__, starts)))
         is_routed = map(is_not, routed, repeat(None))
         for start, holders in compress(zip(starts, routed, strict=True), is_routed):
             assert holders is not None  # (compress kept only these)
@@ -177,7 +194,7 @@ class RoutedPrefixes:
                     continue
                 if out is held:
                     out = held.copy()
-                out[row] = self.extend(worker, hashes, start)
+                out[row] = self.extend(worker, hashes, start, hash_array)
         return out
 
     def _drop(self, worker: WorkerId, run: np.ndarray) -> None:

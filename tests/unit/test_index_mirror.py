@@ -232,9 +232,43 @@ def test_fleet_match_is_match_past_64_workers() -> None:
     m.check_invariants()
 
 
+def test_fleet_match_of_a_long_chain_in_arrays_is_match() -> None:
+    """Up to 64 worker bits, every block on the device tier, a chain past `FEW_HASHES`: the
+    fleet match is walked in array operations (`HolderSets.walk_low`), and gives `match`'s
+    numbers: holes in a worker's run, the 64th bit, fleets leaving workers out; a host-tier
+    block or a 65th bit sends it back to the Python walk, and the numbers stay `match`'s."""
+    import random
+
+    rng = random.Random(5)
+    chain = [BlockHash(9_000 + i) for i in range(300)]
+    m = IndexMirror()
+    workers = [WorkerId(f"w{i}") for i in range(65)]
+    for n, w in enumerate(workers[:64]):
+        m.load_worker(w, 1, 0, [])
+        depth = rng.randrange(1, 301)
+        hole = rng.randrange(depth)
+        m.apply(batch(w, 1, BlockStored(tuple(chain[:depth]))))
+        if n % 4 == 1:  # a hole: the worker's prefix ends before its last block
+            m.apply(batch(w, 2, BlockRemoved(tuple(chain[hole : hole + 3]))))
+        if n in (0, 7, 62, 63):
+            for probe in (chain, chain[:41], chain[100:]):
+                _assert_fleet_match_is_match(m, probe, workers[: n + 1])
+                _assert_fleet_match_is_match(m, probe, workers[: n + 1 : 3])
+    m.check_invariants()  # merges: the chain now in the arrays, not the delta
+    _assert_fleet_match_is_match(m, chain, workers[:64])
+    m.load_worker(workers[64], 1, 0, [(chain[0], 0), (chain[1], 0)])  # the 65th bit
+    _assert_fleet_match_is_match(m, chain, workers[:64:2])
+    m.remove_worker(workers[64])
+    stored = m.apply(batch(workers[5], 3, BlockStored(tuple(chain[:50]), TIER_HOST)))
+    assert stored is ApplyResult.APPLIED
+    _assert_fleet_match_is_match(m, chain, workers[:64])
+    m.check_invariants()
+
+
 def _same_home_slot(num_hashes: int) -> list[BlockHash]:
     """Hashes whose product with the index's multiplier differs only in the low bits, so all
-    of them start probing at the same slot, whatever the table's size."""
+    of them have the same home slot, whatever the table's size (one keeps it, the rest are
+    displaced)."""
     inverse = pow(0x9E3779B97F4A7C15, -1, 1 << 64)
     return [BlockHash(inverse * ((0x5A5A << 48) + j) % (1 << 64)) for j in range(num_hashes)]
 
@@ -245,7 +279,7 @@ def test_lookup_finds_blocks_far_from_their_home_slot() -> None:
     m = loaded_mirror()
     m.apply(batch("w0", 1, BlockStored(tuple(held))))
     m.apply(batch("w1", 1, BlockStored(tuple(H))))
-    m.check_invariants()  # merges: the crowded run now lives in the index, 50 slots long
+    m.check_invariants()  # merges: one of the crowded hashes in its home slot, 49 displaced
     assert m.match(held) == {W0: PrefixMatch(50, 50)}
     assert m.indexed([*held[::-1], *absent, *H]) == [True] * 50 + [False] * 10 + [True] * 10
     assert m.indexed([*held[45:], *absent[:5]]) == [True] * 5 + [False] * 5  # one at a time

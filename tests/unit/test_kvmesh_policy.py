@@ -59,6 +59,25 @@ def test_routed_prefixes_extend_a_worker_until_done_or_expired() -> None:
     r.check_invariants()
 
 
+def test_routed_prefixes_extend_a_fleet_alike_with_the_chain_as_an_array() -> None:
+    """`extend_many` reads the chain's hashes from its uint64 array when it has one: the same
+    rows grow as far as `extend` says, with the array or without."""
+    import numpy as np
+
+    r = RoutedPrefixes(ttl_s=10.0)
+    chain = hashes(*range(1, 61))
+    r.add("r1", A, chain[:50], now_s=0.0, start=10)
+    r.add("r2", B, chain, now_s=0.0, start=30)
+    fleet = {WorkerId(f"w{i}"): i for i in range(12)} | {A: 12, B: 13}
+    held = np.array([*range(0, 60, 5), 10, 30], dtype=np.int64)
+    expected = [*held[:12].tolist(), r.extend(A, chain, 10), r.extend(B, chain, 30)]
+    assert expected[12:] == [50, 60]
+    array = np.array(chain, dtype=np.uint64)
+    assert r.extend_many(fleet, chain, held).tolist() == expected
+    assert r.extend_many(fleet, chain, held, array).tolist() == expected
+    assert r.extend(A, chain, 10, array) == 50 and held.tolist()[12:] == [10, 30]
+
+
 def test_routed_prefixes_stay_bounded() -> None:
     r = RoutedPrefixes(ttl_s=10.0, max_entries=2)
     for i in range(5):
