@@ -331,8 +331,22 @@ class IndexMirror:
         self._table.note_changing(wanted)
         set_any, set_device, delta = self._sets.any, self._sets.device, self._table.delta
         set_of_row = self._table.values.item
-        added = 0
+        # Blocks nobody holds (in neither the arrays nor the delta: most of a stored chain) all
+        # go to one holder set, in bulk; the rest one by one.
+        fresh: dict[BlockHash, None] = {}
+        rest: list[tuple[BlockHash, int]] = []
         for h, row in zip(hashes, rows, strict=True):
+            if row < 0 and h not in delta:
+                fresh[h] = None  # a hash twice in one event is one block
+            else:
+                rest.append((h, row))
+        added = len(fresh)
+        if fresh:
+            s = self._sets.intern(bit, bit if tier == TIER_DEVICE else 0)
+            self._sets.ref(s, added)
+            self._num_blocks += added
+            delta.update(dict.fromkeys(fresh, s))
+        for h, row in rest:
             # read as the loop goes: a hash twice in one event sees its first store
             s = set_of_row(row) if row >= 0 else delta.get(h, NOBODY)
             any_mask = set_any[s]
