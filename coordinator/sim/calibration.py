@@ -198,26 +198,23 @@ def pairs(new: float, cached: float, cached_factor: float = 1.0) -> float:
     return new * (cached * cached_factor + new / 2)
 
 
-def batch_line(batched: Sequence[BatchedHits]) -> tuple[float, float]:
-    """Least-squares (intercept, slope) of a prefill step of hits against their number."""
-    xs = [float(b.batch) for b in batched]
-    ys = [b.worker_prefill_ms for b in batched]
+def line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Least-squares (intercept, slope) of ys against xs (two distinct xs at least)."""
     mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
     slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / sum(
         (x - mean_x) ** 2 for x in xs
     )
     return mean_y - slope * mean_x, slope
+
+
+def batch_line(batched: Sequence[BatchedHits]) -> tuple[float, float]:
+    """A prefill step of hits against their number."""
+    return line([float(b.batch) for b in batched], [b.worker_prefill_ms for b in batched])
 
 
 def step_line(decode: Sequence[DecodeTiming]) -> tuple[float, float]:
-    """Least-squares (intercept, slope) of the worker's step against its batch."""
-    xs = [float(d.batch) for d in decode]
-    ys = [d.worker_step_ms for d in decode]
-    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / sum(
-        (x - mean_x) ** 2 for x in xs
-    )
-    return mean_y - slope * mean_x, slope
+    """The worker's decode step against its batch."""
+    return line([float(d.batch) for d in decode], [d.worker_step_ms for d in decode])
 
 
 def calibrated_fields(calibration: DeploymentCalibration, base: SimCostModel) -> CalibratedFit:
