@@ -389,6 +389,41 @@ class MetricsCollector:
                     )
                 ),
             ),
+            MetricFamily(
+                "kvmesh_worker_engine_steps_total",
+                MetricKind.COUNTER,
+                "Engine steps, by kind: prefill (prompts, no decodes) or decode (a token for "
+                "each running sequence).",
+                ("worker", "kind"),
+                tuple(
+                    Sample((("worker", w), ("kind", kind)), float(n))
+                    for w, i in sorted(infos.items())
+                    for kind, n in (
+                        ("prefill", i.counters.num_prefill_steps),
+                        ("decode", i.counters.num_decode_steps),
+                    )
+                ),
+            ),
+            MetricFamily(
+                "kvmesh_worker_engine_step_seconds_total",
+                MetricKind.COUNTER,
+                "Wall time of the engine's steps, by kind, host work included.",
+                ("worker", "kind"),
+                tuple(
+                    Sample((("worker", w), ("kind", kind)), ms / 1e3)
+                    for w, i in sorted(infos.items())
+                    for kind, ms in (
+                        ("prefill", i.counters.prefill_steps_ms),
+                        ("decode", i.counters.decode_steps_ms),
+                    )
+                ),
+            ),
+            per_worker(
+                "kvmesh_worker_decode_step_sequences_total",
+                MetricKind.COUNTER,
+                "Sequences over all decode steps (over the decode steps: the mean batch).",
+                lambda i: i.counters.num_decode_step_seqs,
+            ),
             per_worker(
                 "kvmesh_worker_prefill_seconds_per_token",
                 MetricKind.GAUGE,

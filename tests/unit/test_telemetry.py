@@ -63,6 +63,11 @@ def worker_info(worker_id: str, *, num_free: int = 60, evicted: int = 0) -> Work
         warm_session_bytes=4096,
         num_sessions_evicted_ttl=7,
         num_sessions_evicted_budget=2,
+        num_prefill_steps=3,
+        prefill_steps_ms=250.0,
+        num_decode_steps=10,
+        decode_steps_ms=80.0,
+        num_decode_step_seqs=24,
     )
     cache = CacheStats(
         num_lookup_hits=4, num_lookup_misses=6, saved_prefill_tokens=640, cache_epoch=2
@@ -217,6 +222,17 @@ def test_worker_families_read_each_live_workers_last_report() -> None:
     assert fams["kvmesh_worker_cache_lookups_total"].value(worker="w0", result="hit") == 4
     assert fams["kvmesh_worker_cache_lookups_total"].value(worker="w0", result="miss") == 6
     assert fams["kvmesh_worker_saved_prefill_tokens_total"].value(worker="w0") == 640
+    steps, step_s = (
+        fams["kvmesh_worker_engine_steps_total"],
+        fams["kvmesh_worker_engine_step_seconds_total"],
+    )
+    assert (steps.value(worker="w0", kind="prefill"), steps.value(worker="w0", kind="decode")) == (
+        3,
+        10,
+    )
+    assert step_s.value(worker="w0", kind="prefill") == pytest.approx(0.25)
+    assert step_s.value(worker="w0", kind="decode") == pytest.approx(0.08)
+    assert fams["kvmesh_worker_decode_step_sequences_total"].value(worker="w0") == 24
     assert fams["kvmesh_worker_cache_epoch"].value(worker="w1") == 2
     registry.mark_dead("w0", "test")
     fams = families(collector)

@@ -302,3 +302,15 @@ def test_prefill_facts_split_the_wait_for_a_step_from_the_prefill() -> None:
     assert a is not None and b is not None
     assert (a.queued_ms, a.prefill_ms) == (0.0, 0.0)
     assert (b.queued_ms, b.prefill_ms) == (3000.0, 0.0)  # a's prefill and two decode steps
+
+
+def test_the_worker_counts_its_prefill_and_decode_steps_and_their_batches() -> None:
+    """Two requests admitted together: one prefill step, then decode steps of both until the
+    shorter ends, then of the longer alone; every step's wall time is counted by its kind."""
+    h = Harness()
+    h.run([req("a", PREFIX[:20], max_tokens=3), req("b", PREFIX[:30], max_tokens=5)])
+    c = h.worker.info().counters
+    assert c.num_prefill_steps == 1  # both prompts fit one step
+    # a's 2 and b's 4 tokens after their first: 2 steps of both, then 2 of b alone
+    assert (c.num_decode_steps, c.num_decode_step_seqs) == (4, 2 * 2 + 2)
+    assert c.prefill_steps_ms > 0 and c.decode_steps_ms > 0

@@ -127,6 +127,16 @@ class WorkerCounters:
     num_host_evicted_blocks: int = 0
     prefill_ms_per_token: float = 0.0
     """Measured prefill cost (the router's cost model follows it)."""
+    num_prefill_steps: int = 0
+    """Engine steps that prefilled (one or more requests' prompts, no decodes)."""
+    prefill_steps_ms: float = 0.0
+    """Their wall time in all, host work included (scheduling, the forward, the outputs)."""
+    num_decode_steps: int = 0
+    """Engine steps that decoded a batch (a token for each running sequence)."""
+    decode_steps_ms: float = 0.0
+    """Their wall time in all, host work included."""
+    num_decode_step_seqs: int = 0
+    """Sequences over all decode steps (divided by `num_decode_steps`: the mean batch)."""
     num_warm_sessions: int = 0
     """Idle sessions whose chains are kept warm now."""
     warm_session_bytes: int = 0

@@ -26,6 +26,11 @@ class WorkerTally:
     num_failed_pulls: int = 0
     prefill_ms_total: float = 0.0
     prefill_tokens_total: int = 0
+    num_prefill_steps: int = 0
+    prefill_steps_ms: float = 0.0
+    num_decode_steps: int = 0
+    decode_steps_ms: float = 0.0
+    num_decode_step_seqs: int = 0
     num_lookup_hits: int = 0
     num_lookup_misses: int = 0
 
@@ -67,12 +72,27 @@ class WorkerTally:
             num_lookup_misses=self.num_lookup_misses,
             num_host_evicted_blocks=num_host_evicted_blocks,
             prefill_ms_per_token=self.prefill_ms_total / max(1, self.prefill_tokens_total),
+            num_prefill_steps=self.num_prefill_steps,
+            prefill_steps_ms=self.prefill_steps_ms,
+            num_decode_steps=self.num_decode_steps,
+            decode_steps_ms=self.decode_steps_ms,
+            num_decode_step_seqs=self.num_decode_step_seqs,
             num_warm_sessions=sessions.num_sessions,
             warm_session_bytes=sessions.num_bytes,
             num_sessions_evicted_ttl=sessions.num_evicted_ttl,
             num_sessions_evicted_budget=sessions.num_evicted_budget,
             num_sessions_evicted_pressure=sessions.num_evicted_pressure,
         )
+
+    def on_step(self, prefill: bool, num_seqs: int, wall_ms: float) -> None:
+        """Count one engine step (`Worker.step`'s wall, host work included)."""
+        if prefill:
+            self.num_prefill_steps += 1
+            self.prefill_steps_ms += wall_ms
+        else:
+            self.num_decode_steps += 1
+            self.decode_steps_ms += wall_ms
+            self.num_decode_step_seqs += num_seqs
 
     def check_invariants(self) -> None:
         total = self.cached_tokens + self.prompt_host_tokens + self.pulled_tokens

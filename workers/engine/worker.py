@@ -231,6 +231,7 @@ class Worker:
             self.host_tier.end_step()
 
     def _run_step(self) -> list[RequestOutput]:
+        began = time.perf_counter()
         self.sessions.expire()
         waiting = list(self.scheduler.waiting)[: self.scheduler.config.max_num_seqs]
         self.tally.host_hit_tokens += self.host_tier.promote(waiting, self.scheduler.unpin)
@@ -238,6 +239,7 @@ class Worker:
         self.host_tier.demote_evicted()  # before the forward pass overwrites the reallocated blocks
         if step is None:
             return []
+        prefill, num_seqs = step.kind is StepKind.PREFILL, len(step.seqs)
         now = self.clock()
         for seq in step.seqs:
             if seq.prefill_started_s is None:
@@ -258,7 +260,9 @@ class Worker:
         if failed:
             step = self._without_failed(step, [seq for seq, _ in failed])
         self.scheduler.on_step_done(step, sampled, self.eos_token_ids)
-        return self._outputs(step, sampled) + [self._fail(seq, f) for seq, f in failed]
+        outputs = self._outputs(step, sampled) + [self._fail(seq, f) for seq, f in failed]
+        self.tally.on_step(prefill, num_seqs, (time.perf_counter() - began) * 1e3)
+        return outputs
 
     # ---- isolation: one sequence's failure is its own (failure.py) -----------------------------
 
