@@ -5,25 +5,22 @@ all start the system through this one class, so they run the same code.
 
 from __future__ import annotations
 
-import logging
-import os
-import socket
-from collections.abc import Iterator, MutableMapping
-from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
-import grpc
-import ray
 import torch
 
 from kvmesh.coordinator.cluster.cluster import Cluster
 from kvmesh.coordinator.cluster.fleet import Fleet
+from kvmesh.coordinator.cluster.link_setup import calibrate_links, join_nccl
+from kvmesh.coordinator.cluster.ray_runtime import RayRuntime
 from kvmesh.coordinator.cluster.redis_server import (
     RedisKeeper,
     RedisServer,
     start_redis_server,
 )
 from kvmesh.coordinator.cluster.registry import WorkerRegistry
+from kvmesh.coordinator.cluster.servers import Servers
+from kvmesh.coordinator.cluster.worker_plan import plan_workers
 from kvmesh.coordinator.config import CoordinatorConfig, HttpConfig
 from kvmesh.coordinator.contract import WorkerBackend
 from kvmesh.coordinator.coordinator import Coordinator
@@ -34,29 +31,19 @@ from kvmesh.coordinator.index.follower import IndexFollower
 from kvmesh.coordinator.index.locked_mirror import LockedMirror
 from kvmesh.coordinator.index.note_sender import NoteSender
 from kvmesh.coordinator.index.store import IndexStore
-from kvmesh.coordinator.routing.links import LinkType
 from kvmesh.coordinator.routing.transfer_planner import TransferPlanner
 from kvmesh.coordinator.service.admin import Admin
-from kvmesh.coordinator.service.chat_template import load_chat_template
-from kvmesh.coordinator.service.field_limits import FieldLimits
-from kvmesh.coordinator.service.grpc_server import build_server, set_serving
-from kvmesh.coordinator.service.http_server import HttpGate, HttpServer, build_app
-from kvmesh.coordinator.service.interceptor import GateInterceptor, gate_from_config
-from kvmesh.coordinator.service.openai_frontend import OpenAIFrontend
 from kvmesh.coordinator.service.servicer import KVMeshServicer
-from kvmesh.coordinator.service.tls import load_server_tls
 from kvmesh.coordinator.telemetry.collector import MetricsCollector
 from kvmesh.coordinator.telemetry.exporter import MetricsExporter
 from kvmesh.coordinator.telemetry.request_log import RequestLog
 from kvmesh.coordinator.telemetry.request_metrics import RequestMetrics
 from kvmesh.proto.block_hash import BlockHash, namespace_hash
 from kvmesh.workers.config import WorkerConfig
-from kvmesh.workers.contract.replies import RequestRejected
-from kvmesh.workers.model.model_config import load_model_config
+from kvmesh.workers.contract.replies import WorkerInfo
+from kvmesh.workers.model.model_config import ModelConfig, load_model_config
 from kvmesh.workers.model.runner import ModelRunner
 from kvmesh.workers.model.tokenizer import load_tokenizer
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,8 +90,15 @@ class DeploymentConfig:
 
 
 class Deployment:
+    """One running kvmesh, composed of its parts: Redis (embedded or external) and its keeper,
+    the Ray runtime, the worker fleet, the index streams (follower, route notes, decision log),
+    the coordinator, external engines, and the servers in front. `start` brings them up in
+    order and stops whatever started if a step fails; `stop` takes them down in reverse."""
+
     def __init__(self, config: DeploymentConfig) -> None:
         self.config = config
+        self.servers = Servers(config.coordinator, config.http, config.metrics_port)
+        self.ray = RayRuntime(config.ray_address)
         self.redis: RedisServer | None = None
         self.redis_keeper: RedisKeeper | None = None
         self.cluster: Cluster | None = None
@@ -113,13 +107,7 @@ class Deployment:
         self.notes: NoteSender | None = None
         self.decisions: DecisionStream | None = None
         self.coordinator: Coordinator | None = None
-        self.server: grpc.Server | None = None
-        self.gate: GateInterceptor | None = None
-        self.metrics: MetricsExporter | None = None
         self.request_metrics = RequestMetrics()
-        self.port = 0
-        self.http_server: HttpServer | None = None
-        self._started_ray = False
         self.engines: EngineFleet | None = None
 
     def _engine_root(self, lora_name: str, cache_salt: str) -> BlockHash:
@@ -132,9 +120,20 @@ class Deployment:
         return sorted(self.engines.endpoints()) if self.engines is not None else []
 
     @property
+    def port(self) -> int:
+        """The gRPC port (0 before start)."""
+        return self.servers.port
+
+    @property
+    def metrics(self) -> MetricsExporter | None:
+        """The Prometheus endpoint; None when it is off or stopped."""
+        return self.servers.metrics
+
+    @property
     def http_url(self) -> str:
         """Base URL of the HTTP API (e.g. http://127.0.0.1:8000), empty when it is off."""
-        return self.http_server.url if self.http_server is not None else ""
+        http_server = self.servers.http_server
+        return http_server.url if http_server is not None else ""
 
     @property
     def address(self) -> str:
@@ -148,72 +147,106 @@ class Deployment:
             raise
 
     def _start(self) -> str:
-        cfg = self.config
-        cc = cfg.coordinator
+        """The start-up sequence: each step uses only what the steps before it started."""
+        cc = self.config.coordinator
         model = load_model_config(cc.model, cc.seed)
-        # TLS files first: a bad path should fail before Ray and the workers start.
-        tls = (
-            load_server_tls(cc.tls_cert_file, cc.tls_key_file, cc.tls_client_ca_file)
-            if cc.tls_cert_file
-            else None
-        )
-        if cc.port:  # before anything starts: a taken port is the user's first error to see
-            ensure_port_free(cc.host, cc.port)
-        if cfg.metrics_port is not None:  # bound first: a port in use fails before Ray starts
-            self.metrics = MetricsExporter(cc.host, cfg.metrics_port)
-        redis_url = cc.redis_url
-        if not redis_url:
-            self.redis = start_redis_server()
-            self.redis_keeper = RedisKeeper(self.redis)
-            redis_url = self.redis.url
-        if not ray.is_initialized():
-            with without_secrets(os.environ):  # a local start spawns Ray's processes from ours
-                # Ray's driver loggers go through our handlers (level, format, JSON) instead of
-                # a handler of Ray's own; the workers' output stays in Ray's session logs.
-                ray.init(
-                    address=cfg.ray_address or "local",
-                    include_dashboard=False,
-                    log_to_driver=False,
-                    configure_logging=False,
-                )
-            self._started_ray = True
-        ns = f"{namespace_hash(model.fingerprint()):016x}"  # shared by every KV dtype and epoch
+        self.servers.check()  # TLS files and ports fail before Redis, Ray and the workers start
+        redis_url = self._start_redis()
+        self.ray.start()
         registry = WorkerRegistry()
         self.cluster = cluster = Cluster(registry)
         store = IndexStore(redis_url)
-        self.fleet = fleet = Fleet(cluster, store, redis_url, own_workers=cfg.own_workers)
-        self._start_workers(fleet, redis_url)
-        infos = self.cluster.infos()
-        first = next(iter(infos.values()), None)
+        self.fleet = Fleet(cluster, store, redis_url, own_workers=self.config.own_workers)
+        self._start_workers(self.fleet, redis_url)
+        first = next(iter(cluster.infos().values()), None)
+        transfers = self._plan_transfers(model, cluster, first)
+        backend = self._worker_backend(model, registry, redis_url)
+        mirror = LockedMirror()
+        decisions = DecisionStream(store) if cc.decision_log else None
+        self.follower = IndexFollower(
+            store, mirror, ns=_index_namespace(model), on_lapsed=registry.report_lapsed
+        )
+        kv_dtype = first.cache.kv_dtype if first is not None else "float32"
+        coordinator = self._build_coordinator(
+            model, backend, mirror, registry, transfers, kv_dtype, decisions
+        )
+        self._fan_out_liveness(registry, coordinator)
+        self._price_links(transfers)
+        self._start_feeds(store, coordinator, decisions)
+        self._start_servers(model, registry, mirror)
+        return self.address
+
+    def _start_redis(self) -> str:
+        """The configured Redis URL, else an embedded Redis started now (with its keeper)."""
+        if self.config.coordinator.redis_url:
+            return self.config.coordinator.redis_url
+        self.redis = start_redis_server()
+        self.redis_keeper = RedisKeeper(self.redis)
+        return self.redis.url
+
+    def _start_workers(self, fleet: Fleet, redis_url: str) -> None:
+        cfg = self.config
+        if cfg.attach:
+            fleet.attach()
+            return
+        if cfg.engines and cfg.num_workers == 0:
+            return  # external engines only
+        plan = plan_workers(cfg, self.ray.num_gpus(), redis_url)
+        if cfg.own_workers:
+            fleet.start(plan.template, plan.num_workers, plan.gpus_per_worker)
+        else:
+            fleet.ensure(plan.template, plan.num_workers, plan.gpus_per_worker)
+
+    def _plan_transfers(
+        self, model: ModelConfig, cluster: Cluster, first: WorkerInfo | None
+    ) -> TransferPlanner:
+        """Pull planning, with the KV bytes a token takes on the first worker's device."""
+        cc = self.config.coordinator
         device = first.device if first is not None else "cpu"
         dtype = torch.float32 if device == "cpu" else torch.bfloat16
         kv_bytes_per_token = (
             ModelRunner.kv_bytes_per_block(model, cc.block_size, dtype) // cc.block_size
         )
-        transfers = TransferPlanner(
+        return TransferPlanner(
             cluster.latest_info,
             kv_bytes_per_token,
             cc.block_size,
             nccl_members=cluster.nccl_members,
         )
-        backend: WorkerBackend = cluster
-        if cfg.engines:
-            self.engines = EngineFleet(
-                cfg.engines,
-                cfg.engine_health,
-                registry,
-                redis_url,
-                block_size=cc.block_size,
-                model_fingerprint=model.fingerprint(),
-                root=self._engine_root,
-            )
-            backend = EngineBackend(self.engines.endpoints(), cluster, self.engines.mark_down)
-        mirror = LockedMirror()
-        decisions = DecisionStream(store) if cc.decision_log else None
-        self.follower = follower = IndexFollower(
-            store, mirror, ns=ns, on_lapsed=registry.report_lapsed
+
+    def _worker_backend(
+        self, model: ModelConfig, registry: WorkerRegistry, redis_url: str
+    ) -> WorkerBackend:
+        """The Ray workers, with the external engines (made here, started later) beside them."""
+        assert self.cluster is not None
+        cfg = self.config
+        if not cfg.engines:
+            return self.cluster
+        self.engines = EngineFleet(
+            cfg.engines,
+            cfg.engine_health,
+            registry,
+            redis_url,
+            block_size=cfg.coordinator.block_size,
+            model_fingerprint=model.fingerprint(),
+            root=self._engine_root,
         )
-        self.coordinator = coordinator = Coordinator(
+        return EngineBackend(self.engines.endpoints(), self.cluster, self.engines.mark_down)
+
+    def _build_coordinator(
+        self,
+        model: ModelConfig,
+        backend: WorkerBackend,
+        mirror: LockedMirror,
+        registry: WorkerRegistry,
+        transfers: TransferPlanner,
+        kv_dtype: str,
+        decisions: DecisionStream | None,
+    ) -> Coordinator:
+        cluster, follower = self.cluster, self.follower
+        assert cluster is not None and follower is not None
+        cc = self.config.coordinator
+        self.coordinator = Coordinator(
             cc,
             model,
             backend,
@@ -224,21 +257,39 @@ class Deployment:
             worker_free_blocks=lambda w: _free_blocks(cluster, w),
             transfers=transfers,
             observers=(self.request_metrics, RequestLog()),
-            kv_dtype=first.cache.kv_dtype if first is not None else "float32",
+            kv_dtype=kv_dtype,
             cache_epoch=lambda: follower.cache_epoch,
             decision_log=decisions,
         )
-        # One judge of liveness, fanned out to everything that keeps per-worker state.
+        return self.coordinator
+
+    def _fan_out_liveness(self, registry: WorkerRegistry, coordinator: Coordinator) -> None:
+        """One judge of liveness, fanned out to everything that keeps per-worker state."""
+        assert self.follower is not None and self.fleet is not None
         registry.on_dead(coordinator.forget_worker)
-        registry.on_dead(follower.purge_worker)
-        registry.on_lapsed(follower.purge_worker)
-        if cfg.replace_dead_workers:
-            registry.on_dead(fleet.replace_dead)
-        if not cfg.attach:
-            self._calibrate_links(transfers)
+        registry.on_dead(self.follower.purge_worker)
+        registry.on_lapsed(self.follower.purge_worker)
+        if self.config.replace_dead_workers:
+            registry.on_dead(self.fleet.replace_dead)
+
+    def _price_links(self, transfers: TransferPlanner) -> None:
+        """Workers this deployment started get a measured link; attached ones the NCCL group
+        they already share, if any."""
+        assert self.cluster is not None
+        if not self.config.attach:
+            calibrate_links(self.cluster, transfers)
         else:
-            self._join_nccl(transfers, may_form=False)
-        self.cluster.set_on_info(coordinator.observe_worker)
+            join_nccl(self.cluster, transfers, may_form=False)
+
+    def _start_feeds(
+        self, store: IndexStore, coordinator: Coordinator, decisions: DecisionStream | None
+    ) -> None:
+        """What keeps the coordinator current: worker infos, the index follower and its notes,
+        this replica's own route notes, the decision log, the engines, the fleet watch."""
+        cluster, fleet, follower = self.cluster, self.fleet, self.follower
+        assert cluster is not None and fleet is not None and follower is not None
+        cc = self.config.coordinator
+        cluster.set_on_info(coordinator.observe_worker)
         follower.on_notes = coordinator.observe_notes
         follower.on_notes_skipped = coordinator.forget_peer_routes
         self.notes = notes = NoteSender(store)
@@ -249,149 +300,53 @@ class Deployment:
             decisions.on_jump = coordinator.decisions.skip_to
             self.decisions = decisions
             decisions.start()
-        self.follower.start()
+        follower.start()
         if self.engines is not None:
             self.engines.start()
-        self.cluster.start_monitor(cc.health_interval_s, cc.stall_timeout_s)
-        fleet.start_watching(cfg.fleet_poll_s)
-        prompt_limit = min(cc.max_prompt_tokens or model.max_position_embeddings,
-                           model.max_position_embeddings)  # fmt: skip
-        gate = gate_from_config(cc, FieldLimits(max_prompt_tokens=prompt_limit))
-        self.gate = gate
+        cluster.start_monitor(cc.health_interval_s, cc.stall_timeout_s)
+        fleet.start_watching(self.config.fleet_poll_s)
+
+    def _start_servers(
+        self, model: ModelConfig, registry: WorkerRegistry, mirror: LockedMirror
+    ) -> None:
+        """gRPC (its servicer and admin), then the HTTP API, then the metrics endpoint."""
+        cluster, fleet, follower = self.cluster, self.fleet, self.follower
+        coordinator, engines = self.coordinator, self.engines
+        assert cluster is not None and fleet is not None and follower is not None
+        assert coordinator is not None
+        gate = self.servers.open_gate(model.max_position_embeddings)
         admin = Admin(
-            self.cluster,
-            self.coordinator,
+            cluster,
+            coordinator,
             mirror,
             fleet,
             bump_cache_epoch=follower.bump_cache_epoch,
-            external_pools=self.engines.announced if self.engines is not None else dict,
+            external_pools=engines.announced if engines is not None else dict,
         )
         servicer = KVMeshServicer(
-            self.coordinator,
-            self.cluster,
-            self.follower,
+            coordinator,
+            cluster,
+            follower,
             admin=admin,
             gate=gate,
-            worker_kind=self.engines.kind if self.engines is not None else None,
+            worker_kind=engines.kind if engines is not None else None,
         )
-        self.server, self.port, health = build_server(
-            servicer,
-            cc.host,
-            cc.port,
-            max_message_bytes=cc.max_message_bytes,
-            max_workers=cc.max_concurrent_rpcs,
-            interceptors=[gate],
-            tls=tls,
-        )
-        # Health says SERVING only while some worker can take a request.
-        registry.on_changed(lambda: set_serving(health, bool(registry.routable())))
-        set_serving(health, bool(registry.routable()))
-        self.server.start()
-        if cfg.http is not None:
-            self._start_http(cfg.http, gate)
-        if self.metrics is not None:
-            collector = MetricsCollector(
+        self.servers.start_grpc(servicer, registry)
+        self.servers.start_http(coordinator)
+        self.servers.serve_metrics(
+            lambda gate: MetricsCollector(
                 coordinator,
                 registry,
                 cluster.latest_info,
                 self.request_metrics,
                 index=follower,
                 num_gate_rejections=lambda: gate.num_rejected,
-                engine_streams=self.engines.stream_counts if self.engines is not None else None,
+                engine_streams=engines.stream_counts if engines is not None else None,
             )
-            self.metrics.serve(collector)
-        return self.address
-
-    def _start_workers(self, fleet: Fleet, redis_url: str) -> None:
-        cfg, cc = self.config, self.config.coordinator
-        if cfg.attach:
-            fleet.attach()
-            return
-        if cfg.engines and cfg.num_workers == 0:
-            return  # external engines only
-        num_gpus = int(ray.cluster_resources().get("GPU", 0))
-        num_workers = cfg.num_workers or max(num_gpus, 2 if not num_gpus else num_gpus)
-        gpus_per_worker = cfg.gpus_per_worker
-        if gpus_per_worker < 0:
-            gpus_per_worker = 0.0 if not num_gpus else min(1.0, num_gpus / num_workers)
-        template = replace(
-            cfg.worker,
-            model=cc.model,
-            block_size=cc.block_size,
-            redis_url=redis_url,
-            seed=cc.seed,
-            gpu_fraction=gpus_per_worker if 0 < gpus_per_worker < 1 else 1.0,
         )
-        if cfg.own_workers:
-            fleet.start(template, num_workers, gpus_per_worker)
-        else:
-            fleet.ensure(template, num_workers, gpus_per_worker)
-
-    def _start_http(self, config: HttpConfig, gate: GateInterceptor) -> None:
-        """The OpenAI API, sharing the gRPC gate's tokens, rate buckets and stream slots."""
-        assert self.coordinator is not None
-        cc = self.config.coordinator
-        frontend = OpenAIFrontend(
-            self.coordinator,
-            load_tokenizer(cc.model, cc.seed),
-            load_chat_template(cc.model),
-            client_errors=(RequestRejected,),
-        )
-        http_gate = HttpGate(gate.auth, gate.rate, gate.streams)
-        app = build_app(frontend, http_gate, config.max_body_bytes, config.max_threads)
-        self.http_server = HttpServer(
-            app,
-            config,
-            tls_cert_file=cc.tls_cert_file,
-            tls_key_file=cc.tls_key_file,
-            tls_client_ca_file=cc.tls_client_ca_file,
-        )
-        self.http_server.start()
-
-    def _join_nccl(self, transfers: TransferPlanner, *, may_form: bool) -> bool:
-        """Plan GPU-to-GPU pulls over the NCCL group the workers already share, else (when
-        `may_form`: this coordinator started them) over one formed now; False without one."""
-        assert self.cluster is not None
-        try:
-            if not (self.cluster.adopt_nccl() or (may_form and self.cluster.setup_nccl())):
-                return False
-        except Exception as exc:  # no NCCL: pulls between GPUs use the object store
-            log.warning("NCCL group not available (%s); GPU-to-GPU pulls use the object store", exc)
-            return False
-        # Start from an NVLink-class guess (50 GB/s, 2 ms); the observed pulls correct it.
-        transfers.links.set(LinkType.SAME_NODE, 5e7, 2.0)
-        return True
-
-    def _calibrate_links(self, transfers: TransferPlanner) -> None:
-        """Measure one worker-to-worker link so the first pulls are priced from reality."""
-        assert self.cluster is not None
-        live = self.cluster.live_worker_ids()
-        if self._join_nccl(transfers, may_form=True):
-            return
-        if len(live) < 2 or transfers.link(live[0], live[1]) is LinkType.SAME_DEVICE:
-            return  # same-GPU pulls copy in place (CUDA IPC): observed pulls price that link
-        try:
-            bandwidth, latency = self.cluster.measure_link(live[0], live[1])
-            transfers.calibrate(live[0], live[1], bandwidth, latency)
-            log.info(
-                "link %s -> %s: %.0f MB/s, %.2f ms", live[0], live[1], bandwidth / 1e3, latency
-            )
-        except Exception as exc:  # calibration is an optimisation: keep the defaults
-            log.warning("link calibration failed: %s", exc)
 
     def stop(self) -> None:
-        if self.http_server is not None:
-            self.http_server.stop()
-            self.http_server = None
-        if self.metrics is not None:
-            self.metrics.stop()
-            self.metrics = None
-        if self.server is not None:
-            self.server.stop(grace=1).wait()
-            self.server = None
-        if self.gate is not None:
-            self.gate.close()
-            self.gate = None
+        self.servers.stop()
         if self.engines is not None:
             self.engines.stop()
             self.engines = None
@@ -408,9 +363,7 @@ class Deployment:
             self.fleet.stop()  # a service fleet's workers keep running
             self.fleet = None
             self.cluster = None
-        if self._started_ray and ray.is_initialized():
-            ray.shutdown()
-            self._started_ray = False
+        self.ray.stop()
         if self.redis_keeper is not None:
             self.redis_keeper.stop()
             self.redis_keeper = None
@@ -419,31 +372,9 @@ class Deployment:
             self.redis = None
 
 
-SECRET_ENV_VARS = ("KVMESH_ADMIN_TOKEN", "KVMESH_AUTH_TOKEN", "KVMESH_TOKEN", "KVMESH_REDIS_URL")
-"""Variables that may hold a secret: read once by the CLI into the config, never inherited by
-Ray's processes (raylet, GCS, every worker). Workers get the Redis URL in their config."""
-
-
-@contextmanager
-def without_secrets(environ: MutableMapping[str, str]) -> Iterator[None]:
-    """`environ` without SECRET_ENV_VARS for the duration (the processes started meanwhile
-    inherit none of them), then restored."""
-    saved = {name: environ.pop(name) for name in SECRET_ENV_VARS if name in environ}
-    try:
-        yield
-    finally:
-        environ.update(saved)
-
-
-def ensure_port_free(host: str, port: int) -> None:
-    """Raise OSError naming the port when something already listens on it."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
-        # As servers bind: a port whose old connections linger (TIME_WAIT) is free to listen on.
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError:
-            raise OSError(f"port {port} on {host} is already in use") from None
+def _index_namespace(model: ModelConfig) -> str:
+    """The index's key namespace for the model: shared by every KV dtype and cache epoch."""
+    return f"{namespace_hash(model.fingerprint()):016x}"
 
 
 def _free_blocks(cluster: Cluster, worker_id: str) -> tuple[int, int]:

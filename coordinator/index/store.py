@@ -22,6 +22,7 @@ import redis
 from kvmesh.coordinator.index.decision_log_store import COMMIT_DECISION, DecisionLogStore
 from kvmesh.coordinator.index.service_directory import ServiceDirectory, WorkerService
 from kvmesh.proto import redis_schema as schema
+from kvmesh.proto import redis_scripts as scripts
 from kvmesh.proto.block_hash import BlockHash
 from kvmesh.proto.events import EventBatch, EventDecodeError, decode_batch
 from kvmesh.proto.request_notes import NoteBatch, NoteDecodeError, decode_notes, encode_notes
@@ -138,7 +139,7 @@ class IndexStore(DecisionLogStore, ServiceDirectory):
             if self.is_cluster
             else redis.Redis.from_url(url, **kwargs)
         )
-        self._purge = self._client.register_script(schema.PURGE_WORKER)
+        self._purge = self._client.register_script(scripts.PURGE_WORKER)
         self._snapshot = self._client.register_script(_SNAPSHOT)
         self._raise_epoch = self._client.register_script(_RAISE_EPOCH)
         self._commit_decision = self._client.register_script(COMMIT_DECISION)

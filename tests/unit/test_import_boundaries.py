@@ -8,8 +8,8 @@ import textwrap
 
 import pytest
 
-# Every coordinator module but the Ray shells (cluster.py, deployment.py, launcher.py) and the
-# gRPC shells, which are checked separately below.
+# Every coordinator module but the Ray shells (cluster.py, fleet.py, ray_runtime.py, link_setup.py,
+# deployment.py, launcher.py) and the gRPC shells, which are checked separately below.
 CORE = [
     "kvmesh.coordinator.coordinator",
     "kvmesh.coordinator.contract",
@@ -18,6 +18,7 @@ CORE = [
     "kvmesh.coordinator.config",
     "kvmesh.coordinator.cluster.registry",
     "kvmesh.coordinator.cluster.redis_server",
+    "kvmesh.coordinator.cluster.worker_plan",
     "kvmesh.coordinator.index.follower",
     "kvmesh.coordinator.index.locked_mirror",
     "kvmesh.coordinator.index.store",
@@ -93,7 +94,9 @@ def test_only_the_metrics_exporter_imports_prometheus_client() -> None:
     assert exporter.returncode != 0
 
 
-@pytest.mark.parametrize("shell", ["kvmesh.coordinator.cluster.cluster"])
+@pytest.mark.parametrize(
+    "shell", ["kvmesh.coordinator.cluster.cluster", "kvmesh.coordinator.cluster.ray_runtime"]
+)
 def test_the_block_really_bites(shell: str) -> None:
     """The Ray shell imports ray, so blocking ray must fail it (else the checks above prove
     nothing)."""

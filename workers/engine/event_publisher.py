@@ -16,6 +16,7 @@ import numpy as np
 import redis
 
 from kvmesh.proto import redis_schema as schema
+from kvmesh.proto import redis_scripts as scripts
 from kvmesh.proto.events import AllCleared, BlockStored, EventBatch, encode_batch
 from kvmesh.proto.request_notes import NoteBatch, encode_notes
 
@@ -29,7 +30,7 @@ class PublishResult:
 
 
 def batch_to_argv(ns: str, batch: EventBatch, maxlen: int) -> list[str | bytes | int]:
-    """ARGV of `schema.APPLY_BATCH` (its KEYS: `schema.apply_batch_keys(batch.worker_id)`)."""
+    """ARGV of `scripts.APPLY_BATCH` (its KEYS: `schema.apply_batch_keys(batch.worker_id)`)."""
     # A block stored without its link keeps the one it had, also when this batch dropped it
     # first (removed, cleared, or wiped by a new generation, whose first batch has seq 1).
     drops = batch.seq == 1 or any(not isinstance(e, BlockStored) for e in batch.events)
@@ -98,7 +99,7 @@ class EventPublisher:
         self.ns = ns
         self.worker_id = worker_id
         self._client: Any = connect(redis_url, socket_timeout_s)
-        self._apply = self._client.register_script(schema.APPLY_BATCH)
+        self._apply = self._client.register_script(scripts.APPLY_BATCH)
         self._keys = schema.apply_batch_keys(worker_id)
         self._notes_stream = schema.worker_events_key(worker_id)
         self.lost_events = False  # a batch failed: the next success must be a full re-publish
@@ -179,13 +180,13 @@ class EventPublisher:
         another owner holds it or Redis is away."""
         try:
             key = schema.feeder_key(self.worker_id)
-            return bool(self._client.eval(schema.CLAIM_FEED, 1, key, owner, ttl_ms))
+            return bool(self._client.eval(scripts.CLAIM_FEED, 1, key, owner, ttl_ms))
         except redis.RedisError:
             return False
 
     def release_feed(self, owner: str) -> None:
         try:
-            self._client.eval(schema.RELEASE_FEED, 1, schema.feeder_key(self.worker_id), owner)
+            self._client.eval(scripts.RELEASE_FEED, 1, schema.feeder_key(self.worker_id), owner)
         except redis.RedisError:
             pass  # the claim lapses with its TTL
 

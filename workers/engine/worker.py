@@ -27,14 +27,8 @@ from dataclasses import replace
 
 import torch
 
-from kvmesh.proto.block_hash import (
-    BlockHash,
-    namespace_hash,
-    num_reusable_blocks,
-    num_reusable_tokens,
-    prompt_root,
-)
-from kvmesh.proto.events import TIER_HOST, AllCleared, BlockStored, EventBatch, KVEvent
+from kvmesh.proto.block_hash import BlockHash, namespace_hash, prompt_root
+from kvmesh.proto.events import EventBatch
 from kvmesh.proto.request_notes import NoteBatch
 from kvmesh.workers.contract.replies import (
     CacheStats,
@@ -43,11 +37,12 @@ from kvmesh.workers.contract.replies import (
     WorkerCounters,
     WorkerInfo,
 )
-from kvmesh.workers.contract.requests import PullSpec, WorkerRequest
+from kvmesh.workers.contract.requests import WorkerRequest
 from kvmesh.workers.engine.event_log import EventLog
 from kvmesh.workers.engine.failure import forward_and_sample
 from kvmesh.workers.engine.host_tier import HostTier
 from kvmesh.workers.engine.note_log import NoteLog
+from kvmesh.workers.engine.prefill_backlog import PrefillBacklog
 from kvmesh.workers.engine.pull_admission import BlockWriter, PullAdmission, PullTargets
 from kvmesh.workers.engine.pull_source import PullSource
 from kvmesh.workers.engine.request_checks import check_request
@@ -115,14 +110,14 @@ class Worker:
             self.pool, sessions or WarmSessionConfig(), self.block_num_bytes, clock
         )
         self.eos_token_ids = tuple(eos_token_ids)
-        self.events = EventLog(worker_id)
+        self.events = EventLog(worker_id, self.pool, host_pool)
         self.notes = NoteLog(worker_id)
         self._seqs: dict[str, Sequence] = {}
         self.pulls = PullAdmission(self.pool, self.host_tier, self.block_size)
         """The target side of pulls: requests whose pulled KV is being written."""
         self.pull_source = PullSource(worker_id, self.pool, runner, self.host_tier)
         """The source side: blocks exported to peers, or pinned for them to copy in place."""
-        self._num_queued_prefill_tokens = 0  # see _note_queue
+        self.backlog = PrefillBacklog(self.pool, self.scheduler, self.pulls, self.block_size)
         self.tally = WorkerTally()
         # Debug / test hook: receives (request_id, logits row) for every sampled token.
         self._logits_sink = logits_sink
@@ -167,21 +162,10 @@ class Worker:
         reservation = self.pulls.reserve(seq, pull) if pull is not None else None
         if reservation is None:  # no plan, or one this prompt cannot use: recompute
             self.scheduler.add(seq)
-        self._note_queue()
-        self.notes.taken(req.request_id, req.origin, seq.num_tokens, self._uncached_len(seq, pull))
+        self.backlog.update()
+        uncached_len = self.backlog.uncached_len(seq, pull)
+        self.notes.taken(req.request_id, req.origin, seq.num_tokens, uncached_len)
         return reservation
-
-    def _uncached_len(self, seq: Sequence, pull: PullSpec | None) -> int:
-        """Prompt tokens `seq` will compute here: less what the pool holds now, or what the
-        pull brings."""
-        if seq.bypass_cache:
-            return seq.num_tokens
-        bs = self.block_size
-        chain = seq.full_block_hashes(bs)[: num_reusable_blocks(seq.num_tokens, bs)]
-        held = len(self.pool.match_prefix(chain))
-        if pull is not None:
-            held = max(held, min(pull.end_block, len(chain)))
-        return seq.num_tokens - num_reusable_tokens(seq.num_tokens, held, bs)
 
     def abort(self, request_id: str) -> bool:
         seq = self._seqs.pop(request_id, None)
@@ -189,7 +173,7 @@ class Worker:
             return False
         if not self.pulls.release(request_id):
             self.scheduler.abort(request_id)
-        self._note_queue()
+        self.backlog.update()
         self.notes.finished(request_id)
         return True
 
@@ -208,7 +192,7 @@ class Worker:
         self.tally.num_pulls += 1
         self.tally.num_failed_pulls += num_pulled == 0
         self.scheduler.add(seq)
-        self._note_queue()
+        self.backlog.update()
         return num_pulled
 
     def write_back_host(self, look_ahead: int) -> int:
@@ -221,7 +205,7 @@ class Worker:
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns what each touched request produced."""
         outputs = self._step()
-        self._note_queue()
+        self.backlog.update()
         return outputs
 
     def _step(self) -> list[RequestOutput]:
@@ -344,27 +328,15 @@ class Worker:
         seq.block_hashes = []
 
     def drain_event_batch(self) -> EventBatch | None:
-        events = self.pool.drain_events()
-        if self.host_pool is not None:
-            events += self.host_pool.drain_events()
-        if not events:
-            return None
-        return self.events.next_batch(events)
+        return self.events.drain()
 
     def drain_request_notes(self) -> NoteBatch | None:
         """What happened to requests since the last call (`NoteLog`)."""
         return self.notes.drain()
 
     def full_state_batch(self) -> EventBatch:
-        """Everything the pool holds, under a new generation (after Redis lost our events)."""
-        self.pool.drain_events()
-        events: list[KVEvent] = [AllCleared()]
-        if self.host_pool is not None:
-            self.host_pool.drain_events()
-            events.append(BlockStored(tuple(self.host_pool.cached_hashes()), TIER_HOST))
-        events += self.pool.stored_events()
-        self.events.new_generation()
-        return self.events.next_batch(events)
+        """Everything the pools hold, under a new generation (after Redis lost our events)."""
+        return self.events.full_state()
 
     @property
     def generation(self) -> int:
@@ -390,7 +362,7 @@ class Worker:
             num_cached_blocks=self.pool.num_cached,
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting) + len(self.pulls),
-            num_queued_prefill_tokens=self._num_queued_prefill_tokens,
+            num_queued_prefill_tokens=self.backlog.num_tokens,
             adapters=tuple(sorted(self.runner.adapters)),
             generation=self.generation,
             counters=counters,
@@ -415,22 +387,6 @@ class Worker:
             num_device_entries=self.pool.num_cached,
             num_host_entries=c.num_host_blocks,
             num_bytes=(self.pool.num_cached + c.num_host_blocks) * self.block_num_bytes,
-        )
-
-    def _note_queue(self) -> None:
-        """Recompute the queued-prefill report on the engine thread (after anything that changes
-        the queue): `info()` is called from other threads and only reads the number."""
-        self._num_queued_prefill_tokens = self._queued_prefill_tokens()
-
-    def _queued_prefill_tokens(self) -> int:
-        """Prompt tokens still to prefill: a waiting prompt less the prefix its pool holds now."""
-        bs = self.block_size
-        queued = 0
-        for s in [*self.scheduler.waiting, *self.pulls.sequences()]:
-            chain = s.full_block_hashes(bs)[: num_reusable_blocks(s.num_tokens, bs)]
-            queued += s.num_tokens - len(self.pool.match_prefix(chain)) * bs
-        return queued + sum(
-            max(0, len(s.prompt_ids) - s.num_computed_tokens) for s in self.scheduler.running
         )
 
     def check_invariants(self) -> None:

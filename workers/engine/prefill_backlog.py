@@ -1,0 +1,51 @@
+"""The prefill backlog: the prompt tokens a worker still has to compute, as the router reads it."""
+
+from __future__ import annotations
+
+from kvmesh.proto.block_hash import num_reusable_blocks, num_reusable_tokens
+from kvmesh.workers.contract.requests import PullSpec
+from kvmesh.workers.engine.pull_admission import PullAdmission
+from kvmesh.workers.engine.scheduler import Scheduler
+from kvmesh.workers.engine.sequence import Sequence
+from kvmesh.workers.kv.block_pool import BlockPool
+
+
+class PrefillBacklog:
+    """Prompt tokens still to prefill on one worker (`WorkerInfo.num_queued_prefill_tokens`):
+    each waiting prompt less the prefix its pool holds now, plus what running prompts have left.
+    `update` runs on the engine thread after anything that changes the queue; `num_tokens` is
+    read from other threads, which only read the number."""
+
+    def __init__(
+        self, pool: BlockPool, scheduler: Scheduler, pulls: PullAdmission, block_size: int
+    ) -> None:
+        self.pool = pool
+        self.scheduler = scheduler
+        self.pulls = pulls
+        self.block_size = block_size
+        self.num_tokens = 0
+
+    def update(self) -> None:
+        self.num_tokens = self._queued_prefill_tokens()
+
+    def _queued_prefill_tokens(self) -> int:
+        bs = self.block_size
+        queued = 0
+        for s in [*self.scheduler.waiting, *self.pulls.sequences()]:
+            chain = s.full_block_hashes(bs)[: num_reusable_blocks(s.num_tokens, bs)]
+            queued += s.num_tokens - len(self.pool.match_prefix(chain)) * bs
+        return queued + sum(
+            max(0, len(s.prompt_ids) - s.num_computed_tokens) for s in self.scheduler.running
+        )
+
+    def uncached_len(self, seq: Sequence, pull: PullSpec | None) -> int:
+        """Prompt tokens `seq` will compute here: less what the pool holds now, or what the
+        pull brings."""
+        if seq.bypass_cache:
+            return seq.num_tokens
+        bs = self.block_size
+        chain = seq.full_block_hashes(bs)[: num_reusable_blocks(seq.num_tokens, bs)]
+        held = len(self.pool.match_prefix(chain))
+        if pull is not None:
+            held = max(held, min(pull.end_block, len(chain)))
+        return seq.num_tokens - num_reusable_tokens(seq.num_tokens, held, bs)
