@@ -192,6 +192,23 @@ def test_the_dockerfile_has_both_variants_and_copies_every_package_root() -> Non
     assert not roots & set(ignored)
 
 
+def test_pyproject_lists_every_package_folder() -> None:
+    """A folder with an `__init__.py` that pyproject.toml does not list is left out of every
+    wheel and image (an editable install still imports it, so no other test notices)."""
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    mapped = set(re.findall(r'^"(kvmesh\.[\w.]+)" = "([\w/]+)"', pyproject, re.M))
+    listed = set(re.findall(r'^    "(kvmesh\.[\w.]+)",$', pyproject, re.M))
+    roots = {folder.split("/")[0] for _, folder in mapped}
+    folders = {
+        str(init.parent.relative_to(ROOT))
+        for root in roots
+        for init in (ROOT / root).rglob("__init__.py")
+    }
+    packages = {("kvmesh." + folder.replace("/", "."), folder) for folder in folders}
+    assert packages <= mapped, f"not in package-dir: {packages - mapped}"
+    assert {name for name, _ in packages} == listed
+
+
 @pytest.mark.slow
 def test_what_the_image_copies_builds_a_wheel_with_every_package(tmp_path: Path) -> None:
     """The image's `pip install .` without a container tool: the files its COPY lines name, and
