@@ -51,6 +51,7 @@ from kvmesh.coordinator.cluster.cluster import Cluster
 from kvmesh.coordinator.cluster.deployment import Deployment, DeploymentConfig
 from kvmesh.coordinator.config import CoordinatorConfig
 from kvmesh.workers.config import WorkerConfig
+from kvmesh.workers.contract.replies import WorkerInfo
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,7 +238,7 @@ def calibration_shape(config: E2EConfig) -> CalibrationShape:
     )
 
 
-async def calibrate(
+async def calibration(
     client: AsyncClient, cluster: Cluster, worker_ids: list[str], config: E2EConfig
 ) -> dict[str, Any]:
     """The report's `calibration` block (or why there is none: the sweep runs either way)."""
@@ -252,23 +253,44 @@ async def calibrate(
         return {"error": repr(exc), "wall_s": time.monotonic() - started}
 
 
+def engine_steps(before: dict[str, WorkerInfo], after: dict[str, WorkerInfo]) -> dict[str, Any]:
+    """What each worker's engine did between two reports (one rate's load): its prefill and
+    decode steps, their mean wall time (host work included) and the mean decode batch."""
+    out: dict[str, Any] = {}
+    for w in sorted(set(before) & set(after)):
+        a, b = before[w].counters, after[w].counters
+        prefills, decodes = (
+            b.num_prefill_steps - a.num_prefill_steps,
+            (b.num_decode_steps - a.num_decode_steps),
+        )
+        out[w] = {
+            "prefill_steps": prefills,
+            "prefill_step_ms": (b.prefill_steps_ms - a.prefill_steps_ms) / max(1, prefills),
+            "decode_steps": decodes,
+            "decode_step_ms": (b.decode_steps_ms - a.decode_steps_ms) / max(1, decodes),
+            "decode_batch": (b.num_decode_step_seqs - a.num_decode_step_seqs) / max(1, decodes),
+        }
+    return out
+
+
 async def sweep_policy(
     address: str,
     config: E2EConfig,
     requests: list[WorkloadRequest],
     deadline: float,
-    calibrate_on: Cluster | None = None,
+    cluster: Cluster,
+    calibrate: bool = False,
     keep_calibration: Callable[[dict[str, Any]], None] = lambda block: None,
 ) -> list[dict[str, Any]]:
-    """The policy's rows; with `calibrate_on`, first the calibration, handed to
-    `keep_calibration` at once (its time is added to `deadline`)."""
+    """The policy's rows (each with its workers' `engine_steps`); with `calibrate`, first the
+    calibration, handed to `keep_calibration` at once (its time is added to `deadline`)."""
     rows: list[dict[str, Any]] = []
     async with AsyncClient(address, timeout_s=config.request_timeout_s) as client:
         await client.wait_ready(30.0)
         worker_ids = [w.worker_id for w in await client.list_workers()]
         await warm_up(client, config, worker_ids)
-        if calibrate_on is not None:
-            block = await calibrate(client, calibrate_on, worker_ids, config)
+        if calibrate:
+            block = await calibration(client, cluster, worker_ids, config)
             keep_calibration(block)
             deadline += block["wall_s"]
         offset = 0
@@ -278,8 +300,10 @@ async def sweep_policy(
                 break
             schedule = send_times(requests[offset:], rate, config.duration_s, config.seed + i)
             offset += len(schedule)
+            before = await asyncio.to_thread(cluster.infos)
             samples, elapsed = await run_rate(client, schedule, config.output_len)
             metrics = summarize(samples, worker_ids, elapsed)
+            metrics["engine_steps"] = engine_steps(before, await asyncio.to_thread(cluster.infos))
             metrics["rate_rps"] = rate
             metrics["errors"] = sorted({s.error for s in samples if s.error})[:3]
             rows.append(metrics)
@@ -291,6 +315,13 @@ async def sweep_policy(
                 f"per worker {list(metrics['requests_per_worker'].values())}",
                 flush=True,
             )
+            for w, s in metrics["engine_steps"].items():
+                print(
+                    f"    {w}: {s['prefill_steps']} prefill steps x {s['prefill_step_ms']:.1f} ms, "
+                    f"{s['decode_steps']} decode steps x {s['decode_step_ms']:.1f} ms "
+                    f"(batch {s['decode_batch']:.1f})",
+                    flush=True,
+                )
             if metrics["ttft_p90_ms"] > config.stop_p90_s * 1e3:
                 break
     return rows
@@ -410,7 +441,8 @@ def main() -> None:  # noqa: D103
                             config,
                             requests,
                             policy_deadline,
-                            deployment.cluster if calibrate else None,
+                            deployment.cluster,
+                            calibrate,
                             keep,
                         )
                     )
