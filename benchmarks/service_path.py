@@ -135,7 +135,12 @@ def actor_depth(args: argparse.Namespace) -> dict[str, Any]:
 
     cuda = args.device.startswith("cuda")
     config = DeploymentConfig(
-        coordinator=CoordinatorConfig(model=args.model, port=0, max_tokens_limit=4096),
+        coordinator=CoordinatorConfig(
+            model=args.model,
+            port=0,
+            max_tokens_limit=4096,
+            worker_side_door=args.side_door == "on",
+        ),
         num_workers=1,
         worker=WorkerConfig("t", num_blocks=args.num_blocks, device=args.device),
         gpus_per_worker=1.0 if cuda else 0.0,
@@ -299,6 +304,12 @@ def main() -> None:  # noqa: D103
     ap.add_argument("--trials", type=int, default=4)
     ap.add_argument("--actor-trials", type=int, default=4, help="local hits at depths 3 and 4")
     ap.add_argument("--skip-actor", action="store_true")
+    ap.add_argument(
+        "--side-door",
+        choices=("on", "off"),
+        default="on",
+        help="the coordinator reaches the worker over its Unix-socket request channel (on) or Ray",
+    )
     ap.add_argument("--json", type=Path)
     ap.add_argument("--client", metavar="ADDRESS", help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -61,6 +61,13 @@ def _add_model_options(parser: argparse.ArgumentParser, env: CliEnvironment) -> 
         " (one round trip per decision; use with several coordinators over one fleet)",
     )
     parser.add_argument(
+        "--worker-side-door",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reach workers on the coordinator's node over a Unix socket instead of Ray actor"
+        " calls (submits, aborts, output streams) (default: on)",
+    )
+    parser.add_argument(
         "--speculative-dispatch",
         action=argparse.BooleanOptionalAction,
         default=True,

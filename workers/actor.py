@@ -15,16 +15,14 @@ the time a client sees a request end the index already knows the blocks it left 
 A request with a pull plan is pulled here, by the worker that serves it, while it is admitted
 (`workers/transfer/puller.py`): the reserved blocks belong to the request from the start. As a
 pull source the actor answers its peers' calls over Ray, and those on its node also over its
-Unix-socket channel (`channel_address`).
+Unix-socket channel (`channel_address`). A coordinator on its node submits, aborts and reads its
+stream through the request channel (`request_channel_address`), the same methods without Ray.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
-import tempfile
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
@@ -39,10 +37,13 @@ from kvmesh.workers.config import WorkerConfig
 from kvmesh.workers.contract.replies import RequestOutput, RequestRejected, WorkerFailed, WorkerInfo
 from kvmesh.workers.contract.requests import WorkerRequest
 from kvmesh.workers.engine.event_publisher import EventPublisher
+from kvmesh.workers import request_channel
 from kvmesh.workers.engine_thread import EngineThread
 from kvmesh.workers.model.loader import build_worker
 from kvmesh.workers.output_batches import BatchItem
 from kvmesh.workers.output_streams import OutputStreams
+from kvmesh.workers.request_channel import RequestHandlers
+from kvmesh.workers.side_doors import SideDoors
 from kvmesh.workers.transfer import peer_channel
 from kvmesh.workers.transfer.block_export import BlockExport
 from kvmesh.workers.transfer.nccl import NcclLink
@@ -77,8 +78,7 @@ class WorkerActor:
         self._submit = self._engine.submit
         self._on_engine = self._engine.on_engine
         self._puller = Puller(self.worker, self._node_id, self._on_engine, self._fail_pull)
-        self._channel_server: asyncio.AbstractServer | None = None
-        self._channel_path = ""
+        self._doors = SideDoors(config.worker_id)
         self._nccl_link: NcclLink | None = None
         self._engine.start()
 
@@ -133,25 +133,20 @@ class WorkerActor:
     async def channel_address(self) -> tuple[str, str] | None:
         """(node id, Unix socket path) where a peer on this node makes a pull's small calls to
         this worker (`PeerChannel`); served from the first ask on."""
-        if self._channel_server is None:
-            path = os.path.join(
-                tempfile.gettempdir(), f"kvmesh-{os.getpid()}-{self.config.worker_id}.sock"
-            )
-            if os.path.exists(path):
-                os.unlink(path)  # left by a process that had this pid before
-            self._channel_server = await peer_channel.serve(
-                path,
-                {
-                    ChannelOp.PIN: lambda hashes, _: self.pin_blocks(list(hashes)),
-                    ChannelOp.UNPIN: self._unpin_over_channel,
-                    ChannelOp.NCCL_ACCEPT: lambda hashes, rank: self.nccl_accept(
-                        list(hashes), rank
-                    ),
-                },
-            )
-            os.chmod(path, 0o600)  # this user's processes only: a pin holds the pool's blocks
-            self._channel_path = path
-        return self._node_id, self._channel_path
+        handlers: dict[ChannelOp, peer_channel.Handler] = {
+            ChannelOp.PIN: lambda hashes, _: self.pin_blocks(list(hashes)),
+            ChannelOp.UNPIN: self._unpin_over_channel,
+            ChannelOp.NCCL_ACCEPT: lambda hashes, rank: self.nccl_accept(list(hashes), rank),
+        }
+        path = await self._doors.open("peers", lambda p: peer_channel.serve(p, handlers))
+        return self._node_id, path
+
+    async def request_channel_address(self) -> tuple[str, str] | None:
+        """(node id, Unix socket path) where a coordinator on this node submits requests and
+        reads its output stream (`workers/request_channel.py`); served from the first ask on."""
+        handlers = RequestHandlers(self.submit, self.abort, self.outputs)
+        path = await self._doors.open("requests", lambda p: request_channel.serve(p, handlers))
+        return self._node_id, path
 
     async def _unpin_over_channel(self, ids: Sequence[int], _: int) -> list[int]:
         await self.unpin_blocks(list(ids))
@@ -264,11 +259,7 @@ class WorkerActor:
 
     def shutdown(self) -> None:
         self._puller.close()
-        if self._channel_server is not None:
-            server = self._channel_server
-            server.get_loop().call_soon_threadsafe(server.close)  # from any thread
-            with contextlib.suppress(OSError):
-                os.unlink(self._channel_path)
+        self._doors.close()
         self._engine.stop()
         if self._engine.publisher is not None:
             self._engine.publisher.close()

@@ -12,14 +12,16 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator
-from dataclasses import dataclass, replace
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, cast
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
-from kvmesh.coordinator.cluster.output_reader import Delivery, OutputReader
+from kvmesh.coordinator.cluster.output_reader import Delivery, OutputReader, Submitted
 from kvmesh.coordinator.cluster.registry import WorkerRegistry
+from kvmesh.coordinator.cluster.side_door import SideDoorClosed
 from kvmesh.coordinator.contract import WorkerDied
 from kvmesh.workers.config import WorkerConfig
 from kvmesh.workers.contract.replies import RequestOutput, RequestRejected, WorkerFailed, WorkerInfo
@@ -40,8 +42,11 @@ class _Handle:
 class Cluster:
     """Invariant: a worker id maps to one actor, and every id is known to the registry."""
 
-    def __init__(self, registry: WorkerRegistry) -> None:
+    def __init__(self, registry: WorkerRegistry, side_door: bool = True) -> None:
+        """`side_door`: reach workers on this node over their request channel, not Ray
+        (`CoordinatorConfig.worker_side_door`)."""
         self.registry = registry
+        self._side_door = side_door
         self._handles: dict[str, _Handle] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -151,22 +156,10 @@ class Cluster:
             if outputs is None or not reader.wait_open(_STREAM_OPEN_TIMEOUT_S):
                 yield None
                 raise WorkerDied(worker_id)  # the stream broke (or never opened)
-            submitted = actor.submit.remote(replace(request, reply_to=reader.stream_id))
+            submitted = reader.submit(request)
             sent = True
             yield None
-            try:
-                ray.get(submitted)
-            except RayTaskError as exc:
-                cause = exc.cause if hasattr(exc, "cause") else None
-                if isinstance(cause, RequestRejected | WorkerFailed):
-                    raise cause from None
-                if isinstance(exc, RayActorError):
-                    self.mark_dead(worker_id)
-                    raise WorkerDied(worker_id) from None
-                raise
-            except RayActorError:
-                self.mark_dead(worker_id)
-                raise WorkerDied(worker_id) from None
+            self._accepted(worker_id, submitted)
             held: Delivery | None = None
             while True:
                 item = held if held is not None else outputs.get()
@@ -188,10 +181,32 @@ class Cluster:
                     return
         except GeneratorExit:
             if sent and not finished:
-                actor.abort.remote(rid)
+                reader.abort(rid)
             raise
         finally:
             reader.unregister(rid)
+
+    def _accepted(self, worker_id: str, submitted: Submitted) -> None:
+        """Wait until the worker took the request; raises what its `submit` raised
+        (RequestRejected, WorkerFailed), or WorkerDied."""
+        try:
+            if isinstance(submitted, Future):
+                submitted.result()
+            else:
+                ray.get(submitted)
+        except SideDoorClosed:
+            raise WorkerDied(worker_id) from None  # the reader tells the registry if it died
+        except RayTaskError as exc:
+            cause = exc.cause if hasattr(exc, "cause") else None
+            if isinstance(cause, RequestRejected | WorkerFailed):
+                raise cause from None
+            if isinstance(exc, RayActorError):
+                self.mark_dead(worker_id)
+                raise WorkerDied(worker_id) from None
+            raise
+        except RayActorError:
+            self.mark_dead(worker_id)
+            raise WorkerDied(worker_id) from None
 
     def _reader(self, worker_id: str, actor: Any, origin: str) -> OutputReader:
         """This coordinator's reader of `actor`'s outputs (one per actor; a new one after the
@@ -201,7 +216,11 @@ class Cluster:
             if reader is not None and reader.actor is actor and reader.alive:
                 return reader
             reader = OutputReader(
-                worker_id, actor, origin, on_died=lambda: self._actor_died(worker_id, actor)
+                worker_id,
+                actor,
+                origin,
+                on_died=lambda: self._actor_died(worker_id, actor),
+                use_side_door=self._side_door,
             )
             self._readers[worker_id] = reader
             return reader

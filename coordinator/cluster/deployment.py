@@ -154,7 +154,7 @@ class Deployment:
         redis_url = self._start_redis()
         self.ray.start()
         registry = WorkerRegistry()
-        self.cluster = cluster = Cluster(registry)
+        self.cluster = cluster = Cluster(registry, side_door=cc.worker_side_door)
         store = IndexStore(redis_url)
         self.fleet = Fleet(cluster, store, redis_url, own_workers=self.config.own_workers)
         self._start_workers(self.fleet, redis_url)

@@ -59,6 +59,7 @@ def deployment_config(args: argparse.Namespace, *, embedded_redis: bool) -> Depl
         session_affinity_blocks=float(_opt(args, "session_affinity_blocks", 1.0)),
         decision_log=bool(_opt(args, "decision_log", False)),
         speculative_dispatch=bool(_opt(args, "speculative_dispatch", True)),
+        worker_side_door=bool(_opt(args, "worker_side_door", True)),
     )
     sessions = WarmSessionConfig(
         idle_ttl_s=float(_opt(args, "session_ttl_s", 300.0)),
