@@ -144,7 +144,8 @@ class Cluster:
         """One request on one worker: yields None once it is submitted (or found unsendable,
         which the next read raises), then its outputs.
         The request goes to the worker with `submit`; its outputs come back on the worker's one
-        stream to this coordinator (`output_reader.py`), and those that queued while the caller
+        stream to this coordinator (`output_reader.py`; over the worker's side door when it is
+        on this node, else Ray), and those that queued while the caller
         was busy with the last one come out joined (`RequestOutput.then`). Closed before its
         final output, it aborts the request on the worker."""
         actor = self.actor(worker_id)
@@ -224,6 +225,12 @@ class Cluster:
             )
             self._readers[worker_id] = reader
             return reader
+
+    def via_side_door(self, worker_id: str) -> bool:
+        """Whether this coordinator's stream to the worker goes through its side door."""
+        with self._lock:
+            reader = self._readers.get(worker_id)
+        return reader is not None and reader.alive and reader.via_side_door
 
     def nccl_members(self) -> frozenset[str]:
         """Workers in the NCCL group (GPU-to-GPU pulls), empty without one."""

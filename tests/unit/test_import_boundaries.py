@@ -17,6 +17,7 @@ CORE = [
     "kvmesh.coordinator.fleet_view",
     "kvmesh.coordinator.config",
     "kvmesh.coordinator.cluster.registry",
+    "kvmesh.coordinator.cluster.side_door",
     "kvmesh.coordinator.cluster.redis_server",
     "kvmesh.coordinator.cluster.worker_plan",
     "kvmesh.coordinator.index.follower",
@@ -47,6 +48,7 @@ CORE = [
     "kvmesh.coordinator.telemetry.log_format",
     "kvmesh.workers.contract.requests",
     "kvmesh.workers.contract.replies",
+    "kvmesh.workers.request_channel",
 ]
 SERVICE = [
     "kvmesh.coordinator.service.servicer",
