@@ -33,11 +33,11 @@ import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
 from kvmesh.proto.block_hash import BlockHash
+from kvmesh.workers import request_channel
 from kvmesh.workers.config import WorkerConfig
 from kvmesh.workers.contract.replies import RequestOutput, RequestRejected, WorkerFailed, WorkerInfo
 from kvmesh.workers.contract.requests import WorkerRequest
 from kvmesh.workers.engine.event_publisher import EventPublisher
-from kvmesh.workers import request_channel
 from kvmesh.workers.engine_thread import EngineThread
 from kvmesh.workers.model.loader import build_worker
 from kvmesh.workers.output_batches import BatchItem

@@ -36,15 +36,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvmesh.workers.contract.requests import WorkerRequest
+from kvmesh.workers.output_batches import BatchItem
 
 log = logging.getLogger(__name__)
 
 _LENGTH = struct.Struct("<I")
 MAX_FRAME_BYTES = 256 << 20
 """A frame longer than this is taken for garbage: the connection is dropped."""
-
-BatchItem = tuple[str, Any]
-"""(request id, RequestOutput | Exception), as the actor's output stream yields them."""
 
 
 class Frame(enum.IntEnum):

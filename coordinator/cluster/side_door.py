@@ -16,7 +16,8 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 
 from kvmesh.workers.contract.requests import WorkerRequest
-from kvmesh.workers.request_channel import BatchItem, Frame, encode, recv_frame
+from kvmesh.workers.output_batches import BatchItem
+from kvmesh.workers.request_channel import Frame, encode, recv_frame
 
 
 class SideDoorClosed(ConnectionError):
