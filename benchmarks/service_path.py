@@ -200,6 +200,7 @@ def actor_depth(args: argparse.Namespace) -> dict[str, Any]:
                 "actor_ms": median(actor_ms),
                 "worker_prefill_ms": median(prefill_ms),
                 "worker_queued_ms": median(queued_ms),
+                "via_side_door": cluster.via_side_door("w0"),
             }
         }
         for batch in args.batches:
