@@ -12,19 +12,17 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, cast
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
-from kvmesh.coordinator.cluster.output_reader import Delivery, OutputReader, Submitted
+from kvmesh.coordinator.cluster.output_reader import Delivery, OutputReader
 from kvmesh.coordinator.cluster.registry import WorkerRegistry
-from kvmesh.coordinator.cluster.side_door import SideDoorClosed
 from kvmesh.coordinator.contract import WorkerDied
 from kvmesh.workers.config import WorkerConfig
-from kvmesh.workers.contract.replies import RequestOutput, RequestRejected, WorkerFailed, WorkerInfo
+from kvmesh.workers.contract.replies import RequestOutput, WorkerInfo
 from kvmesh.workers.contract.requests import WorkerRequest
 
 log = logging.getLogger(__name__)
@@ -160,7 +158,7 @@ class Cluster:
             submitted = reader.submit(request)
             sent = True
             yield None
-            self._accepted(worker_id, submitted)
+            reader.wait_accepted(submitted)
             held: Delivery | None = None
             while True:
                 item = held if held is not None else outputs.get()
@@ -186,28 +184,6 @@ class Cluster:
             raise
         finally:
             reader.unregister(rid)
-
-    def _accepted(self, worker_id: str, submitted: Submitted) -> None:
-        """Wait until the worker took the request; raises what its `submit` raised
-        (RequestRejected, WorkerFailed), or WorkerDied."""
-        try:
-            if isinstance(submitted, Future):
-                submitted.result()
-            else:
-                ray.get(submitted)
-        except SideDoorClosed:
-            raise WorkerDied(worker_id) from None  # the reader tells the registry if it died
-        except RayTaskError as exc:
-            cause = exc.cause if hasattr(exc, "cause") else None
-            if isinstance(cause, RequestRejected | WorkerFailed):
-                raise cause from None
-            if isinstance(exc, RayActorError):
-                self.mark_dead(worker_id)
-                raise WorkerDied(worker_id) from None
-            raise
-        except RayActorError:
-            self.mark_dead(worker_id)
-            raise WorkerDied(worker_id) from None
 
     def _reader(self, worker_id: str, actor: Any, origin: str) -> OutputReader:
         """This coordinator's reader of `actor`'s outputs (one per actor; a new one after the

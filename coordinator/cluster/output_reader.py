@@ -1,4 +1,5 @@
-"""One worker's output stream to this coordinator, split back into its requests.
+"""One worker's output stream to this coordinator, split back into its requests, and the way
+this coordinator's requests travel to that worker (`submit`, `wait_accepted`, `abort`).
 
 A thread reads the worker's `outputs` stream (a batch of outputs per message, every request this
 coordinator submitted there; the first batch, empty, says the stream is open) and hands each
@@ -28,10 +29,11 @@ from concurrent.futures import Future
 from typing import Any, Final, TypeAlias
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
-from kvmesh.coordinator.cluster.side_door import SideDoor
-from kvmesh.workers.contract.replies import RequestOutput
+from kvmesh.coordinator.cluster.side_door import SideDoor, SideDoorClosed
+from kvmesh.coordinator.contract import WorkerDied
+from kvmesh.workers.contract.replies import RequestOutput, RequestRejected, WorkerFailed
 from kvmesh.workers.contract.requests import WorkerRequest
 
 log = logging.getLogger(__name__)
@@ -119,6 +121,28 @@ class OutputReader:
             return self._door.submit(request)
         return self.actor.submit.remote(request)
 
+    def wait_accepted(self, submitted: Submitted) -> None:
+        """Wait until the worker took a submitted request; raises what its `submit` raised
+        (RequestRejected, WorkerFailed), or WorkerDied."""
+        try:
+            if isinstance(submitted, Future):
+                submitted.result()
+            else:
+                ray.get(submitted)
+        except SideDoorClosed:
+            raise WorkerDied(self.worker_id) from None  # `_run` tells the registry if it died
+        except RayTaskError as exc:
+            cause = exc.cause if hasattr(exc, "cause") else None
+            if isinstance(cause, RequestRejected | WorkerFailed):
+                raise cause from None
+            if isinstance(exc, RayActorError):
+                self._on_died()
+                raise WorkerDied(self.worker_id) from None
+            raise
+        except RayActorError:
+            self._on_died()
+            raise WorkerDied(self.worker_id) from None
+
     def abort(self, request_id: str) -> None:
         """Stop `request_id` on the worker (its caller went away)."""
         if self._door is None or not self._door.abort(request_id):
@@ -145,7 +169,7 @@ class OutputReader:
             if address is None or address[0] != ray.get_runtime_context().get_node_id():
                 return None
             return SideDoor.connect(address[1], self.stream_id)
-        except (OSError, RayError) as exc:
+        except (OSError, RayError, AttributeError) as exc:  # AttributeError: a worker without one
             log.warning("worker %s: no side door, using Ray: %s", self.worker_id, exc)
             return None
 

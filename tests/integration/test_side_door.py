@@ -43,10 +43,10 @@ def tokens(cluster: Cluster, req: WorkerRequest) -> list[int]:
     return [t for out in cluster.generate("w0", req) for t in out.new_token_ids]
 
 
-def ray_only_cluster(d: Deployment) -> Cluster:
-    """A second coordinator's view of the same worker, reaching it over Ray only."""
+def second_cluster(d: Deployment, side_door: bool = False) -> Cluster:
+    """A second coordinator's view of the same worker (over Ray only, unless `side_door`)."""
     assert d.cluster is not None
-    cluster = Cluster(WorkerRegistry(), side_door=False)
+    cluster = Cluster(WorkerRegistry(), side_door=side_door)
     cluster.add_worker(d.cluster.config("w0"), d.cluster.actor("w0"))
     return cluster
 
@@ -63,7 +63,7 @@ def idle(actor: Any) -> bool:
 
 def test_the_side_door_gives_the_same_tokens_as_ray(deployment: Deployment) -> None:
     assert deployment.cluster is not None
-    over_ray = ray_only_cluster(deployment)
+    over_ray = second_cluster(deployment)
     try:
         for i, prompt in enumerate((PROMPT, PROMPT[::-1] + PROMPT)):
             via_door = tokens(deployment.cluster, request(f"door-{i}", 24, prompt))
@@ -73,6 +73,21 @@ def test_the_side_door_gives_the_same_tokens_as_ray(deployment: Deployment) -> N
         assert not over_ray.via_side_door("w0")
     finally:
         over_ray.stop(kill_workers=False)
+
+
+def test_a_door_that_does_not_open_falls_back_to_ray(deployment: Deployment) -> None:
+    assert deployment.cluster is not None
+    actor = deployment.cluster.actor("w0")
+    _, path = ray.get(actor.request_channel_address.remote(), timeout=10)
+    os.unlink(path)  # the socket file is gone: connecting fails
+    other = second_cluster(deployment, side_door=True)
+    try:
+        assert tokens(other, request("fallback", 8)) == tokens(
+            deployment.cluster, request("reference", 8)
+        )
+        assert not other.via_side_door("w0")
+    finally:
+        other.stop(kill_workers=False)
 
 
 def test_a_rejected_request_raises_through_the_side_door(deployment: Deployment) -> None:
