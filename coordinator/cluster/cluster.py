@@ -142,10 +142,10 @@ class Cluster:
         """One request on one worker: yields None once it is submitted (or found unsendable,
         which the next read raises), then its outputs.
         The request goes to the worker with `submit`; its outputs come back on the worker's one
-        stream to this coordinator (`output_reader.py`; over the worker's side door when it is
-        on this node, else Ray), and those that queued while the caller
-        was busy with the last one come out joined (`RequestOutput.then`). Closed before its
-        final output, it aborts the request on the worker."""
+        stream to this coordinator (`output_reader.py`: through the worker's side door when it
+        runs on this node, else Ray), and those that queued while the caller was busy with the
+        last one come out joined (`RequestOutput.then`). Closed before its final output, it
+        aborts the request on the worker."""
         actor = self.actor(worker_id)
         reader = self._reader(worker_id, actor, request.origin)
         rid = request.request_id
