@@ -11,6 +11,7 @@ from kvmesh.proto.request_notes import RequestFinished, RequestPrefilled, Reques
 from kvmesh.workers.contract.replies import RequestOutput
 from kvmesh.workers.contract.requests import SamplingConfig, WorkerRequest
 from kvmesh.workers.engine.scheduler import SchedulerConfig
+from kvmesh.workers.engine.tally import WorkerTally
 from kvmesh.workers.engine.worker import Worker
 from kvmesh.workers.kv.warm_sessions import WarmSessionConfig
 from kvmesh.workers.model.model_config import preset
@@ -313,4 +314,16 @@ def test_the_worker_counts_its_prefill_and_decode_steps_and_their_batches() -> N
     assert c.num_prefill_steps == 1  # both prompts fit one step
     # a's 2 and b's 4 tokens after their first: 2 steps of both, then 2 of b alone
     assert (c.num_decode_steps, c.num_decode_step_seqs) == (4, 2 * 2 + 2)
-    assert c.prefill_steps_ms > 0 and c.decode_steps_ms > 0
+
+
+def test_the_tally_adds_each_steps_wall_time_to_its_kind() -> None:
+    tally = WorkerTally()
+    tally.on_step(True, 2, 30.0)
+    tally.on_step(False, 2, 5.0)
+    tally.on_step(False, 1, 4.0)
+    assert (tally.num_prefill_steps, tally.prefill_steps_ms) == (1, 30.0)
+    assert (tally.num_decode_steps, tally.decode_steps_ms, tally.num_decode_step_seqs) == (
+        2,
+        9.0,
+        3,
+    )
