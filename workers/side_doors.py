@@ -29,9 +29,8 @@ class SideDoors:
             self._lock = asyncio.Lock()  # made on the loop that serves the doors
         async with self._lock:
             if name not in self._servers:
-                suffix = "" if name == "peers" else f"-{name}"
                 path = os.path.join(
-                    tempfile.gettempdir(), f"kvmesh-{os.getpid()}-{self._worker_id}{suffix}.sock"
+                    tempfile.gettempdir(), f"kvmesh-{os.getpid()}-{self._worker_id}-{name}.sock"
                 )
                 if os.path.exists(path):
                     os.unlink(path)  # left by a process that had this pid before
