@@ -107,16 +107,24 @@ def _pull_path(rank: int, chunks: int) -> float:
 
 
 def _transport_path(rank: int) -> float:
-    """The same pull through the transport's own code (`NcclLink.send` / `recv_into`)."""
+    """The same pull through the transport's own code (`NcclLink.send` / `receive`, layer groups
+    on side streams; each side waits here for its last group, as the worker's GPU would)."""
     from kvmesh.workers.engine.pull_admission import PullTargets
     from kvmesh.workers.transfer.nccl import NcclLink
 
     cache = torch.zeros(CACHE_SHAPE, dtype=torch.bfloat16, device="cuda")
     g = torch.Generator().manual_seed(rank)
     ids = torch.randperm(CACHE_SHAPE[2], generator=g)[:PULL_BLOCKS].tolist()
-    if rank == 0:
-        return _timed(rank, lambda: NcclLink.send(cache, ids, 1))
-    return _timed(rank, lambda: NcclLink.recv_into(cache, PullTargets(ids), PULL_BLOCKS, 0))
+    link, stream = NcclLink(rank, {"a": 0, "b": 1}), torch.cuda.Stream()
+
+    def send() -> None:
+        torch.cuda.current_stream().wait_event(link.send(cache, ids, 1).done)
+
+    def receive() -> None:
+        groups = NcclLink.receive(cache, PullTargets(ids), PULL_BLOCKS, 0, stream)
+        groups.wait_all()
+
+    return _timed(rank, send if rank == 0 else receive)
 
 
 def _rank_main(rank: int, setting: str, num_bytes: int, queue: Any) -> None:

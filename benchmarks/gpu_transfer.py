@@ -188,7 +188,7 @@ def host_tier_ttft() -> dict[str, Any]:
         torch.cuda.synchronize()
         start = time.perf_counter()
         worker.runner.load_layers(host_pool.data, slots, blocks)
-        for load in worker.runner.take_layer_loads():
+        for load in worker.runner.take_layer_writes():
             load.done.synchronize()
         samples.append((time.perf_counter() - start) * 1e3)
     out["layer_load_only_ms"] = sorted(samples)[2]

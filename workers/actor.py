@@ -46,7 +46,7 @@ from kvmesh.workers.request_channel import RequestHandlers
 from kvmesh.workers.side_doors import SideDoors
 from kvmesh.workers.transfer import peer_channel
 from kvmesh.workers.transfer.block_export import BlockExport
-from kvmesh.workers.transfer.nccl import NcclLink
+from kvmesh.workers.transfer.nccl import NcclLink, serve_send
 from kvmesh.workers.transfer.peer_channel import ChannelOp
 from kvmesh.workers.transfer.puller import Puller
 
@@ -80,6 +80,7 @@ class WorkerActor:
         self._puller = Puller(self.worker, self._node_id, self._on_engine, self._fail_pull)
         self._doors = SideDoors(config.worker_id)
         self._nccl_link: NcclLink | None = None
+        self._sends: set[asyncio.Task[None]] = set()
         self._engine.start()
 
     # ---- requests -----------------------------------------------------------------------------
@@ -221,9 +222,9 @@ class WorkerActor:
 
     async def nccl_accept(self, hashes: list[int], dst_rank: int) -> list[int] | None:
         """Agree to send the leading device run of `hashes` to `dst_rank`: pin it, answer with
-        its block ids and start the send on the engine thread (it completes once the puller
-        receives; then the run is unpinned and the claim let go). None if this worker is in
-        another NCCL transfer."""
+        its block ids and start the send (`serve_send`: it completes once the puller receives;
+        then the run is unpinned and the claim let go). None if this worker is in another NCCL
+        transfer."""
         link = self._nccl_link
         if link is None or not link.try_claim():
             return None
@@ -235,19 +236,14 @@ class WorkerActor:
         if not ids:
             link.release()
             return ids
-        loop = asyncio.get_running_loop()
         cache = self.worker.runner.kv_cache
 
-        def send() -> None:
-            try:
-                NcclLink.send(cache, ids, dst_rank)
-            except Exception:  # the puller recomputes what did not arrive; the engine serves on
-                log.exception("nccl send of %d blocks to rank %d failed", len(ids), dst_rank)
-            finally:
-                self.worker.pull_source.unpin(ids)  # type: ignore[arg-type]
-                loop.call_soon_threadsafe(link.release)
+        def unpin() -> None:
+            self.worker.pull_source.unpin(ids)  # type: ignore[arg-type]
 
-        self._submit(send)
+        task = asyncio.create_task(serve_send(link, cache, ids, dst_rank, self._on_engine, unpin))
+        self._sends.add(task)  # the loop keeps only weak references to its tasks
+        task.add_done_callback(self._sends.discard)
         return ids
 
     def make_probe(self, num_bytes: int) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The NCCL transport's claims: a worker is in one transfer at a time, waits without holding a
 claim, and gives up (object-store fallback) when the peer stays busy. No GPU needed: the peer is
 a stand-in with the actor's call shape. Also: which group a coordinator that did not form it
-adopts, and how a run is split into the chunks that pipeline staging with the wire."""
+adopts, and how a run is split into the layer groups that pipeline the wire with the prefill."""
 
 from __future__ import annotations
 
@@ -10,13 +10,8 @@ import asyncio
 import pytest
 
 from kvmesh.coordinator.cluster.cluster import agreed_nccl_group
-from kvmesh.workers.transfer.nccl import (
-    PIPELINE_CHUNKS,
-    NcclLink,
-    NcclTransport,
-    chunk_spans,
-    kept_rows,
-)
+from kvmesh.workers.kv.layer_writes import group_spans
+from kvmesh.workers.transfer.nccl import PIPELINE_CHUNKS, NcclLink, NcclTransport
 
 
 class PeerStandIn:
@@ -82,33 +77,18 @@ def test_an_attached_coordinator_adopts_the_group_most_live_workers_share() -> N
     assert agreed_nccl_group(mixed) == new
 
 
-@pytest.mark.parametrize("num_blocks", [0, 1, 3, 7, 8, 9, 480, 481])
-def test_chunk_spans_cover_the_run_once_in_order(num_blocks: int) -> None:
-    spans = chunk_spans(num_blocks)
-    assert len(spans) == min(PIPELINE_CHUNKS, num_blocks)
-    covered = [b for lo, hi in spans for b in range(lo, hi)]
-    assert covered == list(range(num_blocks))
+@pytest.mark.parametrize("num_layers", [0, 1, 3, 7, 8, 9, 32, 80])
+def test_layer_groups_cover_every_layer_once_in_order(num_layers: int) -> None:
+    spans = group_spans(num_layers, PIPELINE_CHUNKS)
+    assert len(spans) == min(PIPELINE_CHUNKS, num_layers)
+    covered = [layer for lo, hi in spans for layer in range(lo, hi)]
+    assert covered == list(range(num_layers))
     sizes = [hi - lo for lo, hi in spans]
     assert not sizes or max(sizes) - min(sizes) <= 1
 
 
-def test_chunk_spans_refuse_nonsense() -> None:
-    with pytest.raises(ValueError, match="-1 blocks"):
-        chunk_spans(-1)
-    with pytest.raises(ValueError, match="in 0 chunks"):
-        chunk_spans(4, 0)
-
-
-def test_received_chunks_are_kept_where_they_line_up_with_the_reservation() -> None:
-    # 10 blocks sent in 4 chunks; the reservation holds message blocks [3, 9).
-    placed: dict[int, int] = {}  # target index -> message block
-    for lo, hi in chunk_spans(10, 4):
-        kept = kept_rows((lo, hi), first=3, n=6)
-        if kept is not None:
-            to, rows = kept
-            for t, r in zip(range(*to.indices(6)), rows, strict=True):
-                placed[t] = lo + r
-    assert placed == {i: i + 3 for i in range(6)}
-    assert kept_rows((0, 3), first=3, n=6) is None
-    assert kept_rows((4, 8), first=2, n=4) == (slice(2, 4), range(0, 2))
-    assert kept_rows((0, 5), first=0, n=0) is None
+def test_layer_groups_refuse_nonsense() -> None:
+    with pytest.raises(ValueError, match="-1 layers"):
+        group_spans(-1, 4)
+    with pytest.raises(ValueError, match="in 0 groups"):
+        group_spans(4, 0)

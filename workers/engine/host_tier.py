@@ -128,11 +128,12 @@ class HostTier:
         self.end_step()
 
     def end_step(self) -> None:
-        """A step is over: every layer load it started has landed (usually long since: the
-        step's forward waited for each layer, and sampling waited for the forward), so nothing
-        outlives the step that started it, and the host slots they read are free again."""
-        for load in self.runner.take_layer_loads():
-            load.done.synchronize()
+        """A step is over: every layered write it waited for (a promotion, a pull) has landed
+        (usually long since: the step's forward waited for each layer, and sampling waited for
+        the forward), so nothing outlives the step that follows it, and the host slots they read
+        are free again."""
+        for writes in self.runner.take_layer_writes():
+            writes.done.synchronize()
         if self.host_pool is not None:
             self.host_pool.release_held()
 

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmesh.workers.kv.layer_load import LayerLoad, can_load_layers
+from kvmesh.workers.kv.layer_writes import LayerWrites
 from kvmesh.workers.model.batch_attention import BatchAttention
 from kvmesh.workers.model.batch_plan import (
     AttentionMode,
@@ -139,7 +140,7 @@ class ModelRunner:
         as one copy before it; benchmarks and tests may switch it."""
         self.num_layer_loads = 0
         """Promotions started as layer loads, since construction."""
-        self._layer_loads: list[LayerLoad] = []
+        self._layer_writes: list[LayerWrites] = []
         self._load_stream: torch.cuda.Stream | None = None
         self.check_invariants()
 
@@ -204,8 +205,8 @@ class ModelRunner:
             and graphs.serves(batch)
         ):
             self.validate_batch(batch)
-            for load in self._layer_loads:
-                load.wait_all()
+            for writes in self._layer_writes:
+                writes.wait_all()
             return self._logits(graphs.run(batch))
         plan = self._plan(batch)
         hidden = self._run_layers(plan, self._lora_batch(batch, plan))
@@ -269,8 +270,8 @@ class ModelRunner:
         lora: LoraBatch | None = None,
     ) -> torch.Tensor:
         c = self.config
-        for load in self._layer_loads:  # blocks promoted from the host tier, this layer's part
-            load.wait_layer(layer_index)
+        for writes in self._layer_writes:  # blocks promoted or pulled: this layer's part
+            writes.wait_layer(layer_index)
         num_tokens, num_qk_heads = h.shape[0], c.num_heads + c.num_kv_heads
         qkv = F.linear(h, layer.qkv_proj, layer.qkv_bias)
         if lora is not None:
@@ -359,21 +360,36 @@ class ModelRunner:
     ) -> LayerLoad:
         """Start copying host slots (block-major, `export_blocks` layout) into `block_ids`, layer
         by layer on a side stream; the next forwards wait per layer (see `LayerLoad`). The
-        caller ends it with `take_layer_loads` once a step is over."""
+        caller ends it with `take_layer_writes` once a step is over."""
         self._check_block_ids(block_ids, unique=True)
+        load = LayerLoad(host_data, slots, self.kv_cache, block_ids, self.layer_stream())
+        self.add_layer_writes(load)
+        self.num_layer_loads += 1
+        return load
+
+    def layer_stream(self) -> torch.cuda.Stream:
+        """The side stream layered writes run on (CUDA only)."""
         if self._load_stream is None:
             # High priority: its copy programs take SMs as the prefill's kernels free them, so
             # layer l + 1 arrives while layer l computes instead of after the whole forward.
             self._load_stream = torch.cuda.Stream(self.device, priority=-1)
-        load = LayerLoad(host_data, slots, self.kv_cache, block_ids, self._load_stream)
-        self._layer_loads.append(load)
-        self.num_layer_loads += 1
-        return load
+        return self._load_stream
 
-    def take_layer_loads(self) -> list[LayerLoad]:
-        """The pending layer loads, no longer waited for by later forwards."""
-        loads, self._layer_loads = self._layer_loads, []
-        return loads
+    def add_layer_writes(self, writes: LayerWrites) -> None:
+        """Make the next forwards wait for `writes` layer by layer (see `kv/layer_writes.py`)."""
+        self._layer_writes.append(writes)
+
+    def take_layer_writes(self) -> list[LayerWrites]:
+        """The pending layered writes, no longer waited for by later forwards."""
+        writes, self._layer_writes = self._layer_writes, []
+        return writes
+
+    def settle_layer_writes(self) -> None:
+        """Wait on the host until every pending layered write has landed: their blocks are
+        registered already, and a peer that copies them (in its own process, on its own stream)
+        must not read them half written."""
+        for writes in self._layer_writes:
+            writes.done.synchronize()
 
     @torch.inference_mode()
     def import_blocks(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:

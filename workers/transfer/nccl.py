@@ -1,7 +1,16 @@
-"""GPU-to-GPU pulls over NCCL (one rank per GPU): the source pins and sends its run, the target
-receives it into a staging tensor and copies it into the reserved blocks. One call to the source
-does both: `nccl_accept` pins the run, answers with its block ids and starts the send at once,
-which completes when the target posts its receive.
+"""GPU-to-GPU pulls over NCCL (one rank per GPU): the source pins its run and sends it, the
+target receives it and writes it into the reserved blocks. One call to the source does both:
+`nccl_accept` pins the run, answers with its block ids and starts the send at once, which
+completes when the target posts its receive.
+
+The run travels in layer groups (layers [lo, hi) of every block in one message), so the target's
+forward waits for a group only just before its first layer (`kv/layer_writes.py`): the wire and
+the scatter into the blocks overlap the prefill that reads them, and neither side's host waits for
+the transfer (the source unpins, and both let go of their claims, once the GPU has passed it).
+
+    source:  stage group g (copy kernel) -> isend g          (side stream, host returns)
+    target:  irecv every group; for g: wait g -> scatter g into the blocks -> event g
+    forward: layer l waits for the event of l's group
 
 NCCL send/recv block both ranks until they pair up, so two workers pulling from each other at
 once would wait on each other forever. A worker therefore takes part in one NCCL transfer at a
@@ -16,19 +25,35 @@ shell warms every pair up at start-up (`warm_up_pairs`) so no request pays for i
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from kvmesh.proto.block_hash import BlockHash
 from kvmesh.workers.engine.pull_admission import PullTargets
+from kvmesh.workers.kv.layer_writes import LayerGroups, group_spans, until_done
 from kvmesh.workers.model.runner import ModelRunner
 from kvmesh.workers.transfer.block_copy import copy_blocks
 from kvmesh.workers.transfer.transport import PeerLookup, WriteOnEngine
 
-# A 1 GB run in 8 chunks: staging and scattering overlap the wire, and each chunk stays large
-# enough for NCCL's full rate (measured on 2 x H100: 4.8 ms as one message, 3.8 ms in 8 chunks;
-# bare send/recv 2.7 ms; `benchmarks/gpu_nccl.py`).
+# A 1 GB run in 8 messages: staging and scattering overlap the wire, and each message stays
+# large enough for NCCL's full rate (measured on 2 x H100: 4.8 ms as one message, 3.8 ms in 8;
+# bare send/recv 2.7 ms; `benchmarks/gpu_nccl.py`). A message is a group of layers.
 PIPELINE_CHUNKS = 8
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class NcclSending:
+    """A send under way: `done` completes once the target has received every group; `staging`
+    must outlive it (the wire reads it)."""
+
+    done: torch.cuda.Event
+    staging: list[torch.Tensor]
 
 
 class NcclLink:
@@ -39,6 +64,7 @@ class NcclLink:
         self.rank = rank
         self.ranks = dict(ranks)
         self.busy = False
+        self._send_stream: torch.cuda.Stream | None = None
 
     def try_claim(self) -> bool:
         if self.busy:
@@ -71,69 +97,62 @@ class NcclLink:
         torch.cuda.synchronize()
         return pairs
 
-    @staticmethod
-    def send(cache: torch.Tensor, ids: list[int], dst_rank: int) -> None:
-        """Stage the pinned blocks chunk by chunk with the copy kernel and send each chunk as soon
-        as it is staged, so staging the next chunk overlaps sending this one."""
+    def send(self, cache: torch.Tensor, ids: list[int], dst_rank: int) -> NcclSending:
+        """Stage the pinned blocks layer group by layer group with the copy kernel and send each
+        group as soon as it is staged, all on this link's side stream: the host returns at once,
+        and the engine's own stream never waits for the target."""
         import torch.distributed as dist  # only multi-GPU deployments need it
 
-        works, stagings = [], []  # each chunk's staging lives until every send is done
-        for lo, hi in chunk_spans(len(ids)):
-            staging = cache.new_empty((*cache.shape[:2], hi - lo, *cache.shape[3:]))
-            copy_blocks(staging, list(range(hi - lo)), cache, ids[lo:hi])
-            stagings.append(staging)
-            works.append(dist.isend(staging, dst=dst_rank))  # waits for its own staging only
-        for work in works:
-            assert work is not None  # a process-group op always returns its handle
-            work.wait()
-        torch.cuda.synchronize()
+        if self._send_stream is None:
+            self._send_stream = torch.cuda.Stream(cache.device)
+        stream = self._send_stream
+        stream.wait_stream(torch.cuda.current_stream(cache.device))
+        works, staging = [], []
+        with torch.cuda.stream(stream):
+            for lo, hi in group_spans(cache.shape[0], PIPELINE_CHUNKS):
+                buf = cache.new_empty((hi - lo, 2, len(ids), *cache.shape[3:]))
+                copy_blocks(buf, list(range(len(ids))), cache[lo:hi], ids)
+                staging.append(buf)
+                works.append(dist.isend(buf, dst=dst_rank))  # waits for its own staging only
+            for work in works:
+                assert work is not None  # a process-group op always returns its handle
+                work.wait()  # the side stream, not the host, waits
+            done = torch.cuda.Event()
+            done.record(stream)
+        return NcclSending(done, staging)
 
     @staticmethod
-    def recv_into(cache: torch.Tensor, targets: PullTargets, num_blocks: int, src_rank: int) -> int:
-        """Receive `num_blocks` (always, so the sender completes) and keep those that line up
-        with `targets` (none if the request went away meanwhile). Chunks are scattered into
-        their blocks as each arrives, while the later ones are still on the wire."""
+    def receive(
+        cache: torch.Tensor,
+        targets: PullTargets,
+        num_blocks: int,
+        src_rank: int,
+        stream: torch.cuda.Stream,
+    ) -> LayerGroups:
+        """Receive `num_blocks` (always, so the sender completes) and write those that line up
+        with `targets` (none if the request went away meanwhile), group by group on `stream`:
+        every receive is posted at once, and each group is scattered into its blocks as it
+        arrives, while the later ones are still on the wire."""
         import torch.distributed as dist
 
-        spans = chunk_spans(num_blocks)
-        bufs = [cache.new_empty((*cache.shape[:2], hi - lo, *cache.shape[3:])) for lo, hi in spans]
-        works = [dist.irecv(buf, src=src_rank) for buf in bufs]
+        spans = group_spans(cache.shape[0], PIPELINE_CHUNKS)
         n = targets.fillable(num_blocks)
-        for span, buf, work in zip(spans, bufs, works, strict=True):
+        dst = [int(b) for b in targets.blocks[:n]]
+        rows = list(range(targets.first, targets.first + n))
+        with torch.cuda.stream(stream):  # posted behind the side stream, not the engine's
+            bufs = [cache.new_empty((hi - lo, 2, num_blocks, *cache.shape[3:])) for lo, hi in spans]
+            works = [dist.irecv(buf, src=src_rank) for buf in bufs]
+        arrivals = iter(zip(bufs, works, strict=True))
+
+        def scatter(lo: int, hi: int) -> torch.Tensor:
+            buf, work = next(arrivals)
             assert work is not None  # a process-group op always returns its handle
-            work.wait()  # the stream, not the host, waits for this chunk
-            kept = kept_rows(span, targets.first, n)
-            if kept is not None:
-                to, rows = kept
-                copy_blocks(cache, [int(b) for b in targets.blocks[to]], buf, list(rows))
-        torch.cuda.synchronize()
-        return n
+            work.wait()  # the side stream waits for this group; later ones still arrive
+            if n:
+                copy_blocks(cache[lo:hi], dst, buf, rows)
+            return buf
 
-
-def kept_rows(span: tuple[int, int], first: int, n: int) -> tuple[slice, range] | None:
-    """Which received rows of the chunk holding message blocks [lo, hi) are kept, and the slice
-    of the targets they go to, when the targets hold message blocks [first, first + n).
-
-        kept_rows((4, 8), first=2, n=4) -> (slice(2, 4), range(0, 2))   # blocks 4, 5
-    """
-    lo, hi = span
-    a, b = max(lo, first), min(hi, first + n)
-    if a >= b:
-        return None
-    return slice(a - first, b - first), range(a - lo, b - lo)
-
-
-def chunk_spans(num_blocks: int, num_chunks: int = PIPELINE_CHUNKS) -> list[tuple[int, int]]:
-    """[lo, hi) block ranges splitting a run into at most `num_chunks` near-equal chunks; both
-    sides of a transfer compute the same spans from the same count.
-
-        chunk_spans(10, 4) -> [(0, 2), (2, 5), (5, 8), (8, 10)]
-    """
-    if num_blocks < 0 or num_chunks < 1:
-        raise ValueError(f"{num_blocks} blocks in {num_chunks} chunks")
-    k = min(num_chunks, num_blocks)
-    bounds = [round(i * num_blocks / k) for i in range(k + 1)] if k else [0]
-    return [(bounds[i], bounds[i + 1]) for i in range(k)]
+        return LayerGroups(spans, stream, scatter)
 
 
 class NcclTransport:
@@ -181,11 +200,48 @@ class NcclTransport:
             if not ids:
                 return 0
             src_rank = link.ranks[source]
-            cache = self._runner.kv_cache
+            runner = self._runner
+            received: list[LayerGroups] = []
 
             def fill(targets: PullTargets) -> int:
-                return NcclLink.recv_into(cache, targets, len(ids), src_rank)
+                groups = NcclLink.receive(
+                    runner.kv_cache, targets, len(ids), src_rank, runner.layer_stream()
+                )
+                received.append(groups)
+                n = targets.fillable(len(ids))
+                if n:
+                    runner.add_layer_writes(groups)  # the request's forward waits per layer
+                else:
+                    groups.done.synchronize()  # nothing waits for it: drain the wire now
+                return n
 
             return await write(fill)
+        finally:
+            for groups in received:
+                await until_done(groups.done)  # one transfer at a time, on the GPU too
+            link.release()
+
+
+async def serve_send(
+    link: NcclLink,
+    cache: torch.Tensor,
+    ids: list[int],
+    dst_rank: int,
+    on_engine: Callable[[Callable[[], Any]], Awaitable[Any]],
+    unpin: Callable[[], None],
+) -> None:
+    """The source's half of a pull, once `nccl_accept` has pinned `ids` and claimed `link`: the
+    send starts on the engine thread (where every NCCL call of this worker is made, so the two
+    sides' calls pair up in order), the event loop waits for the GPU to pass it, then the run
+    is unpinned on the engine thread and the claim let go. A failed send is logged; the puller
+    recomputes what did not arrive."""
+    try:
+        sending: NcclSending = await on_engine(lambda: link.send(cache, ids, dst_rank))
+        await until_done(sending.done)
+    except Exception:
+        log.exception("nccl send of %d blocks to rank %d failed", len(ids), dst_rank)
+    finally:
+        try:
+            await on_engine(unpin)
         finally:
             link.release()

@@ -1,0 +1,69 @@
+"""Layered writes on the GPU: a forward over blocks that are still being written on a side stream
+(a pull's layer groups) waits for each group and gives the logits of blocks written beforehand."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvmesh.workers.kv.layer_writes import LayerGroups, group_spans
+from kvmesh.workers.model.runner import ModelRunner, SeqChunk
+from kvmesh.workers.model.weights import random_weights
+from kvmesh.workers.transfer.block_copy import copy_blocks
+from tests.gpu.small_model import small_config
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+BS = 16
+SLOW_CYCLES = 50_000_000  # ~25 ms of GPU sleep before a group lands: far longer than the forward
+
+
+@pytest.mark.parametrize("num_groups", [1, 2, 4])
+def test_a_forward_waits_for_each_layer_group_it_reads(num_groups: int) -> None:
+    config = small_config()
+    weights = random_weights(config, seed=0, device="cuda", dtype=torch.float32)
+    runner = ModelRunner(config, 64, BS, device="cuda", dtype=torch.float32, weights=weights)
+    rng = random.Random(7)
+    ids = [rng.randrange(256) for _ in range(8 * BS + 5)]
+    source, target = list(range(8)) + [20], list(range(30, 38)) + [21]
+    runner.forward([SeqChunk(ids[: 8 * BS], 0, source[:8])])
+    expected = runner.forward([SeqChunk(ids[8 * BS :], 8 * BS, source)])
+    cache = runner.kv_cache
+    landed = []
+
+    def slow_copy(lo: int, hi: int) -> None:
+        torch.cuda._sleep(SLOW_CYCLES)
+        copy_blocks(cache[lo:hi], target[:8], cache[lo:hi], source[:8])
+        landed.append((lo, hi))
+
+    spans = group_spans(config.num_layers, num_groups)
+    groups = LayerGroups(spans, runner.layer_stream(), slow_copy)
+    runner.add_layer_writes(groups)
+    # Queued while the copy sleeps: without the waits it would read the target blocks unwritten.
+    got = runner.forward([SeqChunk(ids[8 * BS :], 8 * BS, target)])
+    for writes in runner.take_layer_writes():
+        writes.done.synchronize()
+    assert landed == spans
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def test_a_runner_settles_its_layered_writes_before_a_peer_reads_them() -> None:
+    config = small_config()
+    runner = ModelRunner(config, 16, BS, device="cuda", dtype=torch.float32)
+    cache = runner.kv_cache
+    cache[:, :, 0].fill_(1.0)
+
+    def slow_copy(lo: int, hi: int) -> None:
+        torch.cuda._sleep(SLOW_CYCLES)
+        copy_blocks(cache[lo:hi], [5], cache[lo:hi], [0])
+
+    groups = LayerGroups([(0, config.num_layers)], runner.layer_stream(), slow_copy)
+    runner.add_layer_writes(groups)
+    runner.settle_layer_writes()
+    assert groups.done.query()
+    assert torch.equal(cache[:, :, 5].cpu(), torch.ones_like(cache[:, :, 5]).cpu())
