@@ -67,3 +67,30 @@ def test_a_runner_settles_its_layered_writes_before_a_peer_reads_them() -> None:
     runner.settle_layer_writes()
     assert groups.done.query()
     assert torch.equal(cache[:, :, 5].cpu(), torch.ones_like(cache[:, :, 5]).cpu())
+
+
+def test_a_decode_graph_captured_behind_a_layered_write_waits_for_it() -> None:
+    # A pulled prompt whose last token is all that is left runs as a decode-shaped step; its
+    # bucket's graph may be captured right then, with the pull's groups still pending.
+    config = small_config()
+    weights = random_weights(config, seed=0, device="cuda", dtype=torch.float32)
+    runner = ModelRunner(config, 64, BS, device="cuda", dtype=torch.float32, weights=weights)
+    assert runner.cuda_graphs
+    rng = random.Random(8)
+    ids = [rng.randrange(256) for _ in range(8 * BS + 1)]
+    source, target = list(range(8)) + [20], list(range(30, 38)) + [21]
+    runner.cuda_graphs = False
+    runner.forward([SeqChunk(ids[: 8 * BS], 0, source[:8])])
+    expected = runner.forward([SeqChunk(ids[8 * BS :], 8 * BS, source)])
+    cache = runner.kv_cache
+
+    def slow_copy(lo: int, hi: int) -> None:
+        torch.cuda._sleep(SLOW_CYCLES)
+        copy_blocks(cache[lo:hi], target[:8], cache[lo:hi], source[:8])
+
+    runner.add_layer_writes(LayerGroups([(0, 2), (2, 4)], runner.layer_stream(), slow_copy))
+    runner.cuda_graphs = True  # the first decode-shaped step captures its bucket now
+    got = runner.forward([SeqChunk(ids[8 * BS :], 8 * BS, target)])
+    for writes in runner.take_layer_writes():
+        writes.done.synchronize()
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)

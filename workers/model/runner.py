@@ -270,8 +270,12 @@ class ModelRunner:
         lora: LoraBatch | None = None,
     ) -> torch.Tensor:
         c = self.config
-        for writes in self._layer_writes:  # blocks promoted or pulled: this layer's part
-            writes.wait_layer(layer_index)
+        # Blocks promoted or pulled land layer by layer: wait for this layer's part. A step being
+        # captured as a graph waited for all of it before capture (`forward`), and a capture may
+        # not wait on events recorded outside it.
+        if self._layer_writes and not torch.cuda.is_current_stream_capturing():
+            for writes in self._layer_writes:
+                writes.wait_layer(layer_index)
         num_tokens, num_qk_heads = h.shape[0], c.num_heads + c.num_kv_heads
         qkv = F.linear(h, layer.qkv_proj, layer.qkv_bias)
         if lora is not None:
