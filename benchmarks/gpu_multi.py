@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 from gpu_nccl import PULL_BYTES, nccl_rows, p2p_ceiling
-from prefix_ttft import prefix_ttft_trials, worker_pull_trials
+from prefix_ttft import client_process_trials, prefix_ttft_trials, worker_pull_trials
 
 BS = 16
 
@@ -50,7 +50,8 @@ def through_kvmesh() -> dict[str, Any]:
             pull = worker_pull_trials(d, c, rand, "w0", "w1")
             moved = pull["pull_blocks"] * BS * 32 * 2 * 8 * 128 * 2  # Llama-3-8B bf16 KV per token
             out.update(pull, pull_GBps=moved / pull["pull_ms"] / 1e6)
-            out.update(prefix_ttft_trials(c, rand, "w0", "w1"))
+            out.update(prefix_ttft_trials(c, rand, "w0", "w1", trials=7))
+        out.update(client_process_trials(d.address, "w0", "w1", seed=13))
         return out
     finally:
         d.stop()
@@ -101,6 +102,13 @@ def main() -> None:
         f" ({r['pulled_tokens_min']} tokens), local {r['target_local_hit_ms']:.1f} ms on the"
         f" same worker ({r['local_hit_ms']:.1f} on the source);"
         f" cold/pulled {r['cold_ms'] / r['pulled_ms']:.1f}x (goal >= 6)"
+    )
+    p = "client_process_"
+    print(
+        f"  the client in its own process: cold {r[p + 'cold_ms']:.1f} ms, pulled"
+        f" {r[p + 'pulled_ms']:.1f} ms, local {r[p + 'target_local_hit_ms']:.1f} ms on the same"
+        f" worker; cold/pulled {r[p + 'cold_ms'] / r[p + 'pulled_ms']:.1f}x, pulled/local"
+        f" {r[p + 'pulled_ms'] / r[p + 'target_local_hit_ms']:.2f}x"
     )
 
 

@@ -21,7 +21,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from prefix_ttft import PREFIX, PROMPT, prefix_ttft_trials, worker_pull_trials
+from prefix_ttft import (
+    PREFIX,
+    PROMPT,
+    client_process_trials,
+    prefix_ttft_trials,
+    worker_pull_trials,
+)
 
 from kvmesh.workers.transfer.block_copy import copy_block_runs, copy_blocks
 
@@ -216,9 +222,10 @@ def e2e_ttft() -> dict[str, Any]:
         with Client(d.address, timeout_s=300) as c:
             for w in ("w0", "w1"):
                 c.generate(rand(2048), max_tokens=1, worker_id=w)
-            out: dict[str, Any] = prefix_ttft_trials(c, rand, "w0", "w1")
+            out: dict[str, Any] = prefix_ttft_trials(c, rand, "w0", "w1", trials=7)
             out.update(worker_pull_trials(d, c, rand, "w0", "w1"))
-            return out
+        out.update(client_process_trials(d.address, "w0", "w1", seed=12))
+        return out
     finally:
         d.stop()
 
@@ -300,6 +307,13 @@ def main() -> None:
             f" {e['pulled_prefill_ms']:.1f} ms; local on the same worker queued"
             f" {e['target_local_queued_ms']:.1f} + prefill {e['target_local_prefill_ms']:.1f} ms"
             f" (source: {e['local_queued_ms']:.1f} + {e['local_prefill_ms']:.1f} ms)"
+        )
+        p = "client_process_"
+        print(
+            f"  the client in its own process: cold {e[p + 'cold_ms']:.1f} ms, pulled"
+            f" {e[p + 'pulled_ms']:.1f} ms, local {e[p + 'target_local_hit_ms']:.1f} ms on the"
+            f" same worker; cold/pulled {e[p + 'cold_ms'] / e[p + 'pulled_ms']:.1f}x,"
+            f" pulled/local {e[p + 'pulled_ms'] / e[p + 'target_local_hit_ms']:.2f}x"
         )
 
 

@@ -2,10 +2,19 @@
 `source`, then served by `target` (pulling it), by `target` again (a local hit on the worker that
 pulled: the fair baseline, as two workers can take different prefill paths, see
 `workers/model/prefill_choice.py`) and by `source` (its local hit); and the pull alone, as the
-pulling worker reports it."""
+pulling worker reports it.
+
+The TTFT trials run twice: with the client in the benchmark's own process (which also holds the
+coordinator and its gRPC server, so the two share one interpreter) and with the client in a
+process of its own, as a real client is (`client_process_trials`, which runs this file).
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -42,6 +51,20 @@ def prefix_ttft_trials(
     out = {k: sorted(v)[len(v) // 2] for k, v in samples.items()}
     out["pulled_tokens_min"] = float(min(pulled_tokens))
     return out
+
+
+def client_process_trials(
+    address: str, source: str, target: str, seed: int, trials: int = 7, vocab: int = 128000
+) -> dict[str, float]:
+    """`prefix_ttft_trials` from a client in its own process; keys prefixed `client_process_`."""
+    argv = [sys.executable, __file__, "--address", address, "--source", source]
+    argv += ["--target", target, "--seed", str(seed), "--trials", str(trials)]
+    argv += ["--vocab", str(vocab)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        raise RuntimeError(f"client process failed: {done.stderr.strip()[-2000:]}")
+    measured: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
+    return {f"client_process_{k}": v for k, v in measured.items()}
 
 
 def worker_pull_trials(
@@ -106,3 +129,28 @@ def worker_pull_trials(
     result: dict[str, Any] = {k: sorted(v)[len(v) // 2] for k, v in samples.items()}
     result.update(transport=transport.value, pull_blocks=min(num_blocks))
     return result
+
+
+def main() -> None:
+    """The client's side of `client_process_trials`: one JSON line of medians on stdout."""
+    import torch
+
+    from kvmesh.client import Client
+
+    ap = argparse.ArgumentParser(description="TTFT trials from a client in its own process")
+    ap.add_argument("--address", required=True)
+    ap.add_argument("--source", required=True)
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--trials", type=int, default=7)
+    ap.add_argument("--vocab", type=int, default=128000, help="token ids drawn below this")
+    args = ap.parse_args()
+    g = torch.Generator().manual_seed(args.seed)
+    rand = lambda n: torch.randint(0, args.vocab, (n,), generator=g).tolist()  # noqa: E731
+    with Client(args.address, timeout_s=300) as client:
+        out = prefix_ttft_trials(client, rand, args.source, args.target, args.trials)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
