@@ -255,7 +255,8 @@ async def calibration(
 
 def engine_steps(before: dict[str, WorkerInfo], after: dict[str, WorkerInfo]) -> dict[str, Any]:
     """What each worker's engine did between two reports (one rate's load): its prefill and
-    decode steps, their mean wall time (host work included) and the mean decode batch."""
+    decode steps, their mean wall time (host work included), the mean decode batch, and the
+    engine thread's time between steps per step (requests in, outputs out, events published)."""
     out: dict[str, Any] = {}
     for w in sorted(set(before) & set(after)):
         a, b = before[w].counters, after[w].counters
@@ -269,6 +270,7 @@ def engine_steps(before: dict[str, WorkerInfo], after: dict[str, WorkerInfo]) ->
             "decode_steps": decodes,
             "decode_step_ms": (b.decode_steps_ms - a.decode_steps_ms) / max(1, decodes),
             "decode_batch": (b.num_decode_step_seqs - a.num_decode_step_seqs) / max(1, decodes),
+            "host_ms_per_step": (b.engine_host_ms - a.engine_host_ms) / max(1, prefills + decodes),
         }
     return out
 
@@ -319,7 +321,8 @@ async def sweep_policy(
                 print(
                     f"    {w}: {s['prefill_steps']} prefill steps x {s['prefill_step_ms']:.1f} ms, "
                     f"{s['decode_steps']} decode steps x {s['decode_step_ms']:.1f} ms "
-                    f"(batch {s['decode_batch']:.1f})",
+                    f"(batch {s['decode_batch']:.1f}), {s['host_ms_per_step']:.2f} ms between"
+                    " steps per step",
                     flush=True,
                 )
             if metrics["ttft_p90_ms"] > config.stop_p90_s * 1e3:

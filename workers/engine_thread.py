@@ -109,8 +109,13 @@ class EngineThread:
             self._warn_if_slow(self.last_tick)
             self.last_tick = time.monotonic()
             try:
+                began, step_s = time.perf_counter(), 0.0
                 self._drain_inbox()
-                outputs = self.worker.step() if self.worker.has_work else []
+                outputs: list[RequestOutput] = []
+                if self.worker.has_work:
+                    stepped = time.perf_counter()
+                    outputs = self.worker.step()
+                    step_s = time.perf_counter() - stepped
                 for o in outputs:
                     if not o.finished:
                         self._deliver(o.request_id, o)
@@ -121,6 +126,7 @@ class EngineThread:
                         self._deliver(o.request_id, o)
                 if time.monotonic() - self._last_heartbeat >= self.config.heartbeat_interval_s:
                     self.heartbeat()
+                self.worker.tally.on_engine_host((time.perf_counter() - began - step_s) * 1e3)
                 if not outputs and not self.worker.has_work:
                     if self._inbox.empty() and self.worker.write_back_host(
                         self.config.host_write_back_blocks

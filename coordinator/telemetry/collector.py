@@ -425,6 +425,13 @@ class MetricsCollector:
                 lambda i: i.counters.num_decode_step_seqs,
             ),
             per_worker(
+                "kvmesh_worker_engine_host_seconds_total",
+                MetricKind.COUNTER,
+                "The engine thread's time between steps: requests taken in, outputs delivered,"
+                " KV events published, heartbeats.",
+                lambda i: i.counters.engine_host_ms / 1e3,
+            ),
+            per_worker(
                 "kvmesh_worker_prefill_seconds_per_token",
                 MetricKind.GAUGE,
                 "Measured prefill cost per token (the router's cost model follows it).",

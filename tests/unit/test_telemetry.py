@@ -68,6 +68,7 @@ def worker_info(worker_id: str, *, num_free: int = 60, evicted: int = 0) -> Work
         num_decode_steps=10,
         decode_steps_ms=80.0,
         num_decode_step_seqs=24,
+        engine_host_ms=45.0,
     )
     cache = CacheStats(
         num_lookup_hits=4, num_lookup_misses=6, saved_prefill_tokens=640, cache_epoch=2
@@ -233,6 +234,8 @@ def test_worker_families_read_each_live_workers_last_report() -> None:
     assert step_s.value(worker="w0", kind="prefill") == pytest.approx(0.25)
     assert step_s.value(worker="w0", kind="decode") == pytest.approx(0.08)
     assert fams["kvmesh_worker_decode_step_sequences_total"].value(worker="w0") == 24
+    host_s = fams["kvmesh_worker_engine_host_seconds_total"]
+    assert host_s.value(worker="w0") == pytest.approx(0.045)
     assert fams["kvmesh_worker_cache_epoch"].value(worker="w1") == 2
     registry.mark_dead("w0", "test")
     fams = families(collector)

@@ -13,7 +13,7 @@ from kvmesh.workers.contract.requests import SamplingConfig, WorkerRequest
 from kvmesh.workers.engine.scheduler import SchedulerConfig
 from kvmesh.workers.engine.tally import WorkerTally
 from kvmesh.workers.engine.worker import Worker
-from kvmesh.workers.kv.warm_sessions import WarmSessionConfig
+from kvmesh.workers.kv.warm_sessions import WarmSessionConfig, WarmSessionStats
 from kvmesh.workers.model.model_config import preset
 from kvmesh.workers.model.runner import ModelRunner, SeqChunk
 
@@ -314,6 +314,14 @@ def test_the_worker_counts_its_prefill_and_decode_steps_and_their_batches() -> N
     assert c.num_prefill_steps == 1  # both prompts fit one step
     # a's 2 and b's 4 tokens after their first: 2 steps of both, then 2 of b alone
     assert (c.num_decode_steps, c.num_decode_step_seqs) == (4, 2 * 2 + 2)
+
+
+def test_the_engine_threads_time_between_steps_reaches_the_counters() -> None:
+    tally = WorkerTally()
+    tally.on_engine_host(1.5)
+    tally.on_engine_host(0.25)
+    assert tally.engine_host_ms == 1.75
+    assert tally.snapshot(0, 0, WarmSessionStats(0, 0, 0, 0, 0, 0)).engine_host_ms == 1.75
 
 
 def test_the_tally_adds_each_steps_wall_time_to_its_kind() -> None:

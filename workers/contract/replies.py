@@ -137,6 +137,9 @@ class WorkerCounters:
     """Their wall time in all, host work included."""
     num_decode_step_seqs: int = 0
     """Sequences over all decode steps (divided by `num_decode_steps`: the mean batch)."""
+    engine_host_ms: float = 0.0
+    """The engine thread's time between its steps, in all: taking requests in, delivering
+    outputs, publishing KV events, heartbeats (not the steps, not idle waits)."""
     num_warm_sessions: int = 0
     """Idle sessions whose chains are kept warm now."""
     warm_session_bytes: int = 0

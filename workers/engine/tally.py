@@ -31,6 +31,7 @@ class WorkerTally:
     num_decode_steps: int = 0
     decode_steps_ms: float = 0.0
     num_decode_step_seqs: int = 0
+    engine_host_ms: float = 0.0
     num_lookup_hits: int = 0
     num_lookup_misses: int = 0
 
@@ -77,6 +78,7 @@ class WorkerTally:
             num_decode_steps=self.num_decode_steps,
             decode_steps_ms=self.decode_steps_ms,
             num_decode_step_seqs=self.num_decode_step_seqs,
+            engine_host_ms=self.engine_host_ms,
             num_warm_sessions=sessions.num_sessions,
             warm_session_bytes=sessions.num_bytes,
             num_sessions_evicted_ttl=sessions.num_evicted_ttl,
@@ -93,6 +95,10 @@ class WorkerTally:
             self.num_decode_steps += 1
             self.decode_steps_ms += wall_ms
             self.num_decode_step_seqs += num_seqs
+
+    def on_engine_host(self, wall_ms: float) -> None:
+        """Count one engine-loop iteration's time outside its step and its idle wait."""
+        self.engine_host_ms += wall_ms
 
     def check_invariants(self) -> None:
         total = self.cached_tokens + self.prompt_host_tokens + self.pulled_tokens
