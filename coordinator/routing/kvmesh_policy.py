@@ -63,7 +63,8 @@ class _PrefillOptions(NamedTuple):
     recompute_ms: np.ndarray
     """The prefill part of it."""
     cached_tokens: np.ndarray
-    """Prompt tokens the worker holds (reusable: the last one is always computed)."""
+    """Prompt tokens the worker holds (reusable: the last one is always computed), as float64
+    whole numbers."""
     pulled: np.ndarray | None = None
     """True where pulling from `peer` first is the cheaper option (None: no row pulls)."""
     link_ms: np.ndarray | None = None
