@@ -60,10 +60,12 @@ class CostModel:
         self, num_new_tokens: np.ndarray, num_cached_tokens: np.ndarray | int = 0
     ) -> np.ndarray:
         """`prefill_ms` of every row at once: the same operations in the same order, so each row
-        is bit for bit what `prefill_ms` gives (the router's test holds both to it)."""
-        new = np.asarray(num_new_tokens, dtype=np.int64)
-        # As floats once: each operation would convert the int64 operand to float64 anyway.
-        x = new.astype(np.float64)
+        is bit for bit what `prefill_ms` gives (the router's test holds both to it). Token
+        counts may come as float64 (whole numbers, as the router keeps them): used as they are."""
+        x = np.asarray(num_new_tokens)
+        if x.dtype != np.float64:
+            # As floats once: each operation would convert an int64 operand to float64 anyway.
+            x = np.asarray(x, dtype=np.int64).astype(np.float64)
         pairs = x / 2  # (in place below: the same operations, in the same order, as above)
         pairs += num_cached_tokens
         pairs *= x
@@ -71,9 +73,9 @@ class CostModel:
         ms += self.prefill_fixed_ms
         pairs *= self.attention_per_token_pair_ms
         ms += pairs
-        if new.ndim == 1 and len(new) and new[new.argmin()] > 0:
+        if x.ndim == 1 and len(x) and x[x.argmin()] > 0:
             return ms  # every row has tokens to prefill (the router's case: the last one always)
-        return np.where(new > 0, ms, 0.0)
+        return np.where(x > 0, ms, 0.0)
 
     def transfer_ms(self, num_tokens: int) -> float:
         return num_tokens * self.kv_bytes_per_token / self.transfer_bytes_per_ms

@@ -63,7 +63,8 @@ class _PrefillOptions(NamedTuple):
     recompute_ms: np.ndarray
     """The prefill part of it."""
     cached_tokens: np.ndarray
-    """Prompt tokens the worker holds (reusable: the last one is always computed)."""
+    """Prompt tokens the worker holds (reusable: the last one is always computed), as float64
+    whole numbers."""
     pulled: np.ndarray | None = None
     """True where pulling from `peer` first is the cheaper option (None: no row pulls)."""
     link_ms: np.ndarray | None = None
@@ -236,7 +237,10 @@ class KvmeshPolicy(RoutingPolicy):
         """`pull_planner.cheapest_prefill` for every row: recompute what the worker lacks, or
         pull the longest device prefix a peer holds first, whichever is ready sooner."""
         cm, n, bs = self.cost_model, query.prompt_len, query.block_size
-        cached = np.minimum(matched, num_reusable_blocks(n, bs)) * bs
+        # (as float64 from the start: whole numbers, exact, so every price below is the same as
+        # from int64 counts, without a conversion in each operation)
+        cached = np.minimum(matched, float(num_reusable_blocks(n, bs)))
+        cached *= bs
         recompute = cm.prefill_ms_array(n - cached, cached)
         device = cols.matched_device_blocks
         peer = int(device.argmax()) if self.transfer_ms is not None else -1
@@ -314,8 +318,8 @@ class KvmeshPolicy(RoutingPolicy):
             cost += weights.recompute_weight * options.recompute_ms
         if np.count_nonzero(running) == len(running):
             cost += step_ms
-        else:
-            cost += np.where(running != 0, step_ms, 0.0)
+        else:  # adding only where w runs a batch: elsewhere the cost stays as `+ 0.0` leaves it
+            np.add(cost, step_ms, out=cost, where=running != 0)
         # Each prefill queued ahead runs at least one step, and the step carries w's batch (its
         # KV read too): a queue of cheap cache hits is as long in steps as in prefill.
         step_kv_ms = step_ms + step_load if calibrated else step_ms

@@ -85,8 +85,15 @@ class RoutedPrefixes:
                     if count > 1:
                         refs[h] = {worker: count}
         elif len(hashes) <= _FEW_HASHES:
-            for h in hashes:
-                self._ref(h, worker)
+            get = refs.get
+            for h in hashes:  # `_ref`, inline: one Python call less per hash
+                holders = get(h)
+                if holders is None:
+                    refs[h] = worker
+                elif isinstance(holders, str):
+                    refs[h] = {worker: 2} if holders == worker else {holders: 1, worker: 1}
+                else:
+                    holders[worker] = holders.get(worker, 0) + 1
         else:
             run = set(hashes)
             if len(run) != len(hashes):  # a hash twice in one chain: count each
@@ -147,10 +154,14 @@ class RoutedPrefixes:
         hash_at = hashes.__getitem__ if hash_array is None else hash_array.item
         if not _holds(refs.get(hash_at(held)), worker):
             return held
+        get = refs.get
         lo, hi = held + 1, n  # worker holds hashes[:lo]; it does not hold hashes[:hi + 1]
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if _holds(refs.get(hash_at(mid - 1)), worker):
+            holders = get(hash_at(mid - 1))  # `_holds`, inline
+            if holders is not None and (
+                holders == worker if isinstance(holders, str) else worker in holders
+            ):
                 lo = mid
             else:
                 hi = mid - 1

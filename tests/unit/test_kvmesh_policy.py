@@ -78,6 +78,23 @@ def test_routed_prefixes_extend_a_fleet_alike_with_the_chain_as_an_array() -> No
     assert r.extend(A, chain, 10, array) == 50 and held.tolist()[12:] == [10, 30]
 
 
+def test_routed_prefixes_count_short_runs_that_share_hashes_until_each_is_dropped() -> None:
+    r = RoutedPrefixes(ttl_s=10.0)
+    r.add("r1", A, hashes(1, 2, 3), now_s=0.0)
+    r.add("r2", A, hashes(2, 3, 4), now_s=0.0)  # shares 2, 3 with r1, on the same worker
+    r.add("r3", B, hashes(3, 4, 5), now_s=0.0)  # and with another worker
+    r.check_invariants()
+    chain = hashes(1, 2, 3, 4, 5)
+    assert (r.extend(A, chain, 0), r.extend(B, chain, 2)) == (4, 5)
+    r.discard("r2")
+    r.check_invariants()
+    assert (r.extend(A, chain, 0), r.extend(B, chain, 2)) == (3, 5)
+    r.discard("r1")
+    r.discard("r3")
+    r.check_invariants()
+    assert r.extend(A, chain, 0) == 0 and r.extend(B, chain, 2) == 2
+
+
 def test_routed_prefixes_stay_bounded() -> None:
     r = RoutedPrefixes(ttl_s=10.0, max_entries=2)
     for i in range(5):

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from kvmesh.coordinator.index.mirror import WorkerId
@@ -97,6 +98,16 @@ def test_cost_model_is_monotone_in_uncached_tokens() -> None:
     assert CM.prefill_ms(100) < CM.prefill_ms(200) < CM.prefill_ms(200, 1000)
     with pytest.raises(ValueError):
         CostModel(prefill_per_token_ms=-1)
+
+
+def test_cost_model_prices_each_row_as_prefill_ms_from_int_or_float_token_counts() -> None:
+    new = [0, 1, 17, 512, 8191]
+    cached = [0, 4096, 16, 0, 1]
+    want = [CM.prefill_ms(n, c) for n, c in zip(new, cached, strict=True)]
+    as_ints = CM.prefill_ms_array(np.array(new), np.array(cached))
+    as_floats = CM.prefill_ms_array(np.array(new, dtype=np.float64), np.array(cached, float))
+    assert as_ints.tolist() == want
+    assert as_floats.tolist() == want  # bit for bit: whole numbers are exact as floats
 
 
 def test_load_tracker_queues_until_prefilled_and_runs_until_finished() -> None:
