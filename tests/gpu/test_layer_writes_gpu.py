@@ -42,7 +42,7 @@ def test_a_forward_waits_for_each_layer_group_it_reads(num_groups: int) -> None:
         landed.append((lo, hi))
 
     spans = group_spans(config.num_layers, num_groups)
-    groups = LayerGroups(spans, runner.layer_stream(), slow_copy)
+    groups = LayerGroups(spans, runner.layer_stream(), target[:8], slow_copy)
     runner.add_layer_writes(groups)
     # Queued while the copy sleeps: without the waits it would read the target blocks unwritten.
     got = runner.forward([SeqChunk(ids[8 * BS :], 8 * BS, target)])
@@ -62,11 +62,27 @@ def test_a_runner_settles_its_layered_writes_before_a_peer_reads_them() -> None:
         torch.cuda._sleep(SLOW_CYCLES)
         copy_blocks(cache[lo:hi], [5], cache[lo:hi], [0])
 
-    groups = LayerGroups([(0, config.num_layers)], runner.layer_stream(), slow_copy)
+    groups = LayerGroups([(0, config.num_layers)], runner.layer_stream(), [5], slow_copy)
     runner.add_layer_writes(groups)
-    runner.settle_layer_writes()
+    runner.settle_layer_writes([3, 5])
     assert groups.done.query()
     assert torch.equal(cache[:, :, 5].cpu(), torch.ones_like(cache[:, :, 5]).cpu())
+
+
+def test_a_copy_out_of_the_cache_waits_for_the_blocks_still_landing() -> None:
+    # A host-tier demotion or an export reads blocks on the engine's stream.
+    config = small_config()
+    runner = ModelRunner(config, 16, BS, device="cuda", dtype=torch.float32)
+    cache = runner.kv_cache
+    cache[:, :, 0].fill_(2.0)
+
+    def slow_copy(lo: int, hi: int) -> None:
+        torch.cuda._sleep(SLOW_CYCLES)
+        copy_blocks(cache[lo:hi], [7], cache[lo:hi], [0])
+
+    runner.add_layer_writes(LayerGroups([(0, 2), (2, 4)], runner.layer_stream(), [7], slow_copy))
+    out = runner.export_blocks([7])
+    assert torch.equal(out.cpu(), torch.full_like(out, 2.0).cpu())
 
 
 def test_a_decode_graph_captured_behind_a_layered_write_waits_for_it() -> None:
@@ -88,7 +104,8 @@ def test_a_decode_graph_captured_behind_a_layered_write_waits_for_it() -> None:
         torch.cuda._sleep(SLOW_CYCLES)
         copy_blocks(cache[lo:hi], target[:8], cache[lo:hi], source[:8])
 
-    runner.add_layer_writes(LayerGroups([(0, 2), (2, 4)], runner.layer_stream(), slow_copy))
+    groups = LayerGroups([(0, 2), (2, 4)], runner.layer_stream(), target[:8], slow_copy)
+    runner.add_layer_writes(groups)
     runner.cuda_graphs = True  # the first decode-shaped step captures its bucket now
     got = runner.forward([SeqChunk(ids[8 * BS :], 8 * BS, target)])
     for writes in runner.take_layer_writes():

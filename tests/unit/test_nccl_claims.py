@@ -6,12 +6,14 @@ adopts, and how a run is split into the layer groups that pipeline the wire with
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
 from kvmesh.coordinator.cluster.cluster import agreed_nccl_group
 from kvmesh.workers.kv.layer_writes import group_spans
-from kvmesh.workers.transfer.nccl import PIPELINE_CHUNKS, NcclLink, NcclTransport
+from kvmesh.workers.transfer.nccl import PIPELINE_CHUNKS, NcclLink, NcclTransport, serve_send
 
 
 class PeerStandIn:
@@ -75,6 +77,52 @@ def test_an_attached_coordinator_adopts_the_group_most_live_workers_share() -> N
     new = {"w3": 0, "w4": 1, "w5": 2}
     mixed = {"w0": {"w0": 0, "w1": 1}, "w1": {"w0": 0, "w1": 1}, "w3": new, "w4": new, "w5": new}
     assert agreed_nccl_group(mixed) == new
+
+
+class LandedLater:
+    """A CUDA event's `query` as the send's `done` answers it: False `polls` times, then True."""
+
+    def __init__(self, polls: int) -> None:
+        self.polls = polls
+
+    def query(self) -> bool:
+        self.polls -= 1
+        return self.polls < 0
+
+
+class SendingLink(NcclLink):
+    """A link whose `send` hands back a transfer that lands after a few polls, or fails."""
+
+    def __init__(self, fail: bool) -> None:
+        super().__init__(0, {"a": 0, "b": 1})
+        self.fail = fail
+        self.sent: list[tuple[list[int], int]] = []
+
+    def send(self, cache: Any, ids: list[int], dst_rank: int) -> Any:
+        if self.fail:
+            raise RuntimeError("NCCL error")
+        self.sent.append((ids, dst_rank))
+        return SimpleNamespace(done=LandedLater(polls=3), staging=[])
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_the_source_unpins_and_lets_go_once_its_send_has_landed_or_failed(fail: bool) -> None:
+    link = SendingLink(fail)
+    assert link.try_claim()
+    engine_calls: list[str] = []
+    unpinned: list[bool] = []
+
+    async def on_engine(fn: Any) -> Any:
+        engine_calls.append(getattr(fn, "__name__", "?"))
+        return fn()
+
+    def unpin() -> None:
+        unpinned.append(link.busy)  # still claimed while the run is unpinned
+
+    asyncio.run(serve_send(link, None, [4, 5, 6], 1, on_engine, unpin))
+    assert link.sent == ([] if fail else [([4, 5, 6], 1)])
+    assert unpinned == [True] and not link.busy
+    assert engine_calls[-1] == "unpin"  # the pool is the engine thread's
 
 
 @pytest.mark.parametrize("num_layers", [0, 1, 3, 7, 8, 9, 32, 80])

@@ -34,8 +34,7 @@ class PullSource:
     def export_blocks(self, hashes: Seq[BlockHash], to_cpu: bool = True) -> BlockExport:
         """The leading run of `hashes` this worker holds (device tier, then host tier)."""
         ids = self.pool.match_prefix(hashes)
-        self.runner.settle_layer_writes()
-        parts = [self.runner.export_blocks(ids)] if ids else []
+        parts = [self.runner.export_blocks(ids)] if ids else []  # waits for blocks landing
         found = list(hashes[: len(ids)])
         from_host, run = self.host_tier.export_after(hashes[len(ids) :])
         if from_host is not None:
@@ -50,7 +49,7 @@ class PullSource:
         """Take refs on the leading device run of `hashes` so a peer can copy it in place
         (same-GPU and NCCL pulls); `unpin` releases them."""
         ids = self.pool.match_prefix(hashes)
-        self.runner.settle_layer_writes()  # the peer reads them on its own stream
+        self.runner.settle_layer_writes(ids)  # the peer reads them on its own stream
         self.pool.acquire(ids)
         self._peer_pins.extend(ids)
         return ids

@@ -100,6 +100,7 @@ class LayerLoad:
         num_layers, num_cache_blocks = cache.shape[0], cache.shape[2]
         device = cache.device
         self.slots = list(slots)
+        self.blocks = frozenset(int(b) for b in blocks)
         self._slot_ids = torch.tensor(self.slots, dtype=torch.int32).to(device, non_blocking=True)
         self._block_ids = torch.tensor(list(blocks), dtype=torch.int32).to(
             device, non_blocking=True

@@ -8,21 +8,25 @@ layers overlaps the compute of the earlier ones.
 Two kinds feed the model runner this way: a promotion from the pinned host tier (`LayerLoad`,
 one event per layer) and a pull from a peer, over NCCL or CUDA IPC, moved in layer groups
 (`LayerGroups`). The runner keeps them until the end of the step that follows; anything that hands
-their blocks to a peer settles them first (`ModelRunner.settle_layer_writes`).
+their blocks to a peer settles them first, and a copy out of the cache waits for them
+(`ModelRunner.settle_layer_writes`, `export_blocks`): the blocks are registered before their
+layers land.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import torch
 
 
 class LayerWrites(Protocol):
-    """Invariant: layer l of every target block is written once the current stream has waited
-    in `wait_layer(l)`; all of it once `done` has completed."""
+    """Invariant: layer l of every target block (`blocks`) is written once the current stream
+    has waited in `wait_layer(l)`; all of it once `done` has completed."""
+
+    blocks: frozenset[int]
 
     @property
     def done(self) -> torch.cuda.Event: ...
@@ -48,7 +52,8 @@ def group_spans(num_layers: int, num_groups: int) -> list[tuple[int, int]]:
 class LayerGroups:
     """A write run as one step per layer group on `stream`, each recording its group's event.
 
-    `write_group(lo, hi)` enqueues the writes of layers [lo, hi) on the current (side) stream;
+    `write_group(lo, hi)` enqueues the writes of layers [lo, hi) into `blocks` on the current
+    (side) stream;
     whatever it returns (received buffers, staging) is kept until `done` has completed, so the
     caching allocator cannot hand that memory out while the GPU still reads or writes it.
     Invariant: `_event_of[l]` is the event of the group holding layer l.
@@ -58,10 +63,12 @@ class LayerGroups:
         self,
         spans: list[tuple[int, int]],
         stream: torch.cuda.Stream,
+        blocks: Iterable[int],
         write_group: Callable[[int, int], Any],
     ) -> None:
         if not spans:
             raise ValueError("a layered write needs at least one layer group")
+        self.blocks = frozenset(int(b) for b in blocks)
         self._event_of: dict[int, torch.cuda.Event] = {}
         self._events: list[torch.cuda.Event] = []
         self._kept: list[Any] = []

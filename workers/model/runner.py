@@ -352,6 +352,11 @@ class ModelRunner:
         [len(block_ids), num_layers, 2, block_size, num_kv_heads, head_dim], block-major so each
         block is one contiguous slab."""
         ids = self._check_block_ids(block_ids, unique=False)
+        if self._layer_writes:  # blocks still landing: the copy waits for them on the stream
+            wanted = {int(b) for b in block_ids}
+            for writes in self._layer_writes:
+                if not writes.blocks.isdisjoint(wanted):
+                    writes.wait_all()
         return self.kv_cache[:, :, ids].permute(2, 0, 1, 3, 4, 5).contiguous()
 
     def can_load_layers(self, host_data: torch.Tensor) -> bool:
@@ -388,12 +393,14 @@ class ModelRunner:
         writes, self._layer_writes = self._layer_writes, []
         return writes
 
-    def settle_layer_writes(self) -> None:
-        """Wait on the host until every pending layered write has landed: their blocks are
-        registered already, and a peer that copies them (in its own process, on its own stream)
-        must not read them half written."""
+    def settle_layer_writes(self, block_ids: Sequence[int]) -> None:
+        """Wait on the host until every pending layered write into `block_ids` has landed: they
+        are registered already, and a peer that copies them (in its own process, on its own
+        stream) must not read them half written."""
+        wanted = {int(b) for b in block_ids}
         for writes in self._layer_writes:
-            writes.done.synchronize()
+            if not writes.blocks.isdisjoint(wanted):
+                writes.done.synchronize()
 
     @torch.inference_mode()
     def import_blocks(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:

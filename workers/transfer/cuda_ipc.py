@@ -54,6 +54,7 @@ class CudaIpcTransport:
                     groups = LayerGroups(
                         group_spans(ours.shape[0], LAYER_GROUPS),
                         self._runner.layer_stream(),
+                        dst,
                         lambda lo, hi: copy_blocks(ours[lo:hi], dst, peer_cache[lo:hi], src),
                     )
                     # The request's forward waits per group; only the peer's unpin waits for

@@ -152,7 +152,7 @@ class NcclLink:
                 copy_blocks(cache[lo:hi], dst, buf, rows)
             return buf
 
-        return LayerGroups(spans, stream, scatter)
+        return LayerGroups(spans, stream, dst, scatter)
 
 
 class NcclTransport:
