@@ -215,14 +215,31 @@ async def warm_up(client: AsyncClient, config: E2EConfig, worker_ids: list[str])
 
 async def run_rate(
     client: AsyncClient, schedule: list[tuple[float, WorkloadRequest]], max_tokens: int
-) -> tuple[list[BenchSample], float]:
+) -> tuple[list[BenchSample], float, list[float]]:
+    """The samples, the wall time, and how late each request left against its send time (the
+    client shares its interpreter with the coordinator: under load its sends can bunch up)."""
+    late_ms: list[float] = []
+
     async def fire(at_s: float, request: WorkloadRequest) -> BenchSample:
         await asyncio.sleep(max(0.0, start + at_s - time.perf_counter()))
+        late_ms.append((time.perf_counter() - start - at_s) * 1e3)
         return await _one(client, request.token_ids.tolist(), max_tokens)
 
     start = time.perf_counter()
     samples = await asyncio.gather(*(fire(t, r) for t, r in schedule))
-    return list(samples), time.perf_counter() - start
+    return list(samples), time.perf_counter() - start, late_ms
+
+
+def lateness(late_ms: list[float]) -> dict[str, float]:
+    """p50 / p90 / max of how late the requests left (ms)."""
+    if not late_ms:
+        return {"p50_ms": 0.0, "p90_ms": 0.0, "max_ms": 0.0}
+    ordered = sorted(late_ms)
+    return {
+        "p50_ms": ordered[len(ordered) // 2],
+        "p90_ms": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
+        "max_ms": ordered[-1],
+    }
 
 
 def calibration_shape(config: E2EConfig) -> CalibrationShape:
@@ -303,8 +320,9 @@ async def sweep_policy(
             schedule = send_times(requests[offset:], rate, config.duration_s, config.seed + i)
             offset += len(schedule)
             before = await asyncio.to_thread(cluster.infos)
-            samples, elapsed = await run_rate(client, schedule, config.output_len)
+            samples, elapsed, late_ms = await run_rate(client, schedule, config.output_len)
             metrics = summarize(samples, worker_ids, elapsed)
+            metrics["send_late"] = lateness(late_ms)
             metrics["engine_steps"] = engine_steps(before, await asyncio.to_thread(cluster.infos))
             metrics["rate_rps"] = rate
             metrics["errors"] = sorted({s.error for s in samples if s.error})[:3]
@@ -314,7 +332,8 @@ async def sweep_policy(
                 f"p50 {metrics['ttft_p50_ms']:8.1f} ms  p90 {metrics['ttft_p90_ms']:8.1f} ms  "
                 f"TPOT p50 {metrics['tpot_p50_ms'] or float('nan'):6.1f} ms  "
                 f"hit {metrics['hit_rate']:.2f}  failed {metrics['num_failed']}  "
-                f"per worker {list(metrics['requests_per_worker'].values())}",
+                f"per worker {list(metrics['requests_per_worker'].values())}  "
+                f"sent late p90 {metrics['send_late']['p90_ms']:.1f} ms",
                 flush=True,
             )
             for w, s in metrics["engine_steps"].items():
