@@ -7,7 +7,10 @@ The same requests at four depths, each figure beside the one below it from the s
               stream to the coordinator's process: `Cluster.generate`)
   4. service  gRPC -> coordinator (routing, the decision) -> actor -> client
 Requests: an 8K prompt whose 7.5K prefix the worker holds (a local hit's TTFT), and decode at
-batch 1 and 32 (time per output token). On a GPU: Llama-3-8B shape, bf16.
+batch 1 and 32 (time per output token: the median gap between a stream's outputs, per token, at
+the actor and the service alike; the service also reports each request's mean over its answer,
+which counts the steps the other requests' prefills took meanwhile). On a GPU: Llama-3-8B shape,
+bf16.
 
 Usage (GPU machine): python benchmarks/service_path.py --json $OUT/service_path.json
 Smoke test (CPU):    python benchmarks/service_path.py --device cpu --model tiny-random \
@@ -252,16 +255,32 @@ def client_depth(address: str, args: argparse.Namespace) -> dict[str, Any]:
                 ttfts.append(hit.ttft_ms or 0.0)
         out["local_hit"] = {"service_ms": median(ttfts)}
 
-        def one(_: int) -> float:
-            r = client.generate(
+        def one(_: int) -> tuple[list[float], float]:
+            """The stream's gaps per token after its first chunk (the statistic the actor depth
+            takes), and its mean time per output token (which also counts the steps other
+            requests' prefills took while it decoded)."""
+            gaps, first, last, num_tokens = [], 0.0, 0.0, 0
+            chunks = client.stream(
                 shapes.rand(args.decode_prompt), max_tokens=args.decode_tokens, ignore_eos=True
             )
-            return (r.total_ms - (r.ttft_ms or 0.0)) / max(1, len(r.tokens) - 1)
+            for chunk in chunks:
+                if not chunk.token_ids:
+                    continue
+                now = time.perf_counter()
+                if last:
+                    gaps.append((now - last) * 1e3 / len(chunk.token_ids))
+                else:
+                    first = now
+                last, num_tokens = now, num_tokens + len(chunk.token_ids)
+            return gaps, (last - first) * 1e3 / max(1, num_tokens - 1)
 
         for batch in args.batches:
             with ThreadPoolExecutor(batch) as pool:
-                tpots = list(pool.map(one, range(batch)))
-            out[f"decode_b{batch}"] = {"service_tpot_ms": median(tpots)}
+                streams = list(pool.map(one, range(batch)))
+            out[f"decode_b{batch}"] = {
+                "service_tpot_ms": median([g for gaps, _ in streams for g in gaps]),
+                "service_request_tpot_ms": median([tpot for _, tpot in streams]),
+            }
     return out
 
 
@@ -289,6 +308,10 @@ def rows(r: dict[str, Any], batches: list[int]) -> list[tuple[str, str, str, str
                 f(da.get("service_tpot_ms")),
             )
         )
+        out.append(  # counts the other requests' prefills it waited through: not per step
+            (f"  b{b}: a request's mean (ms)", "-", "-", "-",
+             f(da.get("service_request_tpot_ms")))
+        )  # fmt: skip
     return out
 
 
