@@ -85,15 +85,8 @@ class RoutedPrefixes:
                     if count > 1:
                         refs[h] = {worker: count}
         elif len(hashes) <= _FEW_HASHES:
-            get = refs.get
-            for h in hashes:  # `_ref`, inline: one Python call less per hash
-                holders = get(h)
-                if holders is None:
-                    refs[h] = worker
-                elif isinstance(holders, str):
-                    refs[h] = {worker: 2} if holders == worker else {holders: 1, worker: 1}
-                else:
-                    holders[worker] = holders.get(worker, 0) + 1
+            for h in hashes:
+                self._ref(h, worker)
         else:
             run = set(hashes)
             if len(run) != len(hashes):  # a hash twice in one chain: count each

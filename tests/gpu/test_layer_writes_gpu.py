@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -23,6 +24,20 @@ BS = 16
 SLOW_CYCLES = 50_000_000  # ~25 ms of GPU sleep before a group lands: far longer than the forward
 
 
+def slow_copy(
+    cache: torch.Tensor, dst: list[int], src: list[int], landed: list[tuple[int, int]] | None = None
+) -> Callable[[int, int], None]:
+    """A layer group's write that sleeps on the GPU before copying blocks `src` to `dst`."""
+
+    def write(lo: int, hi: int) -> None:
+        torch.cuda._sleep(SLOW_CYCLES)
+        copy_blocks(cache[lo:hi], dst, cache[lo:hi], src)
+        if landed is not None:
+            landed.append((lo, hi))
+
+    return write
+
+
 @pytest.mark.parametrize("num_groups", [1, 2, 4])
 def test_a_forward_waits_for_each_layer_group_it_reads(num_groups: int) -> None:
     config = small_config()
@@ -33,16 +48,10 @@ def test_a_forward_waits_for_each_layer_group_it_reads(num_groups: int) -> None:
     source, target = list(range(8)) + [20], list(range(30, 38)) + [21]
     runner.forward([SeqChunk(ids[: 8 * BS], 0, source[:8])])
     expected = runner.forward([SeqChunk(ids[8 * BS :], 8 * BS, source)])
-    cache = runner.kv_cache
-    landed = []
-
-    def slow_copy(lo: int, hi: int) -> None:
-        torch.cuda._sleep(SLOW_CYCLES)
-        copy_blocks(cache[lo:hi], target[:8], cache[lo:hi], source[:8])
-        landed.append((lo, hi))
-
+    landed: list[tuple[int, int]] = []
+    write = slow_copy(runner.kv_cache, target[:8], source[:8], landed)
     spans = group_spans(config.num_layers, num_groups)
-    groups = LayerGroups(spans, runner.layer_stream(), target[:8], slow_copy)
+    groups = LayerGroups(spans, runner.layer_stream(), target[:8], write)
     runner.add_layer_writes(groups)
     # Queued while the copy sleeps: without the waits it would read the target blocks unwritten.
     got = runner.forward([SeqChunk(ids[8 * BS :], 8 * BS, target)])
@@ -57,12 +66,8 @@ def test_a_runner_settles_its_layered_writes_before_a_peer_reads_them() -> None:
     runner = ModelRunner(config, 16, BS, device="cuda", dtype=torch.float32)
     cache = runner.kv_cache
     cache[:, :, 0].fill_(1.0)
-
-    def slow_copy(lo: int, hi: int) -> None:
-        torch.cuda._sleep(SLOW_CYCLES)
-        copy_blocks(cache[lo:hi], [5], cache[lo:hi], [0])
-
-    groups = LayerGroups([(0, config.num_layers)], runner.layer_stream(), [5], slow_copy)
+    write = slow_copy(cache, [5], [0])
+    groups = LayerGroups([(0, config.num_layers)], runner.layer_stream(), [5], write)
     runner.add_layer_writes(groups)
     runner.settle_layer_writes([3, 5])
     assert groups.done.query()
@@ -73,14 +78,9 @@ def test_a_copy_out_of_the_cache_waits_for_the_blocks_still_landing() -> None:
     # A host-tier demotion or an export reads blocks on the engine's stream.
     config = small_config()
     runner = ModelRunner(config, 16, BS, device="cuda", dtype=torch.float32)
-    cache = runner.kv_cache
-    cache[:, :, 0].fill_(2.0)
-
-    def slow_copy(lo: int, hi: int) -> None:
-        torch.cuda._sleep(SLOW_CYCLES)
-        copy_blocks(cache[lo:hi], [7], cache[lo:hi], [0])
-
-    runner.add_layer_writes(LayerGroups([(0, 2), (2, 4)], runner.layer_stream(), [7], slow_copy))
+    runner.kv_cache[:, :, 0].fill_(2.0)
+    write = slow_copy(runner.kv_cache, [7], [0])
+    runner.add_layer_writes(LayerGroups([(0, 2), (2, 4)], runner.layer_stream(), [7], write))
     out = runner.export_blocks([7])
     assert torch.equal(out.cpu(), torch.full_like(out, 2.0).cpu())
 
@@ -98,13 +98,8 @@ def test_a_decode_graph_captured_behind_a_layered_write_waits_for_it() -> None:
     runner.cuda_graphs = False
     runner.forward([SeqChunk(ids[: 8 * BS], 0, source[:8])])
     expected = runner.forward([SeqChunk(ids[8 * BS :], 8 * BS, source)])
-    cache = runner.kv_cache
-
-    def slow_copy(lo: int, hi: int) -> None:
-        torch.cuda._sleep(SLOW_CYCLES)
-        copy_blocks(cache[lo:hi], target[:8], cache[lo:hi], source[:8])
-
-    groups = LayerGroups([(0, 2), (2, 4)], runner.layer_stream(), target[:8], slow_copy)
+    write = slow_copy(runner.kv_cache, target[:8], source[:8])
+    groups = LayerGroups([(0, 2), (2, 4)], runner.layer_stream(), target[:8], write)
     runner.add_layer_writes(groups)
     runner.cuda_graphs = True  # the first decode-shaped step captures its bucket now
     got = runner.forward([SeqChunk(ids[8 * BS :], 8 * BS, target)])
