@@ -335,3 +335,37 @@ def test_the_tally_adds_each_steps_wall_time_to_its_kind() -> None:
         9.0,
         3,
     )
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_prefill_backlog_kept_between_recounts_equals_a_fresh_recount(seed: int) -> None:
+    """A waiting prompt is matched again only when the pool's hashes or its length moved: after
+    random arrivals (shared prefixes), steps (registrations, evictions in a small pool) and
+    aborts, the kept count equals a recount from nothing."""
+    import random
+
+    from kvmesh.workers.engine.prefill_backlog import PrefillBacklog
+
+    rng = random.Random(seed)
+    h = Harness(num_blocks=48, max_num_seqs=3)
+    w = h.worker
+    prefixes = [[(i * (k + 3)) % 250 + 3 for i in range(48)] for k in range(4)]
+    live: list[str] = []
+    changes = w.pool.num_hash_changes
+    for n in range(60):
+        op = rng.random()
+        if op < 0.45:
+            tail = [rng.randrange(3, 250) for _ in range(rng.randrange(20))]
+            prompt = rng.choice(prefixes) + tail
+            w.add_request(req(f"r{n}", prompt, max_tokens=rng.randrange(1, 6)))
+            live.append(f"r{n}")
+        elif op < 0.55 and live:
+            w.abort(live.pop(rng.randrange(len(live))))
+        elif w.has_work:
+            h.now_s += 1.0
+            w.step()
+        fresh = PrefillBacklog(w.pool, w.scheduler, w.pulls, BS)
+        fresh.update()
+        assert w.backlog.num_tokens == fresh.num_tokens
+        w.check_invariants()
+    assert w.pool.num_hash_changes > changes  # the blocks registered and evicted moved it

@@ -63,6 +63,9 @@ class BlockPool:
         self._block_depth = [0] * num_blocks
         self._last_use = [0.0] * num_blocks
         self._hash_to_block: dict[BlockHash, BlockId] = {}
+        self.num_hash_changes = 0
+        """Grows whenever a hash becomes matchable or stops being (what `match_prefix` answers
+        can change only then): readers cache a match against it."""
         # Insertion order is eviction order: the first key is handed out first.
         self._free: OrderedDict[BlockId, None] = OrderedDict(
             (BlockId(b), None) for b in range(num_blocks)
@@ -165,6 +168,7 @@ class BlockPool:
             self._last_use[b] = now
             blocks.append(b)
         if evicted:
+            self.num_hash_changes += 1
             self._close_run()
             self._pending_events.append(BlockRemoved(tuple(evicted)))
         return blocks
@@ -185,6 +189,7 @@ class BlockPool:
             return False
         self._block_hash[block] = block_hash
         self._hash_to_block[block_hash] = block
+        self.num_hash_changes += 1
         self._block_parent[block] = parent
         self._block_depth[block] = depth
         self._append_stored(block_hash, parent, depth)
@@ -265,6 +270,7 @@ class BlockPool:
                 self._block_hash[b] = None
                 dropped.append(h)
         if dropped:
+            self.num_hash_changes += 1
             self._close_run()
             self._pending_events.append(BlockRemoved(tuple(dropped)))
         return len(dropped)
