@@ -232,14 +232,8 @@ async def run_rate(
 
 def lateness(late_ms: list[float]) -> dict[str, float]:
     """p50 / p90 / max of how late the requests left (ms)."""
-    if not late_ms:
-        return {"p50_ms": 0.0, "p90_ms": 0.0, "max_ms": 0.0}
-    ordered = sorted(late_ms)
-    return {
-        "p50_ms": ordered[len(ordered) // 2],
-        "p90_ms": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
-        "max_ms": ordered[-1],
-    }
+    p50, p90, top = np.percentile(late_ms, [50, 90, 100]) if late_ms else (0.0, 0.0, 0.0)
+    return {"p50_ms": float(p50), "p90_ms": float(p90), "max_ms": float(top)}
 
 
 def calibration_shape(config: E2EConfig) -> CalibrationShape:

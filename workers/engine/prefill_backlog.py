@@ -34,16 +34,11 @@ class PrefillBacklog:
         self.num_tokens = self._queued_prefill_tokens()
 
     def _queued_prefill_tokens(self) -> int:
-        bs, stamp = self.block_size, self.pool.num_hash_changes
+        stamp = self.pool.num_hash_changes
         queued = 0
         left: dict[str, tuple[Sequence, int, int, int]] = {}
         for s in [*self.scheduler.waiting, *self.pulls.sequences()]:
-            known = self._left.get(s.request_id)
-            if known is not None and known[0] is s and known[1:3] == (stamp, s.num_tokens):
-                n = known[3]
-            else:
-                chain = s.full_block_hashes(bs)[: num_reusable_blocks(s.num_tokens, bs)]
-                n = s.num_tokens - len(self.pool.match_prefix(chain)) * bs
+            n = self._tokens_left(s, stamp)
             left[s.request_id] = (s, stamp, s.num_tokens, n)
             queued += n
         self._left = left
@@ -51,14 +46,23 @@ class PrefillBacklog:
             max(0, len(s.prompt_ids) - s.num_computed_tokens) for s in self.scheduler.running
         )
 
+    def _tokens_left(self, s: Sequence, stamp: int) -> int:
+        """`s`'s prompt tokens less the prefix the pool holds: as last counted if neither the
+        pool's hashes nor `s` moved since, else matched again."""
+        known = self._left.get(s.request_id)
+        if known is not None and known[0] is s and known[1:3] == (stamp, s.num_tokens):
+            return known[3]
+        bs = self.block_size
+        chain = s.full_block_hashes(bs)[: num_reusable_blocks(s.num_tokens, bs)]
+        return s.num_tokens - len(self.pool.match_prefix(chain)) * bs
+
     def uncached_len(self, seq: Sequence, pull: PullSpec | None) -> int:
         """Prompt tokens `seq` will compute here: less what the pool holds now, or what the
         pull brings."""
         if seq.bypass_cache:
             return seq.num_tokens
         bs = self.block_size
-        chain = seq.full_block_hashes(bs)[: num_reusable_blocks(seq.num_tokens, bs)]
-        held = len(self.pool.match_prefix(chain))
+        held = (seq.num_tokens - self._tokens_left(seq, self.pool.num_hash_changes)) // bs
         if pull is not None:
-            held = max(held, min(pull.end_block, len(chain)))
+            held = max(held, min(pull.end_block, num_reusable_blocks(seq.num_tokens, bs)))
         return seq.num_tokens - num_reusable_tokens(seq.num_tokens, held, bs)
