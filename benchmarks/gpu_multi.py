@@ -84,7 +84,8 @@ def main() -> None:
     print(
         f"pull of {r['pull_blocks']} blocks over {r['transport']}: {r['pull_ms']:.1f} ms"
         f" = {r['pull_GBps']:.0f} GB/s ({r['pull_GBps'] / r['p2p_ceiling_GBps']:.0%}"
-        " of the ceiling, as the worker reports it)"
+        " of the ceiling, as the worker reports it; the source's answer"
+        f" {r['pull_source_ms']:.1f} ms, the write call {r['pull_write_ms']:.1f} ms)"
     )
     print(
         f"actor first output: pulled {r['actor_pulled_ms']:.1f} ms vs local"

@@ -297,7 +297,9 @@ def main() -> None:
         )
         print(
             f"  the pull alone over {e['transport']}, as the worker reports it:"
-            f" {e['pull_ms']:.1f} ms; actor first output pulled {e['actor_pulled_ms']:.1f} ms vs"
+            f" {e['pull_ms']:.1f} ms (the source's answer {e['pull_source_ms']:.1f}, the write"
+            f" call {e['pull_write_ms']:.1f}); actor first output pulled"
+            f" {e['actor_pulled_ms']:.1f} ms vs"
             f" local {e['actor_target_local_ms']:.1f} ms on the same worker"
             f" ({e['actor_local_ms']:.1f} on the source);"
             f" pin round trip from the driver {e['pin_round_trip_ms']:.1f} ms"

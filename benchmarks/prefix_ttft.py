@@ -72,7 +72,8 @@ def worker_pull_trials(
 ) -> dict[str, Any]:
     """Pulls run by `target` itself (a request sent straight to its actor, no coordinator), 480
     blocks of a fresh prefix each time. Medians of: the pull's own time as the worker reports it
-    (blocks reserved -> registered, calls to the peer included), the actor's time to the first
+    (blocks reserved -> registered, calls to the peer included) and two parts of it (until the
+    source answered; the engine call that wrote and registered), the actor's time to the first
     output with that pull vs with the same prefix already local, the worker's split of each
     (queued until its first step, the pull included; prefill), and one pin + unpin round trip
     to the source."""
@@ -85,7 +86,9 @@ def worker_pull_trials(
     root = coordinator.prompts.root_hash()
     transport = coordinator.transfers.transport(source, target)
     samples: dict[str, list[float]] = {"pull_ms": [], "actor_pulled_ms": [], "actor_local_ms": []}
-    for key in ("pin_round_trip_ms", "pulled_queued_ms", "pulled_prefill_ms"):
+    for key in ("pull_source_ms", "pull_write_ms", "pin_round_trip_ms"):
+        samples[key] = []
+    for key in ("pulled_queued_ms", "pulled_prefill_ms"):
         samples[key] = []
     samples.update(local_queued_ms=[], local_prefill_ms=[], actor_target_local_ms=[])
     samples.update(target_local_queued_ms=[], target_local_prefill_ms=[])
@@ -118,6 +121,8 @@ def worker_pull_trials(
             source, f"bare-local-{k}", prefix + rand(PROMPT - PREFIX), None
         )
         samples["pull_ms"].append(out.prefill.pull_ms)
+        samples["pull_source_ms"].append(out.prefill.pull_source_ms)
+        samples["pull_write_ms"].append(out.prefill.pull_write_ms)
         samples["actor_target_local_ms"].append(again_ms)
         facts_of = {"pulled": out.prefill, "local": local.prefill, "target_local": again.prefill}
         for name, facts in facts_of.items():

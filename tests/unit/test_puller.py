@@ -22,13 +22,15 @@ class SourceStandIn:
     """A peer as a transport calls it (`PeerSource`'s shape), in process; `fail` makes the
     export raise, as a peer that died would."""
 
-    def __init__(self, worker: Worker, fail: bool = False) -> None:
+    def __init__(self, worker: Worker, fail: bool = False, answer_after_s: float = 0.0) -> None:
         self.worker = worker
         self.fail = fail
+        self.answer_after_s = answer_after_s
         self.asked: list[int] = []
 
     async def export(self, hashes: Sequence[BlockHash]) -> BlockExport:
         self.asked.append(len(hashes))
+        await asyncio.sleep(self.answer_after_s)
         if self.fail:
             raise ConnectionError("peer went away")
         return self.worker.pull_source.export_blocks(hashes)
@@ -73,6 +75,18 @@ def test_a_pull_begun_before_the_reservation_lands_and_queues_the_request() -> N
     facts = outs[0].prefill
     assert facts is not None and (facts.pulled_tokens, facts.computed_tokens) == (96, 2)
     target.check_invariants()
+
+
+def test_a_pull_reports_where_its_time_went() -> None:
+    peer = SourceStandIn(warm_peer(), answer_after_s=0.03)
+    target, _ = make_worker("target")
+    puller, _ = puller_for(target, peer)
+    prompt = PREFIX + [7, 7]
+    submit(target, puller, "req", prompt, PullSpec("peer", 0, tuple(chain_of(target, prompt)[:6])))
+    facts = finish(target, "req")[0].prefill
+    assert facts is not None and facts.pulled_tokens == 96
+    assert facts.pull_source_ms >= 25  # the source's slow answer is the source's share
+    assert facts.pull_source_ms + facts.pull_write_ms <= facts.pull_ms
 
 
 def test_a_plan_that_did_not_fit_runs_the_writer_over_nothing_of_its_own() -> None:

@@ -13,6 +13,7 @@ from kvmesh.proto.block_hash import BlockHash, block_hashes
 from kvmesh.proto.events import TIER_DEVICE, TIER_HOST, BlockStored
 from kvmesh.workers.contract.replies import RequestOutput
 from kvmesh.workers.contract.requests import PullSpec, SamplingConfig, WorkerRequest
+from kvmesh.workers.engine.pull_admission import PullTiming
 from kvmesh.workers.engine.scheduler import SchedulerConfig
 from kvmesh.workers.engine.worker import BlockWriter, PullTargets, Worker
 from kvmesh.workers.kv.host_pool import HostPool
@@ -91,7 +92,7 @@ def pull(target: Worker, peer: Worker, rid: str, prompt: list[int], spec: PullSp
     assert reservation is not None
     target.check_invariants()
     written = target.write_pull(rid, object_store_fill(peer, spec.hashes, target))
-    return target.finish_pull(rid, written, elapsed_ms=1.0)
+    return target.finish_pull(rid, written, PullTiming(1.0))
 
 
 def warm_peer() -> Worker:
@@ -128,7 +129,7 @@ def test_a_plan_that_starts_inside_what_the_worker_holds_writes_only_the_rest() 
     reservation = target.add_request(request("req", prompt, pull=spec))
     assert reservation is not None and len(reservation.local) == 2
     assert target.write_pull("req", object_store_fill(peer, spec.hashes, target)) == 4
-    assert target.finish_pull("req", 4, elapsed_ms=1.0) == 4
+    assert target.finish_pull("req", 4, PullTiming(1.0)) == 4
     outs = finish(target, "req")
     facts = outs[0].prefill
     assert facts is not None and (facts.local_tokens, facts.pulled_tokens) == (32, 64)
@@ -146,7 +147,7 @@ def test_a_plan_that_starts_past_what_the_worker_holds_writes_nothing() -> None:
     reservation = target.add_request(request("req", prompt, pull=spec))
     assert reservation is not None and reservation.local == ()
     assert target.write_pull("req", object_store_fill(peer, spec.hashes, target)) == 0
-    assert target.finish_pull("req", 0, elapsed_ms=1.0) == 0
+    assert target.finish_pull("req", 0, PullTiming(1.0)) == 0
     outs = finish(target, "req")
     assert outs[0].prefill is not None and outs[0].prefill.computed_tokens == 98
     assert_same_as_cold(outs, logits, "req", prompt)
@@ -207,7 +208,7 @@ def test_a_failed_pull_releases_its_blocks_and_the_request_recomputes() -> None:
 
     with pytest.raises(ValueError):
         target.write_pull("req", broken)
-    assert target.finish_pull("req", 0, elapsed_ms=1.0) == 0
+    assert target.finish_pull("req", 0, PullTiming(1.0)) == 0
     target.check_invariants()
     outs = finish(target, "req")
     facts = outs[0].prefill
@@ -230,7 +231,7 @@ def test_aborting_a_request_while_it_pulls_releases_the_reservation() -> None:
     target.check_invariants()
     # The transport still runs its writer (it must consume what a peer sends) over no blocks.
     assert target.write_pull("req", object_store_fill(peer, reservation.hashes, target)) == 0
-    assert target.finish_pull("req", 0, elapsed_ms=1.0) == 0
+    assert target.finish_pull("req", 0, PullTiming(1.0)) == 0
     target.check_invariants()
     assert target.pool.num_free == target.pool.num_blocks and target.pool.num_cached == 0
 
@@ -331,7 +332,7 @@ def test_in_place_copy_from_a_pinned_peer_cache_matches_a_cold_recompute() -> No
     written = target.write_pull("req", fill)
     peer.pull_source.unpin(ids)
     peer.check_invariants()
-    assert target.finish_pull("req", written, elapsed_ms=1.0) == 6
+    assert target.finish_pull("req", written, PullTiming(1.0)) == 6
     assert peer.pool.num_free == peer.pool.num_blocks
     outs = finish(target, "req")
     assert outs[0].prefill is not None and outs[0].prefill.pulled_tokens == 96

@@ -35,6 +35,11 @@ class PrefillFacts:
     """Prefilled here (the last prompt token always is)."""
     pull_ms: float = 0.0
     """Time the pull took, start to blocks registered (0 without a pull)."""
+    pull_source_ms: float = 0.0
+    """Of `pull_ms`: until the source answered (pinned its run, agreed to send, or exported)."""
+    pull_write_ms: float = 0.0
+    """Of `pull_ms`: the engine call that wrote the blocks (or enqueued their copy) and
+    registered them; the rest is waiting (for the reservation, for the engine thread)."""
     pull_bytes: int = 0
     """KV bytes the pull moved."""
     queued_ms: float = 0.0

@@ -8,7 +8,7 @@ from the first moment and nothing can evict it before use:
                          request simply recomputes)
     write(id, fill)      the transport writes the reserved blocks (`PullTargets`: which block
                          holds which of the plan's hashes)
-    finish(id, n, ms)    n blocks registered, the prefix pinned for the request, which the caller
+    finish(id, n, t)     n blocks registered, the prefix pinned for the request, which the caller
                          then queues for admission
 
 A request that goes away in between is `release`d: its reservation goes back to the pool.
@@ -44,6 +44,18 @@ class PullTargets:
         if self.first < 0:
             return 0
         return max(0, min(len(self.blocks), num_sent - self.first))
+
+
+@dataclass(frozen=True, slots=True)
+class PullTiming:
+    """Where one pull's time went (ms), as the puller measured it."""
+
+    total_ms: float
+    """Start to the blocks registered."""
+    source_ms: float = 0.0
+    """Until the source answered (pinned its run, agreed to send, or exported it)."""
+    write_ms: float = 0.0
+    """The engine call that wrote the blocks (or enqueued their copy) and registered them."""
 
 
 BlockWriter = Callable[[PullTargets], int]
@@ -126,7 +138,7 @@ class PullAdmission:
         return fill(PullTargets(list(reservation.targets), first))
 
     def finish(
-        self, request_id: str, num_written: int, elapsed_ms: float, block_num_bytes: int
+        self, request_id: str, num_written: int, timing: PullTiming, block_num_bytes: int
     ) -> tuple[Sequence, int] | None:
         """Register what the transport wrote and pin the prefix for the request; returns the
         request and its pulled blocks, or None if it was released meanwhile."""
@@ -140,7 +152,9 @@ class PullAdmission:
         )
         seq.pinned_blocks = pinned
         seq.num_pulled_tokens = num_pulled * self.block_size
-        seq.pull_ms = elapsed_ms
+        seq.pull_ms = timing.total_ms
+        seq.pull_source_ms = timing.source_ms
+        seq.pull_write_ms = timing.write_ms
         seq.pull_bytes = num_written * block_num_bytes
         return seq, num_pulled
 

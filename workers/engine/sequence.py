@@ -43,6 +43,8 @@ class Sequence:
     num_pulled_tokens: int = 0  # tokens of the pinned prefix that came from a peer
     num_host_tokens: int = 0  # tokens of it promoted from the host tier
     pull_ms: float = 0.0
+    pull_source_ms: float = 0.0
+    pull_write_ms: float = 0.0
     pull_bytes: int = 0
     num_cached_tokens: int | None = None  # prompt tokens reused at first admission
     num_computed_prompt_tokens: int = 0
@@ -98,6 +100,8 @@ class Sequence:
             pulled_tokens=pulled,
             computed_tokens=self.num_computed_prompt_tokens,
             pull_ms=self.pull_ms,
+            pull_source_ms=self.pull_source_ms,
+            pull_write_ms=self.pull_write_ms,
             pull_bytes=self.pull_bytes,
             queued_ms=(started - self.arrival_s) * 1e3,
             prefill_ms=((self.first_token_s or started) - started) * 1e3,

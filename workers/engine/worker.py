@@ -43,7 +43,12 @@ from kvmesh.workers.engine.failure import forward_and_sample
 from kvmesh.workers.engine.host_tier import HostTier
 from kvmesh.workers.engine.note_log import NoteLog
 from kvmesh.workers.engine.prefill_backlog import PrefillBacklog
-from kvmesh.workers.engine.pull_admission import BlockWriter, PullAdmission, PullTargets
+from kvmesh.workers.engine.pull_admission import (
+    BlockWriter,
+    PullAdmission,
+    PullTargets,
+    PullTiming,
+)
 from kvmesh.workers.engine.pull_source import PullSource
 from kvmesh.workers.engine.request_checks import check_request
 from kvmesh.workers.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig, StepKind
@@ -183,9 +188,9 @@ class Worker:
         """Run a transport's writer over the request's reserved blocks (see `PullAdmission`)."""
         return self.pulls.write(request_id, fill)
 
-    def finish_pull(self, request_id: str, num_written: int, elapsed_ms: float) -> int:
+    def finish_pull(self, request_id: str, num_written: int, timing: PullTiming) -> int:
         """Register what the transport wrote and queue the request; returns pulled blocks."""
-        finished = self.pulls.finish(request_id, num_written, elapsed_ms, self.block_num_bytes)
+        finished = self.pulls.finish(request_id, num_written, timing, self.block_num_bytes)
         if finished is None:
             return 0  # aborted while pulling: abort released the reservation
         seq, num_pulled = finished

@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from kvmesh.workers.contract.requests import PullSpec, Transport
+from kvmesh.workers.engine.pull_admission import PullTiming
 from kvmesh.workers.engine.worker import BlockWriter, PullTargets, Worker
 from kvmesh.workers.kv.pull_reservation import PullReservation
 from kvmesh.workers.transfer.cuda_ipc import CudaIpcTransport
@@ -98,26 +99,35 @@ class Puller:
         queued or gone: a transport that started still runs its writer, which must consume what
         the source sends."""
         started = time.perf_counter()
+        answered = started  # when the transport first had the source's answer to write
         finished = False
         failure: Exception | None = None
 
-        def finish(written: int) -> None:
+        def finish(written: int, write_began: float | None = None) -> None:
             nonlocal finished, failure
             finished = True
             try:
-                elapsed_ms = (time.perf_counter() - started) * 1e3
-                self.worker.finish_pull(rid, written, elapsed_ms)
+                done = time.perf_counter()
+                timing = PullTiming(
+                    (done - started) * 1e3,
+                    (answered - started) * 1e3,
+                    (done - write_began) * 1e3 if write_began is not None else 0.0,
+                )
+                self.worker.finish_pull(rid, written, timing)
             except Exception as exc:
                 failure = exc
 
         async def write(fill: BlockWriter) -> int:
+            nonlocal answered
+            answered = time.perf_counter()
             reservation = await reserved
 
             def write_and_finish() -> int:
                 if reservation is None:  # nothing of this request's to write into
                     return fill(PullTargets([]))
+                began = time.perf_counter()
                 written = self.worker.write_pull(rid, fill)
-                finish(written)  # queued: the engine steps it right after this call
+                finish(written, began)  # queued: the engine steps it right after this call
                 return written
 
             written: int = await self._on_engine(write_and_finish)
