@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvmesh.workers.transfer.block_copy import copy_blocks
+from kvmesh.workers.transfer.block_copy import BlockPairs, copy_block_pairs, copy_blocks
 
 pytestmark = pytest.mark.gpu
 
@@ -25,3 +25,20 @@ def test_kernel_copies_scattered_blocks_between_pools_of_different_sizes(
         assert torch.equal(dst[:, :, d], src[:, :, s])
     untouched = [i for i in range(70) if i not in dst_ids]
     assert not dst[:, :, untouched].any()
+
+
+def test_pairs_reused_over_layer_groups_and_streams_copy_every_block() -> None:
+    src = torch.randn(6, 2, 40, 16, 2, 64, dtype=torch.bfloat16, device="cuda")
+    dst = torch.zeros(6, 2, 30, 16, 2, 64, dtype=torch.bfloat16, device="cuda")
+    pairs = BlockPairs([5, 39, 0, 12], [29, 3, 4, 10])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # the first groups on a side stream, as a pull runs them
+        for lo, hi in ((0, 2), (2, 4)):
+            copy_block_pairs(dst[lo:hi], src[lo:hi], pairs)
+    torch.cuda.current_stream().wait_stream(side)
+    copy_block_pairs(dst[4:6], src[4:6], pairs)  # the last on the default stream
+    torch.cuda.synchronize()
+    for s, d in zip(pairs.src_ids, pairs.dst_ids, strict=True):
+        assert torch.equal(dst[:, :, d], src[:, :, s])
+    assert not dst[:, :, [i for i in range(30) if i not in pairs.dst_ids]].any()

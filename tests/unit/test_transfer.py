@@ -19,7 +19,7 @@ from kvmesh.workers.engine.worker import BlockWriter, PullTargets, Worker
 from kvmesh.workers.kv.host_pool import HostPool
 from kvmesh.workers.model.model_config import preset
 from kvmesh.workers.model.runner import ModelRunner
-from kvmesh.workers.transfer.block_copy import copy_block_runs, copy_blocks
+from kvmesh.workers.transfer.block_copy import BlockPairs, copy_block_runs, copy_blocks
 from kvmesh.workers.transfer.object_store import export_writer
 
 BS = 16
@@ -411,3 +411,8 @@ def test_write_back_stops_within_half_the_host_tier() -> None:
     assert worker.host_pool is not None
     assert not worker.host_pool.missing([h for _b, h in worker.pool.next_evicted(3)])
     assert worker.write_back_host(look_ahead=10) == 0
+
+
+def test_block_pairs_must_pair_every_block() -> None:
+    with pytest.raises(ValueError, match="2 destination blocks for 3 sources"):
+        BlockPairs([1, 2, 3], [4, 5])

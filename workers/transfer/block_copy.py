@@ -74,15 +74,44 @@ if triton is not None:
             tl.store(dst_ptr + dst_base + offs, values, mask=mask)
 
 
+class BlockPairs:
+    """Which source block goes to which destination block in one copy: as lists, and as one
+    int32 device tensor built once per stream (a copy run in layer groups launches the kernel
+    once per group over the same pairs). Invariant: `len(src_ids) == len(dst_ids)`."""
+
+    def __init__(self, src_ids: list[int], dst_ids: list[int]) -> None:
+        if len(dst_ids) != len(src_ids):
+            raise ValueError(f"{len(dst_ids)} destination blocks for {len(src_ids)} sources")
+        self.src_ids = src_ids
+        self.dst_ids = dst_ids
+        self._on: tuple[torch.cuda.Stream, torch.Tensor] | None = None
+
+    def __len__(self) -> int:
+        return len(self.src_ids)
+
+    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(source ids, destination ids) on `device`, copied there on the current stream the
+        first time it asks (a tensor made on one stream is not used from another)."""
+        stream = torch.cuda.current_stream(device)
+        if self._on is None or self._on[0] != stream:
+            ids = torch.tensor(self.src_ids + self.dst_ids, dtype=torch.int32).pin_memory()
+            self._on = (stream, ids.to(device, non_blocking=True))
+        ids = self._on[1]
+        return ids[: len(self.src_ids)], ids[len(self.src_ids) :]
+
+
 def copy_blocks(
     dst_cache: torch.Tensor, dst_ids: list[int], src_cache: torch.Tensor, src_ids: list[int]
 ) -> None:
     """dst_cache[:, :, dst_ids[i]] = src_cache[:, :, src_ids[i]] for every i."""
-    if len(dst_ids) != len(src_ids):
-        raise ValueError(f"{len(dst_ids)} destination blocks for {len(src_ids)} sources")
+    copy_block_pairs(dst_cache, src_cache, BlockPairs(src_ids, dst_ids))
+
+
+def copy_block_pairs(dst_cache: torch.Tensor, src_cache: torch.Tensor, pairs: BlockPairs) -> None:
+    """`copy_blocks` over pairs that may be reused (their device ids are built once)."""
     if dst_cache.shape[:2] != src_cache.shape[:2] or dst_cache.shape[3:] != src_cache.shape[3:]:
         raise ValueError(f"caches differ: {tuple(dst_cache.shape)} vs {tuple(src_cache.shape)}")
-    if not src_ids:
+    if not len(pairs):
         return
     usable = (
         triton is not None
@@ -93,18 +122,12 @@ def copy_blocks(
         and dst_cache.dtype == src_cache.dtype
     )
     if not usable:
-        copy_block_runs(dst_cache, dst_ids, src_cache, src_ids)
+        copy_block_runs(dst_cache, pairs.dst_ids, src_cache, pairs.src_ids)
         return
-    device = dst_cache.device
-    ids = (
-        torch.tensor(src_ids + dst_ids, dtype=torch.int32)
-        .pin_memory()
-        .to(device, non_blocking=True)
-    )
-    src_t, dst_t = ids[: len(src_ids)], ids[len(src_ids) :]
+    src_t, dst_t = pairs.on(dst_cache.device)
     num_slabs = src_cache.shape[0] * src_cache.shape[1]
     slab_elems = src_cache[0, 0, 0].numel()
-    grid = (num_slabs, len(src_ids))
+    grid = (num_slabs, len(pairs))
     _copy_blocks_kernel[grid](
         src_cache, dst_cache, src_t, dst_t, src_cache.shape[2], dst_cache.shape[2], slab_elems,
         CHUNK=2048,

@@ -12,7 +12,7 @@ from kvmesh.proto.block_hash import BlockHash
 from kvmesh.workers.engine.pull_admission import PullTargets
 from kvmesh.workers.kv.layer_writes import LayerGroups, group_spans, until_done
 from kvmesh.workers.model.runner import ModelRunner
-from kvmesh.workers.transfer.block_copy import copy_blocks
+from kvmesh.workers.transfer.block_copy import BlockPairs, copy_block_pairs
 from kvmesh.workers.transfer.transport import PeerLookup, WriteOnEngine
 
 # A copy within one GPU moves a 7.5K-token 8B prefix (~1 GB) in under a millisecond; in four
@@ -50,12 +50,12 @@ class CudaIpcTransport:
                     ours = self._runner.kv_cache
                     check_same_layout(ours, peer_cache)
                     dst = [int(b) for b in targets.blocks[:n]]
-                    src = ids[targets.first : targets.first + n]
+                    pairs = BlockPairs(ids[targets.first : targets.first + n], dst)
                     groups = LayerGroups(
                         group_spans(ours.shape[0], LAYER_GROUPS),
                         self._runner.layer_stream(),
                         dst,
-                        lambda lo, hi: copy_blocks(ours[lo:hi], dst, peer_cache[lo:hi], src),
+                        lambda lo, hi: copy_block_pairs(ours[lo:hi], peer_cache[lo:hi], pairs),
                     )
                     # The request's forward waits per group; only the peer's unpin waits for
                     # all of it, and not the request.

@@ -36,7 +36,7 @@ from kvmesh.proto.block_hash import BlockHash
 from kvmesh.workers.engine.pull_admission import PullTargets
 from kvmesh.workers.kv.layer_writes import LayerGroups, group_spans, until_done
 from kvmesh.workers.model.runner import ModelRunner
-from kvmesh.workers.transfer.block_copy import copy_blocks
+from kvmesh.workers.transfer.block_copy import BlockPairs, copy_block_pairs
 from kvmesh.workers.transfer.transport import PeerLookup, WriteOnEngine
 
 # A 1 GB run in 8 messages: staging and scattering overlap the wire, and each message stays
@@ -108,10 +108,11 @@ class NcclLink:
         stream = self._send_stream
         stream.wait_stream(torch.cuda.current_stream(cache.device))
         works, staging = [], []
+        pairs = BlockPairs(ids, list(range(len(ids))))
         with torch.cuda.stream(stream):
             for lo, hi in group_spans(cache.shape[0], PIPELINE_CHUNKS):
                 buf = cache.new_empty((hi - lo, 2, len(ids), *cache.shape[3:]))
-                copy_blocks(buf, list(range(len(ids))), cache[lo:hi], ids)
+                copy_block_pairs(buf, cache[lo:hi], pairs)
                 staging.append(buf)
                 works.append(dist.isend(buf, dst=dst_rank))  # waits for its own staging only
             for work in works:
@@ -138,7 +139,7 @@ class NcclLink:
         spans = group_spans(cache.shape[0], PIPELINE_CHUNKS)
         n = targets.fillable(num_blocks)
         dst = [int(b) for b in targets.blocks[:n]]
-        rows = list(range(targets.first, targets.first + n))
+        pairs = BlockPairs(list(range(targets.first, targets.first + n)), dst)
         with torch.cuda.stream(stream):  # posted behind the side stream, not the engine's
             bufs = [cache.new_empty((hi - lo, 2, num_blocks, *cache.shape[3:])) for lo, hi in spans]
             works = [dist.irecv(buf, src=src_rank) for buf in bufs]
@@ -149,7 +150,7 @@ class NcclLink:
             assert work is not None  # a process-group op always returns its handle
             work.wait()  # the side stream waits for this group; later ones still arrive
             if n:
-                copy_blocks(cache[lo:hi], dst, buf, rows)
+                copy_block_pairs(cache[lo:hi], buf, pairs)
             return buf
 
         return LayerGroups(spans, stream, dst, scatter)
