@@ -3,7 +3,9 @@
 Workers share one GPU (fractional GPUs), each with a KV pool too small to hold every group's
 system prompt, so where a request lands decides whether its prefix is recomputed. The workload is
 the shared-prefix one (`kvmesh.client.workloads.shared_prefix`: G groups x U users, system prompt
-S tokens, question Q, output O), sent open-loop at Poisson arrivals, one rate after another.
+S tokens, question Q, output O), sent open-loop at Poisson arrivals, one rate after another,
+each rate from a client process of its own (`rate_client.py`; `--client-in-process`: from this
+one, which also holds the coordinator).
 Every policy gets a fresh deployment (fresh caches, its own Redis) inside one Ray session. The
 rates reuse one request stream in disjoint slices: the same system prompts, never the same
 question, so caches carry over from rate to rate as in a long-running service.
@@ -42,10 +44,14 @@ from deployment_calibration import (  # type: ignore[import-not-found]
     CalibrationShape,
     print_summary,
 )
+from rate_client import (  # type: ignore[import-not-found]
+    fire_in_own_process,
+    fire_schedule,
+    send_one,
+)
 
 from kvmesh.client.async_client import AsyncClient
 from kvmesh.client.bench import BenchSample, send_times, summarize
-from kvmesh.client.errors import KVMeshError
 from kvmesh.client.workloads import SharedPrefixConfig, WorkloadRequest, shared_prefix
 from kvmesh.coordinator.cluster.cluster import Cluster
 from kvmesh.coordinator.cluster.deployment import Deployment, DeploymentConfig
@@ -86,6 +92,9 @@ class E2EConfig:
     """The calibration's hits (and cold prompts) per worker and path."""
     calibrate_decode_tokens: int = 32
     """Tokens of each sequence of the calibration's decode phase."""
+    client_process: bool = True
+    """Each rate's load is sent from a client process of its own (`rate_client.py`), not from
+    the process that holds the coordinator (`--client-in-process`)."""
 
 
 def parse_args() -> tuple[E2EConfig, Path | None, Path | None, list[str]]:
@@ -116,6 +125,11 @@ def parse_args() -> tuple[E2EConfig, Path | None, Path | None, list[str]]:
     p.add_argument("--calibrate-batches", default="1,4,8,16", help="sequences per worker")
     p.add_argument("--calibrate-trials", type=int, default=4)
     p.add_argument("--calibrate-decode-tokens", type=int, default=32)
+    p.add_argument(
+        "--client-in-process",
+        action="store_true",
+        help="send each rate's load from this process (it also holds the coordinator)",
+    )
     p.add_argument("--json", type=Path)
     p.add_argument("--png", type=Path)
     a = p.parse_args()
@@ -144,6 +158,7 @@ def parse_args() -> tuple[E2EConfig, Path | None, Path | None, list[str]]:
         ),
         calibrate_trials=a.calibrate_trials,
         calibrate_decode_tokens=a.calibrate_decode_tokens,
+        client_process=not a.client_in_process,
     )
     return config, a.json, a.png, [s.strip() for s in a.policies.split(",")]
 
@@ -181,14 +196,6 @@ def start_deployment(config: E2EConfig, policy: str) -> Deployment:
     return deployment
 
 
-async def _one(client: AsyncClient, prompt: list[int], max_tokens: int, **pin: str) -> BenchSample:
-    try:
-        r = await client.generate(prompt, max_tokens=max_tokens, ignore_eos=True, **pin)
-    except KVMeshError as err:
-        return BenchSample.of_error(len(prompt), err)
-    return BenchSample.of_result(r)
-
-
 async def warm_up(client: AsyncClient, config: E2EConfig, worker_ids: list[str]) -> None:
     """Compile every kernel variant on every worker before measuring: a cold prompt (fresh
     prefill, batch-1 decode), then 20 concurrent requests behind its cached prefix (batched
@@ -200,9 +207,9 @@ async def warm_up(client: AsyncClient, config: E2EConfig, worker_ids: list[str])
         tails = [
             rng.integers(0, config.vocab_size, config.question_len).tolist() for _ in range(21)
         ]
-        first = await _one(client, prefix + tails[0], 4, worker_id=worker_id)
+        first = await send_one(client, prefix + tails[0], 4, worker_id=worker_id)
         rest = await asyncio.gather(
-            *(_one(client, prefix + t, 4, worker_id=worker_id) for t in tails[1:])
+            *(send_one(client, prefix + t, 4, worker_id=worker_id) for t in tails[1:])
         )
         return [first, *rest]
 
@@ -213,21 +220,19 @@ async def warm_up(client: AsyncClient, config: E2EConfig, worker_ids: list[str])
         raise RuntimeError(f"warm-up failed: {failed[:3]}")
 
 
-async def run_rate(
-    client: AsyncClient, schedule: list[tuple[float, WorkloadRequest]], max_tokens: int
+async def send_rate(
+    address: str,
+    client: AsyncClient,
+    schedule: list[tuple[float, WorkloadRequest]],
+    config: E2EConfig,
 ) -> tuple[list[BenchSample], float, list[float]]:
-    """The samples, the wall time, and how late each request left against its send time (the
-    client shares its interpreter with the coordinator: under load its sends can bunch up)."""
-    late_ms: list[float] = []
-
-    async def fire(at_s: float, request: WorkloadRequest) -> BenchSample:
-        await asyncio.sleep(max(0.0, start + at_s - time.perf_counter()))
-        late_ms.append((time.perf_counter() - start - at_s) * 1e3)
-        return await _one(client, request.token_ids.tolist(), max_tokens)
-
-    start = time.perf_counter()
-    samples = await asyncio.gather(*(fire(t, r) for t, r in schedule))
-    return list(samples), time.perf_counter() - start, late_ms
+    """One rate's load (`rate_client.py`): samples, wall time, how late each request left."""
+    prompts = [(t, r.token_ids.tolist()) for t, r in schedule]
+    if not config.client_process:
+        return await fire_schedule(client, prompts, config.output_len)
+    return await asyncio.to_thread(
+        fire_in_own_process, address, prompts, config.output_len, config.request_timeout_s
+    )
 
 
 def lateness(late_ms: list[float]) -> dict[str, float]:
@@ -314,7 +319,7 @@ async def sweep_policy(
             schedule = send_times(requests[offset:], rate, config.duration_s, config.seed + i)
             offset += len(schedule)
             before = await asyncio.to_thread(cluster.infos)
-            samples, elapsed, late_ms = await run_rate(client, schedule, config.output_len)
+            samples, elapsed, late_ms = await send_rate(address, client, schedule, config)
             metrics = summarize(samples, worker_ids, elapsed)
             metrics["send_late"] = lateness(late_ms)
             metrics["engine_steps"] = engine_steps(before, await asyncio.to_thread(cluster.infos))
