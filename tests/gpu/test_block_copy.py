@@ -42,3 +42,32 @@ def test_pairs_reused_over_layer_groups_and_streams_copy_every_block() -> None:
     for s, d in zip(pairs.src_ids, pairs.dst_ids, strict=True):
         assert torch.equal(dst[:, :, d], src[:, :, s])
     assert not dst[:, :, [i for i in range(30) if i not in pairs.dst_ids]].any()
+
+
+def _compiled_variants() -> int | None:
+    """How many variants of the copy kernel Triton compiled on this device (None: this
+    Triton keeps them elsewhere)."""
+    from kvmesh.workers.transfer import block_copy
+
+    caches = getattr(block_copy._copy_blocks_kernel, "device_caches", None)
+    if caches is None:
+        return None
+    return sum(len(entry[0]) for entry in caches.values())
+
+
+@pytest.mark.parametrize("num_src_blocks", [50, 48])
+def test_copies_of_any_count_run_one_compiled_kernel(num_src_blocks: int) -> None:
+    src = torch.randn(2, 2, num_src_blocks, 16, 2, 64, dtype=torch.bfloat16, device="cuda")
+    dst = torch.zeros(2, 2, 33, 16, 2, 64, dtype=torch.bfloat16, device="cuda")
+    copy_blocks(dst, [0], src, [0])
+    before = _compiled_variants()
+    for n in (5, 16, 7, 1, 30):
+        src_ids = list(range(num_src_blocks - 1, num_src_blocks - 1 - n, -1))
+        dst_ids = [(3 + 7 * i) % 33 for i in range(n)]
+        dst.zero_()
+        copy_block_pairs(dst, src, BlockPairs(src_ids, dst_ids))
+        torch.cuda.synchronize()
+        for s, d in zip(src_ids, dst_ids, strict=True):
+            assert torch.equal(dst[:, :, d], src[:, :, s]), (n, s, d)
+    if before is not None:
+        assert _compiled_variants() == before  # no count or alignment compiled a new one

@@ -19,6 +19,7 @@ from kvmesh.workers.kv.host_pool import HostPool
 from kvmesh.workers.model.model_config import ModelConfig, load_model_config
 from kvmesh.workers.model.prefill_choice import apply_faster_prefill
 from kvmesh.workers.model.runner import ModelRunner
+from kvmesh.workers.transfer.block_copy import warm_up_block_copy
 
 _ACTIVATION_RESERVE_BYTES = 2 << 30
 
@@ -104,6 +105,7 @@ def build_worker(config: WorkerConfig) -> Worker:
         prefix_cache=config.prefix_cache,
     )
     worker.host_tier.warm_up()
+    warm_up_block_copy(runner.kv_cache)
     runner.attention.warm_up_split(config.max_num_batched_tokens)
     apply_faster_prefill(runner)
     return worker

@@ -49,8 +49,10 @@ except ImportError:  # pragma: no cover - exercised on CPU-only machines
 
 
 if triton is not None:
-
-    @triton.jit
+    # One compiled variant serves every copy: Triton would otherwise specialise the block counts
+    # on divisibility by 16, and a staging buffer's count changes with every pull, so the first
+    # pulls of a deployment would each compile (a few hundred ms on the engine thread).
+    @triton.jit(do_not_specialize=["src_num_blocks", "dst_num_blocks"])
     def _copy_blocks_kernel(
         src_ptr,
         dst_ptr,
@@ -93,11 +95,23 @@ class BlockPairs:
         """(source ids, destination ids) on `device`, copied there on the current stream the
         first time it asks (a tensor made on one stream is not used from another)."""
         stream = torch.cuda.current_stream(device)
+        n = len(self.src_ids)
+        # The destination ids start 16-byte aligned, as the source ids do: Triton specialises
+        # pointers on that alignment, and every copy runs the one compiled variant.
+        gap = -n % 4
         if self._on is None or self._on[0] != stream:
-            ids = torch.tensor(self.src_ids + self.dst_ids, dtype=torch.int32).pin_memory()
-            self._on = (stream, ids.to(device, non_blocking=True))
-        ids = self._on[1]
-        return ids[: len(self.src_ids)], ids[len(self.src_ids) :]
+            ids = self.src_ids + [0] * gap + self.dst_ids
+            pinned = torch.tensor(ids, dtype=torch.int32).pin_memory()
+            self._on = (stream, pinned.to(device, non_blocking=True))
+        ids_t = self._on[1]
+        return ids_t[:n], ids_t[n + gap :]
+
+
+def warm_up_block_copy(cache: torch.Tensor) -> None:
+    """Compile the copy kernel now (a few hundred ms), not on the first pull: block 0 onto
+    itself, which changes nothing."""
+    if triton is not None and cache.is_cuda:
+        copy_blocks(cache, [0], cache, [0])
 
 
 def copy_blocks(
