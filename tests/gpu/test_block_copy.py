@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvmesh.workers.transfer import block_copy
 from kvmesh.workers.transfer.block_copy import BlockPairs, copy_block_pairs, copy_blocks
+from tests.gpu.triton_variants import compiled_variants
 
 pytestmark = pytest.mark.gpu
 
@@ -44,23 +46,12 @@ def test_pairs_reused_over_layer_groups_and_streams_copy_every_block() -> None:
     assert not dst[:, :, [i for i in range(30) if i not in pairs.dst_ids]].any()
 
 
-def _compiled_variants() -> int | None:
-    """How many variants of the copy kernel Triton compiled on this device (None: this
-    Triton keeps them elsewhere)."""
-    from kvmesh.workers.transfer import block_copy
-
-    caches = getattr(block_copy._copy_blocks_kernel, "device_caches", None)
-    if caches is None:
-        return None
-    return sum(len(entry[0]) for entry in caches.values())
-
-
 @pytest.mark.parametrize("num_src_blocks", [50, 48])
 def test_copies_of_any_count_run_one_compiled_kernel(num_src_blocks: int) -> None:
     src = torch.randn(2, 2, num_src_blocks, 16, 2, 64, dtype=torch.bfloat16, device="cuda")
     dst = torch.zeros(2, 2, 33, 16, 2, 64, dtype=torch.bfloat16, device="cuda")
     copy_blocks(dst, [0], src, [0])
-    before = _compiled_variants()
+    before = compiled_variants(block_copy._copy_blocks_kernel)
     for n in (5, 16, 7, 1, 30):
         src_ids = list(range(num_src_blocks - 1, num_src_blocks - 1 - n, -1))
         dst_ids = [(3 + 7 * i) % 33 for i in range(n)]
@@ -70,4 +61,5 @@ def test_copies_of_any_count_run_one_compiled_kernel(num_src_blocks: int) -> Non
         for s, d in zip(src_ids, dst_ids, strict=True):
             assert torch.equal(dst[:, :, d], src[:, :, s]), (n, s, d)
     if before is not None:
-        assert _compiled_variants() == before  # no count or alignment compiled a new one
+        # no block count or id alignment compiled a new one
+        assert compiled_variants(block_copy._copy_blocks_kernel) == before

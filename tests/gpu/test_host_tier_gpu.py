@@ -12,11 +12,13 @@ from kvmesh.workers.contract.replies import RequestOutput
 from kvmesh.workers.contract.requests import SamplingConfig, WorkerRequest
 from kvmesh.workers.engine.scheduler import SchedulerConfig
 from kvmesh.workers.engine.worker import Worker
+from kvmesh.workers.kv import layer_load
 from kvmesh.workers.kv.host_pool import HostPool
 from kvmesh.workers.kv.layer_load import LayerLoad
 from kvmesh.workers.model.runner import ModelRunner
 from kvmesh.workers.model.weights import random_weights
 from tests.gpu.small_model import small_config
+from tests.gpu.triton_variants import compiled_variants
 
 pytestmark = [
     pytest.mark.gpu,
@@ -37,6 +39,21 @@ def test_a_layer_load_writes_what_one_copy_writes() -> None:
     load.wait_all()
     torch.cuda.synchronize()
     assert torch.equal(cache, expected)
+
+
+def test_layer_loads_of_any_count_run_one_compiled_kernel() -> None:
+    num_layers = 17  # layers 1 and 16: values Triton would specialise on
+    cache = torch.zeros((num_layers, 2, 40, BS, 2, 64), device="cuda", dtype=torch.bfloat16)
+    host = torch.randn((48, num_layers, 2, BS, 2, 64), dtype=torch.bfloat16).pin_memory()
+    LayerLoad(host, [0], cache, [0], torch.cuda.Stream()).done.synchronize()
+    before = compiled_variants(layer_load._load_layer_kernel)
+    for n in (16, 5, 1, 32):
+        slots, blocks = list(range(47, 47 - n, -1)), [(1 + 3 * i) % 40 for i in range(n)]
+        LayerLoad(host, slots, cache, blocks, torch.cuda.Stream()).done.synchronize()
+        expected = host[slots].to("cuda").permute(1, 2, 0, 3, 4, 5)
+        assert torch.equal(cache[:, :, blocks], expected), n
+    if before is not None:
+        assert compiled_variants(layer_load._load_layer_kernel) == before
 
 
 def test_a_layer_load_refuses_pageable_host_memory() -> None:

@@ -31,8 +31,12 @@ _CHUNK = 4096  # elements one step of a program moves (8 KB of bf16)
 _NUM_PROGRAMS = 32  # a few SMs: enough loads in flight for PCIe, the rest left to the prefill
 
 if triton is not None:
-
-    @triton.jit
+    # One compiled variant serves every load: Triton would otherwise specialise these on their
+    # value (1, divisible by 16), so layers 1 and 16 and each new kind of block count would
+    # compile on a request's path (a few hundred ms each) on the first host hits.
+    @triton.jit(
+        do_not_specialize=["layer", "num_layers", "num_cache_blocks", "num_pairs", "slab_elems"]
+    )
     def _load_layer_kernel(
         host_ptr,
         cache_ptr,
