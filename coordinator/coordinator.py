@@ -332,6 +332,7 @@ class Coordinator:
             bypass_cache=prompt.bypass_cache,
             adapter=prompt.adapter,
             origin=self.origin,
+            sent_at_s=time.time(),
         )
 
     def _pull_spec(

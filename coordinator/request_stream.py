@@ -9,6 +9,7 @@ policy and counters let go of the request and its observers get one `RequestReco
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -160,6 +161,7 @@ class RequestStream:
             bypass_cache=original.bypass_cache,
             adapter=original.adapter,
             origin=c.origin,
+            sent_at_s=time.time(),
         )
 
     def _on_prefilled(self, facts: PrefillFacts) -> None:

@@ -218,6 +218,12 @@ class MetricsCollector:
                 "Time the routing policy took to price the workers and choose one.",
                 histogram=snap.routing_decision,
             ),
+            MetricFamily(
+                "kvmesh_request_dispatch_seconds",
+                MetricKind.HISTOGRAM,
+                "From the coordinator sending a routed request to its worker's engine taking it.",
+                histogram=snap.dispatch,
+            ),
         ]
         if self.num_gate_rejections is not None:
             families.append(

@@ -39,6 +39,8 @@ class RequestLog:
             "generated_tokens": record.generated_tokens,
             "ttft_ms": ttft_ms,
         }
+        if record.dispatch_s is not None:
+            fields["dispatch_ms"] = round(record.dispatch_s * 1e3, 3)
         if record.num_migrations:
             fields["migrations"] = record.num_migrations
         if record.reason:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from kvmesh.coordinator.telemetry.histogram import (
     DECISION_BUCKETS_S,
+    DISPATCH_BUCKETS_S,
     LATENCY_BUCKETS_S,
     Histogram,
     HistogramSnapshot,
@@ -24,6 +25,7 @@ class RequestMetricsSnapshot:
     """Every outcome in OUTCOMES, zero included (a series should exist before its first event)."""
     ttft: HistogramSnapshot
     routing_decision: HistogramSnapshot
+    dispatch: HistogramSnapshot
 
 
 class RequestMetrics:
@@ -38,6 +40,7 @@ class RequestMetrics:
         self._num_records = 0
         self._ttft = Histogram(ttft_bounds_s)
         self._decision = Histogram(decision_bounds_s)
+        self._dispatch = Histogram(DISPATCH_BUCKETS_S)
         self._lock = threading.Lock()
 
     def on_routed(self, seconds: float) -> None:
@@ -49,14 +52,19 @@ class RequestMetrics:
             self._num_records += 1
         if record.ttft_s is not None:
             self._ttft.observe(record.ttft_s)
+        if record.dispatch_s is not None:
+            self._dispatch.observe(record.dispatch_s)
 
     def snapshot(self) -> RequestMetricsSnapshot:
         with self._lock:
             outcomes = dict(self._outcome_to_count)
-        return RequestMetricsSnapshot(outcomes, self._ttft.snapshot(), self._decision.snapshot())
+        return RequestMetricsSnapshot(
+            outcomes, self._ttft.snapshot(), self._decision.snapshot(), self._dispatch.snapshot()
+        )
 
     def check_invariants(self) -> None:
         with self._lock:
             assert sum(self._outcome_to_count.values()) == self._num_records
         self._ttft.check_invariants()
         self._decision.check_invariants()
+        self._dispatch.check_invariants()

@@ -41,6 +41,9 @@ class RequestRecord:
     generated_tokens: int = 0
     num_migrations: int = 0
     """Times the request moved to another worker after its worker died."""
+    dispatch_s: float | None = None
+    """Seconds from the coordinator sending the request (after routing) to its first worker's
+    engine taking it; None when the worker did not say (it never started, or an older one)."""
     reason: str = ""
     """Why it was refused or failed (a bounded message, never the request's input)."""
 
@@ -49,6 +52,8 @@ class RequestRecord:
             raise ValueError(f"unknown outcome {self.outcome!r}; choose from {OUTCOMES}")
         if self.ttft_s is not None and self.ttft_s < 0:
             raise ValueError(f"ttft_s must be >= 0, got {self.ttft_s}")
+        if self.dispatch_s is not None and self.dispatch_s < 0:
+            raise ValueError(f"dispatch_s must be >= 0, got {self.dispatch_s}")
 
 
 def finished_record(
@@ -72,6 +77,7 @@ def finished_record(
         pulled_tokens=sum(f.pulled_tokens for f in prefills),
         computed_tokens=sum(f.computed_tokens for f in prefills),
         generated_tokens=len(produced),
+        dispatch_s=prefills[0].dispatch_ms / 1e3 if prefills and prefills[0].dispatch_ms else None,
     )
 
 

@@ -80,6 +80,7 @@ def test_counters_histograms_and_worker_load_move_with_traffic(deployment: Deplo
     assert value(after, "kvmesh_requests_total", outcome="invalid") >= 1
     assert value(after, "kvmesh_ttft_seconds_count") >= 2
     assert value(after, "kvmesh_routing_decision_seconds_count") >= 2
+    assert value(after, "kvmesh_request_dispatch_seconds_count") >= 2  # stamped and measured
     assert value(after, "kvmesh_prompt_tokens_total") == prompt_before + 50 + 51
     assert value(after, "kvmesh_cached_tokens_total") >= 48
     assert value(after, "kvmesh_computed_tokens_total") >= 50 + 3

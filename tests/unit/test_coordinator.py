@@ -32,8 +32,9 @@ MODEL = preset("tiny-random")
 
 class FakeBackend:
     """Answers every request with `max_tokens` tokens; the first output carries facts that say
-    the pulled run arrived. `die` names workers that fail after their first token. `requests`:
-    those read (that ran); `sent`: every `send`; `aborted`: sent ones closed unfinished."""
+    the pulled run arrived (and that the request took 2 ms to reach the engine). `die` names
+    workers that fail after their first token. `requests`: those read (that ran); `sent`: every
+    `send`; `aborted`: sent ones closed unfinished."""
 
     def __init__(self) -> None:
         self.requests: list[tuple[str, WorkerRequest]] = []
@@ -65,7 +66,9 @@ class FakeBackend:
         self.requests.append((worker_id, request))
         n = len(request.prompt_ids)
         pulled = BS * len(request.pull.hashes) if request.pull is not None else 0
-        facts = PrefillFacts(0, 0, pulled, n - pulled, pull_ms=1.0, pull_bytes=pulled * 64)
+        facts = PrefillFacts(
+            0, 0, pulled, n - pulled, pull_ms=1.0, pull_bytes=pulled * 64, dispatch_ms=2.0
+        )
         for k in range(request.sampling.max_tokens):
             last = k == request.sampling.max_tokens - 1
             yield RequestOutput(

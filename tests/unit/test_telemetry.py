@@ -166,6 +166,9 @@ def test_finished_requests_move_outcome_counts_ttft_and_routing_histograms() -> 
     decisions = fams["kvmesh_routing_decision_seconds"].histogram
     assert ttft is not None and decisions is not None
     assert ttft.count == 3 and decisions.count == 3
+    dispatch = fams["kvmesh_request_dispatch_seconds"].histogram
+    assert dispatch is not None and dispatch.count == 3  # the worker's figure, one a request
+    assert dispatch.total == pytest.approx(3 * 0.002)
     # Every clock read advances 1 ms: a decision spans at least one step, and each TTFT spans its
     # request's decision and more.
     assert decisions.total >= 3 * 0.001

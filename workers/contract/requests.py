@@ -133,3 +133,6 @@ class WorkerRequest:
     reply_to: str = ""
     """The worker's output stream its outputs go out on (`WorkerActor.outputs`: one per
     coordinator and worker); set by the coordinator's Ray shell when it submits the request."""
+    sent_at_s: float = 0.0
+    """Wall-clock time (`time.time()`) the coordinator made it, after routing; the worker reports
+    how long it took to reach its engine (`PrefillFacts.dispatch_ms`). 0: not stamped."""

@@ -46,6 +46,7 @@ class Sequence:
     pull_source_ms: float = 0.0
     pull_write_ms: float = 0.0
     pull_bytes: int = 0
+    dispatch_ms: float = 0.0  # from the coordinator sending it to the engine taking it
     num_cached_tokens: int | None = None  # prompt tokens reused at first admission
     num_computed_prompt_tokens: int = 0
     num_preemptions: int = 0
@@ -103,6 +104,7 @@ class Sequence:
             pull_source_ms=self.pull_source_ms,
             pull_write_ms=self.pull_write_ms,
             pull_bytes=self.pull_bytes,
+            dispatch_ms=self.dispatch_ms,
             queued_ms=(started - self.arrival_s) * 1e3,
             prefill_ms=((self.first_token_s or started) - started) * 1e3,
         )

@@ -161,6 +161,8 @@ class Worker:
             cache_salt=req.cache_salt,
         )
         self.scheduler.check_fits(seq)
+        if req.sent_at_s > 0:
+            seq.dispatch_ms = max(0.0, (time.time() - req.sent_at_s) * 1e3)
         self._seqs[req.request_id] = seq
         self.tally.num_requests += 1
         pull = req.pull if not seq.bypass_cache else None
