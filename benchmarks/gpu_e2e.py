@@ -56,6 +56,7 @@ from kvmesh.client.workloads import SharedPrefixConfig, WorkloadRequest, shared_
 from kvmesh.coordinator.cluster.cluster import Cluster
 from kvmesh.coordinator.cluster.deployment import Deployment, DeploymentConfig
 from kvmesh.coordinator.config import CoordinatorConfig
+from kvmesh.coordinator.telemetry.histogram import HistogramSnapshot
 from kvmesh.workers.config import WorkerConfig
 from kvmesh.workers.contract.replies import WorkerInfo
 
@@ -291,6 +292,29 @@ def engine_steps(before: dict[str, WorkerInfo], after: dict[str, WorkerInfo]) ->
     return out
 
 
+def dispatch_delay(before: HistogramSnapshot, after: HistogramSnapshot) -> dict[str, float]:
+    """The requests' way from the coordinator to their worker's engine between two snapshots of
+    the coordinator's histogram: count, mean and p50 / p90 / p99 (interpolated in the buckets;
+    the last bucket's bound for what lies above it), in ms."""
+    count = after.count - before.count
+    out = {"count": float(count), "mean_ms": 0.0, "p50_ms": 0.0, "p90_ms": 0.0, "p99_ms": 0.0}
+    if count <= 0:
+        return out
+    out["mean_ms"] = (after.total - before.total) / count * 1e3
+    pairs = zip(after.cumulative_counts, before.cumulative_counts, strict=True)
+    cumulative = [a - b for a, b in pairs]
+    for q in (50, 90, 99):
+        rank, low, below = count * q / 100, 0.0, 0
+        value = after.bounds[-1]
+        for bound, seen in zip(after.bounds, cumulative, strict=True):
+            if seen >= rank:
+                value = low + (bound - low) * (rank - below) / max(1, seen - below)
+                break
+            low, below = bound, seen
+        out[f"p{q}_ms"] = value * 1e3
+    return out
+
+
 async def sweep_policy(
     address: str,
     config: E2EConfig,
@@ -299,9 +323,12 @@ async def sweep_policy(
     cluster: Cluster,
     calibrate: bool = False,
     keep_calibration: Callable[[dict[str, Any]], None] = lambda block: None,
+    dispatch: Callable[[], HistogramSnapshot] | None = None,
 ) -> list[dict[str, Any]]:
     """The policy's rows (each with its workers' `engine_steps`); with `calibrate`, first the
-    calibration, handed to `keep_calibration` at once (its time is added to `deadline`)."""
+    calibration, handed to `keep_calibration` at once (its time is added to `deadline`).
+    `dispatch`: the coordinator's histogram of the requests' way to their worker's engine; each
+    row gets that rate's share (`dispatch_delay`)."""
     rows: list[dict[str, Any]] = []
     async with AsyncClient(address, timeout_s=config.request_timeout_s) as client:
         await client.wait_ready(30.0)
@@ -319,9 +346,12 @@ async def sweep_policy(
             schedule = send_times(requests[offset:], rate, config.duration_s, config.seed + i)
             offset += len(schedule)
             before = await asyncio.to_thread(cluster.infos)
+            dispatched = dispatch() if dispatch is not None else None
             samples, elapsed, late_ms = await send_rate(address, client, schedule, config)
             metrics = summarize(samples, worker_ids, elapsed)
             metrics["send_late"] = lateness(late_ms)
+            if dispatch is not None and dispatched is not None:
+                metrics["dispatch"] = dispatch_delay(dispatched, dispatch())
             metrics["engine_steps"] = engine_steps(before, await asyncio.to_thread(cluster.infos))
             metrics["rate_rps"] = rate
             metrics["errors"] = sorted({s.error for s in samples if s.error})[:3]
@@ -332,7 +362,9 @@ async def sweep_policy(
                 f"TPOT p50 {metrics['tpot_p50_ms'] or float('nan'):6.1f} ms  "
                 f"hit {metrics['hit_rate']:.2f}  failed {metrics['num_failed']}  "
                 f"per worker {list(metrics['requests_per_worker'].values())}  "
-                f"sent late p90 {metrics['send_late']['p90_ms']:.1f} ms",
+                f"sent late p90 {metrics['send_late']['p90_ms']:.1f} ms, to the engine p50"
+                f" {metrics.get('dispatch', {}).get('p50_ms', 0.0):.1f}"
+                f" p90 {metrics.get('dispatch', {}).get('p90_ms', 0.0):.1f} ms",
                 flush=True,
             )
             for w, s in metrics["engine_steps"].items():
@@ -465,6 +497,7 @@ def main() -> None:  # noqa: D103
                             deployment.cluster,
                             calibrate,
                             keep,
+                            lambda d=deployment: d.request_metrics.snapshot().dispatch,
                         )
                     )
                 finally:
