@@ -293,7 +293,7 @@ def engine_steps(before: dict[str, WorkerInfo], after: dict[str, WorkerInfo]) ->
 
 
 def dispatch_delay(before: HistogramSnapshot, after: HistogramSnapshot) -> dict[str, float]:
-    """The requests' way from the coordinator to their worker's engine between two snapshots of
+    """The requests' way from the coordinator to their worker between two snapshots of
     the coordinator's histogram: count, mean and p50 / p90 / p99 (interpolated in the buckets;
     the last bucket's bound for what lies above it), in ms."""
     count = after.count - before.count
@@ -327,7 +327,7 @@ async def sweep_policy(
 ) -> list[dict[str, Any]]:
     """The policy's rows (each with its workers' `engine_steps`); with `calibrate`, first the
     calibration, handed to `keep_calibration` at once (its time is added to `deadline`).
-    `dispatch`: the coordinator's histogram of the requests' way to their worker's engine; each
+    `dispatch`: the coordinator's histogram of the requests' way to their worker; each
     row gets that rate's share (`dispatch_delay`)."""
     rows: list[dict[str, Any]] = []
     async with AsyncClient(address, timeout_s=config.request_timeout_s) as client:
@@ -362,7 +362,7 @@ async def sweep_policy(
                 f"TPOT p50 {metrics['tpot_p50_ms'] or float('nan'):6.1f} ms  "
                 f"hit {metrics['hit_rate']:.2f}  failed {metrics['num_failed']}  "
                 f"per worker {list(metrics['requests_per_worker'].values())}  "
-                f"sent late p90 {metrics['send_late']['p90_ms']:.1f} ms, to the engine p50"
+                f"sent late p90 {metrics['send_late']['p90_ms']:.1f} ms, to the worker p50"
                 f" {metrics.get('dispatch', {}).get('p50_ms', 0.0):.1f}"
                 f" p90 {metrics.get('dispatch', {}).get('p90_ms', 0.0):.1f} ms",
                 flush=True,

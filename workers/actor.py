@@ -91,13 +91,14 @@ class WorkerActor:
         background, its source asked while the request is still being reserved; the request is
         admitted once the blocks land (or, failed, recomputes)."""
         rid = request.request_id
+        accepted = self.worker.clock()  # before the wait for the engine's step in progress
         self._outputs.route(rid, request.reply_to)
         reserved = None
         if request.pull is not None and not request.bypass_cache:
             reserved = self._puller.begin(rid, request.pull)
         reservation = None
         try:
-            reservation = await self._on_engine(lambda: self.worker.add_request(request))
+            reservation = await self._on_engine(lambda: self.worker.add_request(request, accepted))
         except BaseException as exc:
             self._outputs.unroute(rid)
             if isinstance(exc, ValueError):

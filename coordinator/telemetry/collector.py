@@ -221,7 +221,7 @@ class MetricsCollector:
             MetricFamily(
                 "kvmesh_request_dispatch_seconds",
                 MetricKind.HISTOGRAM,
-                "From the coordinator sending a routed request to its worker's engine taking it.",
+                "From the coordinator sending a routed request to its worker accepting it.",
                 histogram=snap.dispatch,
             ),
         ]

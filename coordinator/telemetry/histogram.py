@@ -18,8 +18,8 @@ LATENCY_BUCKETS_S = (
 DISPATCH_BUCKETS_S = (
     0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 1.0,
 )  # fmt: skip
-"""A request's way from the coordinator to its worker's engine: ~1 ms idle on one host; the
-buckets resolve the few ms a loaded path adds."""
+"""A request's way from the coordinator to its worker: ~1-2 ms on one host; the buckets resolve
+the few ms a loaded path adds."""
 
 DECISION_BUCKETS_S = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,

@@ -42,8 +42,8 @@ class RequestRecord:
     num_migrations: int = 0
     """Times the request moved to another worker after its worker died."""
     dispatch_s: float | None = None
-    """Seconds from the coordinator sending the request (after routing) to its first worker's
-    engine taking it; None when the worker did not say (it never started, or an older one)."""
+    """Seconds from the coordinator sending the request (after routing) to its first worker
+    accepting it; None when the worker did not say (it never started, or an older one)."""
     reason: str = ""
     """Why it was refused or failed (a bounded message, never the request's input)."""
 

@@ -43,11 +43,12 @@ class PrefillFacts:
     pull_bytes: int = 0
     """KV bytes the pull moved."""
     dispatch_ms: float = 0.0
-    """From the coordinator sending the request (`WorkerRequest.sent_at_s`) to this worker's
-    engine taking it, by the two hosts' wall clocks (0: not stamped)."""
+    """From the coordinator sending the request (`WorkerRequest.sent_at_s`) to this worker
+    accepting it, by the two hosts' wall clocks (0: not stamped)."""
     queued_ms: float = 0.0
     """From the worker accepting the request to the first step that ran part of its prompt
-    (the pull included): with `prefill_ms`, where the worker's share of the TTFT went."""
+    (the step in progress when it came, and the pull, included): with `prefill_ms`, where the
+    worker's share of the TTFT went."""
     prefill_ms: float = 0.0
     """From that first step to the first token (its chunks, and the steps between them)."""
 

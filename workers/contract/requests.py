@@ -135,4 +135,4 @@ class WorkerRequest:
     coordinator and worker); set by the coordinator's Ray shell when it submits the request."""
     sent_at_s: float = 0.0
     """Wall-clock time (`time.time()`) the coordinator made it, after routing; the worker reports
-    how long it took to reach its engine (`PrefillFacts.dispatch_ms`). 0: not stamped."""
+    how long it took to reach it (`PrefillFacts.dispatch_ms`). 0: not stamped."""

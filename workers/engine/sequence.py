@@ -46,7 +46,7 @@ class Sequence:
     pull_source_ms: float = 0.0
     pull_write_ms: float = 0.0
     pull_bytes: int = 0
-    dispatch_ms: float = 0.0  # from the coordinator sending it to the engine taking it
+    dispatch_ms: float = 0.0  # from the coordinator sending it to the worker accepting it
     num_cached_tokens: int | None = None  # prompt tokens reused at first admission
     num_computed_prompt_tokens: int = 0
     num_preemptions: int = 0

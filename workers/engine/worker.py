@@ -143,26 +143,32 @@ class Worker:
 
     # ---- requests -----------------------------------------------------------------------------
 
-    def add_request(self, req: WorkerRequest) -> PullReservation | None:
+    def add_request(
+        self, req: WorkerRequest, accepted_s: float | None = None
+    ) -> PullReservation | None:
         """Accept a request. With a pull plan that this worker can still use, returns the
-        reservation the transport fills; the request then waits for `finish_pull`."""
+        reservation the transport fills; the request then waits for `finish_pull`.
+        `accepted_s`: when the worker's shell took it (this worker's clock; default now), before
+        it waited for the engine to finish its step: its queueing counts from then."""
         if req.request_id in self._seqs:
             raise ValueError("a request with this id is already running on this worker")
         check_request(req, self.runner.config, self.runner.adapters)
+        now = self.clock()
+        accepted = now if accepted_s is None else min(accepted_s, now)
         seq = Sequence(
             req.request_id,
             list(req.prompt_ids),
             req.sampling,
             self.root_hash(req.cache_salt, req.adapter),
-            self.clock(),
+            accepted,
             session_id=req.session_id,
             adapter=req.adapter,
             bypass_cache=req.bypass_cache or not self.prefix_cache,
             cache_salt=req.cache_salt,
         )
         self.scheduler.check_fits(seq)
-        if req.sent_at_s > 0:
-            seq.dispatch_ms = max(0.0, (time.time() - req.sent_at_s) * 1e3)
+        if req.sent_at_s > 0:  # the wall clock when it was accepted, against the coordinator's
+            seq.dispatch_ms = max(0.0, (time.time() - (now - accepted) - req.sent_at_s) * 1e3)
         self._seqs[req.request_id] = seq
         self.tally.num_requests += 1
         pull = req.pull if not seq.bypass_cache else None
