@@ -32,6 +32,9 @@ from kvmesh.proto.events import TIER_DEVICE, AllCleared, BlockRemoved, BlockStor
 
 WorkerId = NewType("WorkerId", str)
 
+_PROBE_HASHES = 4
+"""Leading hashes of a long chain looked up one at a time before the whole chain (`_runs`)."""
+
 
 class ApplyResult(enum.Enum):
     APPLIED = "applied"
@@ -300,9 +303,19 @@ class IndexMirror:
         at the first block nobody holds (no worker's prefix goes past it)."""
         if len(hashes) <= FEW_HASHES:
             sets = self._table.lookup_few(hashes, leading=True)
-            starts = [i for i in range(len(sets)) if not i or sets[i] != sets[i - 1]]
-            return starts, [sets[i] for i in starts]
-        array = self._table.lookup(hashes, hash_array)
+        else:
+            # A long chain that nobody holds past its first few blocks (a new conversation on a
+            # shared system prompt) stops there: its head, one hash at a time, before the whole
+            # chain's vector lookup (whose fixed cost is that of ~40 such hashes).
+            sets = self._table.lookup_few(hashes[:_PROBE_HASHES], leading=True)
+            if sets[-1] != NOBODY:
+                return self._runs_of_array(self._table.lookup(hashes, hash_array))
+        starts = [i for i in range(len(sets)) if not i or sets[i] != sets[i - 1]]
+        return starts, [sets[i] for i in starts]
+
+    @staticmethod
+    def _runs_of_array(array: np.ndarray) -> tuple[list[int], list[int]]:
+        """`_runs` of a whole chain's holder sets, looked up as one array."""
         at = (array[1:] != array[:-1]).nonzero()[0] + 1
         return [0, *at.tolist()], [int(array[0]), *array[at].tolist()]
 
