@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, overload
 
 import numpy as np
 
@@ -35,6 +35,26 @@ from kvmesh.proto.block_hash import BlockHash, num_reusable_blocks, num_reusable
 from kvmesh.proto.placements import Placement
 
 
+class _Rows(Sequence[WorkerId]):
+    """`ids[r] for r in rows`, read only when indexed (a pricer that ignores the targets, as the
+    simulator's does, never pays for the list)."""
+
+    def __init__(self, ids: Sequence[WorkerId], rows: np.ndarray) -> None:
+        self._ids, self._rows = ids, rows
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    @overload
+    def __getitem__(self, i: int) -> WorkerId: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[WorkerId]: ...
+    def __getitem__(self, i: int | slice) -> WorkerId | list[WorkerId]:
+        if isinstance(i, slice):
+            return [self._ids[r] for r in self._rows[i].tolist()]
+        return self._ids[int(self._rows[i])]
+
+
 class _PrefillOptions(NamedTuple):
     """Per row: when the prompt's KV is ready on the worker, and how (see `_prefill_options`)."""
 
@@ -51,23 +71,6 @@ class _PrefillOptions(NamedTuple):
     """The pull's transfer time where `pulled`, else 0."""
     peer: int | None = None
     """Row of the worker the pulls come from."""
-
-
-_MAX_TERMS = 12
-"""Rows of `KvmeshPolicy._costs`' matrix of terms (it fills at most 10)."""
-
-
-def _sum_rows(terms: np.ndarray) -> np.ndarray:
-    """The sum of `terms`' rows, added in order: ((row 0 + row 1) + row 2) + ..., as a loop of
-    `cost += row` would, bit for bit. Along the first axis of a C-ordered matrix numpy adds
-    row after row (element by element); with one column the reduction runs along the rows
-    themselves, pairwise past 8 of them, so that case takes the loop."""
-    if terms.shape[1] > 1:
-        return np.add.reduce(terms, axis=0)
-    cost = terms[0].copy()
-    for row in terms[1:]:
-        cost += row
-    return cost
 
 
 class KvmeshPolicy(RoutingPolicy):
@@ -232,11 +235,7 @@ class KvmeshPolicy(RoutingPolicy):
         self, query: RouteQuery, cols: WorkerColumns, matched: np.ndarray
     ) -> _PrefillOptions:
         """`pull_planner.cheapest_prefill` for every row: recompute what the worker lacks, or
-        pull the longest device prefix a peer holds first, whichever is ready sooner.
-
-        The pull is priced on every row and kept where the row can pull (the peer holds more
-        than it) and pulling is cheaper: where nearly every row can, a few whole-fleet
-        operations cost less than picking the rows out and scattering their prices back."""
+        pull the longest device prefix a peer holds first, whichever is ready sooner."""
         cm, n, bs = self.cost_model, query.prompt_len, query.block_size
         # (as float64 from the start: whole numbers, exact, so every price below is the same as
         # from int64 counts, without a conversion in each operation)
@@ -248,32 +247,40 @@ class KvmeshPolicy(RoutingPolicy):
         if peer < 0 or device[peer] <= 0:
             return _PrefillOptions(recompute, recompute, cached)
         num_blocks = int(device[peer])
-        # Rows that can pull: those holding less than the peer (never the peer itself: its
-        # match, any tier, is at least its device match); the others move no tokens.
-        moved_tokens = np.subtract(num_blocks, matched)
-        np.maximum(moved_tokens, 0, out=moved_tokens)
-        moved_tokens *= bs
-        link = self._transfer_ms_many(cols.ids[peer], cols.ids, moved_tokens)
+        # Never the peer itself: its match (any tier) is at least its device match.
+        candidates = (num_blocks > matched).nonzero()[0]
+        if not len(candidates):
+            return _PrefillOptions(recompute, recompute, cached)
+        moved_tokens = (num_blocks - matched[candidates]) * bs
+        link = self._transfer_ms_many(cols.ids[peer], cols.ids, candidates, moved_tokens)
         pulled_cached = num_reusable_tokens(n, num_blocks, bs)
         with_pull = link + cm.prefill_ms(n - pulled_cached, pulled_cached)
-        pulled = with_pull < recompute
-        pulled &= moved_tokens > 0
-        if not np.count_nonzero(pulled):
+        wins = with_pull < recompute[candidates]
+        rows = candidates[wins]
+        if not len(rows):
             return _PrefillOptions(recompute, recompute, cached)
-        link_ms = np.where(pulled, link, 0.0)
-        ready = np.where(pulled, with_pull, recompute)
+        pulled = np.zeros(len(cols), dtype=bool)
+        pulled[rows] = True
+        link_ms = np.zeros(len(cols))
+        link_ms[rows] = link[wins]
+        ready = recompute.copy()
+        ready[rows] = with_pull[wins]
         return _PrefillOptions(ready, ready - link_ms, cached, pulled, link_ms, peer)
 
     def _transfer_ms_many(
-        self, source: WorkerId, ids: Sequence[WorkerId], num_tokens: np.ndarray
+        self,
+        source: WorkerId,
+        ids: Sequence[WorkerId],
+        rows: np.ndarray,
+        num_tokens: np.ndarray,
     ) -> np.ndarray:
-        """The transfer price from `source` to every row (`num_tokens` each)."""
+        targets = _Rows(ids, rows)
         if self.transfer_ms_many is not None:
-            return np.asarray(self.transfer_ms_many(source, ids, num_tokens), np.float64)
+            return np.asarray(self.transfer_ms_many(source, targets, num_tokens), np.float64)
         price = self.transfer_ms
         assert price is not None
         return np.array(
-            [price(source, t, k) for t, k in zip(ids, num_tokens.tolist(), strict=True)],
+            [price(source, t, k) for t, k in zip(targets, num_tokens.tolist(), strict=True)],
             dtype=np.float64,
         )
 
@@ -287,30 +294,13 @@ class KvmeshPolicy(RoutingPolicy):
     ) -> np.ndarray:
         """Every row's cost at once. Each term is `KvmeshReferencePolicy._scalar_costs`'s, with
         its operations in the same order, so the costs agree bit for bit (but for numpy's exp in
-        the recent-load decay); change a term there first, then here. Each term is written
-        into a row of one matrix and the rows are summed at the end in the reference's order
-        (`_sum_rows`): one operation for the sum instead of one per term."""
+        the recent-load decay); change a term there first, then here."""
         cm, weights = self.cost_model, self.weights
         n, bs = query.prompt_len, query.block_size
         recent = self._recent.snapshot_matrix(cols.ids, now)  # work, requests
         running = cols.num_running
-        terms = np.empty((_MAX_TERMS, len(running)))
-        # Below, a term that is 0 on every row is skipped and a weight of 1 not multiplied: a
-        # cost is never -0.0, so adding +0.0 or multiplying by 1 would leave its bits as they
-        # are (the reference's costs, bit for bit).
-        np.add(cols.queued_prefill_ms, options.ready_ms, out=terms[0])
-        if weights.recompute_weight == 1.0:
-            np.copyto(terms[1], options.recompute_ms)
-        else:
-            np.multiply(options.recompute_ms, weights.recompute_weight, out=terms[1])
-        k = 2
         per_seq_ms = running * cm.decode_per_seq_ms
-        step_ms = np.add(per_seq_ms, cm.decode_fixed_ms, out=terms[k])
-        if np.count_nonzero(running) != len(running):
-            # only where w runs a batch: elsewhere the cost stays as `+ 0.0` leaves it
-            step_ms = step_ms.copy()
-            terms[k] *= running != 0
-        k += 1
+        step_ms = cm.decode_fixed_ms + per_seq_ms
         # Decode is paid per token, by this request and by every sequence it joins, over as many
         # tokens as its answer asks (`KvmeshWeights.decode_tokens_for`): what a hot prefix's
         # holder's growing batch costs a long answer, and barely costs a short one.
@@ -318,16 +308,25 @@ class KvmeshPolicy(RoutingPolicy):
         step_load: np.ndarray = per_seq_ms
         if calibrated:
             step_load = self._running.tokens_many(cols.ids) * cm.decode_per_kv_token_ms
+        # Below, a term that is 0 on every row is skipped and a weight of 1 not multiplied: a
+        # cost is never -0.0, so adding +0.0 or multiplying by 1 would leave its bits as they
+        # are (the reference's costs, bit for bit). In-place sums round as `cost = cost + x`.
+        cost = cols.queued_prefill_ms + options.ready_ms
+        if weights.recompute_weight == 1.0:
+            cost += options.recompute_ms
+        else:
+            cost += weights.recompute_weight * options.recompute_ms
+        if np.count_nonzero(running) == len(running):
+            cost += step_ms
+        else:  # adding only where w runs a batch: elsewhere the cost stays as `+ 0.0` leaves it
+            np.add(cost, step_ms, out=cost, where=running != 0)
         # Each prefill queued ahead runs at least one step, and the step carries w's batch (its
         # KV read too): a queue of cheap cache hits is as long in steps as in prefill.
         step_kv_ms = step_ms + step_load if calibrated else step_ms
         if np.count_nonzero(cols.num_queued):
-            np.multiply(cols.num_queued, step_kv_ms, out=terms[k])
-            k += 1
+            cost += cols.num_queued * step_kv_ms
         decode_tokens = weights.decode_tokens_for(query.max_tokens)
-        np.subtract(step_load, step_load[step_load.argmin()], out=terms[k])
-        terms[k] *= 2.0 * decode_tokens
-        k += 1
+        cost += 2.0 * decode_tokens * (step_load - step_load[step_load.argmin()])
         # What w lacks of the prompt on its device is stored there, computed or pulled (a prefix
         # routed to w and not yet indexed will be there: not stored).
         held = cols.matched_device_blocks
@@ -347,41 +346,33 @@ class KvmeshPolicy(RoutingPolicy):
             # The prompt blocks it stores stay as long as their followers come, so they are
             # priced by the share in use (a pool in use now fills with them); the answer's leave
             # with it, so where the pool is full now: the square.
-            held_ms = np.multiply(stored, in_use, out=terms[k])
+            held_ms = stored * in_use
             held_ms += answer_len / bs * (in_use * in_use)
             held_ms /= pool
             held_ms *= answer_len
             held_ms *= step_kv_ms
             held_ms *= weights.memory_weight
-            k += 1
+            cost += held_ms
         if weights.eviction_weight > 0 and len(self._reused):
             # The stored blocks displace as much of w's pool; so much of that was reused lately
             # as w's reused prefixes fill of the pool.
             reused = self._reused.num_blocks_many(cols.ids)
             share = np.minimum(1.0, reused / pool)
             block_ms = weights.eviction_weight * (cm.prefill_per_token_ms * bs)
-            np.multiply(stored, block_ms, out=terms[k])
-            terms[k] *= share
-            k += 1
+            cost += block_ms * stored * share
         uncached_share = 1.0 - options.cached_tokens / n
         # Recent work and requests above the least worker's: both rows' least at once (the
         # ufunc's own reduce, without the Python wrapper `x.min` goes through).
         recent -= np.minimum.reduce(recent, axis=1, keepdims=True)
-        np.multiply(recent[0], weights.placement_balance, out=terms[k])
-        terms[k] *= uncached_share
+        cost += weights.placement_balance * recent[0] * uncached_share
         cheapest_ready = options.ready_ms[options.ready_ms.argmin()]
-        np.multiply(recent[1], weights.request_balance, out=terms[k + 1])
-        terms[k + 1] *= cheapest_ready
-        k += 2
+        cost += weights.request_balance * recent[1] * cheapest_ready
         if weights.new_prefix_balance > 0 and query.block_hashes and not np.count_nonzero(matched):
             # A prefix nobody holds: deal it to the worker given the fewest new prefixes lately
             # (each brings its followers), whatever the load of the moment says.
             placed = self._new_prefixes.snapshot_arrays(cols.ids, now)[1]
-            new = np.subtract(placed, placed[placed.argmin()], out=terms[k])
-            new *= weights.new_prefix_balance
-            new *= cheapest_ready
-            k += 1
-        cost = _sum_rows(terms[:k])
+            new = weights.new_prefix_balance * (placed - placed[placed.argmin()])
+            cost += new * cheapest_ready
         sticky = self._sessions.get(query.session_id)
         row = cols.index_of.get(sticky) if sticky is not None else None
         if row is not None:
