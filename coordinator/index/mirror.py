@@ -256,8 +256,17 @@ class IndexMirror:
         if not hashes:
             return FleetMatch(num_blocks, num_device, 0)
         starts, run_sets = self._runs(hashes, hash_array)
-        if not run_sets[0]:
+        first = run_sets[0]
+        if not first:
             return FleetMatch(num_blocks, num_device, 0)
+        if len(run_sets) == 1 or (len(run_sets) == 2 and run_sets[1] == NOBODY):
+            # One holder set, then nobody (the common case: a new prompt on a shared head): its
+            # workers all hold the same run, written at once (their rows kept per fleet).
+            sets = self._sets
+            if not sets.num_tiered or sets.device[first] == sets.any[first]:
+                end = len(hashes) if len(run_sets) == 1 else starts[1]
+                num_blocks[fleet.rows_of(sets.any[first])] = end
+                return FleetMatch(num_blocks, num_blocks.copy(), end)
         by_bit, device_by_bit = self._sets.walk(starts, run_sets, len(hashes))
         row_of_bit = fleet.row_of_bit
         if len(row_of_bit) == len(self._bits):  # every worker with a bit is in the fleet
