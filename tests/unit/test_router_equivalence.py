@@ -143,6 +143,7 @@ def _drive(
     pulls: bool,
     kv_calibrated: bool,
     reference: type[KvmeshReferencePolicy] = KvmeshReferencePolicy,
+    uniform_pulls: bool = False,
 ) -> None:
     rng = random.Random(seed)
     cm = CostModel(decode_per_kv_token_ms=1e-5 if kv_calibrated else 0.0)
@@ -150,7 +151,11 @@ def _drive(
     clock = Clock()
     fast = KvmeshPolicy(cm, random.Random(seed), clock, weights)
     ref = reference(cm, random.Random(seed), clock, weights)
-    if pulls:
+    if pulls and uniform_pulls:  # a price of the tokens alone: priced once per distinct match
+        for p in (fast, ref):
+            p.transfer_ms = lambda src, dst, num_tokens: 0.5 + num_tokens * 3e-4
+        fast.transfer_ms_uniform = True
+    elif pulls:
         for p in (fast, ref):
             p.transfer_ms = lambda src, dst, num_tokens: (
                 0.5 + (len(src) + len(dst)) * num_tokens * 1e-4
@@ -194,6 +199,13 @@ def test_vectorised_policy_decides_as_the_scalar_reference(
     seed: int, num_workers: int, pulls: bool, kv_calibrated: bool
 ) -> None:
     _drive(seed, num_workers, pulls, kv_calibrated)
+
+
+@pytest.mark.parametrize(("seed", "num_workers"), [(4, 3), (5, 17), (6, 40)])
+def test_pulls_priced_by_their_tokens_alone_decide_as_the_scalar_reference(
+    seed: int, num_workers: int
+) -> None:
+    _drive(seed, num_workers, pulls=True, kv_calibrated=True, uniform_pulls=True)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
