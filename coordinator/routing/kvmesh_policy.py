@@ -56,9 +56,12 @@ class _Rows(Sequence[WorkerId]):
 
 
 _FEW_HELD_ROWS = 16
-"""Up to this many rows holding some of the prompt, and pulls priced by their tokens alone (or
-none), the prefill options are priced per distinct match (`KvmeshPolicy._options_few`), not
-for every row."""
+_FEW_HELD_SHARE = 8
+"""Up to `_FEW_HELD_ROWS` rows holding some of the prompt, and at most one row in
+`_FEW_HELD_SHARE`, with pulls priced by their tokens alone, the prefill options are
+priced per distinct match (`KvmeshPolicy._options_few`), not for every row. (A small fleet
+whose rows mostly hold the prompt prices faster in arrays: 16 of 16 rows took ~40 us in scalars,
+~20 us in arrays.)"""
 
 
 class _PrefillOptions(NamedTuple):
@@ -243,10 +246,9 @@ class KvmeshPolicy(RoutingPolicy):
         """`pull_planner.cheapest_prefill` for every row: recompute what the worker lacks, or
         pull the longest device prefix a peer holds first, whichever is ready sooner."""
         cm, n, bs = self.cost_model, query.prompt_len, query.block_size
-        if self.transfer_ms is None or self.transfer_ms_uniform:
-            held_rows = matched.nonzero()[0]
-            if len(held_rows) <= _FEW_HELD_ROWS:
-                return self._options_few(query, cols, matched, held_rows)
+        if self.transfer_ms_uniform:
+            if np.count_nonzero(matched) <= min(_FEW_HELD_ROWS, len(matched) // _FEW_HELD_SHARE):
+                return self._options_few(query, cols, matched, matched.nonzero()[0])
         # (as float64 from the start: whole numbers, exact, so every price below is the same as
         # from int64 counts, without a conversion in each operation)
         cached = np.minimum(matched, float(num_reusable_blocks(n, bs)))
@@ -281,7 +283,7 @@ class KvmeshPolicy(RoutingPolicy):
         self, query: RouteQuery, cols: WorkerColumns, matched: np.ndarray, held_rows: np.ndarray
     ) -> _PrefillOptions:
         """`_prefill_options` where few rows hold any of the prompt (`held_rows`) and a pull's
-        price depends on its tokens alone (or no pull is priced): every option priced once for
+        price depends on its tokens alone (`transfer_ms_uniform`): every option priced once for
         the rows holding nothing and once per distinct match, in scalars, where the whole
         fleet's arrays cost ~25 operations. `prefill_ms` is `prefill_ms_array` row by row, bit
         for bit (its contract), and a scalar price the vector one's: the same options."""

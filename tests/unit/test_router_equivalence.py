@@ -38,10 +38,16 @@ class Clock:
         return self.now_s
 
 
-def _fleet(rng: random.Random, num_workers: int, chain_len: int) -> list[WorkerView]:
+def _fleet(
+    rng: random.Random, num_workers: int, chain_len: int, held_share: float | None = None
+) -> list[WorkerView]:
+    """`held_share`: about the share of workers holding some of the chain (None: a quarter)."""
     views = []
     for w in range(num_workers):
-        matched = rng.choice([0, 0, 0, rng.randrange(chain_len + 1)])
+        if held_share is None:
+            matched = rng.choice([0, 0, 0, rng.randrange(chain_len + 1)])
+        else:
+            matched = rng.randrange(chain_len + 1) if rng.random() < held_share else 0
         device = rng.choice([matched, rng.randrange(matched + 1)])
         running = rng.choice([0, rng.randrange(40)])
         queued = rng.choice([0.0, 0.0, rng.random() * 200])
@@ -144,6 +150,7 @@ def _drive(
     kv_calibrated: bool,
     reference: type[KvmeshReferencePolicy] = KvmeshReferencePolicy,
     uniform_pulls: bool = False,
+    held_share: float | None = None,
 ) -> None:
     rng = random.Random(seed)
     cm = CostModel(decode_per_kv_token_ms=1e-5 if kv_calibrated else 0.0)
@@ -172,7 +179,7 @@ def _drive(
         session = rng.choice(["", "", "s1", "s2", f"s{step}"])
         max_tokens = rng.choice([None, rng.randrange(1, 64), rng.randrange(64, 4096)])
         query = RouteQuery(f"r{step}", chain, prompt_len, BS, session, max_tokens)
-        views = _fleet(rng, num_workers, len(chain))
+        views = _fleet(rng, num_workers, len(chain), held_share)
         if chain[0] >= 10_000:
             views = [v._replace(matched_blocks=0, matched_device_blocks=0) for v in views]
         if rng.random() < 0.2:  # every worker alike: the tie-break must draw the same
@@ -201,11 +208,15 @@ def test_vectorised_policy_decides_as_the_scalar_reference(
     _drive(seed, num_workers, pulls, kv_calibrated)
 
 
-@pytest.mark.parametrize(("seed", "num_workers"), [(4, 3), (5, 17), (6, 40)])
+@pytest.mark.parametrize(
+    ("seed", "num_workers", "held_share"),
+    [(4, 3, 0.25), (5, 40, 0.25), (6, 64, 0.06), (7, 256, 0.03)],
+)
 def test_pulls_priced_by_their_tokens_alone_decide_as_the_scalar_reference(
-    seed: int, num_workers: int
+    seed: int, num_workers: int, held_share: float
 ) -> None:
-    _drive(seed, num_workers, pulls=True, kv_calibrated=True, uniform_pulls=True)
+    # (few holders: the options are priced per distinct match; more: in arrays, as elsewhere)
+    _drive(seed, num_workers, True, True, uniform_pulls=True, held_share=held_share)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
