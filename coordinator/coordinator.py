@@ -143,6 +143,7 @@ class Coordinator:
         if transfers is not None:
             self.policy.transfer_ms = transfers.price
             self.policy.transfer_ms_many = transfers.price_many
+            self.policy.transfer_ms_uniform = transfers.uniform_price
         self.clock = clock
         self.observers = tuple(observers)
         """Told of every routing decision and every request's end (metrics, the request log)."""

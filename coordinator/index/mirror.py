@@ -32,6 +32,9 @@ from kvmesh.proto.events import TIER_DEVICE, AllCleared, BlockRemoved, BlockStor
 
 WorkerId = NewType("WorkerId", str)
 
+_PROBE_HASHES = 4
+"""Leading hashes of a long chain looked up one at a time before the whole chain (`_runs`)."""
+
 
 class ApplyResult(enum.Enum):
     APPLIED = "applied"
@@ -253,8 +256,17 @@ class IndexMirror:
         if not hashes:
             return FleetMatch(num_blocks, num_device, 0)
         starts, run_sets = self._runs(hashes, hash_array)
-        if not run_sets[0]:
+        first = run_sets[0]
+        if not first:
             return FleetMatch(num_blocks, num_device, 0)
+        if len(run_sets) == 1 or (len(run_sets) == 2 and run_sets[1] == NOBODY):
+            # One holder set, then nobody (the common case: a new prompt on a shared head): its
+            # workers all hold the same run, written at once (their rows kept per fleet).
+            sets = self._sets
+            if not sets.num_tiered or sets.device[first] == sets.any[first]:
+                end = len(hashes) if len(run_sets) == 1 else starts[1]
+                num_blocks[fleet.rows_of(sets.any[first])] = end
+                return FleetMatch(num_blocks, num_blocks.copy(), end)
         by_bit, device_by_bit = self._sets.walk(starts, run_sets, len(hashes))
         row_of_bit = fleet.row_of_bit
         if len(row_of_bit) == len(self._bits):  # every worker with a bit is in the fleet
@@ -300,9 +312,19 @@ class IndexMirror:
         at the first block nobody holds (no worker's prefix goes past it)."""
         if len(hashes) <= FEW_HASHES:
             sets = self._table.lookup_few(hashes, leading=True)
-            starts = [i for i in range(len(sets)) if not i or sets[i] != sets[i - 1]]
-            return starts, [sets[i] for i in starts]
-        array = self._table.lookup(hashes, hash_array)
+        else:
+            # A long chain that nobody holds past its first few blocks (a new conversation on a
+            # shared system prompt) stops there: its head, one hash at a time, before the whole
+            # chain's vector lookup (whose fixed cost is that of ~40 such hashes).
+            sets = self._table.lookup_few(hashes[:_PROBE_HASHES], leading=True)
+            if sets[-1] != NOBODY:
+                return self._runs_of_array(self._table.lookup(hashes, hash_array))
+        starts = [i for i in range(len(sets)) if not i or sets[i] != sets[i - 1]]
+        return starts, [sets[i] for i in starts]
+
+    @staticmethod
+    def _runs_of_array(array: np.ndarray) -> tuple[list[int], list[int]]:
+        """`_runs` of a whole chain's holder sets, looked up as one array."""
         at = (array[1:] != array[:-1]).nonzero()[0] + 1
         return [0, *at.tolist()], [int(array[0]), *array[at].tolist()]
 

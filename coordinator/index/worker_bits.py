@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from kvmesh.coordinator.index.mirror import WorkerId
 
 NO_POSITION = 64  # `FleetBits.positions` of a row whose worker has no bit
+MAX_KEPT_MASKS = 4096  # holder sets' rows a fleet keeps (`FleetBits.rows_of`)
 
 
 class FleetBits(NamedTuple):
@@ -24,6 +25,27 @@ class FleetBits(NamedTuple):
     positions: np.ndarray | None
     """Each row's bit position (`NO_POSITION`: a worker without a bit), while every worker's
     bit, in the fleet or not, is below 64 (None past that)."""
+    rows_of_mask: dict[int, np.ndarray]
+    """The rows of a holder set's workers, by its mask (`rows_of`), as they are asked for."""
+
+    def rows_of(self, mask: int) -> np.ndarray:
+        """The rows (int64, in bit order) of the fleet's workers among `mask`'s bits, kept for
+        the fleet: the few holder sets that hold a prompt's head come back decision after
+        decision. At most `MAX_KEPT_MASKS` are kept (then they are found again)."""
+        rows = self.rows_of_mask.get(mask)
+        if rows is None:
+            if len(self.rows_of_mask) >= MAX_KEPT_MASKS:
+                self.rows_of_mask.clear()
+            row_of_bit, found = self.row_of_bit, []
+            m = mask
+            while m:
+                low = m & -m
+                row = row_of_bit.get(low)
+                if row is not None:
+                    found.append(row)
+                m ^= low
+            rows = self.rows_of_mask[mask] = np.array(found, dtype=np.int64)
+        return rows
 
 
 class WorkerBits:
@@ -79,7 +101,7 @@ class WorkerBits:
                 positions = np.full(num_rows, NO_POSITION, dtype=np.int64)
                 for b, r in rows.items():
                     positions[r] = b.bit_length() - 1
-            cached = self._fleet = FleetBits(row_of, num_rows, rows, positions)
+            cached = self._fleet = FleetBits(row_of, num_rows, rows, positions, {})
         return cached
 
     def check_invariants(self) -> None:
@@ -91,3 +113,6 @@ class WorkerBits:
         if fleet is not None:
             rows = {b: fleet.row_of[w] for b, w in self.worker_of_bit.items() if w in fleet.row_of}
             assert fleet.row_of_bit == rows, "the kept fleet's rows are not its workers' bits'"
+            for mask, kept in fleet.rows_of_mask.items():
+                bits = [b for b in rows if b & mask]
+                assert sorted(kept.tolist()) == sorted(rows[b] for b in bits), "kept rows drifted"

@@ -46,7 +46,8 @@ class CostModel:
         if self.transfer_bytes_per_ms <= 0:
             raise ValueError(f"transfer_bytes_per_ms must be > 0, got {self.transfer_bytes_per_ms}")
 
-    def prefill_ms(self, num_new_tokens: int, num_cached_tokens: int = 0) -> float:
+    def prefill_ms(self, num_new_tokens: float, num_cached_tokens: float = 0) -> float:
+        """Token counts may be float whole numbers (as the router keeps them): the same price."""
         if num_new_tokens <= 0:
             return 0.0
         pairs = num_new_tokens * (num_cached_tokens + num_new_tokens / 2)

@@ -156,10 +156,12 @@ class LoadTracker:
         if request_id in self._pending:
             raise ValueError("a request with this id is already in flight")  # never echo ids
         self._pending[request_id] = _Pending(worker, prefill_ms, tokens)
-        self._rows.add("queued_ms", worker, prefill_ms)
-        self._rows.add("queued_tokens", worker, tokens)
-        self._rows.add("num_running", worker, 1)
-        self._rows.add("num_queued", worker, 1)
+        rows = self._rows
+        row = rows.row(worker)  # first: making a row may grow (replace) the columns
+        rows.add_at("queued_ms", row, prefill_ms)
+        rows.add_at("queued_tokens", row, tokens)
+        rows.add_at("num_running", row, 1)
+        rows.add_at("num_queued", row, 1)
 
     def on_prefilled(self, request_id: str) -> None:
         p = self._pending.get(request_id)

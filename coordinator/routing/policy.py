@@ -291,6 +291,8 @@ class RoutingPolicy(ABC):
         self.transfer_ms: TransferPrice | None = None
         # The same prices for many targets at once (one source), when the pricer has them.
         self.transfer_ms_many: TransferPrices | None = None
+        # True when `transfer_ms` depends on the tokens moved alone, not on the pair.
+        self.transfer_ms_uniform = False
 
     @abstractmethod
     def choose(self, query: RouteQuery, workers: Sequence[WorkerView]) -> RouteDecision: ...

@@ -23,6 +23,9 @@ class PullPricing(Protocol):
 
     num_pulls: int
     num_failed_pulls: int
+    uniform_price: bool
+    """True if `price` depends on the tokens moved alone, whatever the pair (one link for all):
+    the router then prices a pull once per distinct match, not once per worker."""
 
     def price(self, source: WorkerId, target: WorkerId, num_tokens: int) -> float: ...
     def price_many(
@@ -34,6 +37,8 @@ class PullPricing(Protocol):
 
 class TransferPlanner:
     """Invariant: the link table only ever holds positive bandwidths (LinkTable checks)."""
+
+    uniform_price = False  # the link depends on the pair's nodes and devices
 
     def __init__(
         self,

@@ -15,6 +15,8 @@ from kvmesh.workers.contract.requests import Transport
 class SimPulls:
     """Pull pricing for the coordinator from the simulator's cost model (one link type)."""
 
+    uniform_price = True  # one link type: the price of a pull is its tokens'
+
     def __init__(self, cost: SimCostModel) -> None:
         self.cost = cost
         self.num_pulls = 0

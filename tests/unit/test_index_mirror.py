@@ -302,3 +302,42 @@ def test_a_new_generations_first_batch_replaces_the_worker_without_a_resync() ->
     assert m.match([H[0], H[1]]) == {W0: PrefixMatch(1, 1), W1: PrefixMatch(2, 2)}
     assert m.match([H[7]]) == {WorkerId("w9"): PrefixMatch(1, 1)}
     m.check_invariants()
+
+
+def test_a_head_that_one_holder_set_holds_then_nobody_is_matched_as_match() -> None:
+    """The common shape of a routed prompt: a head held by one set of workers, then blocks
+    nobody holds (or the whole chain held by that set). The fleet's rows of the set are kept
+    between decisions; workers outside the fleet, bits past the 64th, host-tier copies (of
+    another chain, and of a head on both tiers) and a worker leaving must all give `match`'s
+    numbers."""
+    workers = [WorkerId(f"w{i}") for i in range(70)]
+    head = [BlockHash(9_000 + i) for i in range(3)]
+    long_chain = [*head, *(BlockHash(9_100 + i) for i in range(50))]
+    other = [BlockHash(8_000 + i) for i in range(4)]
+    m = IndexMirror()
+    for n, w in enumerate(workers):
+        m.load_worker(w, 1, 0, [])
+        if n % 2 == 0:
+            m.apply(batch(w, 1, BlockStored(tuple(head))))
+        elif n in (1, 67):  # another chain on the host tier: holder sets with device != any
+            m.apply(batch(w, 1, BlockStored(tuple(other), TIER_HOST)))
+        elif n == 3:  # the other chain's head on the device: one of them on both tiers
+            m.apply(batch(w, 1, BlockStored(tuple(other[:1]))))
+    fleet = [*workers[::3], workers[1], WorkerId("not-indexed")]
+    row_of = {w: i for i, w in enumerate(fleet)}
+    for _ in range(2):  # the second time from the rows kept for the fleet
+        for chain in (head, head[:2], [*head, BlockHash(1)], long_chain, other, other[:1]):
+            got = m.match_fleet(chain, row_of, len(fleet))
+            expected = m.match(chain)
+            nothing = PrefixMatch(0, 0)
+            assert got.num_blocks.tolist() == [expected.get(w, nothing).num_blocks for w in fleet]
+            assert got.num_device_blocks.tolist() == [
+                expected.get(w, nothing).num_device_blocks for w in fleet
+            ]
+            assert got.deepest == max(p.num_blocks for p in expected.values())
+        m.check_invariants()
+    m.remove_worker(workers[0])  # its bit goes: the fleet's rows are found again
+    _assert_fleet_match_is_match(m, long_chain, fleet)
+    got = m.match_fleet(head, row_of, len(fleet))
+    assert got.num_blocks[row_of[workers[0]]] == 0 and got.num_blocks[row_of[workers[6]]] == 3
+    m.check_invariants()

@@ -38,10 +38,16 @@ class Clock:
         return self.now_s
 
 
-def _fleet(rng: random.Random, num_workers: int, chain_len: int) -> list[WorkerView]:
+def _fleet(
+    rng: random.Random, num_workers: int, chain_len: int, held_share: float | None = None
+) -> list[WorkerView]:
+    """`held_share`: about the share of workers holding some of the chain (None: a quarter)."""
     views = []
     for w in range(num_workers):
-        matched = rng.choice([0, 0, 0, rng.randrange(chain_len + 1)])
+        if held_share is None:
+            matched = rng.choice([0, 0, 0, rng.randrange(chain_len + 1)])
+        else:
+            matched = rng.randrange(chain_len + 1) if rng.random() < held_share else 0
         device = rng.choice([matched, rng.randrange(matched + 1)])
         running = rng.choice([0, rng.randrange(40)])
         queued = rng.choice([0.0, 0.0, rng.random() * 200])
@@ -143,6 +149,8 @@ def _drive(
     pulls: bool,
     kv_calibrated: bool,
     reference: type[KvmeshReferencePolicy] = KvmeshReferencePolicy,
+    uniform_pulls: bool = False,
+    held_share: float | None = None,
 ) -> None:
     rng = random.Random(seed)
     cm = CostModel(decode_per_kv_token_ms=1e-5 if kv_calibrated else 0.0)
@@ -150,7 +158,11 @@ def _drive(
     clock = Clock()
     fast = KvmeshPolicy(cm, random.Random(seed), clock, weights)
     ref = reference(cm, random.Random(seed), clock, weights)
-    if pulls:
+    if pulls and uniform_pulls:  # a price of the tokens alone: priced once per distinct match
+        for p in (fast, ref):
+            p.transfer_ms = lambda src, dst, num_tokens: 0.5 + num_tokens * 3e-4
+        fast.transfer_ms_uniform = True
+    elif pulls:
         for p in (fast, ref):
             p.transfer_ms = lambda src, dst, num_tokens: (
                 0.5 + (len(src) + len(dst)) * num_tokens * 1e-4
@@ -167,7 +179,7 @@ def _drive(
         session = rng.choice(["", "", "s1", "s2", f"s{step}"])
         max_tokens = rng.choice([None, rng.randrange(1, 64), rng.randrange(64, 4096)])
         query = RouteQuery(f"r{step}", chain, prompt_len, BS, session, max_tokens)
-        views = _fleet(rng, num_workers, len(chain))
+        views = _fleet(rng, num_workers, len(chain), held_share)
         if chain[0] >= 10_000:
             views = [v._replace(matched_blocks=0, matched_device_blocks=0) for v in views]
         if rng.random() < 0.2:  # every worker alike: the tie-break must draw the same
@@ -194,6 +206,17 @@ def test_vectorised_policy_decides_as_the_scalar_reference(
     seed: int, num_workers: int, pulls: bool, kv_calibrated: bool
 ) -> None:
     _drive(seed, num_workers, pulls, kv_calibrated)
+
+
+@pytest.mark.parametrize(
+    ("seed", "num_workers", "held_share"),
+    [(4, 3, 0.25), (5, 40, 0.25), (6, 64, 0.06), (7, 256, 0.03)],
+)
+def test_pulls_priced_by_their_tokens_alone_decide_as_the_scalar_reference(
+    seed: int, num_workers: int, held_share: float
+) -> None:
+    # (few holders: the options are priced per distinct match; more: in arrays, as elsewhere)
+    _drive(seed, num_workers, True, True, uniform_pulls=True, held_share=held_share)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
