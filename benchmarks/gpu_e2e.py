@@ -272,8 +272,9 @@ async def calibration(
 
 def engine_steps(before: dict[str, WorkerInfo], after: dict[str, WorkerInfo]) -> dict[str, Any]:
     """What each worker's engine did between two reports (one rate's load): its prefill and
-    decode steps, their mean wall time (host work included), the mean decode batch, and the
-    engine thread's time between steps per step (requests in, outputs out, events published)."""
+    decode steps, their mean wall time (host work included), the mean decode batch, the engine
+    thread's time between steps per step (requests in, outputs out, events published), and the
+    decode shapes it captured as CUDA graphs meanwhile, with the time that took in its steps."""
     out: dict[str, Any] = {}
     for w in sorted(set(before) & set(after)):
         a, b = before[w].counters, after[w].counters
@@ -288,6 +289,8 @@ def engine_steps(before: dict[str, WorkerInfo], after: dict[str, WorkerInfo]) ->
             "decode_step_ms": (b.decode_steps_ms - a.decode_steps_ms) / max(1, decodes),
             "decode_batch": (b.num_decode_step_seqs - a.num_decode_step_seqs) / max(1, decodes),
             "host_ms_per_step": (b.engine_host_ms - a.engine_host_ms) / max(1, prefills + decodes),
+            "graphs_captured": b.num_decode_graphs - a.num_decode_graphs,
+            "graph_capture_ms": b.decode_graph_capture_ms - a.decode_graph_capture_ms,
         }
     return out
 
@@ -372,7 +375,8 @@ async def sweep_policy(
                     f"    {w}: {s['prefill_steps']} prefill steps x {s['prefill_step_ms']:.1f} ms, "
                     f"{s['decode_steps']} decode steps x {s['decode_step_ms']:.1f} ms "
                     f"(batch {s['decode_batch']:.1f}), {s['host_ms_per_step']:.2f} ms between"
-                    " steps per step",
+                    f" steps per step, {s['graphs_captured']} graphs captured"
+                    f" ({s['graph_capture_ms']:.0f} ms)",
                     flush=True,
                 )
             if metrics["ttft_p90_ms"] > config.stop_p90_s * 1e3:

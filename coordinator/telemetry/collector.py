@@ -438,6 +438,19 @@ class MetricsCollector:
                 lambda i: i.counters.engine_host_ms / 1e3,
             ),
             per_worker(
+                "kvmesh_worker_decode_graph_captures_total",
+                MetricKind.COUNTER,
+                "Decode step shapes captured as CUDA graphs (each the first time a step needed"
+                " it).",
+                lambda i: i.counters.num_decode_graphs,
+            ),
+            per_worker(
+                "kvmesh_worker_decode_graph_capture_seconds_total",
+                MetricKind.COUNTER,
+                "Time capturing them, inside the decode steps that first needed them.",
+                lambda i: i.counters.decode_graph_capture_ms / 1e3,
+            ),
+            per_worker(
                 "kvmesh_worker_prefill_seconds_per_token",
                 MetricKind.GAUGE,
                 "Measured prefill cost per token (the router's cost model follows it).",

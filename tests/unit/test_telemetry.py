@@ -69,6 +69,8 @@ def worker_info(worker_id: str, *, num_free: int = 60, evicted: int = 0) -> Work
         decode_steps_ms=80.0,
         num_decode_step_seqs=24,
         engine_host_ms=45.0,
+        num_decode_graphs=5,
+        decode_graph_capture_ms=310.0,
     )
     cache = CacheStats(
         num_lookup_hits=4, num_lookup_misses=6, saved_prefill_tokens=640, cache_epoch=2
@@ -239,6 +241,9 @@ def test_worker_families_read_each_live_workers_last_report() -> None:
     assert fams["kvmesh_worker_decode_step_sequences_total"].value(worker="w0") == 24
     host_s = fams["kvmesh_worker_engine_host_seconds_total"]
     assert host_s.value(worker="w0") == pytest.approx(0.045)
+    assert fams["kvmesh_worker_decode_graph_captures_total"].value(worker="w0") == 5
+    capture_s = fams["kvmesh_worker_decode_graph_capture_seconds_total"]
+    assert capture_s.value(worker="w0") == pytest.approx(0.31)
     assert fams["kvmesh_worker_cache_epoch"].value(worker="w1") == 2
     registry.mark_dead("w0", "test")
     fams = families(collector)

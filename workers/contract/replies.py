@@ -149,6 +149,10 @@ class WorkerCounters:
     engine_host_ms: float = 0.0
     """The engine thread's time between its steps, in all: taking requests in, delivering
     outputs, publishing KV events, heartbeats (not the steps, not idle waits)."""
+    num_decode_graphs: int = 0
+    """Decode step shapes captured as CUDA graphs so far (each the first time a step needed it)."""
+    decode_graph_capture_ms: float = 0.0
+    """Wall time those captures took, in all: inside the decode steps that first needed them."""
     num_warm_sessions: int = 0
     """Idle sessions whose chains are kept warm now."""
     warm_session_bytes: int = 0

@@ -53,6 +53,7 @@ class WorkerTally:
         sessions: WarmSessionStats,
         num_evicted_blocks: int = 0,
         num_host_evicted_blocks: int = 0,
+        decode_graph_captures: tuple[int, float] = (0, 0.0),
     ) -> WorkerCounters:
         return WorkerCounters(
             num_requests=self.num_requests,
@@ -79,6 +80,8 @@ class WorkerTally:
             decode_steps_ms=self.decode_steps_ms,
             num_decode_step_seqs=self.num_decode_step_seqs,
             engine_host_ms=self.engine_host_ms,
+            num_decode_graphs=decode_graph_captures[0],
+            decode_graph_capture_ms=decode_graph_captures[1],
             num_warm_sessions=sessions.num_sessions,
             warm_session_bytes=sessions.num_bytes,
             num_sessions_evicted_ttl=sessions.num_evicted_ttl,

@@ -20,6 +20,7 @@ never read (the kernel masks keys by seq_len), so stale ids from an earlier step
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -200,6 +201,8 @@ class DecodeGraphs:
         self.max_batch = max_batch
         self._steps: dict[DecodeBucket, _StaticStep] = {}
         self._pool: _POOL_HANDLE | None = None
+        self.capture_ms = 0.0
+        """Wall time spent capturing buckets, in all (inside the steps that needed them)."""
 
     @property
     def buckets(self) -> list[DecodeBucket]:
@@ -224,12 +227,14 @@ class DecodeGraphs:
         assert bucket is not None, "run() needs a batch that serves() accepts"
         step = self._steps.get(bucket)
         if step is None:
+            began = time.perf_counter()
             step = _StaticStep(bucket, self._block_size, self._num_queries_per_kv, self._device)
             step.load(batch, self._block_size)
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             step.capture(self._layers, self._pool)
             self._steps[bucket] = step
+            self.capture_ms += (time.perf_counter() - began) * 1e3
         else:
             step.load(batch, self._block_size)
         assert step.graph is not None and step.hidden is not None

@@ -376,6 +376,12 @@ class ModelRunner:
         self.num_layer_loads += 1
         return load
 
+    def decode_graph_captures(self) -> tuple[int, float]:
+        """Decode buckets captured as CUDA graphs so far, and the wall time the captures took
+        (ms, inside the steps that first needed them); (0, 0.0) without graphs."""
+        graphs = self._decode_graphs
+        return (len(graphs.buckets), graphs.capture_ms) if graphs is not None else (0, 0.0)
+
     def layer_stream(self) -> torch.cuda.Stream:
         """The side stream layered writes run on (CUDA only)."""
         if self._load_stream is None:
