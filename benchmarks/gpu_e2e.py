@@ -197,22 +197,30 @@ def start_deployment(config: E2EConfig, policy: str) -> Deployment:
     return deployment
 
 
+WARM_BATCHES = (20, 2, 4, 8, 16, 32)
+"""Concurrent requests a worker gets after its first during the warm-up: each decode batch is a
+CUDA graph's shape, captured the first time a step has it (tens of ms inside that step)."""
+
+
 async def warm_up(client: AsyncClient, config: E2EConfig, worker_ids: list[str]) -> None:
-    """Compile every kernel variant on every worker before measuring: a cold prompt (fresh
-    prefill, batch-1 decode), then 20 concurrent requests behind its cached prefix (batched
-    chunked prefill, batch-20 decode: grids large enough to skip the split-merge). Prompts are
+    """Compile every kernel variant and capture the decode shapes the sweep will use on every
+    worker before measuring: a cold prompt (fresh prefill, batch-1 decode), then rounds of
+    concurrent requests behind its cached prefix (`WARM_BATCHES`: batched prefill, decode
+    batches up to 32; 20 first, grids large enough to skip the split-merge). Prompts are
     distinct from the workload's."""
     rng = np.random.default_rng([config.seed, 7])
 
+    def tail() -> list[int]:
+        return rng.integers(0, config.vocab_size, config.question_len).tolist()
+
     async def one_worker(worker_id: str, prefix: list[int]) -> list[BenchSample]:
-        tails = [
-            rng.integers(0, config.vocab_size, config.question_len).tolist() for _ in range(21)
-        ]
-        first = await send_one(client, prefix + tails[0], 4, worker_id=worker_id)
-        rest = await asyncio.gather(
-            *(send_one(client, prefix + t, 4, worker_id=worker_id) for t in tails[1:])
-        )
-        return [first, *rest]
+        samples = [await send_one(client, prefix + tail(), 4, worker_id=worker_id)]
+        for n in WARM_BATCHES:
+            prompts = [prefix + tail() for _ in range(n)]
+            samples += await asyncio.gather(
+                *(send_one(client, p, 4, worker_id=worker_id) for p in prompts)
+            )
+        return samples
 
     prefixes = [rng.integers(0, config.vocab_size, config.system_len).tolist() for _ in worker_ids]
     per_worker = await asyncio.gather(*map(one_worker, worker_ids, prefixes))
