@@ -2,12 +2,14 @@
 
 One engine thread owns the worker (pool, scheduler, model) and drives `Worker.step()`
 (`workers/engine_thread.py`); Ray's event loop serves calls. Anything that touches the worker
-runs on the engine thread as a closure (`_on_engine`). A coordinator sends requests with
-`submit` and reads every output of its requests from one stream (`outputs`), a batch per message
-(`OutputBatches`); each request names the stream its outputs go to (`WorkerRequest.reply_to`;
-`OutputStreams` keeps which is which). After every step the engine thread hands out first and
-middle tokens, publishes the step's KV events, then hands out the requests' last outputs, so by
-the time a client sees a request end the index already knows the blocks it left behind.
+runs on the engine thread as a closure (`_on_engine`), but a peer's pin and unpin, which take the
+worker's state lock (`_with_state`) so they need not wait out a step. A coordinator sends
+requests with `submit` and reads every output of its requests from one stream (`outputs`), a
+batch per message (`OutputBatches`); each request names the stream its outputs go to
+(`WorkerRequest.reply_to`; `OutputStreams` keeps which is which). After every step the engine
+thread hands out first and middle tokens, publishes the step's KV events, then hands out the
+requests' last outputs, so by the time a client sees a request end the index already knows the
+blocks it left behind.
 
     coordinator --submit(req)--> [pull: reserve | ask the source, write, finish] --> engine:
                 <--outputs()---  step, tokens, publish events, last outputs --> OutputBatches
@@ -24,9 +26,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import ray
 import torch
@@ -51,6 +53,8 @@ from kvmesh.workers.transfer.peer_channel import ChannelOp
 from kvmesh.workers.transfer.puller import Puller
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class WorkerActor:
@@ -194,10 +198,21 @@ class WorkerActor:
 
     async def pin_blocks(self, hashes: list[int]) -> list[int]:
         run = [BlockHash(h) for h in hashes]
-        return [int(b) for b in await self._on_engine(lambda: self.worker.pull_source.pin_run(run))]
+        pinned = await self._with_state(lambda: self.worker.pull_source.pin_run(run))
+        return [int(b) for b in pinned]
 
     async def unpin_blocks(self, ids: list[int]) -> None:
-        await self._on_engine(lambda: self.worker.pull_source.unpin(ids))  # type: ignore[arg-type]
+        await self._with_state(lambda: self.worker.pull_source.unpin(ids))  # type: ignore[arg-type]
+
+    async def _with_state(self, fn: Callable[[], T]) -> T:
+        """Run a short call on the worker's state under its lock, not behind the engine's step:
+        at once when the lock is free (the engine between steps' phases, or in a forward pass),
+        else on a helper thread that waits for it, so the event loop never blocks."""
+        lock = self._engine.lock
+        ran, result = lock.try_run(fn)
+        if ran:
+            return cast(T, result)
+        return await asyncio.to_thread(lock.run, fn)
 
     def nccl_init(self, init_method: str, ranks: dict[str, int]) -> int:
         """Join the workers' NCCL group (one rank per GPU) for GPU-to-GPU pulls."""

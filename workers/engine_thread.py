@@ -1,5 +1,6 @@
 """The thread that owns a worker: every call that touches the worker's state runs on it, as a
-closure from the actor's event loop (`submit`, `on_engine`), between engine steps.
+closure from the actor's event loop (`submit`, `on_engine`), between engine steps, or under its
+state lock while a step's forward pass runs (a peer's pin and unpin: `state_lock.py`).
 
     loop:  run queued calls -> step -> first and middle tokens out -> publish the step's KV
            events and notes -> last outputs out -> heartbeat when due -> idle: write back to
@@ -24,6 +25,7 @@ from typing import Any, TypeVar
 from kvmesh.workers.config import WorkerConfig
 from kvmesh.workers.contract.replies import RequestOutput
 from kvmesh.workers.engine.event_publisher import EventPublisher
+from kvmesh.workers.engine.state_lock import StateLock
 from kvmesh.workers.engine.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -53,6 +55,10 @@ class EngineThread:
         self.publisher = publisher
         self._deliver = deliver
         self._fail_all = fail_all
+        self.lock = StateLock()
+        """Held by this thread for each iteration but a step's forward pass (`state_lock.py`);
+        a peer's pin or unpin takes it instead of queueing behind the step."""
+        worker.state_lock = self.lock
         self._inbox: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._stopped = threading.Event()
@@ -108,35 +114,44 @@ class EngineThread:
         while not self._stopped.is_set():
             self._warn_if_slow(self.last_tick)
             self.last_tick = time.monotonic()
-            try:
-                began, step_s = time.perf_counter(), 0.0
-                self._drain_inbox()
-                outputs: list[RequestOutput] = []
-                if self.worker.has_work:
-                    stepped = time.perf_counter()
-                    outputs = self.worker.step()
-                    step_s = time.perf_counter() - stepped
-                for o in outputs:
-                    if not o.finished:
-                        self._deliver(o.request_id, o)
-                if outputs or not self.worker.pulls.landing(_LANDING_S):
-                    self._publish_events()  # else: after the pull lands, a few ms later
-                for o in outputs:
-                    if o.finished:
-                        self._deliver(o.request_id, o)
-                if time.monotonic() - self._last_heartbeat >= self.config.heartbeat_interval_s:
-                    self.heartbeat()
-                self.worker.tally.on_engine_host((time.perf_counter() - began - step_s) * 1e3)
-                if not outputs and not self.worker.has_work:
-                    if self._inbox.empty() and self.worker.write_back_host(
-                        self.config.host_write_back_blocks
-                    ):
-                        continue  # more may be left: check for requests, then go on
-                    self._wakeup.wait(_IDLE_WAIT_S)
-                    self._wakeup.clear()
-            except Exception as exc:  # keep serving: fail the running requests, not the worker
-                log.exception("engine step failed")
-                self._fail_all(exc)
+            idle = False
+            with self.lock:  # let go of only while a step's forward runs (`Worker.step`)
+                try:
+                    idle = self._iterate()
+                except Exception as exc:  # keep serving: fail the running requests, not the worker
+                    log.exception("engine step failed")
+                    self._fail_all(exc)
+            if idle:
+                self._wakeup.wait(_IDLE_WAIT_S)
+                self._wakeup.clear()
+
+    def _iterate(self) -> bool:
+        """One pass of the loop; True when there is nothing to do until a call comes."""
+        began, step_s = time.perf_counter(), 0.0
+        self._drain_inbox()
+        outputs: list[RequestOutput] = []
+        if self.worker.has_work:
+            stepped = time.perf_counter()
+            outputs = self.worker.step()
+            step_s = time.perf_counter() - stepped
+        for o in outputs:
+            if not o.finished:
+                self._deliver(o.request_id, o)
+        if outputs or not self.worker.pulls.landing(_LANDING_S):
+            self._publish_events()  # else: after the pull lands, a few ms later
+        for o in outputs:
+            if o.finished:
+                self._deliver(o.request_id, o)
+        if time.monotonic() - self._last_heartbeat >= self.config.heartbeat_interval_s:
+            self.heartbeat()
+        self.worker.tally.on_engine_host((time.perf_counter() - began - step_s) * 1e3)
+        if outputs or self.worker.has_work:
+            return False
+        # Idle: write back to the host tier while no call waits (more may be left: go on).
+        wrote = self._inbox.empty() and self.worker.write_back_host(
+            self.config.host_write_back_blocks
+        )
+        return not wrote
 
     def _keep_alive(self) -> None:
         """Keep the liveness key fresh while one engine iteration runs long: heartbeats (with

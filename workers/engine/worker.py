@@ -23,6 +23,7 @@ import socket
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from contextlib import nullcontext
 from dataclasses import replace
 
 import torch
@@ -53,6 +54,7 @@ from kvmesh.workers.engine.pull_source import PullSource
 from kvmesh.workers.engine.request_checks import check_request
 from kvmesh.workers.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig, StepKind
 from kvmesh.workers.engine.sequence import SeqStatus, Sequence
+from kvmesh.workers.engine.state_lock import StateLock
 from kvmesh.workers.engine.tally import WorkerTally
 from kvmesh.workers.kv.block_pool import BlockId, BlockPool
 from kvmesh.workers.kv.host_pool import HostPool
@@ -123,6 +125,9 @@ class Worker:
         self.pull_source = PullSource(worker_id, self.pool, runner, self.host_tier)
         """The source side: blocks exported to peers, or pinned for them to copy in place."""
         self.backlog = PrefillBacklog(self.pool, self.scheduler, self.pulls, self.block_size)
+        self.state_lock: StateLock | None = None
+        """Set by the engine thread that owns this worker (`workers/engine/state_lock.py`): a
+        step's forward pass runs with it released, so a peer's pin need not wait for the step."""
         self.tally = WorkerTally()
         # Debug / test hook: receives (request_id, logits row) for every sampled token.
         self._logits_sink = logits_sink
@@ -246,7 +251,8 @@ class Worker:
             SeqChunk(seq.all_ids[start:], start, seq.block_table, adapter=seq.adapter)
             for seq, start in zip(step.seqs, step.start_positions, strict=True)
         ]
-        results = forward_and_sample(self.runner.forward, step.seqs, chunks, self._logits_sink)
+        with self.state_lock.released() if self.state_lock is not None else nullcontext():
+            results = forward_and_sample(self.runner.forward, step.seqs, chunks, self._logits_sink)
         if step.kind is StepKind.PREFILL:
             self.tally.prefill_ms_total += (time.perf_counter() - started) * 1e3
             self.tally.prefill_tokens_total += sum(len(c.token_ids) for c in chunks)
