@@ -109,7 +109,8 @@ def main() -> None:
         f"  the client in its own process: cold {r[p + 'cold_ms']:.1f} ms, pulled"
         f" {r[p + 'pulled_ms']:.1f} ms, local {r[p + 'target_local_hit_ms']:.1f} ms on the same"
         f" worker; cold/pulled {r[p + 'cold_ms'] / r[p + 'pulled_ms']:.1f}x, pulled/local"
-        f" {r[p + 'pulled_ms'] / r[p + 'target_local_hit_ms']:.2f}x"
+        f" {r[p + 'pulled_ms'] / r[p + 'target_local_hit_ms']:.2f}x (paired by trial"
+        f" {r[p + 'pulled_over_local_paired']:.2f}x)"
     )
 
 

@@ -292,7 +292,8 @@ def main() -> None:
         )
         print(
             f"  cold/pulled = {e['cold_ms'] / e['pulled_ms']:.1f}x (goal >= 5), "
-            f"pulled/local = {e['pulled_ms'] / e['target_local_hit_ms']:.2f}x (goal <= 1.15;"
+            f"pulled/local = {e['pulled_ms'] / e['target_local_hit_ms']:.2f}x, paired by trial"
+            f" {e['pulled_over_local_paired']:.2f}x (goal <= 1.15;"
             f" vs the source's hit {e['pulled_ms'] / e['local_hit_ms']:.2f}x)"
         )
         print(
@@ -315,7 +316,8 @@ def main() -> None:
             f"  the client in its own process: cold {e[p + 'cold_ms']:.1f} ms, pulled"
             f" {e[p + 'pulled_ms']:.1f} ms, local {e[p + 'target_local_hit_ms']:.1f} ms on the"
             f" same worker; cold/pulled {e[p + 'cold_ms'] / e[p + 'pulled_ms']:.1f}x,"
-            f" pulled/local {e[p + 'pulled_ms'] / e[p + 'target_local_hit_ms']:.2f}x"
+            f" pulled/local {e[p + 'pulled_ms'] / e[p + 'target_local_hit_ms']:.2f}x, paired"
+            f" {e[p + 'pulled_over_local_paired']:.2f}x"
         )
 
 

@@ -27,7 +27,8 @@ def prefix_ttft_trials(
     client: Any, rand: Callable[[int], list[int]], source: str, target: str, trials: int = 5
 ) -> dict[str, float]:
     """Median TTFT (client-side) of cold / pulled / local-hit requests (the target's and the
-    source's), and the fewest tokens any pulled request reported pulling."""
+    source's), the fewest tokens any pulled request reported pulling, and the median of each
+    trial's pulled / local ratio on the target (`pulled_over_local_paired`)."""
     samples: dict[str, list[float]] = {"cold_ms": [], "pulled_ms": [], "local_hit_ms": []}
     samples["target_local_hit_ms"] = []
     pulled_tokens = []
@@ -50,6 +51,12 @@ def prefix_ttft_trials(
         pulled_tokens.append(pulled.pulled_tokens)
     out = {k: sorted(v)[len(v) // 2] for k, v in samples.items()}
     out["pulled_tokens_min"] = float(min(pulled_tokens))
+    # Paired: each trial's pulled request against the local hit right after it on the same
+    # worker and prefix, so what drifts between trials (the GPU's clocks, the other worker's
+    # work) cancels; the median of those ratios.
+    pairs = zip(samples["pulled_ms"], samples["target_local_hit_ms"], strict=True)
+    ratios = sorted(p / t for p, t in pairs if t)
+    out["pulled_over_local_paired"] = ratios[len(ratios) // 2] if ratios else 0.0
     return out
 
 
