@@ -25,7 +25,7 @@ BLOCK_SIZE = 16
 
 def prefix_ttft_trials(
     client: Any, rand: Callable[[int], list[int]], source: str, target: str, trials: int = 5
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """Median TTFT (client-side) of cold / pulled / local-hit requests (the target's and the
     source's), the fewest tokens any pulled request reported pulling, and the median of each
     trial's pulled / local ratio on the target (`pulled_over_local_paired`)."""
@@ -57,12 +57,13 @@ def prefix_ttft_trials(
     pairs = zip(samples["pulled_ms"], samples["target_local_hit_ms"], strict=True)
     ratios = sorted(p / t for p, t in pairs if t)
     out["pulled_over_local_paired"] = ratios[len(ratios) // 2] if ratios else 0.0
+    out["samples_ms"] = samples  # every trial, in order, for the report
     return out
 
 
 def client_process_trials(
     address: str, source: str, target: str, seed: int, trials: int = 7, vocab: int = 128000
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """`prefix_ttft_trials` from a client in its own process; keys prefixed `client_process_`."""
     argv = [sys.executable, __file__, "--address", address, "--source", source]
     argv += ["--target", target, "--seed", str(seed), "--trials", str(trials)]
@@ -70,7 +71,7 @@ def client_process_trials(
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     if done.returncode != 0:
         raise RuntimeError(f"client process failed: {done.stderr.strip()[-2000:]}")
-    measured: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
+    measured: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return {f"client_process_{k}": v for k, v in measured.items()}
 
 
