@@ -2,8 +2,8 @@
 
 One engine thread owns the worker (pool, scheduler, model) and drives `Worker.step()`
 (`workers/engine_thread.py`); Ray's event loop serves calls. Anything that touches the worker
-runs on the engine thread as a closure (`_on_engine`), but a peer's pin and unpin, which take the
-worker's state lock (`_with_state`) so they need not wait out a step. A coordinator sends
+runs on the engine thread as a closure (`_on_engine`), but a same-GPU peer's pin and unpin, which
+take the worker's state lock (`_with_state`) so they need not wait out a step. A coordinator sends
 requests with `submit` and reads every output of its requests from one stream (`outputs`), a
 batch per message (`OutputBatches`); each request names the stream its outputs go to
 (`WorkerRequest.reply_to`; `OutputStreams` keeps which is which). After every step the engine
@@ -197,6 +197,8 @@ class WorkerActor:
         return reduce_tensor(cache) if cache.is_cuda else None
 
     async def pin_blocks(self, hashes: list[int]) -> list[int]:
+        """Pin the leading run of `hashes` for a peer that copies it in place (CUDA IPC), under
+        the state lock: served while a step's forward runs, not after the step."""
         run = [BlockHash(h) for h in hashes]
         pinned = await self._with_state(lambda: self.worker.pull_source.pin_run(run))
         return [int(b) for b in pinned]
@@ -244,11 +246,16 @@ class WorkerActor:
         link = self._nccl_link
         if link is None or not link.try_claim():
             return None
+        run = [BlockHash(h) for h in hashes]
         try:
-            ids = await self.pin_blocks(hashes)
+            # On the engine thread, not under the state lock: the send itself is queued there
+            # (NCCL calls stay on one thread), and a pull accepted while this engine is in a
+            # step would hold the puller's forward waiting for the step's end.
+            pinned = await self._on_engine(lambda: self.worker.pull_source.pin_run(run))
         except BaseException:
             link.release()
             raise
+        ids = [int(b) for b in pinned]
         if not ids:
             link.release()
             return ids
