@@ -79,6 +79,8 @@ class EngineThread:
         self._wakeup.set()
         self._thread.join(timeout=5)
         self._keepalive.join(timeout=5)
+        if not self._thread.is_alive():
+            self.worker.state_lock = None  # whoever steps the worker next does so without us
 
     def wake(self) -> None:
         self._wakeup.set()

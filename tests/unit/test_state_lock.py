@@ -95,3 +95,6 @@ def test_a_peer_pins_a_run_while_a_step_forward_runs_not_after_the_step() -> Non
     assert sorted(worker.pull_source.held_blocks()) == sorted(pinned)
     worker.pull_source.unpin(pinned)
     worker.check_invariants()
+    worker.add_request(req("after", [5] * 20))  # stepped without the engine thread now
+    while worker.has_work:
+        worker.step()
