@@ -311,11 +311,14 @@ class KvmeshPolicy(RoutingPolicy):
 
         num_rows = len(matched)
         base = option(0, cols.ids[0])
-        cached = np.full(num_rows, base[0])
-        ready = np.full(num_rows, base[1])
-        recompute_ms = np.full(num_rows, base[2])
-        link_ms = np.full(num_rows, base[3])
-        pulled = np.full(num_rows, base[4])
+        # (`np.empty` and the array's own `fill`: `np.full` is a Python function around them)
+        cached, ready, recompute_ms = np.empty(num_rows), np.empty(num_rows), np.empty(num_rows)
+        link_ms, pulled = np.empty(num_rows), np.empty(num_rows, dtype=bool)
+        cached.fill(base[0])
+        ready.fill(base[1])
+        recompute_ms.fill(base[2])
+        link_ms.fill(base[3])
+        pulled.fill(base[4])
         option_of: dict[int, tuple[float, float, float, float, bool]] = {}
         for row in held_rows.tolist():
             m = matched.item(row)

@@ -48,6 +48,8 @@ class RecentLoad:
         self._sums = np.zeros((3, 0))
         # The row index of the last fleet asked for (the live fleet rarely changes).
         self._rows_for: tuple[tuple[WorkerId, ...], np.ndarray] | None = None
+        # The latest time a sum was stored at (0.0: the time of a row of zeros).
+        self._latest_at_s = 0.0
 
     def _stored(self, worker: WorkerId) -> _Sums | None:
         slot = self._slot_of.get(worker)
@@ -100,13 +102,20 @@ class RecentLoad:
         if not self._slot_of:
             return np.zeros((2, n))
         rows = self._rows(tuple(workers))  # first: making rows may grow (replace) `_sums`
-        sums = self._sums.take(rows, axis=1)
-        # min(at - now, 0): the factor is 1 for a sum stored at (or, with a clock that went
-        # back, after) now, as `snapshot` has it; the same floats as a `where` on `now > at`.
-        f = np.exp(np.minimum(sums[_AT] - now_s, 0.0) / self.horizon_s)
-        decayed = sums[:_AT]
-        decayed *= f
-        return decayed
+        sums = self._sums.take(rows, axis=1)  # a copy: decayed in place below
+        exponent = sums[_AT]
+        exponent -= now_s
+        if now_s < self._latest_at_s:
+            # min(at - now, 0): the factor is 1 for a sum stored after now (a clock that went
+            # back), as `snapshot` has it; the same floats as a `where` on `now > at`. Where no
+            # sum is stored after now, every at - now is <= 0 (+0.0 at now) and it is itself.
+            np.minimum(exponent, 0.0, out=exponent)
+        exponent /= self.horizon_s
+        f = np.exp(exponent, out=exponent)
+        work, requests, _ = sums
+        work *= f  # (a row at a time: a broadcast over both rows costs more than two)
+        requests *= f
+        return sums[:_AT]
 
     def _rows(self, workers: tuple[WorkerId, ...]) -> np.ndarray:
         """Each worker's row, made (sums of 0, which read as no sums) for those without one,
@@ -138,6 +147,8 @@ class RecentLoad:
         sums[_WORK, slot] = work + work_ms
         sums[_REQUESTS, slot] = num_requests + 1.0
         sums[_AT, slot] = now_s
+        if now_s > self._latest_at_s:
+            self._latest_at_s = now_s
 
     def _new_slot(self) -> int:
         if self._free_slots:
@@ -161,3 +172,4 @@ class RecentLoad:
         assert not set(slots) & set(self._free_slots), "a free row is in use"
         for w, slot in self._slot_of.items():
             assert self._sums[_WORK, slot] >= 0 and self._sums[_REQUESTS, slot] >= 0, w
+            assert self._sums[_AT, slot] <= self._latest_at_s, "a sum after the latest time"

@@ -117,6 +117,22 @@ def test_recent_load_decays_exponentially() -> None:
         load.add(A, -1.0, 0.0)
 
 
+def test_recent_load_snapshot_arrays_agree_with_snapshot_when_the_clock_goes_back() -> None:
+    # A sum stored after `now` (a clock that went back) is read undecayed, as `snapshot` has it,
+    # at and after the latest stored time as well (to within an ulp: numpy's exp).
+    load = RecentLoad(horizon_s=10.0)
+    load.add(A, 50.0, now_s=3.0)
+    load.add(B, 20.0, now_s=7.5)
+    fleet = (A, B, WorkerId("c"))
+    for now in (7.5, 9.0, 5.0, 2.0):
+        work, requests = load.snapshot_arrays(fleet, now)
+        expected_work, expected_requests = load.snapshot(list(fleet), now)
+        assert work.tolist() == pytest.approx(expected_work, rel=1e-15), now
+        assert requests.tolist() == pytest.approx(expected_requests, rel=1e-15), now
+    assert load.snapshot_arrays(fleet, 2.0)[0].tolist() == [50.0, 20.0, 0.0]
+    load.check_invariants()
+
+
 def test_a_burst_sharing_a_new_prefix_lands_on_one_worker() -> None:
     # The index knows nothing yet; the policy remembers where it sent the first request.
     p = KvmeshPolicy(CM, random.Random(0), Clock())
