@@ -56,8 +56,9 @@ class EngineThread:
         self._deliver = deliver
         self._fail_all = fail_all
         self.lock = StateLock()
-        """Held by this thread for each iteration but a step's forward pass (`state_lock.py`);
-        a peer's pin or unpin takes it instead of queueing behind the step."""
+        """Held by this thread for each iteration but a step's forward pass and the Redis round
+        trip of its events (`state_lock.py`); a peer's pin or unpin takes it instead of
+        queueing behind the step."""
         worker.state_lock = self.lock
         self._inbox: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
@@ -187,6 +188,7 @@ class EngineThread:
             fn()  # what it changes in the pool (e.g. pulled blocks) is announced after the step
 
     def _publish_events(self) -> None:
+        """Called with the state lock held (`_iterate`)."""
         # Request notes are hints for the other coordinators: dropped while Redis is away.
         notes = self.worker.drain_request_notes()
         if self.publisher is None:
@@ -199,10 +201,13 @@ class EngineThread:
             self.publish(self.worker.full_state_batch())
             return
         batch = self.worker.drain_event_batch()
-        if batch is not None:
-            self.publisher.publish(batch, notes)  # one round trip for both
-        elif notes is not None and self.publisher.connected:
-            self.publisher.publish_notes(notes)
+        # The Redis round trip (0.3-3 ms) touches none of the worker's state (the batch is
+        # drained already): a peer's pin need not wait for it.
+        with self.lock.released():
+            if batch is not None:
+                self.publisher.publish(batch, notes)  # one round trip for both
+            elif notes is not None and self.publisher.connected:
+                self.publisher.publish_notes(notes)
 
     def _heartbeat_info(self) -> dict[str, str | int]:
         i = self.worker.info()
