@@ -20,7 +20,12 @@ from typing import Any
 
 import torch
 from gpu_nccl import PULL_BYTES, nccl_rows, p2p_ceiling
-from prefix_ttft import client_process_trials, prefix_ttft_trials, worker_pull_trials
+from prefix_ttft import (
+    TRIALS,
+    client_process_trials,
+    prefix_ttft_trials,
+    worker_pull_trials,
+)
 
 BS = 16
 
@@ -50,7 +55,7 @@ def through_kvmesh() -> dict[str, Any]:
             pull = worker_pull_trials(d, c, rand, "w0", "w1")
             moved = pull["pull_blocks"] * BS * 32 * 2 * 8 * 128 * 2  # Llama-3-8B bf16 KV per token
             out.update(pull, pull_GBps=moved / pull["pull_ms"] / 1e6)
-            out.update(prefix_ttft_trials(c, rand, "w0", "w1", trials=7))
+            out.update(prefix_ttft_trials(c, rand, "w0", "w1", trials=TRIALS))
         out.update(client_process_trials(d.address, "w0", "w1", seed=13))
         return out
     finally:

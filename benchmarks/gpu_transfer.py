@@ -24,6 +24,7 @@ import torch
 from prefix_ttft import (
     PREFIX,
     PROMPT,
+    TRIALS,
     client_process_trials,
     prefix_ttft_trials,
     worker_pull_trials,
@@ -222,7 +223,7 @@ def e2e_ttft() -> dict[str, Any]:
         with Client(d.address, timeout_s=300) as c:
             for w in ("w0", "w1"):
                 c.generate(rand(2048), max_tokens=1, worker_id=w)
-            out: dict[str, Any] = prefix_ttft_trials(c, rand, "w0", "w1", trials=7)
+            out: dict[str, Any] = prefix_ttft_trials(c, rand, "w0", "w1", trials=TRIALS)
             out.update(worker_pull_trials(d, c, rand, "w0", "w1"))
         out.update(client_process_trials(d.address, "w0", "w1", seed=12))
         return out

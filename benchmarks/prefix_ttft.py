@@ -21,6 +21,9 @@ from typing import Any
 
 PROMPT, PREFIX = 8192, 7680
 BLOCK_SIZE = 16
+TRIALS = 11
+"""TTFT trials per client: one GPU's local hit moves by ~25 % from request to request, so the
+medians (and the per-trial ratios) want more than a handful."""
 
 
 def prefix_ttft_trials(
@@ -62,7 +65,7 @@ def prefix_ttft_trials(
 
 
 def client_process_trials(
-    address: str, source: str, target: str, seed: int, trials: int = 7, vocab: int = 128000
+    address: str, source: str, target: str, seed: int, trials: int = TRIALS, vocab: int = 128000
 ) -> dict[str, Any]:
     """`prefix_ttft_trials` from a client in its own process; keys prefixed `client_process_`."""
     argv = [sys.executable, __file__, "--address", address, "--source", source]
@@ -155,7 +158,7 @@ def main() -> None:
     ap.add_argument("--source", required=True)
     ap.add_argument("--target", required=True)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--trials", type=int, default=7)
+    ap.add_argument("--trials", type=int, default=TRIALS)
     ap.add_argument("--vocab", type=int, default=128000, help="token ids drawn below this")
     args = ap.parse_args()
     g = torch.Generator().manual_seed(args.seed)
