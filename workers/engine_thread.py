@@ -118,7 +118,7 @@ class EngineThread:
             self._warn_if_slow(self.last_tick)
             self.last_tick = time.monotonic()
             idle = False
-            with self.lock:  # let go of only while a step's forward runs (`Worker.step`)
+            with self.lock:  # let go of only in a step's forward pass and its events' round trip
                 try:
                     idle = self._iterate()
                 except Exception as exc:  # keep serving: fail the running requests, not the worker
