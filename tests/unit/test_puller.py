@@ -8,6 +8,8 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import pytest
+
 from kvmesh.proto.block_hash import BlockHash
 from kvmesh.workers.contract.requests import PullSpec
 from kvmesh.workers.engine.worker import Worker
@@ -18,19 +20,36 @@ from tests.unit.test_transfer import PREFIX, chain_of, finish, make_worker, requ
 T = TypeVar("T")
 
 
+class ManualClock:
+    """Seconds that move only when a test moves them."""
+
+    def __init__(self) -> None:
+        self.now_s = 100.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
 class SourceStandIn:
     """A peer as a transport calls it (`PeerSource`'s shape), in process; `fail` makes the
-    export raise, as a peer that died would."""
+    export raise, as a peer that died would; `answer_after_s` moves `clock` on while it answers."""
 
-    def __init__(self, worker: Worker, fail: bool = False, answer_after_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        worker: Worker,
+        fail: bool = False,
+        answer_after_s: float = 0.0,
+        clock: ManualClock | None = None,
+    ) -> None:
         self.worker = worker
         self.fail = fail
         self.answer_after_s = answer_after_s
+        self.clock = clock or ManualClock()
         self.asked: list[int] = []
 
     async def export(self, hashes: Sequence[BlockHash]) -> BlockExport:
         self.asked.append(len(hashes))
-        await asyncio.sleep(self.answer_after_s)
+        self.clock.now_s += self.answer_after_s
         if self.fail:
             raise ConnectionError("peer went away")
         return self.worker.pull_source.export_blocks(hashes)
@@ -45,7 +64,13 @@ def puller_for(target: Worker, source: SourceStandIn) -> tuple[Puller, list[tupl
     async def on_engine(fn: Callable[[], T]) -> T:
         return fn()  # one thread here: the "engine" is the event loop's
 
-    puller = Puller(target, "node", on_engine, lambda rid, exc: failures.append((rid, str(exc))))
+    puller = Puller(
+        target,
+        "node",
+        on_engine,
+        lambda rid, exc: failures.append((rid, str(exc))),
+        clock=source.clock,
+    )
     puller._peers["peer"] = source  # type: ignore[assignment]
     return puller, failures
 
@@ -85,8 +110,9 @@ def test_a_pull_reports_where_its_time_went() -> None:
     submit(target, puller, "req", prompt, PullSpec("peer", 0, tuple(chain_of(target, prompt)[:6])))
     facts = finish(target, "req")[0].prefill
     assert facts is not None and facts.pulled_tokens == 96
-    assert facts.pull_source_ms >= 25  # the source's slow answer is the source's share
-    assert facts.pull_source_ms + facts.pull_write_ms <= facts.pull_ms
+    # the source's slow answer is the source's share; writing took no time of this clock
+    assert facts.pull_source_ms == pytest.approx(30.0)
+    assert (facts.pull_write_ms, facts.pull_ms) == (0.0, pytest.approx(30.0))
 
 
 def test_a_plan_that_did_not_fit_runs_the_writer_over_nothing_of_its_own() -> None:

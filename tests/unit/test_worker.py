@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 from dataclasses import replace
 
@@ -309,19 +308,20 @@ def test_prefill_facts_split_the_wait_for_a_step_from_the_prefill() -> None:
 
 def test_prefill_facts_say_how_long_a_stamped_request_took_to_reach_the_worker() -> None:
     h = Harness()
-    stamped = replace(req("a", PREFIX + [1], max_tokens=1), sent_at_s=time.time() - 0.25)
+    h.worker.wall_clock = lambda: 1000.0
+    stamped = replace(req("a", PREFIX + [1], max_tokens=1), sent_at_s=999.75)
     h.worker.add_request(stamped)
     h.worker.add_request(req("b", PREFIX + [2], max_tokens=1))  # not stamped
     # c was accepted 2 s (of the worker's clock) before the engine took it: that wait is
     # queueing, not its way to the worker
-    late = replace(req("c", PREFIX + [3], max_tokens=1), sent_at_s=time.time() - 2.25)
+    late = replace(req("c", PREFIX + [3], max_tokens=1), sent_at_s=997.75)
     h.worker.add_request(late, accepted_s=h.now_s - 2.0)
     firsts = {o.request_id: o.prefill for o in h.worker.step()}
     a, b, c = firsts["a"], firsts["b"], firsts["c"]
     assert a is not None and b is not None and c is not None
-    assert 250.0 <= a.dispatch_ms < 60_000.0  # the wall clock moved on by the quarter second
+    assert a.dispatch_ms == pytest.approx(250.0)  # sent a quarter second before it arrived
     assert b.dispatch_ms == 0.0
-    assert 250.0 <= c.dispatch_ms < 2_000.0
+    assert c.dispatch_ms == pytest.approx(250.0)
     assert (a.queued_ms, c.queued_ms) == (0.0, 2000.0)
 
 

@@ -85,6 +85,7 @@ class Worker:
         *,
         eos_token_ids: Seq[int] = (),
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
         device: str = "cpu",
         logits_sink: Callable[[str, torch.Tensor], None] | None = None,
         host_pool: HostPool | None = None,
@@ -107,6 +108,8 @@ class Worker:
         """Where the worker runs; the Ray shell names its Ray node, so two raylets on one
         host are two nodes (pulls between them are priced as between nodes)."""
         self.clock = clock
+        self.wall_clock = wall_clock
+        """`time.time()`'s clock, against which a coordinator stamps `sent_at_s`."""
         self.pool = BlockPool(runner.num_blocks, clock)
         self.host_pool = host_pool
         self.scheduler = Scheduler(scheduler_config, self.pool)
@@ -173,7 +176,8 @@ class Worker:
         )
         self.scheduler.check_fits(seq)
         if req.sent_at_s > 0:  # the wall clock when it was accepted, against the coordinator's
-            seq.dispatch_ms = max(0.0, (time.time() - (now - accepted) - req.sent_at_s) * 1e3)
+            sent_ago_s = self.wall_clock() - req.sent_at_s
+            seq.dispatch_ms = max(0.0, (sent_ago_s - (now - accepted)) * 1e3)
         self._seqs[req.request_id] = seq
         self.tally.num_requests += 1
         pull = req.pull if not seq.bypass_cache else None

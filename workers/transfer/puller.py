@@ -44,9 +44,12 @@ class Puller:
         node_id: str,
         on_engine: OnEngine[Any],
         fail: Callable[[str, Exception], None],
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.worker = worker
         self.node_id = node_id
+        self._clock = clock
+        """Seconds; times each pull's parts (`PullTiming`)."""
         self._on_engine = on_engine
         self._fail = fail
         self._peers: dict[str, PeerSource] = {}
@@ -98,7 +101,7 @@ class Puller:
         engine call; a failed pull means recompute. Without a reservation the request is already
         queued or gone: a transport that started still runs its writer, which must consume what
         the source sends."""
-        started = time.perf_counter()
+        started = self._clock()
         answered = started  # when the transport first had the source's answer to write
         finished = False
         failure: Exception | None = None
@@ -107,7 +110,7 @@ class Puller:
             nonlocal finished, failure
             finished = True
             try:
-                done = time.perf_counter()
+                done = self._clock()
                 timing = PullTiming(
                     (done - started) * 1e3,
                     (answered - started) * 1e3,
@@ -119,13 +122,13 @@ class Puller:
 
         async def write(fill: BlockWriter) -> int:
             nonlocal answered
-            answered = time.perf_counter()
+            answered = self._clock()
             reservation = await reserved
 
             def write_and_finish() -> int:
                 if reservation is None:  # nothing of this request's to write into
                     return fill(PullTargets([]))
-                began = time.perf_counter()
+                began = self._clock()
                 written = self.worker.write_pull(rid, fill)
                 finish(written, began)  # queued: the engine steps it right after this call
                 return written
