@@ -205,6 +205,7 @@ def cached_prefill_attention_report(
     paged_attention_reference(q, k, v, ref, layout)
     err = (split().double() - ref.double()).norm() / ref.double().norm()
     return {
+        **cudnn_pages_report(q, k, v, order, prefix_len, ref, flops),
         "prefix_len": prefix_len,
         "query_len": query_len,
         "cudnn": cudnn_attention_usable(q.device),
@@ -215,6 +216,45 @@ def cached_prefill_attention_report(
         "split_tflops": flops / split_ms / 1e9,
         "split_gather_ms": gather_ms,
         "split_rel_err_vs_reference": err.item(),
+    }
+
+
+def cudnn_pages_report(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    order: list[int],
+    prefix_len: int,
+    ref: torch.Tensor,
+    flops: float,
+) -> dict[str, Any]:
+    """The same attention by cuDNN reading the pages in place (`cudnn_pages`, what the runner
+    uses where the frontend's bindings are installed): its copies of the query and output rows
+    included; empty where it cannot run."""
+    from kvmesh.workers.model.cudnn_pages import (
+        CacheShape,
+        ChunkPages,
+        CudnnPages,
+        cudnn_pages_usable,
+    )
+
+    if not cudnn_pages_usable(q.device):
+        return {"cudnn_pages": False}
+    num_blocks, page, kv_heads, dim = k.shape
+    cache = torch.stack((k, v))
+    pages = CudnnPages(
+        CacheShape(q.shape[1], kv_heads, dim, num_blocks, page), dtype=q.dtype, device=q.device
+    )
+    inputs = ChunkPages.of(order, prefix_len, q.shape[0], page, q.device)
+    out = torch.empty_like(q)
+    ms = median_ms(lambda: pages.attend(q, cache, inputs, out))
+    err = (out.double() - ref.double()).norm() / ref.double().norm()
+    return {
+        "cudnn_pages": True,
+        "cudnn_pages_ms": ms,
+        "cudnn_pages_tflops": flops / ms / 1e9,
+        "cudnn_pages_rel_err_vs_reference": err.item(),
+        "cudnn_pages_plan_ms": pages.build_ms,
     }
 
 

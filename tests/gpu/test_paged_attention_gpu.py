@@ -11,6 +11,7 @@ import torch
 
 from kvmesh.workers.model import batch_plan
 from kvmesh.workers.model.batch_plan import AttentionMode
+from kvmesh.workers.model.cudnn_pages import cudnn_pages_usable
 from kvmesh.workers.model.model_config import ModelConfig, preset
 from kvmesh.workers.model.paged_attention import (
     DECODE_TILE,
@@ -139,12 +140,27 @@ def small_config() -> ModelConfig:
         AttentionMode(
             paged_decode=True, paged_prefill=True, explicit_masks=False, bucketed_prefill=True
         ),
+        pytest.param(
+            AttentionMode(
+                paged_decode=True,
+                paged_prefill=True,
+                explicit_masks=False,
+                bucketed_prefill=True,
+                cudnn_pages=True,
+            ),
+            marks=pytest.mark.skipif(
+                not torch.cuda.is_available() or not cudnn_pages_usable(torch.device("cuda")),
+                reason="needs a Hopper card and the cuDNN frontend's bindings",
+            ),
+        ),
     ],
-    ids=["triton", "gather+flash", "split", "bucketed"],
+    ids=["triton", "gather+flash", "split", "bucketed", "cudnn_pages"],
 )
 def test_runner_gpu_paths_match_the_explicit_mask_path(
     mode: AttentionMode, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    if mode.cudnn_pages and dtype == torch.float32:
+        pytest.skip("cuDNN's fused attention runs bf16 / fp16 only")
     # Prefixes of 40 and 700 tokens split at bucketed points; the 17- and 90-token ones stay paged.
     monkeypatch.setattr(batch_plan, "BUCKETED_MIN_PREFIX", 32)
     monkeypatch.setattr(batch_plan, "BUCKETED_MIN_NEW", 2)

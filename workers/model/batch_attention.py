@@ -2,8 +2,9 @@
 
 Fresh prompts attend to their own new K/V under a plain causal mask (flash SDPA). Tokens behind a
 cached prefix read the cache: on CUDA through block tables in the paged Triton kernel
-(`paged_attention`), except a long chunked prefill behind a long prefix, which splits into an
-unmasked part on cuDNN and a causal tail on flash (`split_attention`); on CPU (the reference
+(`paged_attention`), except a long chunked prefill behind a long prefix, which cuDNN reads from
+the paged cache in one call (`cudnn_pages`) or, without its bindings, splits into an unmasked
+part on cuDNN and a causal tail on flash (`split_attention`); on CPU (the reference
 path) over blocks gathered into contiguous buffers, with GQA folded into the query length (a KV
 head's query heads become extra query rows), so no K/V is copied per query head.
 """
@@ -24,6 +25,7 @@ from kvmesh.workers.model.batch_plan import (
     BatchPlan,
     CachedChunk,
 )
+from kvmesh.workers.model.cudnn_pages import CacheShape, CudnnPages, PagesBucket
 from kvmesh.workers.model.model_config import ModelConfig
 from kvmesh.workers.model.paged_attention import paged_attention
 from kvmesh.workers.model.prefill_choice import PrefillChoice
@@ -62,6 +64,7 @@ class BatchAttention:
         self.dtype = dtype
         self.num_sms = num_sms
         """Streaming multiprocessors the paged kernel spreads its key splits over (0 on CPU)."""
+        self._pages: CudnnPages | None = None
         self.prefill_choice: PrefillChoice | None = None
         """Why long chunked prefills split or not on this machine (`prefill_choice`); None
         until measured."""
@@ -85,7 +88,10 @@ class BatchAttention:
             attn = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
             out[rows] = attn.squeeze(0).transpose(0, 1)
         for chunk in plan.cached:
-            if chunk.split is not None:
+            if chunk.pages is not None:
+                rows = chunk.rows
+                self._cudnn_pages().attend(q[rows], kv_blocks, chunk.pages, out[rows])
+            elif chunk.split is not None:
                 keys, values = self._gather(kv_blocks, chunk.block_ids, 1)
                 end = chunk.end_pos
                 rows = chunk.rows
@@ -104,15 +110,30 @@ class BatchAttention:
         return out
 
     def warm_up_split(self, max_new: int) -> int:
-        """Build cuDNN's plans for the bucketed split now (~50 ms each on an H100, ~0.6 s the
-        first), not in the middle of serving: every shape of a prefix up to the cache's size (at
-        most `WARM_MAX_LEN`) and a split chunk up to `max_new` (at most `WARM_MAX_NEW`), on
-        scratch tensors (the cache is not touched). Returns the number of shapes; longer ones
-        build on first use. A fused kernel that refuses the model's shapes turns the split off."""
+        """Build cuDNN's plans for the long chunks `bucketed_prefill` picks now (~50 ms each on
+        an H100, ~0.6 s the first), not in the middle of serving: every shape of a prefix up to
+        the cache's size (at most `WARM_MAX_LEN`) and a chunk up to `max_new` (at most
+        `WARM_MAX_NEW`), on scratch tensors (the cache is not touched). Returns the number of
+        shapes; longer ones build on first use. cuDNN refusing the paged plans turns
+        `cudnn_pages` off (the split serves); a fused kernel that refuses the split's shapes
+        turns the split off."""
         if not self.mode.bucketed_prefill:
             return 0
         c = self.config
         max_len = min(self.num_blocks * self.block_size, WARM_MAX_LEN)
+        if self.mode.cudnn_pages:
+            buckets = PagesBucket.all_buckets(
+                min_prefix=BUCKETED_MIN_PREFIX,
+                max_len=max_len,
+                min_new=BUCKETED_MIN_NEW,
+                max_new=min(max_new, WARM_MAX_NEW),
+                block_size=self.block_size,
+            )
+            try:
+                return self._cudnn_pages().warm_up(buckets)
+            except Exception as exc:  # noqa: BLE001 - any refusal: the split serves instead
+                log.warning("cuDNN paged prefill off, the split serves long chunks: %s", exc)
+                self.mode = dataclasses.replace(self.mode, cudnn_pages=False)
         shapes = SplitShape.all_bucketed(
             BUCKETED_MIN_PREFIX, max_len, BUCKETED_MIN_NEW, min(max_new, WARM_MAX_NEW)
         )
@@ -134,6 +155,17 @@ class BatchAttention:
                 self.mode = dataclasses.replace(self.mode, bucketed_prefill=False)
                 return 0
         return len(shapes)
+
+    def _cudnn_pages(self) -> CudnnPages:
+        """cuDNN's plans over this cache, made on first need (`mode` may switch on a live
+        runner)."""
+        if self._pages is None:
+            c = self.config
+            shape = CacheShape(
+                c.num_heads, c.num_kv_heads, c.head_dim, self.num_blocks, self.block_size
+            )
+            self._pages = CudnnPages(shape, dtype=self.dtype, device=self.device)
+        return self._pages
 
     def _attend_cached(
         self, q: torch.Tensor, kv_blocks: torch.Tensor, chunk: CachedChunk

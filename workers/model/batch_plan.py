@@ -18,7 +18,9 @@ The last two read the cache. With `AttentionMode.paged_*` they go to the paged T
 launch each, straight from the block tables); otherwise to SDPA over gathered blocks: decode
 right-padded to the longest with a padding mask, chunked prefill one call per chunk. With
 `AttentionMode.bucketed_prefill` a chunked prefill behind a long prefix is attended in two merged
-parts instead (`split_attention`: unmasked on cuDNN at bucketed shapes, a causal tail on flash).
+parts instead (`split_attention`: unmasked on cuDNN at bucketed shapes, a causal tail on flash),
+or, with `AttentionMode.cudnn_pages` too, in one cuDNN call reading the cache in place
+(`cudnn_pages`).
 
 Planning runs on the host for every step, so it sticks to Python integers and numpy and crosses to
 the device in a few packed transfers; nothing in a layer waits on the host.
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvmesh.workers.model.cudnn_pages import ChunkPages
 from kvmesh.workers.model.paged_attention import (
     DECODE_TILE,
     PREFILL_TILE,
@@ -87,6 +90,9 @@ class AttentionMode:
     """Chunked prefills of at least `BUCKETED_MIN_NEW` tokens behind a prefix of at least
     `BUCKETED_MIN_PREFIX` split at a bucketed point with padded rows (`SplitShape.bucketed`: few
     cuDNN plans); other chunks take the paths above."""
+    cudnn_pages: bool = False
+    """The chunks `bucketed_prefill` picks are attended by cuDNN reading the paged cache in
+    place (`cudnn_pages`: one call, no gathers, no merge) instead of split."""
 
 
 BUCKETED_MIN_PREFIX = 2048
@@ -109,6 +115,7 @@ class CachedChunk:
     start_pos: int  # cached prefix length: the new tokens are positions [start_pos, end_pos)
     mask: torch.Tensor | None  # [num_queries_per_kv * num_new, end_pos]; True = may attend
     split: SplitShape | None = None  # set: attended as two merged parts (`split_attention`)
+    pages: ChunkPages | None = None  # set: attended by cuDNN over the paged cache (`cudnn_pages`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,7 +244,7 @@ def plan_batch(
     fresh, cached_indices, decode_indices = _sort_chunks(batch)
     split_indices = []
     if mode.bucketed_prefill:
-        splits = [_splits_well(batch[i]) for i in cached_indices]
+        splits = [splits_well(batch[i]) for i in cached_indices]
         split_indices = [i for i, split in zip(cached_indices, splits, strict=True) if split]
         cached_indices = [i for i, split in zip(cached_indices, splits, strict=True) if not split]
     paged = []
@@ -255,7 +262,8 @@ def plan_batch(
         _cached_chunk(batch[i], rows[i], block_size, num_queries_per_kv, device, mode)
         for i in ([] if mode.paged_prefill else cached_indices)
     ]
-    cached += [_split_chunk(batch[i], rows[i], block_size, device) for i in split_indices]
+    long_chunk = _pages_chunk if mode.cudnn_pages else _split_chunk
+    cached += [long_chunk(batch[i], rows[i], block_size, device) for i in split_indices]
     decode = None
     if decode_indices and not mode.paged_decode:
         decode_rows = [ends[i] - 1 for i in decode_indices]
@@ -295,7 +303,7 @@ def _cached_chunk(
     return CachedChunk(rows, chunk.end_pos, block_ids, chunk.start_pos, mask)
 
 
-def _splits_well(chunk: SeqChunk) -> bool:
+def splits_well(chunk: SeqChunk) -> bool:
     """A chunk long enough, behind a prefix long enough, for the bucketed split to pay."""
     return chunk.start_pos >= BUCKETED_MIN_PREFIX and len(chunk.token_ids) >= BUCKETED_MIN_NEW
 
@@ -312,6 +320,16 @@ def _split_chunk(
         split = SplitShape.bucketed(chunk.start_pos, len(chunk.token_ids))
     block_ids = _block_ids(chunk, block_size, device)
     return CachedChunk(rows, chunk.end_pos, block_ids, chunk.start_pos, None, split)
+
+
+def _pages_chunk(
+    chunk: SeqChunk, rows: slice, block_size: int, device: torch.device
+) -> CachedChunk:
+    """A chunk attended by cuDNN straight from the cache (its page table and lengths)."""
+    pages = ChunkPages.of(
+        chunk.block_table, chunk.start_pos, len(chunk.token_ids), block_size, device
+    )
+    return CachedChunk(rows, chunk.end_pos, pages.block_ids, chunk.start_pos, None, pages=pages)
 
 
 def _block_ids(chunk: SeqChunk, block_size: int, device: torch.device) -> torch.Tensor:

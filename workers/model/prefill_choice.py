@@ -1,8 +1,9 @@
 """Which path a long chunked prefill takes on this machine: measured once, before serving.
 
-A chunk of >= `BUCKETED_MIN_NEW` tokens behind >= `BUCKETED_MIN_PREFIX` cached ones can split
-(cuDNN over the bucketed prefix, flash over the causal tail, a merge) or stay on the paged
-kernel. Which is faster depends on the card and its host, not only on the shapes: on one H100
+A chunk of >= `BUCKETED_MIN_NEW` tokens behind >= `BUCKETED_MIN_PREFIX` cached ones can leave
+the paged kernel (for cuDNN reading the pages in place, `cudnn_pages`, or, without its bindings,
+the split: cuDNN over the bucketed prefix, flash over the causal tail, a merge) or stay on it.
+Which is faster depends on the card and its host, not only on the shapes: on one H100
 the split took a cached 8K forward from 21.5 to 19.0 ms, on another (a slower GPU and host, the
 same code) it made it slower, 34-36 ms against 27 (docs/benchmarks.md). So a worker times one
 representative forward both ways and keeps the faster:
@@ -67,6 +68,8 @@ class PrefillChoice:
     cached_tokens: int
     split_ms: float
     paged_ms: float
+    long_path: str = "split (cuDNN + flash)"
+    """What serves long chunks when they leave the paged kernel."""
 
     @property
     def split(self) -> bool:
@@ -77,7 +80,7 @@ class PrefillChoice:
         return dataclasses.replace(mode, bucketed_prefill=self.split)
 
     def describe(self) -> str:
-        path = "split (cuDNN + flash)" if self.split else "paged kernel"
+        path = self.long_path if self.split else "paged kernel"
         return (
             f"{self.new_tokens} new tokens behind {self.cached_tokens} cached: split"
             f" {self.split_ms:.2f} ms, paged {self.paged_ms:.2f} ms -> {path}"
@@ -131,6 +134,7 @@ def choose_prefill(
         chunk.start_pos,
         statistics.median(samples["split"]),
         statistics.median(samples["paged"]),
+        "cuDNN over the pages" if mode.cudnn_pages else "split (cuDNN + flash)",
     )
 
 

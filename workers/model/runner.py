@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 from collections.abc import Sequence
 from types import ModuleType
 
@@ -26,14 +27,19 @@ from kvmesh.workers.model.batch_plan import (
     BatchPlan,
     SeqChunk,
     plan_batch,
+    splits_well,
     validate_batch,
 )
+from kvmesh.workers.model.cudnn_pages import cudnn_pages_usable
 from kvmesh.workers.model.decode_graphs import DecodeGraphs
 from kvmesh.workers.model.lora import LoraAdapter, LoraBatch, load_peft_adapter
 from kvmesh.workers.model.model_config import ModelConfig, checkpoint_source
+from kvmesh.workers.model.prefill_graphs import PrefillGraphs
 from kvmesh.workers.model.rope import Rope, apply_rope, rope_inv_freq, rope_tables
 from kvmesh.workers.model.split_attention import cudnn_attention_usable
 from kvmesh.workers.model.weights import LayerWeights, ModelWeights, load_checkpoint, random_weights
+
+log = logging.getLogger(__name__)
 
 __all__ = ["ModelRunner", "SeqChunk", "apply_rope", "rms_norm", "rope_inv_freq", "rope_tables"]
 
@@ -94,6 +100,11 @@ class ModelRunner:
         self.adapters: dict[str, LoraAdapter] = {}
         """LoRA adapters by name (see `lora.py`); a chunk's `adapter` picks one."""
         on_gpu = self.device.type == "cuda" and importlib.util.find_spec("triton") is not None
+        bucketed = (
+            on_gpu
+            and self.dtype in (torch.bfloat16, torch.float16)
+            and cudnn_attention_usable(self.device)
+        )
         self.attention = BatchAttention(
             config,
             num_blocks,
@@ -102,9 +113,8 @@ class ModelRunner:
                 paged_decode=on_gpu,
                 paged_prefill=on_gpu,
                 explicit_masks=self.device.type != "cuda",
-                bucketed_prefill=on_gpu
-                and self.dtype in (torch.bfloat16, torch.float16)
-                and cudnn_attention_usable(self.device),
+                bucketed_prefill=bucketed,
+                cudnn_pages=bucketed and cudnn_pages_usable(self.device),
             ),
             device=self.device,
             dtype=self.dtype,
@@ -131,6 +141,19 @@ class ModelRunner:
                 device=self.device,
                 block_size=block_size,
                 num_queries_per_kv=config.num_queries_per_kv,
+            )
+            if self.cuda_graphs
+            else None
+        )
+        self.prefill_graphs = self.cuda_graphs
+        """A batch of one long chunk that cuDNN reads from the pages replays a CUDA graph
+        (`prefill_graphs`); benchmarks and tests may switch it on a live runner."""
+        self._prefill_graphs = (
+            PrefillGraphs(
+                self._run_layers,
+                device=self.device,
+                block_size=block_size,
+                serves_chunk=self._on_cudnn_pages,
             )
             if self.cuda_graphs
             else None
@@ -208,6 +231,19 @@ class ModelRunner:
             for writes in self._layer_writes:
                 writes.wait_all()
             return self._logits(graphs.run(batch))
+        prefill = self._prefill_graphs
+        if (
+            prefill is not None
+            and self.prefill_graphs
+            and not self._layer_writes  # a capture may not wait on their events
+            and prefill.serves(batch)
+        ):
+            self.validate_batch(batch)
+            try:
+                return self._logits(prefill.run(batch))
+            except RuntimeError as exc:  # a kernel that refuses capture: run eagerly from now
+                log.warning("prefill graphs off, long chunks run eagerly: %s", exc)
+                self.prefill_graphs = False
         plan = self._plan(batch)
         hidden = self._run_layers(plan, self._lora_batch(batch, plan))
         return self._logits(hidden[plan.last_rows])
@@ -218,6 +254,11 @@ class ModelRunner:
         plan = self._plan(batch)
         hidden = self._run_layers(plan, self._lora_batch(batch, plan))
         return list(self._logits(hidden).split(plan.chunk_lens))
+
+    def _on_cudnn_pages(self, chunk: SeqChunk) -> bool:
+        """Whether the plan sends this chunk to cuDNN over the pages (`cudnn_pages`)."""
+        mode = self.attention.mode
+        return mode.bucketed_prefill and mode.cudnn_pages and splits_well(chunk)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         normed = rms_norm(hidden, self.weights.norm, self.config.rms_norm_eps)

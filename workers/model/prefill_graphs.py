@@ -1,0 +1,162 @@
+"""CUDA graphs of a long chunked prefill behind a cached prefix, the step a cache hit runs.
+
+A cached 8K prompt's prefill (512 new tokens behind 7,680 cached) does ~16 ms of GPU work, and
+issuing its ~400 kernels from Python takes longer than that on a busy host. Once cuDNN reads the
+cache in place (`cudnn_pages`) with the lengths as device tensors, every shape in the step is
+fixed by its `PagesBucket` (rows and pages rounded up to powers of two), so the whole step can be
+recorded once per bucket and replayed. Everything that changes lives in static buffers the host
+fills and copies over in two transfers:
+
+    ints    int64 [4, rows]   token id, position and cache slot of each row; the source row of
+                              each row's attention output
+    packed  int32             the chunk's page table and lengths (`ChunkPages` layout)
+
+Padding rows (past the chunk's n tokens) repeat its last token, position and slot, and take
+the last real row's attention output (cuDNN computes only n rows): every layer then computes
+for them exactly what it computes for that row, so they write that row's K/V into that row's
+slot, never a block the chunk does not own. A graph serves a batch of one such chunk, base model,
+nothing landing layer by layer (a capture may not wait on events recorded outside it); any
+other step runs eagerly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from kvmesh.workers.model.batch_plan import BatchPlan, CachedChunk, SeqChunk
+from kvmesh.workers.model.cudnn_pages import ChunkPages, PagesBucket, pack_pages
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
+
+__all__ = ["PrefillGraphs", "fill_prefill_inputs"]
+
+
+def fill_prefill_inputs(
+    chunk: SeqChunk, bucket: PagesBucket, block_size: int, ints: np.ndarray, packed: np.ndarray
+) -> None:
+    """Write one chunk into its bucket's host buffers (layouts in the module doc); rows past the
+    chunk repeat its last token."""
+    n, start = len(chunk.token_ids), chunk.start_pos
+    rows = np.minimum(np.arange(bucket.rows), n - 1)
+    positions = start + rows
+    table = np.asarray(chunk.block_table[: -(-chunk.end_pos // block_size)], dtype=np.int64)
+    ints[0] = np.asarray(chunk.token_ids, dtype=np.int64)[rows]
+    ints[1] = positions
+    ints[2] = table[positions // block_size] * block_size + positions % block_size
+    ints[3] = rows
+    pack_pages(chunk.block_table, start, n, block_size, bucket, packed)
+
+
+class _StaticStep:
+    """One bucket's input buffers (pinned host + device), the plan that reads them, its graph."""
+
+    def __init__(self, bucket: PagesBucket, block_size: int, device: torch.device) -> None:
+        self.bucket = bucket
+        rows = bucket.rows
+        self.ints_host = torch.zeros((4, rows), dtype=torch.int64).pin_memory()
+        self.packed_host = torch.zeros(ChunkPages.packed_size(bucket), dtype=torch.int32)
+        self.packed_host = self.packed_host.pin_memory()
+        self.ints = torch.zeros((4, rows), dtype=torch.int64, device=device)
+        packed = torch.zeros_like(self.packed_host, device=device)
+        pages = ChunkPages(bucket, packed, rows, bucket.pages, row_map=self.ints[3])
+        chunk = CachedChunk(
+            slice(0, rows), bucket.pages * block_size, pages.block_ids, 0, None, pages=pages
+        )
+        self.plan = BatchPlan(
+            token_ids=self.ints[0],
+            positions=self.ints[1],
+            write_slots=self.ints[2],
+            last_rows=self.ints[3, -1:],
+            chunk_lens=[rows],
+            fresh=[],
+            cached=[chunk],
+            decode=None,
+            paged=[],
+        )
+        self.pages = pages
+        self.copied = torch.cuda.Event()
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.hidden: torch.Tensor | None = None
+
+    def load(self, chunk: SeqChunk, block_size: int) -> None:
+        self.copied.synchronize()  # the last step's copies have read the pinned buffers
+        fill_prefill_inputs(
+            chunk, self.bucket, block_size, self.ints_host.numpy(), self.packed_host.numpy()
+        )
+        self.ints.copy_(self.ints_host, non_blocking=True)
+        self.pages.packed.copy_(self.packed_host, non_blocking=True)
+        self.copied.record()
+
+    def capture(self, layers: Callable[[BatchPlan], torch.Tensor], pool: _POOL_HANDLE) -> None:
+        device = self.ints.device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            layers(self.plan)  # builds plans, compiles kernels, settles the allocator
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            self.hidden = layers(self.plan)
+        self.graph = graph
+
+
+class PrefillGraphs:
+    """Captured long chunked prefills by bucket, replayed for one-chunk batches (CUDA only).
+
+    Invariants:
+      * at most one graph per bucket; all share one memory pool (steps never overlap)
+      * a replay computes what `layers` computes eagerly on the chunk's rows
+    """
+
+    def __init__(
+        self,
+        layers: Callable[[BatchPlan], torch.Tensor],
+        *,
+        device: torch.device,
+        block_size: int,
+        serves_chunk: Callable[[SeqChunk], bool],
+    ) -> None:
+        self._layers = layers
+        self._device = device
+        self._block_size = block_size
+        self._serves_chunk = serves_chunk
+        self._steps: dict[PagesBucket, _StaticStep] = {}
+        self._pool: _POOL_HANDLE | None = None
+        self.capture_ms = 0.0
+        """Wall time spent capturing buckets, in all (inside the steps that needed them)."""
+
+    @property
+    def buckets(self) -> list[PagesBucket]:
+        return list(self._steps)
+
+    def serves(self, batch: Sequence[SeqChunk]) -> bool:
+        """One chunk of the kind cuDNN reads from the pages, base model."""
+        return len(batch) == 1 and not batch[0].adapter and self._serves_chunk(batch[0])
+
+    def run(self, batch: Sequence[SeqChunk]) -> torch.Tensor:
+        """Final hidden state [1, hidden] of the chunk's last token, for a validated batch that
+        `serves` accepts; a view of the graph's output, valid until the next call."""
+        (chunk,) = batch
+        n = len(chunk.token_ids)
+        bucket = PagesBucket.of(n, -(-chunk.end_pos // self._block_size))
+        step = self._steps.get(bucket)
+        if step is None:
+            began = time.perf_counter()
+            step = _StaticStep(bucket, self._block_size, self._device)
+            step.load(chunk, self._block_size)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            step.capture(self._layers, self._pool)
+            self._steps[bucket] = step
+            self.capture_ms += (time.perf_counter() - began) * 1e3
+        else:
+            step.load(chunk, self._block_size)
+        assert step.graph is not None and step.hidden is not None
+        step.graph.replay()
+        return step.hidden[n - 1 : n]
