@@ -101,15 +101,16 @@ class PagedGraph:
         began = time.perf_counter()
         g.validate()
         g.build_operation_graph()
-        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.B, cudnn.heur_mode.FALLBACK])
         g.check_support()
-        g.build_plans()
+        g.build_plans(cudnn.build_plan_policy.ALL)
         self.build_ms = (time.perf_counter() - began) * 1e3
         self.graph = g
         self.max_new, self.max_pages = max_new, max_pages
-        self.workspace = torch.empty(
-            max(1, g.get_workspace_size()), device="cuda", dtype=torch.uint8
-        )
+        self.num_plans = g.get_execution_plan_count()
+        sizes = [g.get_workspace_size_plan_at_index(i) for i in range(self.num_plans)]
+        self.workspace = torch.empty(max(1, *sizes), device="cuda", dtype=torch.uint8)
+        self.plan_index: int | None = None
 
     def run(
         self,
@@ -122,14 +123,16 @@ class PagedGraph:
     ) -> None:
         """q / out [max_new, heads, dim] (rows past len_q ignored); cache [2, blocks, block,
         kv_heads, dim]; table int32 [max_pages]; lengths int32 [1]."""
-        self.graph.execute(
-            {
+        pack = {
                 self.q: q, self.k: cache[0], self.v: cache[1], self.table_k: table,
                 self.table_v: table, self.len_q: len_q, self.len_kv: len_kv, self.o: out,
-            },
-            self.workspace,
-            handle=self.handle,
-        )  # fmt: skip
+        }  # fmt: skip
+        if self.plan_index is None:
+            self.graph.execute(pack, self.workspace, handle=self.handle)
+        else:
+            self.graph.execute_plan_at_index(
+                pack, self.workspace, self.plan_index, handle=self.handle
+            )
 
 
 def measure_case(
@@ -171,6 +174,17 @@ def measure_case(
     err_exact = (out[:new].float() - exact.transpose(0, 1)).abs().max().item()
     err_split = (ref.float() - exact.transpose(0, 1)).abs().max().item()
     paged_ms = event_ms(lambda: graph.run(q, cache, table, len_q, len_kv, out))
+    per_plan_us = []
+    for index in range(graph.num_plans):
+        graph.plan_index = index
+        try:
+            per_plan_us.append(
+                event_ms(lambda: graph.run(q, cache, table, len_q, len_kv, out)) * 1e3
+            )
+        except Exception as exc:  # noqa: BLE001 - a plan that will not run here
+            per_plan_us.append(float("nan"))
+            print(f"plan {index}: {exc}")
+    graph.plan_index = None
     split_ms = event_ms(split_path)
     row = {
         "prefix": prefix,
@@ -182,6 +196,8 @@ def measure_case(
         "cudnn_paged_issue_us": wall_us(lambda: graph.run(q, cache, table, len_q, len_kv, out)),
         "split_issue_us": wall_us(split_path),
         "max_err_vs_split": err,
+        "per_plan_us": per_plan_us,
+        "per_plan_tflops": [flops(prefix, new) / us / 1e6 for us in per_plan_us],
         "max_err_cudnn_vs_fp32": err_exact,
         "max_err_split_vs_fp32": err_split,
     }
@@ -190,7 +206,8 @@ def measure_case(
         f"{row['cudnn_paged_tflops']:.0f} TFLOP/s | split with gathers "
         f"{row['split_with_gathers_us']:.0f} us = {row['split_with_gathers_tflops']:.0f} | "
         f"issue {row['cudnn_paged_issue_us']:.0f} vs {row['split_issue_us']:.0f} us | "
-        f"err vs split {err:.2e}, vs fp32 {err_exact:.2e} (split {err_split:.2e})"
+        f"err vs split {err:.2e}, vs fp32 {err_exact:.2e} (split {err_split:.2e}); "
+        f"every plan (us): {', '.join(f'{us:.0f}' for us in per_plan_us)}"
     )
     return row
 

@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from kvmesh.workers.kv.layer_writes import LayerGroups
 from kvmesh.workers.model import batch_plan
 from kvmesh.workers.model.cudnn_pages import cudnn_pages_usable
 from kvmesh.workers.model.model_config import preset
@@ -24,7 +25,8 @@ pytestmark = [
 ]
 
 
-def test_graph_replay_matches_the_eager_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+def small_runner(monkeypatch: pytest.MonkeyPatch) -> ModelRunner:
+    """A bf16 runner whose chunks of >= 16 tokens behind >= 64 go to cuDNN over the pages."""
     monkeypatch.setattr(batch_plan, "BUCKETED_MIN_PREFIX", 64)
     monkeypatch.setattr(batch_plan, "BUCKETED_MIN_NEW", 16)
     config = dataclasses.replace(
@@ -41,6 +43,12 @@ def test_graph_replay_matches_the_eager_forward(monkeypatch: pytest.MonkeyPatch)
         runner.attention.mode, bucketed_prefill=True, cudnn_pages=True
     )
     assert runner.prefill_graphs
+    return runner
+
+
+def test_graph_replay_matches_the_eager_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = small_runner(monkeypatch)
+    config = runner.config
     rng = random.Random(5)
     table = rng.sample(range(1, 300), 100)  # blocks 300-399 and 0 stay unused: must stay zero
     ids = [rng.randrange(config.vocab_size) for _ in range(1500)]
@@ -62,3 +70,31 @@ def test_graph_replay_matches_the_eager_forward(monkeypatch: pytest.MonkeyPatch)
     assert runner.kv_cache[:, :, 300:].eq(0).all() and runner.kv_cache[:, :, 0].eq(0).all()
     graphs = runner._prefill_graphs
     assert graphs is not None and len(graphs.buckets) == 2
+
+
+def test_a_pulled_prefix_still_landing_is_waited_for_before_the_replay(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    runner = small_runner(monkeypatch)
+    rng = random.Random(9)
+    source, target = rng.sample(range(1, 150), 60), rng.sample(range(150, 300), 60)
+    ids = [rng.randrange(runner.config.vocab_size) for _ in range(900)]
+    runner.forward([SeqChunk(ids[:600], 0, source)])
+    runner.prefill_graphs = False
+    expected = runner.forward([SeqChunk(ids[600:], 600, source)])
+    cache, pulled = runner.kv_cache, -(-600 // 16)
+
+    def write(lo: int, hi: int) -> None:  # a peer's pull of the prefix, slow on the GPU
+        torch.cuda._sleep(50_000_000)
+        cache[lo:hi, :, target[:pulled]] = cache[lo:hi, :, source[:pulled]]
+
+    groups = LayerGroups([(0, 1), (1, 3)], runner.layer_stream(), target[:pulled], write)
+    assert not groups.overlaps_forward
+    runner.add_layer_writes(groups)
+    runner.prefill_graphs = True
+    graphs = runner._prefill_graphs
+    assert graphs is not None
+    got = runner.forward([SeqChunk(ids[600:], 600, target)])
+    runner.take_layer_writes()
+    assert graphs.num_replays == 1
+    torch.testing.assert_close(got, expected, atol=0.05 * expected.abs().max().item(), rtol=0)

@@ -105,6 +105,7 @@ class LayerLoad:
         device = cache.device
         self.slots = list(slots)
         self.blocks = frozenset(int(b) for b in blocks)
+        self.overlaps_forward = True  # PCIe: about as long as the prefill beside it
         self._slot_ids = torch.tensor(self.slots, dtype=torch.int32).to(device, non_blocking=True)
         self._block_ids = torch.tensor(list(blocks), dtype=torch.int32).to(
             device, non_blocking=True

@@ -27,6 +27,10 @@ class LayerWrites(Protocol):
     has waited in `wait_layer(l)`; all of it once `done` has completed."""
 
     blocks: frozenset[int]
+    overlaps_forward: bool
+    """True: a copy about as long as the forward that reads it (the host tier over PCIe): the
+    forward waits layer by layer. False: a short copy (a pull from a peer GPU): a forward may
+    wait for all of it up front and replay a CUDA graph instead (`prefill_graphs`)."""
 
     @property
     def done(self) -> torch.cuda.Event: ...
@@ -69,6 +73,7 @@ class LayerGroups:
         if not spans:
             raise ValueError("a layered write needs at least one layer group")
         self.blocks = frozenset(int(b) for b in blocks)
+        self.overlaps_forward = False  # a peer's pull: ~1-3 ms for 1 GB
         self._event_of: dict[int, torch.cuda.Event] = {}
         self._events: list[torch.cuda.Event] = []
         self._kept: list[Any] = []

@@ -14,9 +14,11 @@ fills and copies over in two transfers:
 Padding rows (past the chunk's n tokens) repeat its last token, position and slot, and take
 the last real row's attention output (cuDNN computes only n rows): every layer then computes
 for them exactly what it computes for that row, so they write that row's K/V into that row's
-slot, never a block the chunk does not own. A graph serves a batch of one such chunk, base model,
-nothing landing layer by layer (a capture may not wait on events recorded outside it); any
-other step runs eagerly.
+slot, never a block the chunk does not own. A graph serves a batch of one such chunk, base model;
+a capture may not wait on events recorded outside it, so blocks still landing from a peer's pull
+(a short copy) are waited for whole before the replay, and a promotion from the host tier (as
+long as the forward) keeps the eager forward that overlaps it layer by layer. Any other step
+runs eagerly.
 """
 
 from __future__ import annotations
@@ -130,6 +132,8 @@ class PrefillGraphs:
         self._pool: _POOL_HANDLE | None = None
         self.capture_ms = 0.0
         """Wall time spent capturing buckets, in all (inside the steps that needed them)."""
+        self.num_replays = 0
+        """Steps served by a graph, since construction."""
 
     @property
     def buckets(self) -> list[PagesBucket]:
@@ -159,4 +163,5 @@ class PrefillGraphs:
             step.load(chunk, self._block_size)
         assert step.graph is not None and step.hidden is not None
         step.graph.replay()
+        self.num_replays += 1
         return step.hidden[n - 1 : n]

@@ -235,10 +235,12 @@ class ModelRunner:
         if (
             prefill is not None
             and self.prefill_graphs
-            and not self._layer_writes  # a capture may not wait on their events
+            and not any(w.overlaps_forward for w in self._layer_writes)
             and prefill.serves(batch)
         ):
             self.validate_batch(batch)
+            for writes in self._layer_writes:  # a capture may not wait on their events
+                writes.wait_all()
             try:
                 return self._logits(prefill.run(batch))
             except RuntimeError as exc:  # a kernel that refuses capture: run eagerly from now
