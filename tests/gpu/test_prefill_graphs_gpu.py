@@ -13,8 +13,8 @@ import torch
 from kvmesh.workers.kv.layer_writes import LayerGroups
 from kvmesh.workers.model import batch_plan
 from kvmesh.workers.model.cudnn_pages import cudnn_pages_usable
-from kvmesh.workers.model.model_config import preset
 from kvmesh.workers.model.runner import ModelRunner, SeqChunk
+from tests.gpu.small_model import small_config
 
 pytestmark = [
     pytest.mark.gpu,
@@ -29,15 +29,7 @@ def small_runner(monkeypatch: pytest.MonkeyPatch) -> ModelRunner:
     """A bf16 runner whose chunks of >= 16 tokens behind >= 64 go to cuDNN over the pages."""
     monkeypatch.setattr(batch_plan, "BUCKETED_MIN_PREFIX", 64)
     monkeypatch.setattr(batch_plan, "BUCKETED_MIN_NEW", 16)
-    config = dataclasses.replace(
-        preset("tiny-random"),
-        hidden_size=512,
-        intermediate_size=1024,
-        num_layers=3,
-        num_heads=8,
-        num_kv_heads=2,
-        head_dim=64,
-    )
+    config = dataclasses.replace(small_config(), num_layers=3)
     runner = ModelRunner(config, 400, 16, device="cuda", dtype=torch.bfloat16)
     runner.attention.mode = dataclasses.replace(
         runner.attention.mode, bucketed_prefill=True, cudnn_pages=True

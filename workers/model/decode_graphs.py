@@ -30,6 +30,7 @@ import torch
 
 from kvmesh.workers.model.batch_plan import BatchPlan, SeqChunk
 from kvmesh.workers.model.paged_attention import DECODE_TILE, PagedLayout, group_pad
+from kvmesh.workers.model.step_capture import capture_step
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
@@ -163,17 +164,7 @@ class _StaticStep:
         self.copied.record()
 
     def capture(self, layers: Callable[[BatchPlan], torch.Tensor], pool: _POOL_HANDLE) -> None:
-        device = self.ints.device
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            layers(self.plan)  # compiles the kernels and settles the allocator before capture
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: the worker's transfer threads may use CUDA while the engine captures.
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-            self.hidden = layers(self.plan)
-        self.graph = graph
+        self.graph, self.hidden = capture_step(layers, self.plan, pool)
 
 
 class DecodeGraphs:

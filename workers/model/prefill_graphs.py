@@ -32,6 +32,7 @@ import torch
 
 from kvmesh.workers.model.batch_plan import BatchPlan, CachedChunk, SeqChunk
 from kvmesh.workers.model.cudnn_pages import ChunkPages, PagesBucket, pack_pages
+from kvmesh.workers.model.step_capture import capture_step
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
@@ -96,16 +97,7 @@ class _StaticStep:
         self.copied.record()
 
     def capture(self, layers: Callable[[BatchPlan], torch.Tensor], pool: _POOL_HANDLE) -> None:
-        device = self.ints.device
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            layers(self.plan)  # builds plans, compiles kernels, settles the allocator
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-            self.hidden = layers(self.plan)
-        self.graph = graph
+        self.graph, self.hidden = capture_step(layers, self.plan, pool)
 
 
 class PrefillGraphs:
