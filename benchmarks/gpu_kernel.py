@@ -229,8 +229,8 @@ def cudnn_pages_report(
     flops: float,
 ) -> dict[str, Any]:
     """The same attention by cuDNN reading the pages in place (`cudnn_pages`, what the runner
-    uses where the frontend's bindings are installed): its copies of the query and output rows
-    included; empty where it cannot run."""
+    uses where the frontend's bindings are installed), queries laid out as the runner's; empty
+    where it cannot run."""
     from kvmesh.workers.model.cudnn_pages import (
         CacheShape,
         ChunkPages,
@@ -247,7 +247,11 @@ def cudnn_pages_report(
     )
     inputs = ChunkPages.of(order, prefix_len, q.shape[0], page, q.device)
     out = torch.empty_like(q)
-    ms = median_ms(lambda: pages.attend(q, cache, inputs, out))
+    # The runner's queries are views into each token's fused q / k heads (read in place).
+    qk = torch.zeros((q.shape[0], q.shape[1] + kv_heads, dim), device=q.device, dtype=q.dtype)
+    qk[:, : q.shape[1]] = q
+    q_view = qk[:, : q.shape[1]]
+    ms = median_ms(lambda: pages.attend(q_view, cache, inputs, out))
     err = (out.double() - ref.double()).norm() / ref.double().norm()
     return {
         "cudnn_pages": True,

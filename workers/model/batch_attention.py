@@ -130,7 +130,9 @@ class BatchAttention:
                 block_size=self.block_size,
             )
             try:
-                return self._cudnn_pages().warm_up(buckets)
+                # the runner's queries: views into the fused q / k output of each token
+                q_stride = (c.num_heads + c.num_kv_heads) * c.head_dim
+                return self._cudnn_pages().warm_up(buckets, [q_stride])
             except Exception as exc:  # noqa: BLE001 - any refusal: the split serves instead
                 log.warning("cuDNN paged prefill off, the split serves long chunks: %s", exc)
                 self.mode = dataclasses.replace(self.mode, cudnn_pages=False)

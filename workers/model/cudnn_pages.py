@@ -18,9 +18,10 @@ inputs cross to the device once a step, in one int32 tensor (`ChunkPages`):
 
     [ page table, padded to the bucket's pages | len_q, 0, 0, 0 | len_kv, 0, 0, 0 ]
 
-Padding pages hold block 0 and are never read (keys stop at len_kv). The queries are copied into
-the first rows of a scratch buffer of the bucket's rows, and the output rows back out: rows past
-len_q are neither read as queries nor used.
+Padding pages hold block 0 and are never read (keys stop at len_kv). A chunk that fills its
+bucket's rows is read and written in place; otherwise its queries are copied into the first rows
+of a scratch buffer of the bucket's rows, and the output rows back out: rows past len_q are
+neither read as queries nor used.
 
 Measured on an H100 (`benchmarks/gpu_cudnn_paged_probe.py`, 32 query heads over 8 KV heads, head
 dim 128, 16-token blocks scattered over the pool): 512 new tokens behind 7,680 cached in 150 us
@@ -213,7 +214,13 @@ class _Plan:
     """One bucket's cuDNN graph, its tensors and the plan built for it."""
 
     def __init__(
-        self, cudnn: Any, handle: Any, bucket: PagesBucket, shape: CacheShape, dtype: torch.dtype
+        self,
+        cudnn: Any,
+        handle: Any,
+        bucket: PagesBucket,
+        shape: CacheShape,
+        dtype: torch.dtype,
+        q_row_stride: int,
     ) -> None:
         dt = cudnn.data_type
         io = {torch.bfloat16: dt.BFLOAT16, torch.float16: dt.HALF}[dtype]
@@ -226,7 +233,8 @@ class _Plan:
         heads, kv_heads, dim, block = shape.heads, shape.kv_heads, shape.dim, shape.block_size
         row = heads * dim
         rows_dims = dict(dim=[1, heads, bucket.rows, dim], stride=[bucket.rows * row, dim, row, 1])
-        self.q = g.tensor(name="q", data_type=io, **rows_dims)
+        q_stride = [bucket.rows * q_row_stride, dim, q_row_stride, 1]
+        self.q = g.tensor(name="q", data_type=io, dim=rows_dims["dim"], stride=q_stride)
         page = block * kv_heads * dim
         container = dict(
             dim=[shape.num_blocks, kv_heads, block, dim],
@@ -270,8 +278,12 @@ class _Plan:
 class CudnnPages:
     """cuDNN plans by bucket and the scratch rows they share; attends one chunk per call.
 
+    A chunk whose tokens fill its bucket's rows is read and written in place: its queries at
+    their own row stride (the runner's are views into the fused q/k projection output), its
+    output rows contiguous; other chunks go through the scratch rows (copied in, copied out).
+
     Invariants:
-      * at most one plan per bucket, built on first need (or by `warm_up`)
+      * at most one plan per (bucket, query row stride), built on first need (or by `warm_up`)
       * the scratch buffers hold the largest bucket's rows; the workspace the largest plan's
       * calls run on the current CUDA stream, in order with the layer's other kernels
     """
@@ -286,7 +298,7 @@ class CudnnPages:
         with torch.cuda.device(device):
             self._handle = cudnn.create_handle()
         self._stream: int | None = None
-        self._plans: dict[PagesBucket, _Plan] = {}
+        self._plans: dict[tuple[PagesBucket, int], _Plan] = {}
         self._q = torch.empty((0, shape.heads, shape.dim), device=device, dtype=dtype)
         self._out = torch.empty_like(self._q)
         self._workspace = torch.empty(1, device=device, dtype=torch.uint8)
@@ -295,13 +307,16 @@ class CudnnPages:
 
     @property
     def buckets(self) -> list[PagesBucket]:
-        return sorted(self._plans)
+        return sorted({bucket for bucket, _ in self._plans})
 
-    def warm_up(self, buckets: Sequence[PagesBucket]) -> int:
-        """Build these buckets' plans now, not on a request's path. Returns how many."""
+    def warm_up(self, buckets: Sequence[PagesBucket], q_row_strides: Sequence[int] = ()) -> int:
+        """Build these buckets' plans now, not on a request's path: for queries in the scratch
+        rows and at each of `q_row_strides`. Returns how many plans."""
+        strides = {self.shape.heads * self.shape.dim, *q_row_strides}
         for bucket in buckets:
-            self._plan(bucket)
-        return len(buckets)
+            for stride in strides:
+                self._plan(bucket, stride)
+        return len(buckets) * len(strides)
 
     def attend(
         self, q: torch.Tensor, kv_blocks: torch.Tensor, pages: ChunkPages, out: torch.Tensor
@@ -309,39 +324,48 @@ class CudnnPages:
         """out [n, heads, dim] = attention of q [n, heads, dim] (the chunk's new tokens, their
         K/V already in the cache) over its sequence in kv_blocks [2, num_blocks, block_size,
         kv_heads, dim], bottom-right causal."""
-        plan = self._plan(pages.bucket)
         stream = torch.cuda.current_stream(self.device).cuda_stream
         if stream != self._stream:
             self._cudnn.set_stream(handle=self._handle, stream=stream)
             self._stream = stream
         n, rows = pages.num_new, pages.bucket.rows
-        q_rows, out_rows = self._q[:rows], self._out[:rows]
-        q_rows[:n].copy_(q)
+        heads, dim = self.shape.heads, self.shape.dim
+        fills = n == rows  # every query row is the chunk's: no copies needed
+        if fills and q.stride()[1:] == (dim, 1):
+            q_in = q
+        else:
+            q_in = self._q[:rows]
+            q_in[:n].copy_(q)
+        plan = self._plan(pages.bucket, q_in.stride(0))
+        out_in_place = fills and pages.row_map is None and out.stride() == (heads * dim, dim, 1)
+        o = out if out_in_place else self._out[:rows]
         plan.graph.execute(
             {
-                plan.q: q_rows,
+                plan.q: q_in,
                 plan.k: kv_blocks[0],
                 plan.v: kv_blocks[1],
                 plan.table_k: pages.table,
                 plan.table_v: pages.table,
                 plan.len_q: pages.len_q,
                 plan.len_kv: pages.len_kv,
-                plan.o: out_rows,
+                plan.o: o,
             },
             self._workspace,
             handle=self._handle,
         )
+        if out_in_place:
+            return
         if pages.row_map is None:
-            out.copy_(out_rows[:n])
+            out.copy_(o[:n])
         else:
-            torch.index_select(out_rows, 0, pages.row_map, out=out)
+            torch.index_select(o, 0, pages.row_map, out=out)
 
-    def _plan(self, bucket: PagesBucket) -> _Plan:
-        plan = self._plans.get(bucket)
+    def _plan(self, bucket: PagesBucket, q_row_stride: int) -> _Plan:
+        plan = self._plans.get((bucket, q_row_stride))
         if plan is not None:
             return plan
         began = time.perf_counter()
-        plan = _Plan(self._cudnn, self._handle, bucket, self.shape, self.dtype)
+        plan = _Plan(self._cudnn, self._handle, bucket, self.shape, self.dtype, q_row_stride)
         if bucket.rows > self._q.shape[0]:
             self._q = torch.zeros(
                 (bucket.rows, self.shape.heads, self.shape.dim),
@@ -353,6 +377,6 @@ class CudnnPages:
             self._workspace = torch.empty(
                 plan.workspace_bytes, device=self.device, dtype=torch.uint8
             )
-        self._plans[bucket] = plan
+        self._plans[bucket, q_row_stride] = plan
         self.build_ms += (time.perf_counter() - began) * 1e3
         return plan
