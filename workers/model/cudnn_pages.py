@@ -330,6 +330,7 @@ class CudnnPages:
             self._stream = stream
         n, rows = pages.num_new, pages.bucket.rows
         heads, dim = self.shape.heads, self.shape.dim
+        self._grow_scratch(rows)
         fills = n == rows  # every query row is the chunk's: no copies needed
         if fills and q.stride()[1:] == (dim, 1):
             q_in = q
@@ -360,19 +361,20 @@ class CudnnPages:
         else:
             torch.index_select(o, 0, pages.row_map, out=out)
 
+    def _grow_scratch(self, rows: int) -> None:
+        if rows > self._q.shape[0]:
+            self._q = torch.zeros(
+                (rows, self.shape.heads, self.shape.dim), device=self.device, dtype=self.dtype
+            )
+            self._out = torch.zeros_like(self._q)
+
     def _plan(self, bucket: PagesBucket, q_row_stride: int) -> _Plan:
         plan = self._plans.get((bucket, q_row_stride))
         if plan is not None:
             return plan
         began = time.perf_counter()
         plan = _Plan(self._cudnn, self._handle, bucket, self.shape, self.dtype, q_row_stride)
-        if bucket.rows > self._q.shape[0]:
-            self._q = torch.zeros(
-                (bucket.rows, self.shape.heads, self.shape.dim),
-                device=self.device,
-                dtype=self.dtype,
-            )
-            self._out = torch.zeros_like(self._q)
+        self._grow_scratch(bucket.rows)
         if plan.workspace_bytes > self._workspace.numel():
             self._workspace = torch.empty(
                 plan.workspace_bytes, device=self.device, dtype=torch.uint8
