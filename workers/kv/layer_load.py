@@ -27,7 +27,7 @@ except ImportError:  # pragma: no cover - exercised on CPU-only machines
     triton = None
 
 
-_CHUNK = 16384  # elements one step of a program moves (32 KB of bf16): more bytes in flight
+_CHUNK = 4096  # elements one step of a program moves (8 KB of bf16)
 _NUM_PROGRAMS = 32  # a few SMs: enough loads in flight for PCIe, the rest left to the prefill
 
 if triton is not None:
