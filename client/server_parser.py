@@ -145,8 +145,8 @@ def _add_worker_memory_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-cuda-graphs",
         action="store_true",
-        help="on GPU workers, launch every decode step's kernels one by one instead of replaying"
-        " a captured CUDA graph",
+        help="on GPU workers, launch every decode step's and every long cached prefill's kernels"
+        " one by one instead of replaying a captured CUDA graph",
     )
 
 

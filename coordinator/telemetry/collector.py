@@ -451,6 +451,25 @@ class MetricsCollector:
                 lambda i: i.counters.decode_graph_capture_ms / 1e3,
             ),
             per_worker(
+                "kvmesh_worker_prefill_graph_captures_total",
+                MetricKind.COUNTER,
+                "Long-chunk prefill shapes (cache hits read from the pages) captured as CUDA"
+                " graphs.",
+                lambda i: i.counters.num_prefill_graphs,
+            ),
+            per_worker(
+                "kvmesh_worker_prefill_graph_capture_seconds_total",
+                MetricKind.COUNTER,
+                "Time capturing them, inside the prefill steps that first needed them.",
+                lambda i: i.counters.prefill_graph_capture_ms / 1e3,
+            ),
+            per_worker(
+                "kvmesh_worker_prefill_graph_replays_total",
+                MetricKind.COUNTER,
+                "Prefill steps replayed from those graphs.",
+                lambda i: i.counters.num_prefill_graph_replays,
+            ),
+            per_worker(
                 "kvmesh_worker_prefill_seconds_per_token",
                 MetricKind.GAUGE,
                 "Measured prefill cost per token (the router's cost model follows it).",

@@ -71,6 +71,9 @@ def worker_info(worker_id: str, *, num_free: int = 60, evicted: int = 0) -> Work
         engine_host_ms=45.0,
         num_decode_graphs=5,
         decode_graph_capture_ms=310.0,
+        num_prefill_graphs=2,
+        prefill_graph_capture_ms=420.0,
+        num_prefill_graph_replays=17,
     )
     cache = CacheStats(
         num_lookup_hits=4, num_lookup_misses=6, saved_prefill_tokens=640, cache_epoch=2
@@ -244,6 +247,10 @@ def test_worker_families_read_each_live_workers_last_report() -> None:
     assert fams["kvmesh_worker_decode_graph_captures_total"].value(worker="w0") == 5
     capture_s = fams["kvmesh_worker_decode_graph_capture_seconds_total"]
     assert capture_s.value(worker="w0") == pytest.approx(0.31)
+    assert fams["kvmesh_worker_prefill_graph_captures_total"].value(worker="w0") == 2
+    prefill_s = fams["kvmesh_worker_prefill_graph_capture_seconds_total"]
+    assert prefill_s.value(worker="w0") == pytest.approx(0.42)
+    assert fams["kvmesh_worker_prefill_graph_replays_total"].value(worker="w0") == 17
     assert fams["kvmesh_worker_cache_epoch"].value(worker="w1") == 2
     registry.mark_dead("w0", "test")
     fams = families(collector)

@@ -153,6 +153,13 @@ class WorkerCounters:
     """Decode step shapes captured as CUDA graphs so far (each the first time a step needed it)."""
     decode_graph_capture_ms: float = 0.0
     """Wall time those captures took, in all: inside the decode steps that first needed them."""
+    num_prefill_graphs: int = 0
+    """Long-chunk prefill shapes (cache hits read by cuDNN from the pages) captured as CUDA
+    graphs so far."""
+    prefill_graph_capture_ms: float = 0.0
+    """Wall time those captures took, in all: inside the prefill steps that first needed them."""
+    num_prefill_graph_replays: int = 0
+    """Prefill steps replayed from those graphs."""
     num_warm_sessions: int = 0
     """Idle sessions whose chains are kept warm now."""
     warm_session_bytes: int = 0

@@ -54,6 +54,7 @@ class WorkerTally:
         num_evicted_blocks: int = 0,
         num_host_evicted_blocks: int = 0,
         decode_graph_captures: tuple[int, float] = (0, 0.0),
+        prefill_graph_captures: tuple[int, float, int] = (0, 0.0, 0),
     ) -> WorkerCounters:
         return WorkerCounters(
             num_requests=self.num_requests,
@@ -82,6 +83,9 @@ class WorkerTally:
             engine_host_ms=self.engine_host_ms,
             num_decode_graphs=decode_graph_captures[0],
             decode_graph_capture_ms=decode_graph_captures[1],
+            num_prefill_graphs=prefill_graph_captures[0],
+            prefill_graph_capture_ms=prefill_graph_captures[1],
+            num_prefill_graph_replays=prefill_graph_captures[2],
             num_warm_sessions=sessions.num_sessions,
             warm_session_bytes=sessions.num_bytes,
             num_sessions_evicted_ttl=sessions.num_evicted_ttl,

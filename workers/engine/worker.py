@@ -373,6 +373,7 @@ class Worker:
             self.pool.num_evicted,
             self.host_pool.num_evicted if self.host_pool else 0,
             self.runner.decode_graph_captures(),
+            self.runner.prefill_graph_captures(),
         )
         return WorkerInfo(
             worker_id=self.worker_id,

@@ -147,7 +147,8 @@ class ModelRunner:
         )
         self.prefill_graphs = self.cuda_graphs
         """A batch of one long chunk that cuDNN reads from the pages replays a CUDA graph
-        (`prefill_graphs`); benchmarks and tests may switch it on a live runner."""
+        (`prefill_graphs`) while `cuda_graphs` is on; benchmarks and tests may switch it on a
+        live runner."""
         self._prefill_graphs = (
             PrefillGraphs(
                 self._run_layers,
@@ -234,6 +235,7 @@ class ModelRunner:
         prefill = self._prefill_graphs
         if (
             prefill is not None
+            and self.cuda_graphs
             and self.prefill_graphs
             and not any(w.overlaps_forward for w in self._layer_writes)
             and prefill.serves(batch)
@@ -424,6 +426,15 @@ class ModelRunner:
         (ms, inside the steps that first needed them); (0, 0.0) without graphs."""
         graphs = self._decode_graphs
         return (len(graphs.buckets), graphs.capture_ms) if graphs is not None else (0, 0.0)
+
+    def prefill_graph_captures(self) -> tuple[int, float, int]:
+        """Long-chunk prefill buckets captured as CUDA graphs so far, the wall time the captures
+        took (ms, inside the steps that first needed them) and the steps replayed from them;
+        (0, 0.0, 0) without graphs."""
+        graphs = self._prefill_graphs
+        if graphs is None:
+            return 0, 0.0, 0
+        return len(graphs.buckets), graphs.capture_ms, graphs.num_replays
 
     def layer_stream(self) -> torch.cuda.Stream:
         """The side stream layered writes run on (CUDA only)."""
