@@ -68,6 +68,7 @@ class _StaticStep:
         self.ints = torch.zeros((4, rows), dtype=torch.int64, device=device)
         packed = torch.zeros_like(self.packed_host, device=device)
         pages = ChunkPages(bucket, packed, rows, bucket.pages, row_map=self.ints[3])
+        # end_pos / start_pos are read only off the pages path: on it the lengths are data
         chunk = CachedChunk(
             slice(0, rows), bucket.pages * block_size, pages.block_ids, 0, None, pages=pages
         )
