@@ -23,24 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from gpu_split_probe import event_ms  # type: ignore[import-not-found]
 
 from kvmesh.workers.model.split_attention import SplitShape, split_prefix_attention
 
 HEADS, KV_HEADS, DIM, BLOCK = 32, 8, 128, 16
 NUM_BLOCKS = 2048
-
-
-def event_ms(fn: Any, reps: int = 30) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 def wall_us(fn: Any, reps: int = 30) -> float:

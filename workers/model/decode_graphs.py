@@ -20,20 +20,15 @@ never read (the kernel masks keys by seq_len), so stale ids from an earlier step
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from kvmesh.workers.model.batch_plan import BatchPlan, SeqChunk
 from kvmesh.workers.model.paged_attention import DECODE_TILE, PagedLayout, group_pad
-from kvmesh.workers.model.step_capture import capture_step
-
-if TYPE_CHECKING:
-    from torch.cuda import _POOL_HANDLE
+from kvmesh.workers.model.step_capture import StepGraphs
 
 __all__ = [
     "DecodeBucket",
@@ -163,9 +158,6 @@ class _StaticStep:
         self.meta.copy_(self.meta_host, non_blocking=True)
         self.copied.record()
 
-    def capture(self, layers: Callable[[BatchPlan], torch.Tensor], pool: _POOL_HANDLE) -> None:
-        self.graph, self.hidden = capture_step(layers, self.plan, pool)
-
 
 class DecodeGraphs:
     """Captured decode steps by bucket, replayed for decode-only batches (CUDA only).
@@ -185,24 +177,25 @@ class DecodeGraphs:
         num_queries_per_kv: int,
         max_batch: int = 64,
     ) -> None:
-        self._layers = layers
         self._device = device
         self._block_size = block_size
         self._num_queries_per_kv = num_queries_per_kv
         self.max_batch = max_batch
-        self._steps: dict[DecodeBucket, _StaticStep] = {}
-        self._pool: _POOL_HANDLE | None = None
-        self.capture_ms = 0.0
+        self._graphs: StepGraphs[DecodeBucket, _StaticStep] = StepGraphs(layers)
+
+    @property
+    def capture_ms(self) -> float:
         """Wall time spent capturing buckets, in all (inside the steps that needed them)."""
+        return self._graphs.capture_ms
 
     @property
     def buckets(self) -> list[DecodeBucket]:
         """Buckets captured so far, in capture order."""
-        return list(self._steps)
+        return list(self._graphs.steps)
 
     def check_invariants(self) -> None:
         sizes = batch_sizes(self.max_batch)
-        for bucket, step in self._steps.items():
+        for bucket, step in self._graphs.steps.items():
             assert step.bucket == bucket and bucket.batch in sizes, (bucket, step.bucket)
             assert bucket.context % self._block_size == 0, bucket
             assert step.graph is not None and step.hidden is not None, bucket
@@ -216,18 +209,10 @@ class DecodeGraphs:
         a view of the graph's output, valid until the next call."""
         bucket = decode_bucket(batch, block_size=self._block_size, max_batch=self.max_batch)
         assert bucket is not None, "run() needs a batch that serves() accepts"
-        step = self._steps.get(bucket)
-        if step is None:
-            began = time.perf_counter()
-            step = _StaticStep(bucket, self._block_size, self._num_queries_per_kv, self._device)
-            step.load(batch, self._block_size)
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            step.capture(self._layers, self._pool)
-            self._steps[bucket] = step
-            self.capture_ms += (time.perf_counter() - began) * 1e3
-        else:
-            step.load(batch, self._block_size)
-        assert step.graph is not None and step.hidden is not None
-        step.graph.replay()
+        step = self._graphs.replay(
+            bucket,
+            lambda: _StaticStep(bucket, self._block_size, self._num_queries_per_kv, self._device),
+            lambda static: static.load(batch, self._block_size),
+        )
+        assert step.hidden is not None
         return step.hidden[: len(batch)]

@@ -23,19 +23,14 @@ runs eagerly.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from kvmesh.workers.model.batch_plan import BatchPlan, CachedChunk, SeqChunk
 from kvmesh.workers.model.cudnn_pages import ChunkPages, PagesBucket, pack_pages
-from kvmesh.workers.model.step_capture import capture_step
-
-if TYPE_CHECKING:
-    from torch.cuda import _POOL_HANDLE
+from kvmesh.workers.model.step_capture import StepGraphs
 
 __all__ = ["PrefillGraphs", "fill_prefill_inputs"]
 
@@ -97,9 +92,6 @@ class _StaticStep:
         self.pages.packed.copy_(self.packed_host, non_blocking=True)
         self.copied.record()
 
-    def capture(self, layers: Callable[[BatchPlan], torch.Tensor], pool: _POOL_HANDLE) -> None:
-        self.graph, self.hidden = capture_step(layers, self.plan, pool)
-
 
 class PrefillGraphs:
     """Captured long chunked prefills by bucket, replayed for one-chunk batches (CUDA only).
@@ -117,20 +109,24 @@ class PrefillGraphs:
         block_size: int,
         serves_chunk: Callable[[SeqChunk], bool],
     ) -> None:
-        self._layers = layers
         self._device = device
         self._block_size = block_size
         self._serves_chunk = serves_chunk
-        self._steps: dict[PagesBucket, _StaticStep] = {}
-        self._pool: _POOL_HANDLE | None = None
-        self.capture_ms = 0.0
+        self._graphs: StepGraphs[PagesBucket, _StaticStep] = StepGraphs(layers)
+
+    @property
+    def capture_ms(self) -> float:
         """Wall time spent capturing buckets, in all (inside the steps that needed them)."""
-        self.num_replays = 0
+        return self._graphs.capture_ms
+
+    @property
+    def num_replays(self) -> int:
         """Steps served by a graph, since construction."""
+        return self._graphs.num_replays
 
     @property
     def buckets(self) -> list[PagesBucket]:
-        return list(self._steps)
+        return list(self._graphs.steps)
 
     def serves(self, batch: Sequence[SeqChunk]) -> bool:
         """One chunk of the kind cuDNN reads from the pages, base model."""
@@ -142,19 +138,10 @@ class PrefillGraphs:
         (chunk,) = batch
         n = len(chunk.token_ids)
         bucket = PagesBucket.of(n, -(-chunk.end_pos // self._block_size))
-        step = self._steps.get(bucket)
-        if step is None:
-            began = time.perf_counter()
-            step = _StaticStep(bucket, self._block_size, self._device)
-            step.load(chunk, self._block_size)
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            step.capture(self._layers, self._pool)
-            self._steps[bucket] = step
-            self.capture_ms += (time.perf_counter() - began) * 1e3
-        else:
-            step.load(chunk, self._block_size)
-        assert step.graph is not None and step.hidden is not None
-        step.graph.replay()
-        self.num_replays += 1
+        step = self._graphs.replay(
+            bucket,
+            lambda: _StaticStep(bucket, self._block_size, self._device),
+            lambda static: static.load(chunk, self._block_size),
+        )
+        assert step.hidden is not None
         return step.hidden[n - 1 : n]

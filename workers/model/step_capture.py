@@ -1,14 +1,17 @@
-"""Recording one forward step as a CUDA graph: what decode and prefill graphs share.
+"""Forward steps recorded as CUDA graphs, one per bucket: what decode and prefill graphs share.
 
-The step runs once eagerly on a side stream first (kernels compile, cuDNN builds its plans, the
+A step runs once eagerly on a side stream first (kernels compile, cuDNN builds its plans, the
 allocator settles), then once under capture into the graphs' shared memory pool. Capture is
 thread-local: the worker's transfer threads may use CUDA while the engine thread captures.
+`StepGraphs` keeps one captured step per bucket: the first step of a bucket captures it, every
+later one loads its inputs into the step's static buffers and replays.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+import time
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 import torch
 
@@ -17,7 +20,7 @@ from kvmesh.workers.model.batch_plan import BatchPlan
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
 
-__all__ = ["capture_step"]
+__all__ = ["StaticStep", "StepGraphs", "capture_step"]
 
 
 def capture_step(
@@ -34,3 +37,50 @@ def capture_step(
     with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         hidden = layers(plan)
     return graph, hidden
+
+
+class StaticStep(Protocol):
+    """One bucket's static inputs (`plan` reads them), its graph and output once captured."""
+
+    plan: BatchPlan
+    graph: torch.cuda.CUDAGraph | None
+    hidden: torch.Tensor | None
+
+
+B = TypeVar("B", bound=Hashable)
+S = TypeVar("S", bound=StaticStep)
+
+
+class StepGraphs(Generic[B, S]):
+    """Captured steps by bucket, all in one memory pool (steps never overlap: each replay's
+    output is read before the next step loads its inputs)."""
+
+    def __init__(self, layers: Callable[[BatchPlan], torch.Tensor]) -> None:
+        self._layers = layers
+        self.steps: dict[B, S] = {}
+        self._pool: _POOL_HANDLE | None = None
+        self.capture_ms = 0.0
+        """Wall time spent capturing buckets, in all (inside the steps that needed them)."""
+        self.num_replays = 0
+        """Steps served by a graph, since construction."""
+
+    def replay(self, bucket: B, new_step: Callable[[], S], load: Callable[[S], None]) -> S:
+        """Load this step's inputs into its bucket's static step (`new_step` makes and captures
+        one the first time) and replay its graph; the step's `hidden` is valid until the next
+        call."""
+        step = self.steps.get(bucket)
+        if step is None:
+            began = time.perf_counter()
+            step = new_step()
+            load(step)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            step.graph, step.hidden = capture_step(self._layers, step.plan, self._pool)
+            self.steps[bucket] = step
+            self.capture_ms += (time.perf_counter() - began) * 1e3
+        else:
+            load(step)
+        assert step.graph is not None
+        step.graph.replay()
+        self.num_replays += 1
+        return step
