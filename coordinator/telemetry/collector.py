@@ -451,6 +451,12 @@ class MetricsCollector:
                 lambda i: i.counters.decode_graph_capture_ms / 1e3,
             ),
             per_worker(
+                "kvmesh_worker_decode_graph_replays_total",
+                MetricKind.COUNTER,
+                "Decode steps replayed from those graphs.",
+                lambda i: i.counters.num_decode_graph_replays,
+            ),
+            per_worker(
                 "kvmesh_worker_prefill_graph_captures_total",
                 MetricKind.COUNTER,
                 "Long-chunk prefill shapes (cache hits read from the pages) captured as CUDA"

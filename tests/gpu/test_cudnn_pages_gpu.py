@@ -57,3 +57,4 @@ def test_paged_attention_matches_float64_reference(dtype: torch.dtype) -> None:
         assert error.item() < TOLERANCE[dtype], (prefix, new, error.item())
     # two of the four shared a bucket: one plan served both
     assert len(pages.buckets) == 3
+    pages.check_invariants()

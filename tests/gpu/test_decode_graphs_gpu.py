@@ -99,13 +99,14 @@ def test_one_capture_per_bucket_and_a_new_one_when_the_shape_grows() -> None:
     greedy(graphs, ids, tabs, steps=6)
     assert graphs._decode_graphs is not None
     assert graphs._decode_graphs.buckets == [DecodeBucket(4, 256)]
-    one, one_ms = graphs.decode_graph_captures()
-    assert one == 1
+    one = graphs.decode_graph_counts()
+    assert one.num_graphs == 1 and one.num_replays == 6
     longer = [p + [1] * 200 for p in ids]  # 300+ tokens: the 512-key bucket
     greedy(graphs, longer, tabs, steps=2)
     assert graphs._decode_graphs.buckets == [DecodeBucket(4, 256), DecodeBucket(4, 512)]
-    two, two_ms = graphs.decode_graph_captures()
-    assert two == 2 and two_ms > one_ms  # the second capture's time is counted too
+    two = graphs.decode_graph_counts()
+    assert two.num_graphs == 2 and two.capture_ms > one.capture_ms  # the second one's time too
+    assert two.num_replays == 8
     graphs._decode_graphs.check_invariants()
 
 

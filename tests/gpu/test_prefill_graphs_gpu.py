@@ -62,6 +62,7 @@ def test_graph_replay_matches_the_eager_forward(monkeypatch: pytest.MonkeyPatch)
     assert runner.kv_cache[:, :, 300:].eq(0).all() and runner.kv_cache[:, :, 0].eq(0).all()
     graphs = runner._prefill_graphs
     assert graphs is not None and len(graphs.buckets) == 2
+    graphs.check_invariants()
 
 
 def test_a_pulled_prefix_still_landing_is_waited_for_before_the_replay(
@@ -88,5 +89,5 @@ def test_a_pulled_prefix_still_landing_is_waited_for_before_the_replay(
     assert graphs is not None
     got = runner.forward([SeqChunk(ids[600:], 600, target)])
     runner.take_layer_writes()
-    assert graphs.num_replays == 1
+    assert graphs.counts().num_replays == 1
     torch.testing.assert_close(got, expected, atol=0.05 * expected.abs().max().item(), rtol=0)

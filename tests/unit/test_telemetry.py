@@ -71,6 +71,7 @@ def worker_info(worker_id: str, *, num_free: int = 60, evicted: int = 0) -> Work
         engine_host_ms=45.0,
         num_decode_graphs=5,
         decode_graph_capture_ms=310.0,
+        num_decode_graph_replays=40,
         num_prefill_graphs=2,
         prefill_graph_capture_ms=420.0,
         num_prefill_graph_replays=17,
@@ -247,6 +248,7 @@ def test_worker_families_read_each_live_workers_last_report() -> None:
     assert fams["kvmesh_worker_decode_graph_captures_total"].value(worker="w0") == 5
     capture_s = fams["kvmesh_worker_decode_graph_capture_seconds_total"]
     assert capture_s.value(worker="w0") == pytest.approx(0.31)
+    assert fams["kvmesh_worker_decode_graph_replays_total"].value(worker="w0") == 40
     assert fams["kvmesh_worker_prefill_graph_captures_total"].value(worker="w0") == 2
     prefill_s = fams["kvmesh_worker_prefill_graph_capture_seconds_total"]
     assert prefill_s.value(worker="w0") == pytest.approx(0.42)

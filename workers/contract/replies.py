@@ -153,6 +153,8 @@ class WorkerCounters:
     """Decode step shapes captured as CUDA graphs so far (each the first time a step needed it)."""
     decode_graph_capture_ms: float = 0.0
     """Wall time those captures took, in all: inside the decode steps that first needed them."""
+    num_decode_graph_replays: int = 0
+    """Decode steps replayed from those graphs."""
     num_prefill_graphs: int = 0
     """Long-chunk prefill shapes (cache hits read by cuDNN from the pages) captured as CUDA
     graphs so far."""

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from kvmesh.workers.contract.replies import PrefillFacts, WorkerCounters
 from kvmesh.workers.kv.warm_sessions import WarmSessionStats
+from kvmesh.workers.model.graph_counts import NO_GRAPHS, GraphCounts
 
 
 @dataclass(slots=True)
@@ -53,8 +54,8 @@ class WorkerTally:
         sessions: WarmSessionStats,
         num_evicted_blocks: int = 0,
         num_host_evicted_blocks: int = 0,
-        decode_graph_captures: tuple[int, float] = (0, 0.0),
-        prefill_graph_captures: tuple[int, float, int] = (0, 0.0, 0),
+        decode_graphs: GraphCounts = NO_GRAPHS,
+        prefill_graphs: GraphCounts = NO_GRAPHS,
     ) -> WorkerCounters:
         return WorkerCounters(
             num_requests=self.num_requests,
@@ -81,11 +82,12 @@ class WorkerTally:
             decode_steps_ms=self.decode_steps_ms,
             num_decode_step_seqs=self.num_decode_step_seqs,
             engine_host_ms=self.engine_host_ms,
-            num_decode_graphs=decode_graph_captures[0],
-            decode_graph_capture_ms=decode_graph_captures[1],
-            num_prefill_graphs=prefill_graph_captures[0],
-            prefill_graph_capture_ms=prefill_graph_captures[1],
-            num_prefill_graph_replays=prefill_graph_captures[2],
+            num_decode_graphs=decode_graphs.num_graphs,
+            decode_graph_capture_ms=decode_graphs.capture_ms,
+            num_decode_graph_replays=decode_graphs.num_replays,
+            num_prefill_graphs=prefill_graphs.num_graphs,
+            prefill_graph_capture_ms=prefill_graphs.capture_ms,
+            num_prefill_graph_replays=prefill_graphs.num_replays,
             num_warm_sessions=sessions.num_sessions,
             warm_session_bytes=sessions.num_bytes,
             num_sessions_evicted_ttl=sessions.num_evicted_ttl,

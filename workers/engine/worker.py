@@ -372,8 +372,8 @@ class Worker:
             self.sessions.stats(),
             self.pool.num_evicted,
             self.host_pool.num_evicted if self.host_pool else 0,
-            self.runner.decode_graph_captures(),
-            self.runner.prefill_graph_captures(),
+            self.runner.decode_graph_counts(),
+            self.runner.prefill_graph_counts(),
         )
         return WorkerInfo(
             worker_id=self.worker_id,

@@ -309,6 +309,12 @@ class CudnnPages:
     def buckets(self) -> list[PagesBucket]:
         return sorted({bucket for bucket, _ in self._plans})
 
+    def check_invariants(self) -> None:
+        most_rows = max((bucket.rows for bucket, _ in self._plans), default=0)
+        assert self._q.shape[0] >= most_rows and self._out.shape == self._q.shape, most_rows
+        for (bucket, _), plan in self._plans.items():
+            assert plan.workspace_bytes <= self._workspace.numel(), bucket
+
     def warm_up(self, buckets: Sequence[PagesBucket], q_row_strides: Sequence[int] = ()) -> int:
         """Build these buckets' plans now, not on a request's path: for queries in the scratch
         rows and at each of `q_row_strides`. Returns how many plans."""

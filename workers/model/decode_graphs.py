@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from kvmesh.workers.model.batch_plan import BatchPlan, SeqChunk
+from kvmesh.workers.model.graph_counts import GraphCounts
 from kvmesh.workers.model.paged_attention import DECODE_TILE, PagedLayout, group_pad
 from kvmesh.workers.model.step_capture import StepGraphs
 
@@ -183,10 +184,8 @@ class DecodeGraphs:
         self.max_batch = max_batch
         self._graphs: StepGraphs[DecodeBucket, _StaticStep] = StepGraphs(layers)
 
-    @property
-    def capture_ms(self) -> float:
-        """Wall time spent capturing buckets, in all (inside the steps that needed them)."""
-        return self._graphs.capture_ms
+    def counts(self) -> GraphCounts:
+        return self._graphs.counts()
 
     @property
     def buckets(self) -> list[DecodeBucket]:

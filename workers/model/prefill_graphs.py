@@ -30,6 +30,7 @@ import torch
 
 from kvmesh.workers.model.batch_plan import BatchPlan, CachedChunk, SeqChunk
 from kvmesh.workers.model.cudnn_pages import ChunkPages, PagesBucket, pack_pages
+from kvmesh.workers.model.graph_counts import GraphCounts
 from kvmesh.workers.model.step_capture import StepGraphs
 
 __all__ = ["PrefillGraphs", "fill_prefill_inputs"]
@@ -114,15 +115,14 @@ class PrefillGraphs:
         self._serves_chunk = serves_chunk
         self._graphs: StepGraphs[PagesBucket, _StaticStep] = StepGraphs(layers)
 
-    @property
-    def capture_ms(self) -> float:
-        """Wall time spent capturing buckets, in all (inside the steps that needed them)."""
-        return self._graphs.capture_ms
+    def counts(self) -> GraphCounts:
+        return self._graphs.counts()
 
-    @property
-    def num_replays(self) -> int:
-        """Steps served by a graph, since construction."""
-        return self._graphs.num_replays
+    def check_invariants(self) -> None:
+        for bucket, step in self._graphs.steps.items():
+            assert step.bucket == bucket, (bucket, step.bucket)
+            assert step.graph is not None and step.hidden is not None, bucket
+            assert step.hidden.shape[0] == bucket.rows, (bucket, tuple(step.hidden.shape))
 
     @property
     def buckets(self) -> list[PagesBucket]:

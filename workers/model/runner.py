@@ -32,6 +32,7 @@ from kvmesh.workers.model.batch_plan import (
 )
 from kvmesh.workers.model.cudnn_pages import cudnn_pages_usable
 from kvmesh.workers.model.decode_graphs import DecodeGraphs
+from kvmesh.workers.model.graph_counts import NO_GRAPHS, GraphCounts
 from kvmesh.workers.model.lora import LoraAdapter, LoraBatch, load_peft_adapter
 from kvmesh.workers.model.model_config import ModelConfig, checkpoint_source
 from kvmesh.workers.model.prefill_graphs import PrefillGraphs
@@ -421,20 +422,16 @@ class ModelRunner:
         self.num_layer_loads += 1
         return load
 
-    def decode_graph_captures(self) -> tuple[int, float]:
-        """Decode buckets captured as CUDA graphs so far, and the wall time the captures took
-        (ms, inside the steps that first needed them); (0, 0.0) without graphs."""
+    def decode_graph_counts(self) -> GraphCounts:
+        """Decode buckets captured as CUDA graphs so far, the captures' wall time and the steps
+        replayed (`GraphCounts`); zeros without graphs."""
         graphs = self._decode_graphs
-        return (len(graphs.buckets), graphs.capture_ms) if graphs is not None else (0, 0.0)
+        return graphs.counts() if graphs is not None else NO_GRAPHS
 
-    def prefill_graph_captures(self) -> tuple[int, float, int]:
-        """Long-chunk prefill buckets captured as CUDA graphs so far, the wall time the captures
-        took (ms, inside the steps that first needed them) and the steps replayed from them;
-        (0, 0.0, 0) without graphs."""
+    def prefill_graph_counts(self) -> GraphCounts:
+        """The same for long-chunk prefill buckets (`prefill_graphs`)."""
         graphs = self._prefill_graphs
-        if graphs is None:
-            return 0, 0.0, 0
-        return len(graphs.buckets), graphs.capture_ms, graphs.num_replays
+        return graphs.counts() if graphs is not None else NO_GRAPHS
 
     def layer_stream(self) -> torch.cuda.Stream:
         """The side stream layered writes run on (CUDA only)."""

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 import torch
 
 from kvmesh.workers.model.batch_plan import BatchPlan
+from kvmesh.workers.model.graph_counts import GraphCounts
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
@@ -63,6 +64,9 @@ class StepGraphs(Generic[B, S]):
         """Wall time spent capturing buckets, in all (inside the steps that needed them)."""
         self.num_replays = 0
         """Steps served by a graph, since construction."""
+
+    def counts(self) -> GraphCounts:
+        return GraphCounts(len(self.steps), self.capture_ms, self.num_replays)
 
     def replay(self, bucket: B, new_step: Callable[[], S], load: Callable[[S], None]) -> S:
         """Load this step's inputs into its bucket's static step (`new_step` makes and captures
