@@ -8,6 +8,7 @@ PYTEST_ARGS ?=
 
 # Idempotent. Reuses a torch the system Python already has (a GPU machine's CUDA build);
 # otherwise installs the CPU build torch==2.13.0 before the project, so nothing pulls CUDA wheels.
+# With a CUDA build of torch it adds the `gpu` extra (cuDNN's frontend bindings).
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -18,6 +19,8 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[dev]'
+	@if $(BIN)/python -c "import sys, torch; sys.exit(not torch.version.cuda)" 2>/dev/null; then \
+	  $(BIN)/python -m pip install -q -e '.[gpu]'; fi
 	@touch $@
 
 demo: install
