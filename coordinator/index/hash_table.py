@@ -150,12 +150,16 @@ class HashTable:
         if not len(keys):
             return np.full(len(wanted), -1, dtype=np.int32)
         # (the slots are below 2**60: as int64, `take` reads them without a conversion)
-        rows = self._index.take(_home_slots(wanted, self._index_bits).view(np.int64))
-        found = np.where(keys.take(rows) == wanted, rows, -1)
-        todo = (rows > found).nonzero()[0]  # a home slot that holds another key
-        displaced_keys = self._displaced_keys
-        if len(todo) and len(displaced_keys):
-            left = wanted[todo]
+        found = self._index.take(_home_slots(wanted, self._index_bits).view(np.int64))
+        # A home slot that holds another key, or none (-1, as it reads the last key): the
+        # displaced keys have the one, not the other (then found there or not, -1 either way).
+        todo = (keys.take(found) != wanted).nonzero()[0]
+        if len(todo):
+            displaced_keys = self._displaced_keys
+            if not len(displaced_keys):
+                found[todo] = -1
+                return found
+            left = wanted.take(todo)
             at = displaced_keys.searchsorted(left)  # (len: past the last, clipped below)
             hit = displaced_keys.take(at, mode="clip") == left
             found[todo] = np.where(hit, self._displaced_rows.take(at, mode="clip"), -1)

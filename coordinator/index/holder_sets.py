@@ -156,7 +156,13 @@ class HolderSets:
         # (a bit never set counts 0 runs: ends[0] == 0; position 64 reads the trailing 0)
         num_runs = np.empty(65, dtype=np.int64)
         num_runs[64] = num_starts + 1
-        np.add.reduce(bits, axis=0, dtype=np.int64, out=num_runs[:64])
+        if num_starts < 256:
+            # Each row's 64 bytes (0 or 1) summed as 8 uint64 lanes of 8 bytes: a byte's sum
+            # stays below 256, so no carry crosses into its neighbour, and the lanes' bytes are
+            # the bits' counts (one contiguous reduce, not 64 strided byte sums into int64).
+            num_runs[:64] = np.add.reduce(bits.view(np.uint64), axis=0).view(np.uint8)
+        else:
+            np.add.reduce(bits, axis=0, dtype=np.int64, out=num_runs[:64])
         return ends.take(num_runs)
 
     def check_invariants(self) -> None:

@@ -302,7 +302,7 @@ class IndexMirror:
         starts = changed.nonzero()[0]
         by_position = self._sets.walk_low(starts, sets.take(starts), len(hashes))
         num_blocks = by_position.take(positions)
-        return FleetMatch(num_blocks, num_blocks.copy(), int(by_position.max()))
+        return FleetMatch(num_blocks, num_blocks.copy(), int(np.maximum.reduce(by_position)))
 
     def _runs(
         self, hashes: Sequence[BlockHash], hash_array: np.ndarray | None = None

@@ -19,7 +19,7 @@ stays bounded even if completions are never reported.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from itertools import compress, repeat
 from operator import is_not
 
@@ -181,14 +181,14 @@ class RoutedPrefixes:
             # check would cost more than the lookups below)
         held_list = held.tolist()
         # each row grows on its own: the order does not matter
-        starts = list(set(held_list))
+        starts: Collection[int] = set(held_list)
         if max(starts) >= n:  # only a match shorter than the chain may grow
             starts = [start for start in starts if start < n]
-        # (the lookups in C maps; most starts have no routed block next)
-        if hash_array is not None:
-            routed = list(map(refs.get, hash_array.take(starts).tolist()))
-        else:
-            routed = list(map(refs.get, map(hashes.__getitem__, starts)))
+        # (the lookups in C maps; most starts have no routed block next; a hash made from the
+        # array one at a time, not by a gather of a list of starts, which costs its conversion
+        # to an array)
+        hash_at = hashes.__getitem__ if hash_array is None else hash_array.item
+        routed = list(map(refs.get, map(hash_at, starts)))
         is_routed = map(is_not, routed, repeat(None))
         for start, holders in compress(zip(starts, routed, strict=True), is_routed):
             assert holders is not None  # (compress kept only these)

@@ -41,3 +41,16 @@ def test_absent_and_released_hashes_read_as_nobody() -> None:
     table.check_invariants()
     assert table.lookup(HASHES).tolist() == [NOBODY] * 10 + [7] * 90 + [NOBODY] * 100
     assert table.lookup_few(HASHES[:3] + HASHES[150:153]) == [NOBODY] * 6
+
+
+def test_a_table_without_displaced_keys_finds_its_keys_and_no_other() -> None:
+    """A hash whose home slot holds another key, or none, is absent when no key is displaced
+    (the search of the displaced keys is skipped)."""
+    table = HashTable()
+    kept = [h for h in HASHES if h % 5 == 0][:3]
+    put(table, dict.fromkeys(kept, 4))
+    table.merge()
+    assert not len(table._displaced_keys)
+    rows = table.find(np.fromiter(HASHES, np.uint64)).tolist()
+    assert [HASHES[i] for i, r in enumerate(rows) if r >= 0] == kept
+    assert table.lookup(HASHES).tolist() == [4 if h in kept else NOBODY for h in HASHES]

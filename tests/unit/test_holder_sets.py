@@ -41,6 +41,26 @@ def test_walk_low_counts_what_the_python_walk_counts() -> None:
     sets.check_invariants()
 
 
+def test_walk_low_counts_chains_of_hundreds_of_runs_as_the_python_walk() -> None:
+    """Up to 255 runs, the bits' counts are summed in bytes of 64-bit lanes; from 256 on, in
+    int64: both give what `walk` gives, on either side of the switch."""
+    rng = random.Random(12)
+    sets = HolderSets()
+    mask = (1 << 64) - 1
+    for num_runs in (254, 255, 256, 257, 600):
+        chain: list[int] = []
+        for k in range(num_runs):
+            # a worker leaves every fourth run; the others alternate two sets (holes too)
+            held = mask >> (k // 4) if k % 2 else (mask >> (k // 4)) ^ rng.getrandbits(3)
+            chain += [sets.intern(held, held)] * rng.randrange(1, 3)
+        starts = [i for i in range(len(chain)) if not i or chain[i] != chain[i - 1]]
+        run_sets = [chain[i] for i in starts]
+        by_bit, _ = sets.walk(starts, run_sets, len(chain))
+        low = sets.walk_low(np.array(starts), np.array(run_sets), len(chain))
+        assert low[:NO_POSITION].tolist() == [by_bit.get(1 << p, 0) for p in range(64)]
+        assert low[NO_POSITION] == 0
+
+
 def test_a_released_set_is_reused_and_its_low_mask_rewritten() -> None:
     sets = HolderSets()
     a = sets.intern(0b101, 0b001)
