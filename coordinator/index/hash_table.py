@@ -81,14 +81,17 @@ class HashTable:
             sets[missing] = NOBODY
         delta = self.delta
         if delta and len(missing):
-            if len(missing) > FEW_HASHES:  # many: only those the filter lets through
-                passed = self._delta_filter[wanted[missing] & self._delta_filter_mask]
-                missing = missing[passed]
-            # The maps run in C: a chain just stored (hundreds in the delta) costs little.
-            candidates = map(hashes.__getitem__, missing.tolist())
-            in_delta = np.fromiter(map(delta.get, candidates, repeat(-1)), np.int64, len(missing))
-            hit = in_delta >= 0
-            sets[missing[hit]] = in_delta[hit]
+            # Only those the filter lets through, however few are missing: most pass none, and
+            # then the prompt's hash objects (cold by now) are not read at all.
+            slots = wanted.take(missing) & self._delta_filter_mask  # (below 2**63: as int64)
+            missing = missing[self._delta_filter.take(slots.view(np.int64))]
+            if len(missing):
+                # The maps run in C: a chain just stored (hundreds in the delta) costs little.
+                candidates = map(hashes.__getitem__, missing.tolist())
+                in_delta = map(delta.get, candidates, repeat(-1))
+                found = np.fromiter(in_delta, np.int64, len(missing))
+                hit = found >= 0
+                sets[missing[hit]] = found[hit]
         return sets
 
     def lookup_few(self, hashes: Sequence[BlockHash], leading: bool = False) -> list[int]:

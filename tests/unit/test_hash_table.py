@@ -54,3 +54,17 @@ def test_a_table_without_displaced_keys_finds_its_keys_and_no_other() -> None:
     rows = table.find(np.fromiter(HASHES, np.uint64)).tolist()
     assert [HASHES[i] for i, r in enumerate(rows) if r >= 0] == kept
     assert table.lookup(HASHES).tolist() == [4 if h in kept else NOBODY for h in HASHES]
+
+
+def test_a_long_chain_missing_a_few_hashes_from_the_arrays_reads_them_from_the_delta() -> None:
+    """However few of a chain the arrays miss, those in the delta are read there (the delta
+    filter lets them through) and the rest read as nobody."""
+    table = HashTable()
+    put(table, dict.fromkeys(HASHES[:100], 2))
+    table.merge()
+    put(table, dict.fromkeys(HASHES[100:103], 5))  # three new blocks: into the delta
+    assert len(table.delta) == 3
+    chain = HASHES[:FEW_HASHES] + HASHES[100:104]
+    assert table.lookup(chain).tolist() == [2] * FEW_HASHES + [5, 5, 5, NOBODY]
+    chain = HASHES[:FEW_HASHES] + HASHES[150:152]
+    assert table.lookup(chain).tolist() == [2] * FEW_HASHES + [NOBODY, NOBODY]
