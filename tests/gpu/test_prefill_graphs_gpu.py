@@ -45,8 +45,9 @@ def test_graph_replay_matches_the_eager_forward(monkeypatch: pytest.MonkeyPatch)
     table = rng.sample(range(1, 300), 100)  # blocks 300-399 and 0 stay unused: must stay zero
     ids = [rng.randrange(config.vocab_size) for _ in range(1500)]
     runner.forward([SeqChunk(ids[:700], 0, table)])
-    # 300 and 280 new tokens: one bucket (512 rows), padding rows in both; 700 new: another
-    for start, n in ((700, 300), (700, 280), (700, 700)):
+    # 300 and 280 new tokens: one bucket (512 rows), padding rows in both; 700 new: another,
+    # captured between them (the first bucket's graph replays after a bigger one was made)
+    for start, n in ((700, 300), (700, 700), (700, 280)):
         chunk = SeqChunk(ids[start : start + n], start, table)
         runner.prefill_graphs = True
         graphed = runner.forward([chunk])

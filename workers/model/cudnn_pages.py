@@ -221,6 +221,7 @@ class _Plan:
         shape: CacheShape,
         dtype: torch.dtype,
         q_row_stride: int,
+        device: torch.device,
     ) -> None:
         dt = cudnn.data_type
         io = {torch.bfloat16: dt.BFLOAT16, torch.float16: dt.HALF}[dtype]
@@ -272,7 +273,10 @@ class _Plan:
         g.check_support()
         g.build_plans()
         self.graph = g
-        self.workspace_bytes = int(g.get_workspace_size())
+        self.workspace = torch.empty(
+            max(1, int(g.get_workspace_size())), device=device, dtype=torch.uint8
+        )
+        """This plan's own: a captured step replays with its address."""
 
 
 class CudnnPages:
@@ -284,7 +288,8 @@ class CudnnPages:
 
     Invariants:
       * at most one plan per (bucket, query row stride), built on first need (or by `warm_up`)
-      * the scratch buffers hold the largest bucket's rows; the workspace the largest plan's
+      * scratch rows (one pair per bucket size) and each plan's workspace are never freed or
+        replaced: a captured step (`prefill_graphs`) replays with their addresses
       * calls run on the current CUDA stream, in order with the layer's other kernels
     """
 
@@ -299,9 +304,8 @@ class CudnnPages:
             self._handle = cudnn.create_handle()
         self._stream: int | None = None
         self._plans: dict[tuple[PagesBucket, int], _Plan] = {}
-        self._q = torch.empty((0, shape.heads, shape.dim), device=device, dtype=dtype)
-        self._out = torch.empty_like(self._q)
-        self._workspace = torch.empty(1, device=device, dtype=torch.uint8)
+        # Query and output rows by bucket rows, never freed: a captured step keeps their address.
+        self._scratch: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.build_ms = 0.0
         """Wall time spent building plans, in all."""
 
@@ -310,10 +314,10 @@ class CudnnPages:
         return sorted({bucket for bucket, _ in self._plans})
 
     def check_invariants(self) -> None:
-        most_rows = max((bucket.rows for bucket, _ in self._plans), default=0)
-        assert self._q.shape[0] >= most_rows and self._out.shape == self._q.shape, most_rows
-        for (bucket, _), plan in self._plans.items():
-            assert plan.workspace_bytes <= self._workspace.numel(), bucket
+        for rows, (q, out) in self._scratch.items():
+            assert q.shape == out.shape == (rows, self.shape.heads, self.shape.dim), rows
+        for bucket, stride in self._plans:
+            assert stride >= self.shape.heads * self.shape.dim, (bucket, stride)
 
     def warm_up(self, buckets: Sequence[PagesBucket], q_row_strides: Sequence[int] = ()) -> int:
         """Build these buckets' plans now, not on a request's path: for queries in the scratch
@@ -336,16 +340,16 @@ class CudnnPages:
             self._stream = stream
         n, rows = pages.num_new, pages.bucket.rows
         heads, dim = self.shape.heads, self.shape.dim
-        self._grow_scratch(rows)
+        q_rows, out_rows = self._rows(rows)
         fills = n == rows  # every query row is the chunk's: no copies needed
         if fills and q.stride()[1:] == (dim, 1):
             q_in = q
         else:
-            q_in = self._q[:rows]
+            q_in = q_rows
             q_in[:n].copy_(q)
         plan = self._plan(pages.bucket, q_in.stride(0))
         out_in_place = fills and pages.row_map is None and out.stride() == (heads * dim, dim, 1)
-        o = out if out_in_place else self._out[:rows]
+        o = out if out_in_place else out_rows
         plan.graph.execute(
             {
                 plan.q: q_in,
@@ -357,7 +361,7 @@ class CudnnPages:
                 plan.len_kv: pages.len_kv,
                 plan.o: o,
             },
-            self._workspace,
+            plan.workspace,
             handle=self._handle,
         )
         if out_in_place:
@@ -367,24 +371,24 @@ class CudnnPages:
         else:
             torch.index_select(o, 0, pages.row_map, out=out)
 
-    def _grow_scratch(self, rows: int) -> None:
-        if rows > self._q.shape[0]:
-            self._q = torch.zeros(
+    def _rows(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scratch query and output rows of buckets of `rows` rows."""
+        pair = self._scratch.get(rows)
+        if pair is None:
+            q = torch.zeros(
                 (rows, self.shape.heads, self.shape.dim), device=self.device, dtype=self.dtype
             )
-            self._out = torch.zeros_like(self._q)
+            pair = self._scratch[rows] = (q, torch.zeros_like(q))
+        return pair
 
     def _plan(self, bucket: PagesBucket, q_row_stride: int) -> _Plan:
         plan = self._plans.get((bucket, q_row_stride))
         if plan is not None:
             return plan
         began = time.perf_counter()
-        plan = _Plan(self._cudnn, self._handle, bucket, self.shape, self.dtype, q_row_stride)
-        self._grow_scratch(bucket.rows)
-        if plan.workspace_bytes > self._workspace.numel():
-            self._workspace = torch.empty(
-                plan.workspace_bytes, device=self.device, dtype=torch.uint8
-            )
+        plan = _Plan(
+            self._cudnn, self._handle, bucket, self.shape, self.dtype, q_row_stride, self.device
+        )
         self._plans[bucket, q_row_stride] = plan
         self.build_ms += (time.perf_counter() - began) * 1e3
         return plan
