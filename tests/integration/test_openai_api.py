@@ -90,6 +90,7 @@ def test_completion_reports_usage_and_a_cache_hit_on_a_repeated_prefix(
         lambda: _indexed_blocks(cluster, prefix + "Two") >= num_blocks,
         what="the first prompt's blocks in the index",
     )
+    wait_for(lambda: _idle_in_view(cluster, facts["worker_id"]), what="the first worker idle")
     second = client.completions.create(
         model=MODEL, prompt=prefix + "Two", max_tokens=4, temperature=0
     )
@@ -97,6 +98,15 @@ def test_completion_reports_usage_and_a_cache_hit_on_a_repeated_prefix(
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert cached is not None and cached >= 16 * (len(prefix) // 16)
     assert kvmesh_facts(second)["worker_id"] == facts["worker_id"]
+
+
+def _idle_in_view(cluster: Deployment, worker: str) -> bool:
+    """Whether the coordinator sees `worker` with nothing running: what it routed has finished
+    and the worker's last load report (sent every few hundred ms) says so too. Until then a
+    cache hit may rightly go to an idle peer with a pull."""
+    c = cluster.coordinator
+    assert c is not None
+    return c.load.with_reported(WorkerId(worker), lambda tokens: 0.0)[2] == 0
 
 
 def _indexed_blocks(cluster: Deployment, prompt: str) -> int:
@@ -127,7 +137,9 @@ def test_streamed_completion_equals_the_whole_one(client: openai.OpenAI) -> None
     assert chunks[-1].usage.completion_tokens == 12
 
 
-def test_chat_with_a_shared_system_prompt_is_a_cache_hit(client: openai.OpenAI) -> None:
+def test_chat_with_a_shared_system_prompt_is_a_cache_hit(
+    client: openai.OpenAI, cluster: Deployment
+) -> None:
     def ask(question: str) -> Any:
         return client.chat.completions.create(
             model=MODEL,
@@ -142,12 +154,14 @@ def test_chat_with_a_shared_system_prompt_is_a_cache_hit(client: openai.OpenAI) 
     first = ask("What is a KV cache?")
     assert first.choices[0].message.role == "assistant"
     assert isinstance(first.choices[0].message.content, str)
+    holder = kvmesh_facts(first)["worker_id"]
+    wait_for(lambda: _idle_in_view(cluster, holder), what="the first worker idle")
     second = ask("And a prefix index?")
     assert second.usage is not None and second.usage.prompt_tokens_details is not None
     cached = second.usage.prompt_tokens_details.cached_tokens or 0
     system_len = len(f"<|system|>\n{SYSTEM}\n".encode())
     assert cached >= 16 * (system_len // 16) - 16  # all full blocks of the system turn, bar one
-    assert kvmesh_facts(second)["worker_id"] == kvmesh_facts(first)["worker_id"]
+    assert kvmesh_facts(second)["worker_id"] == holder
 
 
 def test_streamed_chat_starts_with_the_role_and_ends_with_facts(client: openai.OpenAI) -> None:
