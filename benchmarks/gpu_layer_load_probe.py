@@ -6,9 +6,11 @@ the pinned host slots in place. The load alone has measured 24.8-31.2 ms (32-40 
 pinned copy reaches ~48 GB/s, and beside the prefill it holds SMs the prefill's matmuls want.
 This probe times the kernel per (programs, elements a step, warps): alone, and beside a stream of
 bf16 matmuls of the prefill's shape (512 tokens x the 8B model's projections), against the
-matmuls alone.
+matmuls alone. Then `LayerLoad` itself, the kernel against the copy engine (strided DMA per run
+of consecutive host slots, then a scatter), with the slots in 1 run, in 8 runs and scattered:
+alone, and layered as a forward is (layer l's matmuls wait for layer l's event).
 
-Usage (GPU machine): python benchmarks/gpu_layer_load_probe.py [--json FILE]
+Usage (GPU machine): python benchmarks/gpu_layer_load_probe.py [--json FILE] [--skip-settings]
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from typing import Any
 import torch
 
 from kvmesh.workers.kv import layer_load
+from kvmesh.workers.kv.copy_engine import CopyEngine
+from kvmesh.workers.kv.layer_load import LayerLoad
 
 LAYERS, BLOCK, KV_HEADS, DIM = 32, 16, 8, 128
 NUM_BLOCKS, NUM_SLOTS, PAIRS = 1024, 1024, 480
@@ -50,6 +54,7 @@ def timed_ms(fn: Any, reps: int = 5) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--skip-settings", action="store_true", help="only LayerLoad's two ways")
     args = parser.parse_args()
     host = torch.randn(
         (NUM_SLOTS, LAYERS, 2, BLOCK, KV_HEADS, DIM), dtype=torch.bfloat16
@@ -88,7 +93,7 @@ def main() -> None:
         f"1 GB pinned copy {result['pinned_copy_GBps']:.1f} GB/s; "
         f"matmuls alone {result['matmuls_ms']:.2f} ms"
     )
-    for programs, chunk, warps in SETTINGS:
+    for programs, chunk, warps in [] if args.skip_settings else SETTINGS:
 
         def enqueue(programs: int = programs, chunk: int = chunk, warps: int = warps) -> None:
             side.wait_stream(torch.cuda.current_stream())
@@ -125,8 +130,68 @@ def main() -> None:
             f"= {row['load_GBps']:5.1f} GB/s; beside the matmuls {together:6.2f} ms "
             f"({row['over_max']:.2f}x the longer alone)"
         )
+    result["ways"] = ways(host, cache, weights, x, acts, moved, result["matmuls_ms"], rng)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
+
+
+def ways(
+    host: torch.Tensor,
+    cache: torch.Tensor,
+    weights: list[torch.Tensor],
+    x: torch.Tensor,
+    acts: torch.Tensor,
+    moved: int,
+    matmuls_ms: float,
+    rng: random.Random,
+) -> list[dict[str, Any]]:
+    """`LayerLoad` by the kernel and by the copy engine, alone and layered beside the matmuls."""
+    engine = CopyEngine.find()
+    print(f"copy engine: {'found' if engine else 'none (no runtime library mapped)'}")
+    per_run = PAIRS // 8
+    layouts = {
+        "1 run": list(range(100, 100 + PAIRS)),
+        "8 runs": [s for r in range(8) for s in range(r * 120, r * 120 + per_run)],
+        "scattered": rng.sample(range(NUM_SLOTS), PAIRS),
+    }
+    blocks = rng.sample(range(NUM_BLOCKS), PAIRS)
+    dma, scatter = torch.cuda.Stream(priority=-1), torch.cuda.Stream(priority=-1)
+    rows = []
+    for layout, slots in layouts.items():
+        for way in ("kernel", "copy engine"):
+            if way == "copy engine" and engine is None:
+                continue
+
+            def start(slots: list[int] = slots, way: str = way) -> LayerLoad:
+                use = engine if way == "copy engine" else None
+                return LayerLoad(host, slots, cache, blocks, dma, copy_engine=use,
+                                 scatter_stream=scatter)  # fmt: skip
+
+            def alone(start: Any = start) -> None:
+                torch.cuda.current_stream().wait_event(start().done)
+
+            def layered(start: Any = start) -> None:
+                load = start()
+                for layer in range(LAYERS):
+                    load.wait_layer(layer)
+                    for w in weights:
+                        (acts if w.shape[1] == 14336 else x) @ w.t()
+
+            used = start().uses_copy_engine
+            torch.cuda.synchronize()
+            row = {"slots": layout, "way": way, "copy_engine_used": used}
+            row["load_ms"] = timed_ms(alone)
+            row["load_GBps"] = moved / row["load_ms"] / 1e6
+            row["layered_ms"] = timed_ms(layered)
+            row["over_matmuls"] = row["layered_ms"] / matmuls_ms
+            rows.append(row)
+            fell_back = " (kernel: too many runs)" if way != "kernel" and not used else ""
+            print(
+                f"{layout:>9} {way:>11}{fell_back}: load "
+                f"{row['load_ms']:6.2f} ms = {row['load_GBps']:5.1f} GB/s; layered beside the "
+                f"matmuls {row['layered_ms']:6.2f} ms ({row['over_matmuls']:.2f}x the matmuls)"
+            )
+    return rows
 
 
 if __name__ == "__main__":

@@ -149,12 +149,18 @@ def host_tier_ttft() -> dict[str, Any]:
     # Evictions copied out on the request's path (the promotion as one copy before the prefill,
     # as before), then with the worker's idle write-back between requests (what the actor's
     # engine loop runs whenever it has nothing to do), promoting as one copy and layer by layer
-    # beside the prefill (its kernel compiled when the worker was built). Median of 3 each.
-    rounds = [("host_hit", False, False)]
-    rounds += [("host_hit_written_back_one_copy", True, False)]
-    rounds += [("host_hit_written_back", True, True)]
-    for label, idle, layered in rounds:
+    # beside the prefill (its kernel compiled when the worker was built), by the copy engine
+    # (the default where the host slots come in runs) and by the kernel. Median of 3 each.
+    engine = worker.runner.copy_engine
+    out["copy_engine"] = engine is not None
+    rounds = [("host_hit", False, False, engine)]
+    rounds += [("host_hit_written_back_one_copy", True, False, engine)]
+    rounds += [("host_hit_written_back", True, True, engine)]
+    rounds += [("host_hit_written_back_kernel", True, True, None)]
+    for label, idle, layered, copier in rounds:
         worker.runner.layered_loads = layered
+        worker.runner.copy_engine = copier
+        loads_before = worker.runner.num_copy_engine_loads
         samples, promoted = [], []
         for r in range(3):
             prefix = torch.randint(0, 128000, (PREFIX,), generator=g).tolist()
@@ -165,6 +171,8 @@ def host_tier_ttft() -> dict[str, Any]:
             promoted.append(float(worker.tally.host_hit_tokens - before))
         out[f"{label}_ms"] = sorted(samples)[1]
         out[f"{label}_tokens"] = min(promoted)
+        out[f"{label}_copy_engine_loads"] = worker.runner.num_copy_engine_loads - loads_before
+    worker.runner.copy_engine = engine
     # The same local and layered host hits with long chunks on the path the start-up probe did
     # not pick (split <-> paged), then back: which path a promoted prefix prefers.
     choice = worker.runner.attention.prefill_choice
@@ -190,15 +198,16 @@ def host_tier_ttft() -> dict[str, Any]:
     host_pool = worker.host_pool
     assert host_pool is not None
     slots, blocks = list(range(480)), list(range(480))
-    samples = []
-    for _ in range(5):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        worker.runner.load_layers(host_pool.data, slots, blocks)
-        for load in worker.runner.take_layer_writes():
-            load.done.synchronize()
-        samples.append((time.perf_counter() - start) * 1e3)
-    out["layer_load_only_ms"] = sorted(samples)[2]
+    for label, kernel_only in (("layer_load_only_ms", False), ("layer_load_only_kernel_ms", True)):
+        samples = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            worker.runner.load_layers(host_pool.data, slots, blocks, kernel_only=kernel_only)
+            for load in worker.runner.take_layer_writes():
+                load.done.synchronize()
+            samples.append((time.perf_counter() - start) * 1e3)
+        out[label] = sorted(samples)[2]
     return out
 
 
@@ -274,6 +283,14 @@ def main() -> None:
         f" ({h['host_hit_written_back_tokens']:.0f}); goal <= 1.3x local:"
         f" {h['host_hit_written_back_ms'] / h['local_hit_ms']:.2f}x;"
         f" the layer-by-layer load alone {h['layer_load_only_ms']:.1f} ms"
+    )
+    print(
+        f"  copy engine {'found' if h['copy_engine'] else 'none'}: layer by layer by the copy"
+        f" engine {h['host_hit_written_back_ms']:.1f} ms"
+        f" ({h['host_hit_written_back_copy_engine_loads']} of its loads),"
+        f" by the kernel {h['host_hit_written_back_kernel_ms']:.1f} ms"
+        f" = {h['host_hit_written_back_kernel_ms'] / h['local_hit_ms']:.2f}x;"
+        f" load alone {h['layer_load_only_ms']:.1f} / {h['layer_load_only_kernel_ms']:.1f} ms"
     )
     print(f"long chunked prefills (start-up probe): {h['prefill_choice']}")
     for label in ("picked_path", "other_path"):

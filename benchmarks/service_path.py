@@ -99,14 +99,15 @@ def engine_depth(args: argparse.Namespace) -> dict[str, Any]:
     choice = worker.runner.attention.prefill_choice
     out: dict[str, Any] = {"prefill_choice": choice.describe() if choice else "not probed"}
     serve("warm", [shapes.rand(args.prompt)], 2)
-    hits, runner_ms, rest_ms = [], [], []
+    hits, colds, runner_ms, rest_ms = [], [], [], []
     for r in range(args.trials + 1):
         prefix = shapes.rand(args.prefix)
-        serve(f"cold{r}", [prefix + shapes.tail()], 1)
+        cold_steps, _ = serve(f"cold{r}", [prefix + shapes.tail()], 1)  # one token: all steps
         forward_s.clear()
         steps, first = serve(f"hit{r}", [prefix + shapes.tail()], 1)
         if r == 0:
             continue  # shapes met for the first time
+        colds.append(sum(cold_steps) * 1e3)
         hits.append(first * 1e3)
         runner_ms.append(forward_s[0] * 1e3)
         rest_ms.append((steps[0] - forward_s[0]) * 1e3)
@@ -114,6 +115,7 @@ def engine_depth(args: argparse.Namespace) -> dict[str, Any]:
         "runner_ms": median(runner_ms),
         "engine_ms": median(hits),
         "engine_outside_forward_ms": median(rest_ms),
+        "engine_cold_ms": median(colds),
     }
     for batch in args.batches:
         forward_s.clear()
@@ -187,20 +189,22 @@ def actor_depth(args: argparse.Namespace) -> dict[str, Any]:
                 return [g for gaps in pool.map(read, range(len(prompts))) for g in gaps]
 
         first_output("warm", shapes.rand(args.prompt), 2)
-        actor_ms, prefill_ms, queued_ms = [], [], []
+        actor_ms, cold_ms, prefill_ms, queued_ms = [], [], [], []
         pid = ray.get(actor.info.remote()).pid
         print(f"phase: actor local hits, worker pid {pid}", flush=True)
         for r in range(args.actor_trials + 1):
             prefix = shapes.rand(args.prefix)
-            first_output(f"cold{r}", prefix + shapes.tail(), 1)
+            _, cold = first_output(f"cold{r}", prefix + shapes.tail(), 1)
             out, took = first_output(f"hit{r}", prefix + shapes.tail(), 2)
             if r:
+                cold_ms.append(cold)
                 actor_ms.append(took)
                 prefill_ms.append(out.prefill.prefill_ms)
                 queued_ms.append(out.prefill.queued_ms)
         result: dict[str, Any] = {
             "local_hit": {
                 "actor_ms": median(actor_ms),
+                "actor_cold_ms": median(cold_ms),
                 "worker_prefill_ms": median(prefill_ms),
                 "worker_queued_ms": median(queued_ms),
                 "via_side_door": cluster.via_side_door("w0"),
@@ -245,15 +249,16 @@ def client_depth(address: str, args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     with Client(address, timeout_s=600) as client:
         client.generate(shapes.rand(args.prompt), max_tokens=2)
-        ttfts = []
+        ttfts, colds = [], []
         for r in range(args.actor_trials + 1):
             prefix = shapes.rand(args.prefix)
-            client.generate(prefix + shapes.tail(), max_tokens=1)
+            cold = client.generate(prefix + shapes.tail(), max_tokens=1)
             time.sleep(0.2)  # the index learns the blocks
             hit = client.generate(prefix + shapes.tail(), max_tokens=2)
             if r:
+                colds.append(cold.ttft_ms or 0.0)
                 ttfts.append(hit.ttft_ms or 0.0)
-        out["local_hit"] = {"service_ms": median(ttfts)}
+        out["local_hit"] = {"service_ms": median(ttfts), "service_cold_ms": median(colds)}
 
         def one(_: int) -> tuple[list[float], float]:
             """The stream's gaps per token after its first chunk (the statistic the actor depth
@@ -284,6 +289,10 @@ def client_depth(address: str, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def ratio(cold: float | None, hit: float | None) -> str:
+    return f"{cold / hit:.1f}x" if cold and hit else "-"
+
+
 def rows(r: dict[str, Any], batches: list[int]) -> list[tuple[str, str, str, str, str]]:
     e, a = r["engine"], r.get("actor", {})
     f = lambda x: f"{x:.2f}" if isinstance(x, float) else "-"  # noqa: E731
@@ -295,7 +304,21 @@ def rows(r: dict[str, Any], batches: list[int]) -> list[tuple[str, str, str, str
             f(hit_e["engine_ms"]),
             f(hit_a.get("actor_ms")) + f" (worker prefill {f(hit_a.get('worker_prefill_ms'))})",
             f(hit_a.get("service_ms")),
-        )
+        ),
+        (
+            "cold TTFT, same prompt length (ms)",
+            "-",
+            f(hit_e.get("engine_cold_ms")),
+            f(hit_a.get("actor_cold_ms")),
+            f(hit_a.get("service_cold_ms")),
+        ),
+        (
+            "  cold / local hit",
+            "-",
+            ratio(hit_e.get("engine_cold_ms"), hit_e["engine_ms"]),
+            ratio(hit_a.get("actor_cold_ms"), hit_a.get("actor_ms")),
+            ratio(hit_a.get("service_cold_ms"), hit_a.get("service_ms")),
+        ),
     ]
     for b in batches:
         de, da = e[f"decode_b{b}"], a.get(f"decode_b{b}", {})

@@ -13,8 +13,9 @@ from kvmesh.workers.contract.requests import SamplingConfig, WorkerRequest
 from kvmesh.workers.engine.scheduler import SchedulerConfig
 from kvmesh.workers.engine.worker import Worker
 from kvmesh.workers.kv import layer_load
+from kvmesh.workers.kv.copy_engine import CopyEngine
 from kvmesh.workers.kv.host_pool import HostPool
-from kvmesh.workers.kv.layer_load import LayerLoad
+from kvmesh.workers.kv.layer_load import MAX_COPY_RUNS, STAGING_LAYERS, LayerLoad
 from kvmesh.workers.model.runner import ModelRunner
 from kvmesh.workers.model.weights import random_weights
 from tests.gpu.small_model import small_config
@@ -56,6 +57,35 @@ def test_layer_loads_of_any_count_run_one_compiled_kernel() -> None:
         assert compiled_variants(layer_load._load_layer_kernel) == before
 
 
+@pytest.mark.parametrize(
+    "slots",
+    [
+        [17, 3, 39, 4, 18, 5, 0, 2],  # 4 runs, out of order: the copy engine
+        list(range(0, 2 * (MAX_COPY_RUNS + 1), 2)),  # a run a slot, too many: the kernel
+    ],
+)
+def test_a_copy_engine_load_writes_what_one_copy_writes(slots: list[int]) -> None:
+    engine = CopyEngine.find()
+    if engine is None:
+        pytest.skip("no CUDA runtime library mapped in this process")
+    num_layers = STAGING_LAYERS * 2 + 1  # the staging ring goes round twice
+    cache = torch.randn((num_layers, 2, 64, BS, 2, 64), device="cuda", dtype=torch.bfloat16)
+    expected = cache.clone()
+    host = torch.randn((40, num_layers, 2, BS, 2, 64), dtype=torch.bfloat16).pin_memory()
+    blocks = [(7 * i + 5) % 64 for i in range(len(slots))]
+    expected[:, :, blocks] = host[slots].to("cuda").permute(1, 2, 0, 3, 4, 5)
+    load = LayerLoad(
+        host, slots, cache, blocks, torch.cuda.Stream(),
+        copy_engine=engine, scatter_stream=torch.cuda.Stream(),
+    )  # fmt: skip
+    assert load.uses_copy_engine == (len(slots) < MAX_COPY_RUNS + 1)
+    for layer in range(num_layers):  # each layer's event covers that layer
+        load.wait_layer(layer)
+        assert torch.equal(cache[layer], expected[layer]), layer
+    torch.cuda.synchronize()
+    assert torch.equal(cache, expected)
+
+
 def test_a_layer_load_refuses_pageable_host_memory() -> None:
     cache = torch.zeros((4, 2, 8, BS, 2, 64), device="cuda", dtype=torch.bfloat16)
     host = torch.zeros((4, 4, 2, BS, 2, 64), dtype=torch.bfloat16)
@@ -63,10 +93,14 @@ def test_a_layer_load_refuses_pageable_host_memory() -> None:
         LayerLoad(host, [0], cache, [1], torch.cuda.Stream())
 
 
-def make_worker(weights, layered: bool, *, host_slots: int = 64):  # type: ignore[no-untyped-def]
+def make_worker(  # type: ignore[no-untyped-def]
+    weights, layered: bool, *, host_slots: int = 64, copy_engine: bool = True
+):
     config = small_config()
     runner = ModelRunner(config, 12, BS, device="cuda", dtype=torch.float32, weights=weights)
     runner.layered_loads = layered
+    if not copy_engine:
+        runner.copy_engine = None
     shape = (*runner.kv_cache.shape[:2], *runner.kv_cache.shape[3:])
     host = HostPool(host_slots, shape, torch.float32, pin=True) if host_slots else None
     logits: dict[str, list[torch.Tensor]] = defaultdict(list)
@@ -91,12 +125,15 @@ def run(worker: Worker, rid: str, prompt: list[int], max_tokens: int = 6) -> lis
     return outs
 
 
+@pytest.mark.parametrize("copy_engine", [True, False])
 @pytest.mark.parametrize("write_back", [False, True])
-def test_a_prompt_promoted_layer_by_layer_matches_a_cold_run(write_back: bool) -> None:
+def test_a_prompt_promoted_layer_by_layer_matches_a_cold_run(
+    write_back: bool, copy_engine: bool
+) -> None:
     weights = random_weights(small_config(), seed=0, device="cuda", dtype=torch.float32)
     results = {}
     for layered in (True, False):
-        worker, logits = make_worker(weights, layered)
+        worker, logits = make_worker(weights, layered, copy_engine=copy_engine)
         run(worker, "a", PREFIX + [1])
         for k in range(3):  # push the prefix out of the 12-block device pool
             while write_back and worker.write_back_host(look_ahead=12):
@@ -106,6 +143,10 @@ def test_a_prompt_promoted_layer_by_layer_matches_a_cold_run(write_back: bool) -
         facts = outs[0].prefill
         assert facts is not None and facts.host_tokens > 0
         assert (worker.runner.num_layer_loads > 0) == layered
+        if worker.runner.copy_engine is None:
+            assert worker.runner.num_copy_engine_loads == 0
+        elif layered:  # a fresh host pool hands out its slots in order: they come in runs
+            assert worker.runner.num_copy_engine_loads > 0
         results[layered] = ([t for o in outs for t in o.new_token_ids], logits["again"])
     cold, cold_logits = make_worker(weights, True, host_slots=0)
     expected = [t for o in run(cold, "again", PREFIX + [1]) for t in o.new_token_ids]
@@ -124,6 +165,8 @@ def test_a_worker_built_with_a_host_tier_compiles_its_layer_load_up_front() -> N
         "w", model="tiny-random", num_blocks=64, host_cache_gb=0.01, device="cuda"
     )
     worker = build_worker(config)
-    assert worker.runner.num_layer_loads == 1
+    runner = worker.runner
+    assert runner.num_layer_loads == (2 if runner.copy_engine is not None else 1)
+    assert runner.num_copy_engine_loads == runner.num_layer_loads - 1
     assert worker.pool.num_cached == 0 and worker.pool.num_free == worker.pool.num_blocks
     assert worker.host_pool is not None and worker.host_pool.num_cached == 0

@@ -117,15 +117,19 @@ class HostTier:
         return promoted * bs
 
     def warm_up(self) -> None:
-        """Compile the layer-load kernel now (a few hundred ms), not on the first host hit: one
-        slot into block 0, which a pool that has served nothing holds no KV in."""
+        """Compile the layer-load kernel now (a few hundred ms), not on the first host hit, and
+        make the copy engine's first load (its staging, its stream): one slot into block 0,
+        which a pool that has served nothing holds no KV in, each way."""
         pool, host_pool = self.pool, self.host_pool
         if host_pool is None or not self.runner.can_load_layers(host_pool.data):
             return
         if pool.num_cached or pool.ref_count(BlockId(0)):
             raise ValueError("warm_up overwrites block 0: call it before the pool serves")
-        self.runner.load_layers(host_pool.data, [0], [0])
+        self.runner.load_layers(host_pool.data, [0], [0], kernel_only=True)
         self.end_step()
+        if self.runner.copy_engine is not None:
+            self.runner.load_layers(host_pool.data, [0], [0])
+            self.end_step()
 
     def end_step(self) -> None:
         """A step is over: every layered write it waited for (a promotion, a pull) has landed

@@ -1,17 +1,22 @@
 """A promotion from the pinned host tier that runs layer by layer beside the prefill (CUDA).
 
 The host tier keeps each block as one slab per block (all layers, K and V); the device cache is
-layer-major. A Triton kernel reads the host slots in place (pinned memory is addressable from the
-GPU) and writes one layer of every promoted block into the cache, on a side stream, recording an
-event per layer; the forward pass waits for layer l's event just before layer l's attention. So
-the PCIe copy of layer l + 1 overlaps the compute of layer l, and a prefill over a promoted
-prefix costs about max(copy, compute) instead of their sum.
+layer-major. Layer by layer, on side streams, every promoted block's K and V are written into the
+cache and an event is recorded per layer; the forward pass waits for layer l's event just before
+layer l's attention. So the PCIe copy of layer l + 1 overlaps the compute of layer l, and a
+prefill over a promoted prefix costs about max(copy, compute) instead of their sum.
 
     host slot s:    [ L0 K V | L1 K V | ... | L31 K V ]      (one block, all layers)
     cache layer l:  K[blocks] V[blocks]  <- layer l of every promoted slot, then event[l]
 
-Measured on an H100: the kernel gathers 480 scattered 64 KB host rows at 47.8 GB/s, 93% of a
-contiguous pinned copy (`benchmarks/gpu_zero_copy_probe.py`).
+Two ways to move a layer:
+  * copy engine (slots in at most `MAX_COPY_RUNS` runs): one strided DMA per run of consecutive
+    slots into a staging ring (`STAGING_LAYERS` layers deep), then one scatter into the cache's
+    blocks on a second stream. The DMA engines take no SM from the prefill.
+  * kernel (any slots): a Triton kernel of a few persistent programs reads the pinned slots in
+    place (pinned memory is addressable from the GPU). Measured on an H100: 480 scattered 64 KB
+    host rows at 47.8 GB/s, 93% of a contiguous pinned copy (`benchmarks/gpu_zero_copy_probe.py`),
+    but its programs hold SMs the prefill's matmuls want.
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
+from kvmesh.workers.kv.copy_engine import CopyEngine
+from kvmesh.workers.kv.slot_runs import slot_runs
 
 try:  # Triton ships with CUDA builds of torch; CPU builds do without it.
     import triton
@@ -29,6 +37,8 @@ except ImportError:  # pragma: no cover - exercised on CPU-only machines
 
 _CHUNK = 4096  # elements one step of a program moves (8 KB of bf16)
 _NUM_PROGRAMS = 32  # a few SMs: enough loads in flight for PCIe, the rest left to the prefill
+MAX_COPY_RUNS = 8  # more runs a layer and the host's calls (one per run) cost more than the kernel
+STAGING_LAYERS = 4  # how far the DMA runs ahead of the scatter
 
 if triton is not None:
     # One compiled variant serves every load: Triton would otherwise specialise these on their
@@ -82,11 +92,12 @@ def can_load_layers(host_data: torch.Tensor, cache: torch.Tensor) -> bool:
 
 
 class LayerLoad:
-    """Host slots -> cache blocks, one layer at a time on `stream`, started at construction.
+    """Host slots -> cache blocks, one layer at a time on side streams, started at construction.
 
     Invariants: layer l of every target block is written once `events[l]` has completed; the
     host slots read are not reused until `done` has completed (their owner holds them); nothing
-    reads the target blocks except after waiting for their layer's event.
+    reads the target blocks except after waiting for their layer's event; on the copy-engine
+    path, a staging layer is overwritten only after the scatter that read it has completed.
     """
 
     def __init__(
@@ -96,33 +107,108 @@ class LayerLoad:
         cache: torch.Tensor,
         blocks: Sequence[int],
         stream: torch.cuda.Stream,
+        *,
+        copy_engine: CopyEngine | None = None,
+        scatter_stream: torch.cuda.Stream | None = None,
     ) -> None:
+        """`copy_engine` (with its `scatter_stream`) moves the layers when the slots come in at
+        most `MAX_COPY_RUNS` runs; otherwise the kernel does, on `stream`."""
         if len(slots) != len(blocks) or not slots:
             raise ValueError(f"{len(slots)} host slots for {len(blocks)} cache blocks")
         if not can_load_layers(host_data, cache):
             raise ValueError("layer loads need a CUDA cache and pinned host slots of its layout")
-        num_layers, num_cache_blocks = cache.shape[0], cache.shape[2]
-        device = cache.device
         self.slots = list(slots)
         self.blocks = frozenset(int(b) for b in blocks)
         self.overlaps_forward = True  # PCIe: about as long as the prefill beside it
-        self._slot_ids = torch.tensor(self.slots, dtype=torch.int32).to(device, non_blocking=True)
-        self._block_ids = torch.tensor(list(blocks), dtype=torch.int32).to(
-            device, non_blocking=True
+        self.events = [torch.cuda.Event() for _ in range(cache.shape[0])]
+        self._keep: tuple[torch.Tensor, ...] = ()  # ids the kernel reads, alive until it has
+        ordered = slot_runs(self.slots)
+        self.uses_copy_engine = (
+            copy_engine is not None
+            and scatter_stream is not None
+            and len(ordered.runs) <= MAX_COPY_RUNS
         )
-        self.events = [torch.cuda.Event() for _ in range(num_layers)]
-        slab_elems = cache[0, 0, 0].numel()
         # The blocks were just allocated: whatever the main stream still does with them (a
         # demotion copying their old contents out) must finish before they are overwritten.
-        stream.wait_stream(torch.cuda.current_stream(device))
+        stream.wait_stream(torch.cuda.current_stream(cache.device))
+        if self.uses_copy_engine:
+            assert copy_engine is not None and scatter_stream is not None
+            rows_to_blocks = [int(blocks[i]) for i in ordered.order]
+            self._copy_layers(
+                host_data, cache, ordered.runs, rows_to_blocks, copy_engine, stream,
+                scatter_stream,
+            )  # fmt: skip
+        else:
+            self._load_layers(host_data, cache, blocks, stream)
+
+    def _load_layers(
+        self,
+        host_data: torch.Tensor,
+        cache: torch.Tensor,
+        blocks: Sequence[int],
+        stream: torch.cuda.Stream,
+    ) -> None:
+        """The kernel's way: every layer read from the slots in place, on `stream`."""
+        num_layers, num_cache_blocks = cache.shape[0], cache.shape[2]
+        slot_ids = torch.tensor(self.slots, dtype=torch.int32).to(cache.device, non_blocking=True)
+        block_ids = torch.tensor(list(blocks), dtype=torch.int32).to(
+            cache.device, non_blocking=True
+        )
+        self._keep = (slot_ids, block_ids)
+        stream.wait_stream(torch.cuda.current_stream(cache.device))  # the ids above
+        slab_elems = cache[0, 0, 0].numel()
         with torch.cuda.stream(stream):
             for layer in range(num_layers):
                 _load_layer_kernel[(_NUM_PROGRAMS,)](
-                    host_data, cache, self._slot_ids, self._block_ids, layer, num_layers,
+                    host_data, cache, slot_ids, block_ids, layer, num_layers,
                     num_cache_blocks, len(self.slots), slab_elems, CHUNK=_CHUNK,
                     NUM_PROGRAMS=_NUM_PROGRAMS, num_warps=8,
                 )  # fmt: skip
                 self.events[layer].record(stream)
+
+    def _copy_layers(
+        self,
+        host_data: torch.Tensor,
+        cache: torch.Tensor,
+        runs: Sequence[tuple[int, int, int]],
+        rows_to_blocks: list[int],
+        copy_engine: CopyEngine,
+        stream: torch.cuda.Stream,
+        scatter_stream: torch.cuda.Stream,
+    ) -> None:
+        """The copy engine's way: layer l's runs DMA'd into staging layer l % STAGING_LAYERS on
+        `stream`, then scattered into the blocks on `scatter_stream`."""
+        num_layers, device = cache.shape[0], cache.device
+        pair_shape = (2, *cache.shape[3:])  # one block's K and V of one layer
+        depth = min(STAGING_LAYERS, num_layers)
+        staging = torch.empty((depth, len(rows_to_blocks), *pair_shape), device=device,
+                              dtype=cache.dtype)  # fmt: skip
+        block_ids = torch.tensor(rows_to_blocks, dtype=torch.int64).to(device, non_blocking=True)
+        for s in (stream, scatter_stream):  # both may touch staging after its owner frees it
+            staging.record_stream(s)
+        block_ids.record_stream(scatter_stream)
+        main = torch.cuda.current_stream(device)
+        stream.wait_stream(main)
+        scatter_stream.wait_stream(main)  # the ids above; the blocks' earlier users
+        pair_bytes = staging[0, 0].numel() * staging.element_size()
+        host_pitch = host_data[0].numel() * host_data.element_size()  # one slot, all layers
+        with torch.cuda.device(device):
+            for layer in range(num_layers):
+                buf = layer % depth
+                if layer >= depth:  # the scatter that last read this staging layer
+                    stream.wait_event(self.events[layer - depth])
+                for first_row, first_slot, num_slots in runs:
+                    copy_engine.host_to_device_2d(
+                        staging[buf, first_row].data_ptr(), pair_bytes,
+                        host_data[first_slot, layer].data_ptr(), host_pitch,
+                        pair_bytes, num_slots, stream,
+                    )  # fmt: skip
+                copied = torch.cuda.Event()
+                copied.record(stream)
+                scatter_stream.wait_event(copied)
+                with torch.cuda.stream(scatter_stream):
+                    cache[layer].index_copy_(1, block_ids, staging[buf].transpose(0, 1))
+                self.events[layer].record(scatter_stream)
 
     @property
     def done(self) -> torch.cuda.Event:

@@ -19,6 +19,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from kvmesh.workers.kv.copy_engine import CopyEngine
 from kvmesh.workers.kv.layer_load import LayerLoad, can_load_layers
 from kvmesh.workers.kv.layer_writes import LayerWrites
 from kvmesh.workers.model.batch_attention import BatchAttention
@@ -165,8 +166,14 @@ class ModelRunner:
         as one copy before it; benchmarks and tests may switch it."""
         self.num_layer_loads = 0
         """Promotions started as layer loads, since construction."""
+        self.num_copy_engine_loads = 0
+        """Of those, the ones the copy engine moved."""
+        self.copy_engine = CopyEngine.find() if on_gpu else None
+        """Moves layer loads whose host slots come in runs (`LayerLoad`); None: the kernel
+        moves them all (no runtime library to bind, or switched off by a benchmark)."""
         self._layer_writes: list[LayerWrites] = []
         self._load_stream: torch.cuda.Stream | None = None
+        self._scatter_stream: torch.cuda.Stream | None = None
         self.check_invariants()
 
     def _load_weights(self, weights_path: str | None, seed: int | None) -> ModelWeights:
@@ -411,15 +418,28 @@ class ModelRunner:
 
     @torch.inference_mode()
     def load_layers(
-        self, host_data: torch.Tensor, slots: Sequence[int], block_ids: Sequence[int]
+        self,
+        host_data: torch.Tensor,
+        slots: Sequence[int],
+        block_ids: Sequence[int],
+        *,
+        kernel_only: bool = False,
     ) -> LayerLoad:
         """Start copying host slots (block-major, `export_blocks` layout) into `block_ids`, layer
-        by layer on a side stream; the next forwards wait per layer (see `LayerLoad`). The
-        caller ends it with `take_layer_writes` once a step is over."""
+        by layer on side streams; the next forwards wait per layer (see `LayerLoad`: the copy
+        engine where the slots come in runs, unless `kernel_only`, else the kernel). The caller
+        ends it with `take_layer_writes` once a step is over."""
         self._check_block_ids(block_ids, unique=True)
-        load = LayerLoad(host_data, slots, self.kv_cache, block_ids, self.layer_stream())
+        engine = None if kernel_only else self.copy_engine
+        if engine is not None and self._scatter_stream is None:
+            self._scatter_stream = torch.cuda.Stream(self.device, priority=-1)
+        load = LayerLoad(
+            host_data, slots, self.kv_cache, block_ids, self.layer_stream(),
+            copy_engine=engine, scatter_stream=self._scatter_stream,
+        )  # fmt: skip
         self.add_layer_writes(load)
         self.num_layer_loads += 1
+        self.num_copy_engine_loads += load.uses_copy_engine
         return load
 
     def decode_graph_counts(self) -> GraphCounts:
