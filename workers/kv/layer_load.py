@@ -190,24 +190,30 @@ class LayerLoad:
         main = torch.cuda.current_stream(device)
         stream.wait_stream(main)
         scatter_stream.wait_stream(main)  # the ids above; the blocks' earlier users
+        # Host time is the cost here (a host hit's eager forward waits for this loop): pointers
+        # by arithmetic, views made once, one stream context for the loop (the copies, records
+        # and waits name their streams).
         pair_bytes = staging[0, 0].numel() * staging.element_size()
         host_pitch = host_data[0].numel() * host_data.element_size()  # one slot, all layers
-        with torch.cuda.device(device):
+        host_base, staging_base = host_data.data_ptr(), staging.data_ptr()
+        layer_bytes = len(rows_to_blocks) * pair_bytes  # one staging layer
+        sources = [staging[buf].transpose(0, 1) for buf in range(depth)]
+        targets = cache.unbind(0)
+        copied = [torch.cuda.Event() for _ in range(num_layers)]
+        with torch.cuda.device(device), torch.cuda.stream(scatter_stream):
             for layer in range(num_layers):
                 buf = layer % depth
                 if layer >= depth:  # the scatter that last read this staging layer
                     stream.wait_event(self.events[layer - depth])
                 for first_row, first_slot, num_slots in runs:
                     copy_engine.host_to_device_2d(
-                        staging[buf, first_row].data_ptr(), pair_bytes,
-                        host_data[first_slot, layer].data_ptr(), host_pitch,
+                        staging_base + buf * layer_bytes + first_row * pair_bytes, pair_bytes,
+                        host_base + first_slot * host_pitch + layer * pair_bytes, host_pitch,
                         pair_bytes, num_slots, stream,
                     )  # fmt: skip
-                copied = torch.cuda.Event()
-                copied.record(stream)
-                scatter_stream.wait_event(copied)
-                with torch.cuda.stream(scatter_stream):
-                    cache[layer].index_copy_(1, block_ids, staging[buf].transpose(0, 1))
+                copied[layer].record(stream)
+                scatter_stream.wait_event(copied[layer])
+                targets[layer].index_copy_(1, block_ids, sources[buf])
                 self.events[layer].record(scatter_stream)
 
     @property
