@@ -155,8 +155,9 @@ def ways(
         "scattered": rng.sample(range(NUM_SLOTS), PAIRS),
     }
     blocks = rng.sample(range(NUM_BLOCKS), PAIRS)
-    dma, scatter = torch.cuda.Stream(priority=-1), torch.cuda.Stream(priority=-1)
+    dma = torch.cuda.Stream(priority=-1)
     rows = []
+    kept: list[LayerLoad] = []  # loads whose work may still run (timed_ms synchronises)
     for layout, slots in layouts.items():
         for way in ("kernel", "copy engine"):
             if way == "copy engine" and engine is None:
@@ -164,11 +165,12 @@ def ways(
 
             def start(slots: list[int] = slots, way: str = way) -> LayerLoad:
                 use = engine if way == "copy engine" else None
-                return LayerLoad(host, slots, cache, blocks, dma, copy_engine=use,
-                                 scatter_stream=scatter)  # fmt: skip
+                return LayerLoad(host, slots, cache, blocks, dma, copy_engine=use)
 
             def alone(start: Any = start) -> None:
-                torch.cuda.current_stream().wait_event(start().done)
+                load = start()
+                kept.append(load)  # it owns its staging until its work is done
+                torch.cuda.current_stream().wait_event(load.done)
 
             def layered(start: Any = start) -> None:
                 load = start()
@@ -176,14 +178,18 @@ def ways(
                     load.wait_layer(layer)
                     for w in weights:
                         (acts if w.shape[1] == 14336 else x) @ w.t()
+                kept.append(load)
 
-            used = start().uses_copy_engine
+            first = start()
+            used = first.uses_copy_engine
             torch.cuda.synchronize()
+            del first
             row = {"slots": layout, "way": way, "copy_engine_used": used}
             row["load_ms"] = timed_ms(alone)
             row["load_GBps"] = moved / row["load_ms"] / 1e6
             row["layered_ms"] = timed_ms(layered)
             row["over_matmuls"] = row["layered_ms"] / matmuls_ms
+            kept.clear()
             rows.append(row)
             fell_back = " (kernel: too many runs)" if way != "kernel" and not used else ""
             print(

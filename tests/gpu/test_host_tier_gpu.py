@@ -74,10 +74,7 @@ def test_a_copy_engine_load_writes_what_one_copy_writes(slots: list[int]) -> Non
     host = torch.randn((40, num_layers, 2, BS, 2, 64), dtype=torch.bfloat16).pin_memory()
     blocks = [(7 * i + 5) % 64 for i in range(len(slots))]
     expected[:, :, blocks] = host[slots].to("cuda").permute(1, 2, 0, 3, 4, 5)
-    load = LayerLoad(
-        host, slots, cache, blocks, torch.cuda.Stream(),
-        copy_engine=engine, scatter_stream=torch.cuda.Stream(),
-    )  # fmt: skip
+    load = LayerLoad(host, slots, cache, blocks, torch.cuda.Stream(), copy_engine=engine)
     assert load.uses_copy_engine == (len(slots) < MAX_COPY_RUNS + 1)
     for layer in range(num_layers):  # each layer's event covers that layer
         load.wait_layer(layer)

@@ -92,3 +92,40 @@ def test_a_pulled_prefix_still_landing_is_waited_for_before_the_replay(
     runner.take_layer_writes()
     assert graphs.counts().num_replays == 1
     torch.testing.assert_close(got, expected, atol=0.05 * expected.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("kernel_only", [False, True])
+def test_a_promotion_still_landing_is_waited_for_layer_by_layer_inside_the_replay(
+    monkeypatch: pytest.MonkeyPatch, kernel_only: bool
+) -> None:
+    runner = small_runner(monkeypatch)
+    rng = random.Random(11)
+    source = rng.sample(range(1, 150), 60)
+    ids = [rng.randrange(runner.config.vocab_size) for _ in range(900)]
+    runner.forward([SeqChunk(ids[:600], 0, source)])
+    runner.prefill_graphs = False
+    expected = runner.forward([SeqChunk(ids[600:], 600, source)])
+    num_promoted = -(-600 // 16)
+    host = runner.export_blocks(source[:num_promoted]).cpu().pin_memory()  # the host tier's layout
+    runner.prefill_graphs = True
+    graphs = runner._prefill_graphs
+    assert graphs is not None
+    # Twice into fresh blocks: the first forward captures the bucket (its eager warm-up waits for
+    # the load), the second replays it while the load still lands behind a long sleep, so only the
+    # gates inside the graph keep its layers from reading blocks not written yet.
+    for round_, lo in enumerate((150, 225)):
+        target = rng.sample(range(lo, lo + 75), 60)
+        runner.kv_cache[:, :, target] = 0
+        with torch.cuda.stream(runner.layer_stream()):
+            torch.cuda._sleep(100_000_000)
+        load = runner.load_layers(
+            host, list(range(num_promoted)), target[:num_promoted], kernel_only=kernel_only
+        )
+        assert load.gated and load.uses_copy_engine == (
+            not kernel_only and runner.copy_engine is not None
+        )
+        got = runner.forward([SeqChunk(ids[600:], 600, target)])
+        assert graphs.counts().num_replays == round_ + 1
+        for writes in runner.take_layer_writes():
+            writes.done.synchronize()
+        torch.testing.assert_close(got, expected, atol=0.05 * expected.abs().max().item(), rtol=0)

@@ -12,7 +12,10 @@ prefill over a promoted prefix costs about max(copy, compute) instead of their s
 Two ways to move a layer:
   * copy engine (slots in at most `MAX_COPY_RUNS` runs): one strided DMA per run of consecutive
     slots into a staging ring (`STAGING_LAYERS` layers deep), then one scatter into the cache's
-    blocks on a second stream. The DMA engines take no SM from the prefill.
+    blocks, in stream order. The DMA engines take no SM from the prefill. One stream and no
+    waits on it: streams may share a hardware queue, where a wait queued ahead of a replayed
+    graph would hold the whole graph back (seen: a second stream whose scatters waited on the
+    copies made a host hit's graph start after the last layer had landed).
   * kernel (any slots): a Triton kernel of a few persistent programs reads the pinned slots in
     place (pinned memory is addressable from the GPU). Measured on an H100: 480 scattered 64 KB
     host rows at 47.8 GB/s, 93% of a contiguous pinned copy (`benchmarks/gpu_zero_copy_probe.py`),
@@ -26,6 +29,7 @@ from collections.abc import Sequence
 import torch
 
 from kvmesh.workers.kv.copy_engine import CopyEngine
+from kvmesh.workers.kv.layer_gates import LayerGates
 from kvmesh.workers.kv.slot_runs import slot_runs
 
 try:  # Triton ships with CUDA builds of torch; CPU builds do without it.
@@ -109,10 +113,11 @@ class LayerLoad:
         stream: torch.cuda.Stream,
         *,
         copy_engine: CopyEngine | None = None,
-        scatter_stream: torch.cuda.Stream | None = None,
+        gates: LayerGates | None = None,
     ) -> None:
-        """`copy_engine` (with its `scatter_stream`) moves the layers when the slots come in at
-        most `MAX_COPY_RUNS` runs; otherwise the kernel does, on `stream`."""
+        """`copy_engine` moves the layers when the slots come in at most `MAX_COPY_RUNS` runs;
+        otherwise the kernel does; either on `stream`. `gates` are recorded beside the load's
+        own events (a captured prefill graph waits on them)."""
         if len(slots) != len(blocks) or not slots:
             raise ValueError(f"{len(slots)} host slots for {len(blocks)} cache blocks")
         if not can_load_layers(host_data, cache):
@@ -120,24 +125,22 @@ class LayerLoad:
         self.slots = list(slots)
         self.blocks = frozenset(int(b) for b in blocks)
         self.overlaps_forward = True  # PCIe: about as long as the prefill beside it
+        if gates is not None and gates.num_layers != cache.shape[0]:
+            raise ValueError(f"{gates.num_layers} layer gates for {cache.shape[0]} layers")
+        self.gated = gates is not None
+        self._gates = gates
         self.events = [torch.cuda.Event() for _ in range(cache.shape[0])]
-        self._keep: tuple[torch.Tensor, ...] = ()  # ids the kernel reads, alive until it has
+        self._keep: tuple[torch.Tensor, ...] = ()  # what the side stream reads: alive until
+        # `done` (the runner keeps its loads until the step after them has synchronised)
         ordered = slot_runs(self.slots)
-        self.uses_copy_engine = (
-            copy_engine is not None
-            and scatter_stream is not None
-            and len(ordered.runs) <= MAX_COPY_RUNS
-        )
+        self.uses_copy_engine = copy_engine is not None and len(ordered.runs) <= MAX_COPY_RUNS
         # The blocks were just allocated: whatever the main stream still does with them (a
         # demotion copying their old contents out) must finish before they are overwritten.
         stream.wait_stream(torch.cuda.current_stream(cache.device))
         if self.uses_copy_engine:
-            assert copy_engine is not None and scatter_stream is not None
+            assert copy_engine is not None
             rows_to_blocks = [int(blocks[i]) for i in ordered.order]
-            self._copy_layers(
-                host_data, cache, ordered.runs, rows_to_blocks, copy_engine, stream,
-                scatter_stream,
-            )  # fmt: skip
+            self._copy_layers(host_data, cache, ordered.runs, rows_to_blocks, copy_engine, stream)
         else:
             self._load_layers(host_data, cache, blocks, stream)
 
@@ -164,7 +167,7 @@ class LayerLoad:
                     num_cache_blocks, len(self.slots), slab_elems, CHUNK=_CHUNK,
                     NUM_PROGRAMS=_NUM_PROGRAMS, num_warps=8,
                 )  # fmt: skip
-                self.events[layer].record(stream)
+                self._landed(layer, stream)
 
     def _copy_layers(
         self,
@@ -174,47 +177,44 @@ class LayerLoad:
         rows_to_blocks: list[int],
         copy_engine: CopyEngine,
         stream: torch.cuda.Stream,
-        scatter_stream: torch.cuda.Stream,
     ) -> None:
-        """The copy engine's way: layer l's runs DMA'd into staging layer l % STAGING_LAYERS on
-        `stream`, then scattered into the blocks on `scatter_stream`."""
+        """The copy engine's way, all on `stream`: layer l's runs DMA'd into staging layer
+        l % STAGING_LAYERS, then scattered into the blocks (stream order keeps a staging layer
+        from being overwritten before its scatter has read it)."""
         num_layers, device = cache.shape[0], cache.device
         pair_shape = (2, *cache.shape[3:])  # one block's K and V of one layer
         depth = min(STAGING_LAYERS, num_layers)
         staging = torch.empty((depth, len(rows_to_blocks), *pair_shape), device=device,
                               dtype=cache.dtype)  # fmt: skip
         block_ids = torch.tensor(rows_to_blocks, dtype=torch.int64).to(device, non_blocking=True)
-        for s in (stream, scatter_stream):  # both may touch staging after its owner frees it
-            staging.record_stream(s)
-        block_ids.record_stream(scatter_stream)
-        main = torch.cuda.current_stream(device)
-        stream.wait_stream(main)
-        scatter_stream.wait_stream(main)  # the ids above; the blocks' earlier users
-        # Host time is the cost here (a host hit's eager forward waits for this loop): pointers
-        # by arithmetic, views made once, one stream context for the loop (the copies, records
-        # and waits name their streams).
+        # Kept with the load, not handed to the allocator's cross-stream bookkeeping: a block
+        # freed with stream uses queues events, which a graph capture on this thread refuses.
+        self._keep = (staging, block_ids)
+        stream.wait_stream(torch.cuda.current_stream(device))  # the ids above
+        # Host time is the cost here (a host hit's forward waits for this loop): pointers by
+        # arithmetic, views made once, one stream context.
         pair_bytes = staging[0, 0].numel() * staging.element_size()
         host_pitch = host_data[0].numel() * host_data.element_size()  # one slot, all layers
         host_base, staging_base = host_data.data_ptr(), staging.data_ptr()
         layer_bytes = len(rows_to_blocks) * pair_bytes  # one staging layer
         sources = [staging[buf].transpose(0, 1) for buf in range(depth)]
         targets = cache.unbind(0)
-        copied = [torch.cuda.Event() for _ in range(num_layers)]
-        with torch.cuda.device(device), torch.cuda.stream(scatter_stream):
+        with torch.cuda.device(device), torch.cuda.stream(stream):
             for layer in range(num_layers):
                 buf = layer % depth
-                if layer >= depth:  # the scatter that last read this staging layer
-                    stream.wait_event(self.events[layer - depth])
                 for first_row, first_slot, num_slots in runs:
                     copy_engine.host_to_device_2d(
                         staging_base + buf * layer_bytes + first_row * pair_bytes, pair_bytes,
                         host_base + first_slot * host_pitch + layer * pair_bytes, host_pitch,
                         pair_bytes, num_slots, stream,
                     )  # fmt: skip
-                copied[layer].record(stream)
-                scatter_stream.wait_event(copied[layer])
                 targets[layer].index_copy_(1, block_ids, sources[buf])
-                self.events[layer].record(scatter_stream)
+                self._landed(layer, stream)
+
+    def _landed(self, layer: int, stream: torch.cuda.Stream) -> None:
+        self.events[layer].record(stream)
+        if self._gates is not None:
+            self._gates.record(layer, stream)
 
     @property
     def done(self) -> torch.cuda.Event:

@@ -31,6 +31,9 @@ class LayerWrites(Protocol):
     """True: a copy about as long as the forward that reads it (the host tier over PCIe): the
     forward waits layer by layer. False: a short copy (a pull from a peer GPU): a forward may
     wait for all of it up front and replay a CUDA graph instead (`prefill_graphs`)."""
+    gated: bool
+    """True: it records the runner's `LayerGates` too, so a captured prefill graph waits on it
+    layer by layer and nothing need wait for it before a replay."""
 
     @property
     def done(self) -> torch.cuda.Event: ...
@@ -74,6 +77,7 @@ class LayerGroups:
             raise ValueError("a layered write needs at least one layer group")
         self.blocks = frozenset(int(b) for b in blocks)
         self.overlaps_forward = False  # a peer's pull: ~1-3 ms for 1 GB
+        self.gated = False
         self._event_of: dict[int, torch.cuda.Event] = {}
         self._events: list[torch.cuda.Event] = []
         self._kept: list[Any] = []

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmesh.workers.kv.copy_engine import CopyEngine
+from kvmesh.workers.kv.layer_gates import LayerGates
 from kvmesh.workers.kv.layer_load import LayerLoad, can_load_layers
 from kvmesh.workers.kv.layer_writes import LayerWrites
 from kvmesh.workers.model.batch_attention import BatchAttention
@@ -153,7 +154,7 @@ class ModelRunner:
         live runner."""
         self._prefill_graphs = (
             PrefillGraphs(
-                self._run_layers,
+                self._gated_layers,
                 device=self.device,
                 block_size=block_size,
                 serves_chunk=self._on_cudnn_pages,
@@ -173,7 +174,11 @@ class ModelRunner:
         moves them all (no runtime library to bind, or switched off by a benchmark)."""
         self._layer_writes: list[LayerWrites] = []
         self._load_stream: torch.cuda.Stream | None = None
-        self._scatter_stream: torch.cuda.Stream | None = None
+        self._layer_gates = (
+            LayerGates(self.config.num_layers, self.device)
+            if self._prefill_graphs is not None and LayerGates.usable()
+            else None
+        )  # host hits' loads record them; prefill graphs wait on them
         self.check_invariants()
 
     def _load_weights(self, weights_path: str | None, seed: int | None) -> ModelWeights:
@@ -245,12 +250,13 @@ class ModelRunner:
             prefill is not None
             and self.cuda_graphs
             and self.prefill_graphs
-            and not any(w.overlaps_forward for w in self._layer_writes)
+            and all(w.gated or not w.overlaps_forward for w in self._layer_writes)
             and prefill.serves(batch)
         ):
             self.validate_batch(batch)
-            for writes in self._layer_writes:  # a capture may not wait on their events
-                writes.wait_all()
+            for writes in self._layer_writes:  # a graph waits on the gated ones layer by layer
+                if not writes.gated:
+                    writes.wait_all()
             try:
                 return self._logits(prefill.run(batch))
             except RuntimeError as exc:  # a kernel that refuses capture: run eagerly from now
@@ -282,14 +288,20 @@ class ModelRunner:
         names = [c.adapter for c in batch]
         return LoraBatch(self.adapters, names, plan.chunk_lens, self.device)
 
-    def _run_layers(self, plan: BatchPlan, lora: LoraBatch | None = None) -> torch.Tensor:
+    def _gated_layers(self, plan: BatchPlan) -> torch.Tensor:
+        """`_run_layers` as prefill graphs capture it: each layer waits on its gate first."""
+        return self._run_layers(plan, gated=True)
+
+    def _run_layers(
+        self, plan: BatchPlan, lora: LoraBatch | None = None, *, gated: bool = False
+    ) -> torch.Tensor:
         eps = self.config.rms_norm_eps
         cos, sin = self.rope.tables(plan.positions, self.dtype)
         layers = self.weights.layers
         x = F.embedding(plan.token_ids, self.weights.embed_tokens)
         h = rms_norm(x, layers[0].input_norm, eps)
         for layer_index, layer in enumerate(layers):
-            attended = self._attention_block(layer_index, layer, h, cos, sin, plan, lora)
+            attended = self._attention_block(layer_index, layer, h, cos, sin, plan, lora, gated)
             x, h = self._add_norm(x, attended, layer.post_attention_norm)
             gate_up = F.linear(h, layer.gate_up_proj)
             if lora is not None:
@@ -321,14 +333,20 @@ class ModelRunner:
         sin: torch.Tensor,
         plan: BatchPlan,
         lora: LoraBatch | None = None,
+        gated: bool = False,
     ) -> torch.Tensor:
         c = self.config
-        # Blocks promoted or pulled land layer by layer: wait for this layer's part. A step being
-        # captured as a graph waited for all of it before capture (`forward`), and a capture may
-        # not wait on events recorded outside it.
-        if self._layer_writes and not torch.cuda.is_current_stream_capturing():
-            for writes in self._layer_writes:
-                writes.wait_layer(layer_index)
+        # Blocks promoted or pulled land layer by layer: wait for this layer's part. A capture
+        # may not wait on events recorded outside it: a prefill graph (`gated`) waits on this
+        # layer's gate instead, which every layer load records (`forward` waited for all of any
+        # other write before the replay).
+        if self._layer_writes or gated:
+            capturing = torch.cuda.is_current_stream_capturing()
+            if self._layer_writes and not capturing:
+                for writes in self._layer_writes:
+                    writes.wait_layer(layer_index)
+            elif gated and capturing and self._layer_gates is not None:
+                self._layer_gates.wait(layer_index)
         num_tokens, num_qk_heads = h.shape[0], c.num_heads + c.num_kv_heads
         qkv = F.linear(h, layer.qkv_proj, layer.qkv_bias)
         if lora is not None:
@@ -430,12 +448,9 @@ class ModelRunner:
         engine where the slots come in runs, unless `kernel_only`, else the kernel). The caller
         ends it with `take_layer_writes` once a step is over."""
         self._check_block_ids(block_ids, unique=True)
-        engine = None if kernel_only else self.copy_engine
-        if engine is not None and self._scatter_stream is None:
-            self._scatter_stream = torch.cuda.Stream(self.device, priority=-1)
         load = LayerLoad(
             host_data, slots, self.kv_cache, block_ids, self.layer_stream(),
-            copy_engine=engine, scatter_stream=self._scatter_stream,
+            copy_engine=None if kernel_only else self.copy_engine, gates=self._layer_gates,
         )  # fmt: skip
         self.add_layer_writes(load)
         self.num_layer_loads += 1
