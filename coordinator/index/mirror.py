@@ -77,8 +77,8 @@ class IndexMirror:
     *holder set* (an any-tier mask and a device-tier mask of bits; id 0 is nobody), so a block
     costs a hash and a set id; there are few distinct sets, however many blocks:
 
-        _table  block hash -> holder set id: sorted arrays, an index of home slots over them
-                and a delta of recent changes (`hash_table.py`)
+        _table  block hash -> holder set id: arrays in the order blocks were stored, an index
+                of home slots over them and a delta of recent changes (`hash_table.py`)
         _sets   holder set id -> bitmask of its workers (any tier; device tier), reference
                 counts, and the walks over a chain's runs of sets (`holder_sets.py`)
         _bits   worker <-> bit, and the bits' rows in the fleet being routed to
