@@ -17,6 +17,12 @@ _GOLDEN_INT = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads any key pattern o
 _GOLDEN = np.uint64(_GOLDEN_INT)
 _U64 = (1 << 64) - 1
 _FILTER_SLOTS_PER_ENTRY = 8  # delta filter slots per delta entry: <= 1/8 false positives
+_MIN_RUN = 16
+_MAX_SHORT_STEPS = 4
+"""`lookup_chain` reads a chain's runs of at least `_MIN_RUN` blocks in consecutive rows from
+their first hash; after `_MAX_SHORT_STEPS` shorter steps (a shorter run, or a hash in the
+delta), the rest of the chain in vector rounds. (Four: a long chain that nobody holds past its
+first few blocks, a new conversation on a shared system prompt, stops there.)"""
 
 
 def _home_slots(keys: np.ndarray, bits: int) -> np.ndarray:
@@ -27,7 +33,8 @@ def _home_slots(keys: np.ndarray, bits: int) -> np.ndarray:
 class HashTable:
     """Block hash -> holder set id (uint32; NOBODY where absent), in about 12 bytes per block:
 
-        keys   uint64[n]  block hashes, sorted (merges insert with one pass)
+        keys   uint64[n]  block hashes, unique, in the order they were stored (a merge appends
+               the delta's), so a chain stored at once sits in consecutive rows
         values uint32[n]  holder set of each, current (NOBODY: no holder left)
         _index int32[2^k >= 4n]  a hash's home slot -> the row of one key it is home to (-1:
                none), so a chain's lookups are one vectorised gather each, whatever n is
@@ -49,7 +56,7 @@ class HashTable:
 
     Invariants (checked by `check_invariants`):
       * every hash in the delta passes the delta filter, and none is in the arrays
-      * keys are sorted and unique; values has their length
+      * keys are unique; values has their length; the displaced keys are sorted
       * every key is in its home slot or among the displaced keys, not both
     """
 
@@ -117,7 +124,7 @@ class HashTable:
             if s is None:
                 row = row_at((h * _GOLDEN_INT & _U64) >> shift)  # `_home_slots`, in Python ints
                 if row >= 0 and key_at(row) != h:
-                    at = int(displaced_at(h))
+                    at = int(displaced_at(np.uint64(h)))  # (a Python int: ~9x slower)
                     found = at < num_displaced and displaced_key_at(at) == h
                     row = displaced_row_at(at) if found else -1
                 s = set_of_row(row) if row >= 0 else NOBODY
@@ -125,6 +132,77 @@ class HashTable:
             if leading and s == NOBODY:
                 break
         return sets
+
+    def lookup_chain(
+        self, hashes: Sequence[BlockHash], wanted: np.ndarray | None = None
+    ) -> np.ndarray:
+        """`lookup` of a chain's leading hashes, at least through the first that nobody holds
+        (the array may be shorter than the chain then), as int64: what a prefix match reads.
+        `wanted`: `hashes` as a uint64 array, when the caller has it (made here only if the
+        chain's first hash is held).
+
+        The arrays keep keys in the order they were stored, so a chain stored in one event
+        (a prompt's prefill) sits in consecutive rows. A run is found from its first hash (its
+        row, in Python ints) and read as far as the rows that follow hold the chain's next
+        hashes (one contiguous compare): a few cache lines per run, where the vector lookup
+        reads three scattered ones per hash. After a few short steps (runs of a chain stored a
+        few blocks at a time, as decode steps store an answer's, or hashes in the delta, which
+        keeps no order), the rest goes to the vector lookup.
+
+            chain    h0 h1 h2 h3 h4 h5 h6 ...
+            keys     .. h0 h1 h2 h3 .. .. h4 h5 h6 ..     two runs: rows r..r+3, r'..r'+2
+        """
+        num_hashes = len(hashes)
+        sets = np.empty(num_hashes, dtype=np.int64)
+        keys, values, delta = self.keys, self.values, self.delta
+        num_keys = len(keys)
+        hash_at = hashes.__getitem__ if wanted is None else wanted.item
+        j = num_short = 0
+        while j < num_hashes:
+            if num_short == _MAX_SHORT_STEPS:  # not stored in long runs: the rest at once
+                if wanted is None:
+                    wanted = np.fromiter(hashes, np.uint64, num_hashes)
+                sets[j:] = self.lookup(hashes[j:], wanted[j:])  # (all of it)
+                return sets
+            h = hash_at(j)  # (from the array: a fresh int, where the prompt's own are cold)
+            s = delta.get(h) if delta else None
+            if s is not None:  # stored since the last merge (so not in the arrays)
+                sets[j] = s
+                j += 1
+                num_short += 1
+                if s == NOBODY:
+                    return sets[:j]
+                continue
+            row = self._find_one(h) if num_keys else -1
+            if row < 0:
+                sets[j] = NOBODY
+                return sets[: j + 1]
+            end = min(num_hashes, j + num_keys - row)  # the chain's end, or the arrays'
+            run = end - j
+            if run > 1 and keys.item(row + 1) != hash_at(j + 1):
+                run = 1  # (the next row holds another chain: no array compare)
+            elif run > 1:
+                if wanted is None:
+                    wanted = np.fromiter(hashes, np.uint64, num_hashes)
+                    hash_at = wanted.item
+                differs = keys[row + 2 : row + run] != wanted[j + 2 : end]
+                first = int(differs.argmax()) if run > 2 else 0
+                if run > 2 and differs.item(first):
+                    run = first + 2
+            sets[j : j + run] = values[row : row + run]
+            j += run
+            num_short += run < _MIN_RUN
+        return sets
+
+    def _find_one(self, h: int) -> int:
+        """`find` of one hash, in Python ints."""
+        row: int = self._index.item((h * _GOLDEN_INT & _U64) >> (64 - self._index_bits))
+        if row >= 0 and self.keys.item(row) != h:
+            displaced = self._displaced_keys
+            at = int(displaced.searchsorted(np.uint64(h)))  # (as in `lookup_few`)
+            found = at < len(displaced) and displaced.item(at) == h
+            row = self._displaced_rows.item(at) if found else -1
+        return row
 
     def merged_values(self, wanted: np.ndarray) -> np.ndarray:
         """The holder set of each wanted hash in the arrays (NOBODY for one they do not have:
@@ -170,8 +248,7 @@ class HashTable:
 
     def _build_index(self) -> None:
         """Give every key's home slot (in a table of at least four times as many slots) to one
-        of the keys it is home to; the others are the displaced keys (in key order, as the
-        keys are sorted)."""
+        of the keys it is home to; the others are the displaced keys, sorted."""
         n = len(self.keys)
         bits = max(4, (4 * n).bit_length())
         index = np.full(1 << bits, -1, dtype=np.int32)
@@ -179,34 +256,32 @@ class HashTable:
         slots = _home_slots(self.keys, bits).view(np.int64)
         index[slots] = rows  # of several rows with one home slot, one is kept
         displaced = (index.take(slots) != rows).nonzero()[0]
+        displaced_keys = self.keys.take(displaced)
+        order = displaced_keys.argsort()
         self._index, self._index_bits = index, bits
-        self._displaced_keys = self.keys[displaced]
-        self._displaced_rows = displaced.astype(np.int32)
+        self._displaced_keys = displaced_keys.take(order)
+        self._displaced_rows = displaced.take(order).astype(np.int32)
 
     def maybe_merge(self) -> None:
         if len(self.delta) > self._max_delta():
             self.merge()
 
     def merge(self) -> None:
-        """Fold the delta into the sorted arrays, dropping blocks nobody holds any more."""
+        """Fold the delta into the arrays, after the keys there (in the delta's order, which is
+        the order the blocks were stored in), dropping blocks nobody holds any more."""
         delta = self.delta
         if not delta:
             return
         n = len(delta)
         new_keys = np.fromiter(delta.keys(), np.uint64, n)
         new_sets = np.fromiter(delta.values(), np.uint32, n)
-        order = np.argsort(new_keys)
-        new_keys, new_sets = new_keys[order], new_sets[order]
-        keys, sets = self.keys, self.values
-        rows = np.searchsorted(keys, new_keys)
-        found = rows < len(keys)
-        found[found] = keys[rows[found]] == new_keys[found]
-        sets[rows[found]] = new_sets[found]
-        fresh = ~found & (new_sets != NOBODY)
-        keys = np.insert(keys, rows[fresh], new_keys[fresh])
-        sets = np.insert(sets, rows[fresh], new_sets[fresh])
+        # (the delta never holds a key the arrays have: the writers' contract, checked by
+        # `check_invariants`)
+        fresh = new_sets != NOBODY
+        keys = np.concatenate((self.keys, new_keys[fresh]))
+        sets = np.concatenate((self.values, new_sets[fresh]))
         num_held = int(np.count_nonzero(sets))  # blocks somebody holds
-        if len(keys) > 2 * num_held + _MIN_DELTA:  # many blocks left: compact
+        if len(keys) > 2 * num_held + _MIN_DELTA:  # many blocks left: compact (order kept)
             kept = sets != NOBODY
             keys, sets = keys[kept], sets[kept]
         self.keys, self.values = keys, sets
@@ -234,9 +309,11 @@ class HashTable:
             assert (self.find(in_delta) < 0).all(), "a hash in the arrays is in the delta"
         self.merge()
         assert len(self.values) == len(self.keys), "keys and values differ in length"
-        assert np.all(self.keys[1:] > self.keys[:-1]), "keys are not sorted and unique"
+        assert len(np.unique(self.keys)) == len(self.keys), "a key is in the arrays twice"
         rows = np.arange(len(self.keys))
         at_home = self._index[_home_slots(self.keys, self._index_bits)] == rows
-        assert np.array_equal(self._displaced_rows, rows[~at_home]), "displaced rows drifted"
-        assert np.array_equal(self._displaced_keys, self.keys[~at_home]), "displaced keys drifted"
+        displaced = np.sort(self._displaced_rows)
+        assert np.array_equal(displaced, rows[~at_home]), "displaced rows drifted"
+        assert np.all(self._displaced_keys[1:] > self._displaced_keys[:-1]), "displaced unsorted"
+        assert np.array_equal(self._displaced_keys, self.keys[self._displaced_rows]), "drifted"
         assert np.array_equal(self.find(self.keys), rows), "the index misses a key's row"

@@ -32,9 +32,6 @@ from kvmesh.proto.events import TIER_DEVICE, AllCleared, BlockRemoved, BlockStor
 
 WorkerId = NewType("WorkerId", str)
 
-_PROBE_HASHES = 4
-"""Leading hashes of a long chain looked up one at a time before the whole chain (`_runs`)."""
-
 
 class ApplyResult(enum.Enum):
     APPLIED = "applied"
@@ -80,8 +77,8 @@ class IndexMirror:
     *holder set* (an any-tier mask and a device-tier mask of bits; id 0 is nobody), so a block
     costs a hash and a set id; there are few distinct sets, however many blocks:
 
-        _table  block hash -> holder set id: sorted arrays, an index of home slots over them
-                and a delta of recent changes (`hash_table.py`)
+        _table  block hash -> holder set id: arrays in the order blocks were stored, an index
+                of home slots over them and a delta of recent changes (`hash_table.py`)
         _sets   holder set id -> bitmask of its workers (any tier; device tier), reference
                 counts, and the walks over a chain's runs of sets (`holder_sets.py`)
         _bits   worker <-> bit, and the bits' rows in the fleet being routed to
@@ -295,7 +292,9 @@ class IndexMirror:
         """`match_fleet` of a long chain in array operations, where every worker's bit is below
         64 and every block on the device tier (`positions`: `FleetBits.positions`): the runs
         as arrays, walked by `HolderSets.walk_low`."""
-        sets = self._table.lookup(hashes, hash_array)
+        # (through the first block nobody holds: no worker's prefix goes past it, so the walk
+        # reads no further)
+        sets = self._table.lookup_chain(hashes, hash_array)
         changed = np.empty(len(sets), dtype=bool)
         changed[0] = True
         np.not_equal(sets[1:], sets[:-1], out=changed[1:])
@@ -310,15 +309,12 @@ class IndexMirror:
         """Where the chain's holder set changes, and to what: (first positions of the runs of
         one holder set, their sets). Only there can a worker's prefix end; the runs may stop
         at the first block nobody holds (no worker's prefix goes past it)."""
-        if len(hashes) <= FEW_HASHES:
-            sets = self._table.lookup_few(hashes, leading=True)
-        else:
-            # A long chain that nobody holds past its first few blocks (a new conversation on a
-            # shared system prompt) stops there: its head, one hash at a time, before the whole
-            # chain's vector lookup (whose fixed cost is that of ~40 such hashes).
-            sets = self._table.lookup_few(hashes[:_PROBE_HASHES], leading=True)
-            if sets[-1] != NOBODY:
-                return self._runs_of_array(self._table.lookup(hashes, hash_array))
+        if len(hashes) > FEW_HASHES:
+            # (through the first block nobody holds; from its first hash in Python ints, so a
+            # long chain that nobody holds past its head, a new conversation on a shared
+            # system prompt, stops there)
+            return self._runs_of_array(self._table.lookup_chain(hashes, hash_array))
+        sets = self._table.lookup_few(hashes, leading=True)
         starts = [i for i in range(len(sets)) if not i or sets[i] != sets[i - 1]]
         return starts, [sets[i] for i in starts]
 

@@ -1,7 +1,9 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
+from kvmesh.coordinator.index import hash_table
 from kvmesh.coordinator.index.hash_table import FEW_HASHES, NOBODY, HashTable
 from kvmesh.proto.block_hash import BlockHash
 
@@ -68,3 +70,86 @@ def test_a_long_chain_missing_a_few_hashes_from_the_arrays_reads_them_from_the_d
     assert table.lookup(chain).tolist() == [2] * FEW_HASHES + [5, 5, 5, NOBODY]
     chain = HASHES[:FEW_HASHES] + HASHES[150:152]
     assert table.lookup(chain).tolist() == [2] * FEW_HASHES + [NOBODY, NOBODY]
+
+
+def _chain_lookups_agree(table: HashTable, chain: list[BlockHash]) -> list[int]:
+    """`lookup_chain` (with and without the chain's array) reads what `lookup` does, at least
+    through the first hash nobody holds; returns that leading part."""
+    full = table.lookup(chain).tolist()
+    leading = full[: full.index(NOBODY) + 1] if NOBODY in full else full
+    for wanted in (np.fromiter(chain, np.uint64, len(chain)), None):
+        read = table.lookup_chain(chain, wanted).tolist()
+        assert len(read) >= len(leading) and read == full[: len(read)]
+    return leading
+
+
+def test_a_merge_appends_blocks_in_the_order_they_were_stored_and_a_compaction_keeps_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    table = HashTable()
+    first, second = HASHES[:120], HASHES[120:]
+    put(table, dict.fromkeys(first, 1))
+    table.merge()
+    put(table, dict.fromkeys(second, 2))
+    table.merge()
+    assert table.keys.tolist() == first + second
+    # released (more than half of the blocks): dropped at the next merge, a compaction
+    put(table, dict.fromkeys(first + second[::2], NOBODY))
+    monkeypatch.setattr(hash_table, "_MIN_DELTA", 0)  # (a compaction at this size)
+    added = BlockHash(HASHES[0] ^ 1)
+    put(table, {added: 3})
+    table.merge()
+    assert table.keys.tolist() == second[1::2] + [added]
+    table.check_invariants()
+
+
+def test_a_chain_stored_in_one_run_is_read_through_its_first_hash_nobody_holds() -> None:
+    table = HashTable()
+    put(table, dict.fromkeys(HASHES[:150], 4))
+    table.merge()
+    assert _chain_lookups_agree(table, HASHES[:150]) == [4] * 150
+    assert _chain_lookups_agree(table, HASHES[:150] + HASHES[160:]) == [4] * 150 + [NOBODY]
+    assert _chain_lookups_agree(table, HASHES[180:]) == [NOBODY]  # its first: nobody
+    assert HashTable().lookup_chain(HASHES[:50]).tolist() == [NOBODY]  # an empty table
+
+
+def test_chain_lookups_follow_runs_across_rows_the_delta_and_released_blocks() -> None:
+    """Runs stored apart, a block at a time (the short-run fall-back), blocks in the delta in
+    the middle of a chain, and released blocks still in the arrays: every read is `lookup`'s."""
+    rng = np.random.default_rng(1)
+    table = HashTable()
+    order = rng.permutation(len(HASHES))
+    # the chain's runs stored in shuffled pieces of 1 to 60 blocks, other blocks between them
+    pieces, at = [], 0
+    while at < len(HASHES):
+        size = int(rng.integers(1, 60))
+        pieces.append(list(range(at, min(at + size, len(HASHES)))))
+        at += size
+    for piece in (pieces[i] for i in rng.permutation(len(pieces))):
+        put(table, {HASHES[i]: 1 + int(order[i]) % 3 for i in piece})
+        put(table, {BlockHash(int(rng.integers(1, 2**63))): 7})
+        if rng.random() < 0.5:
+            table.merge()
+    chain = list(HASHES)
+    assert _chain_lookups_agree(table, chain) == [1 + int(order[i]) % 3 for i in range(200)]
+    table.merge()
+    put(table, {HASHES[i]: 9 for i in (30, 31, 100)})  # written in the arrays
+    put(table, {BlockHash(HASHES[50] ^ 5): 6})  # a new block: into the delta
+    assert _chain_lookups_agree(table, chain[:60] + [BlockHash(HASHES[50] ^ 5)] + chain[60:])
+    put(table, {HASHES[i]: NOBODY for i in (70, 140)})  # released, kept in the arrays
+    assert len(_chain_lookups_agree(table, chain)) == 71
+    for start in range(0, 200, 17):
+        _chain_lookups_agree(table, chain[start:])
+    table.check_invariants()
+
+
+def test_a_hash_past_the_home_slots_is_found_among_the_displaced_keys_in_ints() -> None:
+    table = HashTable()
+    put(table, dict.fromkeys(HASHES, 3))
+    table.merge()
+    assert len(table._displaced_keys)
+    for h in table._displaced_keys.tolist():
+        row = table._find_one(h)
+        assert row >= 0 and table.keys[row] == h
+        assert table.lookup_few([BlockHash(h)]) == [3]
+    assert table._find_one(int(table._displaced_keys[0]) ^ 1) == -1
