@@ -1,7 +1,7 @@
 """A promotion from the pinned host tier that runs layer by layer beside the prefill (CUDA).
 
 The host tier keeps each block as one slab per block (all layers, K and V); the device cache is
-layer-major. Layer by layer, on side streams, every promoted block's K and V are written into the
+layer-major. Layer by layer, on a side stream, every promoted block's K and V are written into the
 cache and an event is recorded per layer; the forward pass waits for layer l's event just before
 layer l's attention. So the PCIe copy of layer l + 1 overlaps the compute of layer l, and a
 prefill over a promoted prefix costs about max(copy, compute) instead of their sum.
@@ -42,7 +42,9 @@ except ImportError:  # pragma: no cover - exercised on CPU-only machines
 _CHUNK = 4096  # elements one step of a program moves (8 KB of bf16)
 _NUM_PROGRAMS = 32  # a few SMs: enough loads in flight for PCIe, the rest left to the prefill
 MAX_COPY_RUNS = 8  # more runs a layer and the host's calls (one per run) cost more than the kernel
-STAGING_LAYERS = 4  # how far the DMA runs ahead of the scatter
+# Staging layers used in turn. On one stream a layer's copy starts after the last scatter anyway,
+# so one would do (as measured: 4; the ring predates the one stream).
+STAGING_LAYERS = 4
 
 if triton is not None:
     # One compiled variant serves every load: Triton would otherwise specialise these on their
@@ -96,7 +98,7 @@ def can_load_layers(host_data: torch.Tensor, cache: torch.Tensor) -> bool:
 
 
 class LayerLoad:
-    """Host slots -> cache blocks, one layer at a time on side streams, started at construction.
+    """Host slots -> cache blocks, one layer at a time on `stream`, started at construction.
 
     Invariants: layer l of every target block is written once `events[l]` has completed; the
     host slots read are not reused until `done` has completed (their owner holds them); nothing
