@@ -476,6 +476,18 @@ class MetricsCollector:
                 lambda i: i.counters.num_prefill_graph_replays,
             ),
             per_worker(
+                "kvmesh_worker_host_layer_loads_total",
+                MetricKind.COUNTER,
+                "Host-tier promotions run layer by layer beside the prefill.",
+                lambda i: i.counters.num_host_layer_loads,
+            ),
+            per_worker(
+                "kvmesh_worker_host_copy_engine_loads_total",
+                MetricKind.COUNTER,
+                "Of those, the ones the GPU's copy engines moved (the rest: the load kernel).",
+                lambda i: i.counters.num_host_copy_engine_loads,
+            ),
+            per_worker(
                 "kvmesh_worker_prefill_seconds_per_token",
                 MetricKind.GAUGE,
                 "Measured prefill cost per token (the router's cost model follows it).",

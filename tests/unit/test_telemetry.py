@@ -75,6 +75,8 @@ def worker_info(worker_id: str, *, num_free: int = 60, evicted: int = 0) -> Work
         num_prefill_graphs=2,
         prefill_graph_capture_ms=420.0,
         num_prefill_graph_replays=17,
+        num_host_layer_loads=9,
+        num_host_copy_engine_loads=7,
     )
     cache = CacheStats(
         num_lookup_hits=4, num_lookup_misses=6, saved_prefill_tokens=640, cache_epoch=2
@@ -253,6 +255,8 @@ def test_worker_families_read_each_live_workers_last_report() -> None:
     prefill_s = fams["kvmesh_worker_prefill_graph_capture_seconds_total"]
     assert prefill_s.value(worker="w0") == pytest.approx(0.42)
     assert fams["kvmesh_worker_prefill_graph_replays_total"].value(worker="w0") == 17
+    assert fams["kvmesh_worker_host_layer_loads_total"].value(worker="w0") == 9
+    assert fams["kvmesh_worker_host_copy_engine_loads_total"].value(worker="w0") == 7
     assert fams["kvmesh_worker_cache_epoch"].value(worker="w1") == 2
     registry.mark_dead("w0", "test")
     fams = families(collector)

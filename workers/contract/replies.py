@@ -162,6 +162,12 @@ class WorkerCounters:
     """Wall time those captures took, in all: inside the prefill steps that first needed them."""
     num_prefill_graph_replays: int = 0
     """Prefill steps replayed from those graphs."""
+    num_host_layer_loads: int = 0
+    """Host-tier promotions run layer by layer beside the prefill (the start-up warm-up's one or
+    two included)."""
+    num_host_copy_engine_loads: int = 0
+    """Of those, the ones the GPU's copy engines moved (the host slots came in runs); the rest
+    the load kernel did."""
     num_warm_sessions: int = 0
     """Idle sessions whose chains are kept warm now."""
     warm_session_bytes: int = 0

@@ -56,6 +56,8 @@ class WorkerTally:
         num_host_evicted_blocks: int = 0,
         decode_graphs: GraphCounts = NO_GRAPHS,
         prefill_graphs: GraphCounts = NO_GRAPHS,
+        num_layer_loads: int = 0,
+        num_copy_engine_loads: int = 0,
     ) -> WorkerCounters:
         return WorkerCounters(
             num_requests=self.num_requests,
@@ -88,6 +90,8 @@ class WorkerTally:
             num_prefill_graphs=prefill_graphs.num_graphs,
             prefill_graph_capture_ms=prefill_graphs.capture_ms,
             num_prefill_graph_replays=prefill_graphs.num_replays,
+            num_host_layer_loads=num_layer_loads,
+            num_host_copy_engine_loads=num_copy_engine_loads,
             num_warm_sessions=sessions.num_sessions,
             warm_session_bytes=sessions.num_bytes,
             num_sessions_evicted_ttl=sessions.num_evicted_ttl,

@@ -374,6 +374,8 @@ class Worker:
             self.host_pool.num_evicted if self.host_pool else 0,
             self.runner.decode_graph_counts(),
             self.runner.prefill_graph_counts(),
+            self.runner.num_layer_loads,
+            self.runner.num_copy_engine_loads,
         )
         return WorkerInfo(
             worker_id=self.worker_id,
