@@ -406,23 +406,28 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ block transfer
 
-    def _check_block_ids(self, block_ids: Sequence[int], *, unique: bool) -> torch.Tensor:
-        ids = torch.tensor(list(block_ids), dtype=torch.int64)
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
+    def _check_block_ids(self, block_ids: Sequence[int], *, unique: bool) -> list[int]:
+        """The ids as ints, checked in Python (a promotion's few hundred: no tensor round trip
+        on the request's path)."""
+        ids = [int(b) for b in block_ids]
+        if ids and (min(ids) < 0 or max(ids) >= self.num_blocks):
             raise ValueError(
-                f"block ids span [{int(ids.min())}, {int(ids.max())}], "
-                f"pool has [0, {self.num_blocks})"
+                f"block ids span [{min(ids)}, {max(ids)}], pool has [0, {self.num_blocks})"
             )
-        if unique and torch.unique(ids).numel() != ids.numel():
-            raise ValueError(f"{ids.numel()} block ids contain duplicates")
-        return ids.to(self.device)
+        if unique and len(set(ids)) != len(ids):
+            raise ValueError(f"{len(ids)} block ids contain duplicates")
+        return ids
+
+    def _block_id_tensor(self, block_ids: Sequence[int], *, unique: bool) -> torch.Tensor:
+        ids = self._check_block_ids(block_ids, unique=unique)
+        return torch.tensor(ids, dtype=torch.int64).to(self.device)
 
     @torch.inference_mode()
     def export_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
         """Copy whole blocks, all layers, K and V, into one contiguous tensor (on the cache device):
         [len(block_ids), num_layers, 2, block_size, num_kv_heads, head_dim], block-major so each
         block is one contiguous slab."""
-        ids = self._check_block_ids(block_ids, unique=False)
+        ids = self._block_id_tensor(block_ids, unique=False)
         if self._layer_writes:  # blocks still landing: the copy waits for them on the stream
             wanted = {int(b) for b in block_ids}
             for writes in self._layer_writes:
@@ -497,7 +502,7 @@ class ModelRunner:
     @torch.inference_mode()
     def import_blocks(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
         """Overwrite blocks with the layout `export_blocks` produces (from any device)."""
-        ids = self._check_block_ids(block_ids, unique=True)
+        ids = self._block_id_tensor(block_ids, unique=True)
         expected = (len(ids), *self.kv_cache.shape[:2], *self.kv_cache.shape[3:])
         if tuple(blocks.shape) != expected:
             raise ValueError(f"blocks have shape {tuple(blocks.shape)}, expected {expected}")
