@@ -134,13 +134,13 @@ class LayerLoad:
         self.events = [torch.cuda.Event() for _ in range(cache.shape[0])]
         self._keep: tuple[torch.Tensor, ...] = ()  # what the side stream reads: alive until
         # `done` (the runner keeps its loads until the step after them has synchronised)
-        ordered = slot_runs(self.slots)
-        self.uses_copy_engine = copy_engine is not None and len(ordered.runs) <= MAX_COPY_RUNS
+        ordered = slot_runs(self.slots) if copy_engine is not None else None
+        self.uses_copy_engine = ordered is not None and len(ordered.runs) <= MAX_COPY_RUNS
         # The blocks were just allocated: whatever the main stream still does with them (a
         # demotion copying their old contents out) must finish before they are overwritten.
         stream.wait_stream(torch.cuda.current_stream(cache.device))
         if self.uses_copy_engine:
-            assert copy_engine is not None
+            assert copy_engine is not None and ordered is not None
             rows_to_blocks = [int(blocks[i]) for i in ordered.order]
             self._copy_layers(host_data, cache, ordered.runs, rows_to_blocks, copy_engine, stream)
         else:
