@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -110,7 +112,7 @@ def test_a_chain_of_long_runs_with_a_few_short_ones_between_is_read_run_by_run(
     long runs and short ones: up to `_MAX_SHORT_STEPS` short ones, read without a vector round."""
     table = HashTable()
     cuts = [0, 40, 45, 50, 90, 95, 100, 105, 150, 155, 160, 200]  # 7 short runs, 4 long
-    for a, b in zip(cuts, cuts[1:]):
+    for a, b in itertools.pairwise(cuts):
         put(table, dict.fromkeys(HASHES[a:b], 6))
         table.merge()
         put(table, {BlockHash(HASHES[b - 1] ^ 1): 7})  # another chain's block between the runs
