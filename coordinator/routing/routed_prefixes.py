@@ -10,7 +10,9 @@ to, and treats that worker as about to hold it:
                remembered here                                    (the mirror knows by then)
 
 Only the blocks beyond what the index already shows on that worker are kept, so a follow-up
-turn of a cached conversation costs a few entries, not its whole chain.
+turn of a cached conversation costs a few entries, not its whole chain. The same run sent to the
+same worker again while it is remembered (the burst above, once its head is routed: every one of
+its requests now matches there) is counted once, with its requests, not hash by hash again.
 
 Entries leave when the request is reported done, or after `ttl_s` at the latest, so the memory
 stays bounded even if completions are never reported.
@@ -30,18 +32,28 @@ from kvmesh.proto.block_hash import BlockHash
 
 _FEW_HASHES = 32  # a run sharing hashes with others, up to this long, is counted hash by hash
 
+# A shared run's key: the hash of (its worker, its number of hashes, its last hash). An int, not
+# the tuple: a key kept per routed prompt is then nothing for the garbage collector to count.
+_RunKey = int
+
 
 class RoutedPrefixes:
     """Runs of blocks routed to each worker and not yet confirmed, with reference counts.
 
     Invariants (checked by `check_invariants`):
-      * hash_to_worker_refs[h][w] == number of live entries routed to w whose run contains h
+      * hash_to_worker_refs[h][w] == number of distinct counted runs routed to w that contain h:
+        an entry with a shared run (`_shared_key_of[r]` set) counts its run once with every
+        other entry under the same key; an entry without one counts its run on its own
+      * num_sharing[k] == number of live entries whose `_shared_key_of` is k, and
+        shared_run[k] and shared_worker[k] are their run (the same hashes, one array) and worker
       * no empty inner dict is kept
       * entries are ordered by expiry (insertion order with one TTL)
 
-    An entry is three dict values (expiry, worker, the run's hashes as a uint64 array) rather
-    than one object: a routed prompt then leaves nothing young for the garbage collector to
-    count, nor a tuple of the prompt's ints to walk, each int read from memory, while young.
+    An entry is dict values (expiry, worker, the run's hashes as a uint64 array, its shared
+    run's key) rather than one object: a routed prompt then leaves nothing young for the garbage
+    collector to count, nor a tuple of the prompt's ints to walk, each int read from memory,
+    while young. A run whose key is held by another worker or other hashes (a chain whose last
+    hash does not fix the ones before it, or the keys' hashes colliding) is counted on its own.
     """
 
     def __init__(self, ttl_s: float = 30.0, max_entries: int = 100_000) -> None:
@@ -54,6 +66,10 @@ class RoutedPrefixes:
         self._expires_s: OrderedDict[str, float] = OrderedDict()  # in expiry order
         self._worker_of: dict[str, WorkerId] = {}
         self._run_of: dict[str, np.ndarray] = {}
+        self._shared_key_of: dict[str, _RunKey | None] = {}
+        self._num_sharing: dict[_RunKey, int] = {}
+        self._shared_run: dict[_RunKey, np.ndarray] = {}
+        self._shared_worker: dict[_RunKey, WorkerId] = {}
         # A lone worker id stands for {worker: 1}, the common case: a run's new hashes are then
         # added in one `dict.update` (C), not one Python step each (prompts run to 512 blocks).
         self._hash_to_worker_refs: dict[BlockHash, WorkerId | dict[WorkerId, int]] = {}
@@ -75,7 +91,33 @@ class RoutedPrefixes:
         hashes = hashes[start:]
         self._expires_s[request_id] = now_s + self.ttl_s
         self._worker_of[request_id] = worker
-        self._run_of[request_id] = np.fromiter(hashes, np.uint64, len(hashes))
+        run = self._run_of[request_id] = np.fromiter(hashes, np.uint64, len(hashes))
+        key: _RunKey | None = hash((worker, len(hashes), hashes[-1])) if hashes else None
+        if key is not None:
+            shared = self._shared_run.get(key)
+            if shared is None:
+                self._shared_run[key] = run
+                self._shared_worker[key] = worker
+                self._num_sharing[key] = 1
+            elif self._shared_worker[key] == worker and shared.tobytes() == run.tobytes():
+                # counted already: one more request
+                self._num_sharing[key] += 1
+                self._shared_key_of[request_id] = key
+                self._run_of[request_id] = shared
+                self._bound()
+                return
+            else:
+                key = None
+        self._shared_key_of[request_id] = key
+        self._count(worker, hashes)
+        self._bound()
+
+    def _bound(self) -> None:
+        if len(self._expires_s) > self.max_entries:
+            self.discard(next(iter(self._expires_s)))
+
+    def _count(self, worker: WorkerId, hashes: Sequence[BlockHash]) -> None:
+        """One more counted run of `hashes` routed to `worker`."""
         refs = self._hash_to_worker_refs
         if refs.keys().isdisjoint(hashes):  # a new run: all its hashes in one update
             num_before = len(refs)
@@ -97,8 +139,6 @@ class RoutedPrefixes:
                 for h in shared:
                     self._ref(h, worker)
                 refs.update(zip(run - shared, repeat(worker)))
-        if len(self._expires_s) > self.max_entries:
-            self.discard(next(iter(self._expires_s)))
 
     def _ref(self, h: BlockHash, worker: WorkerId) -> None:
         refs = self._hash_to_worker_refs
@@ -111,8 +151,17 @@ class RoutedPrefixes:
             holders[worker] = holders.get(worker, 0) + 1
 
     def discard(self, request_id: str) -> None:
-        if self._expires_s.pop(request_id, None) is not None:
-            self._drop(self._worker_of.pop(request_id), self._run_of.pop(request_id))
+        if self._expires_s.pop(request_id, None) is None:
+            return
+        worker, run = self._worker_of.pop(request_id), self._run_of.pop(request_id)
+        key = self._shared_key_of.pop(request_id)
+        if key is not None:
+            left = self._num_sharing[key] - 1
+            if left:  # other requests still count the run
+                self._num_sharing[key] = left
+                return
+            del self._num_sharing[key], self._shared_run[key], self._shared_worker[key]
+        self._drop(worker, run)
 
     def expire(self, now_s: float) -> None:
         expires_s = self._expires_s
@@ -219,8 +268,25 @@ class RoutedPrefixes:
 
     def check_invariants(self) -> None:
         assert self._expires_s.keys() == self._worker_of.keys() == self._run_of.keys()
+        assert self._run_of.keys() == self._shared_key_of.keys()
+        keys = [k for k in self._shared_key_of.values() if k is not None]
+        assert Counter(keys) == self._num_sharing, "shared runs' request counts drifted"
+        assert self._shared_run.keys() == self._num_sharing.keys() == self._shared_worker.keys()
+        counted: dict[_RunKey, str] = {}  # each shared run once, by its first request
+        for request_id, key in self._shared_key_of.items():
+            if key is None:
+                continue
+            counted.setdefault(key, request_id)
+            run = self._run_of[request_id]
+            assert run is self._shared_run[key], "a shared run's requests hold other hashes"
+            worker = self._worker_of[request_id]
+            assert worker == self._shared_worker[key], "a shared run's requests on other workers"
+            assert key == hash((worker, len(run), int(run[-1]))), "a shared run under another key"
         expected: dict[BlockHash, dict[WorkerId, int]] = {}
         for request_id, worker in self._worker_of.items():
+            key = self._shared_key_of[request_id]
+            if key is not None and counted[key] != request_id:
+                continue
             for h in self._run_of[request_id].tolist():
                 holders = expected.setdefault(h, {})
                 holders[worker] = holders.get(worker, 0) + 1

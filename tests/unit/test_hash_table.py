@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -101,6 +103,28 @@ def test_a_merge_appends_blocks_in_the_order_they_were_stored_and_a_compaction_k
     table.merge()
     assert table.keys.tolist() == second[1::2] + [added]
     table.check_invariants()
+
+
+def test_a_chain_of_long_runs_with_a_few_short_ones_between_is_read_run_by_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Stored to different depths one merge at a time (each merge appends its blocks), a chain is
+    long runs and short ones: up to `_MAX_SHORT_STEPS` short ones, read without a vector round."""
+    table = HashTable()
+    cuts = [0, 40, 45, 50, 90, 95, 100, 105, 150, 155, 160, 200]  # 7 short runs, 4 long
+    for a, b in itertools.pairwise(cuts):
+        put(table, dict.fromkeys(HASHES[a:b], 6))
+        table.merge()
+        put(table, {BlockHash(HASHES[b - 1] ^ 1): 7})  # another chain's block between the runs
+    table.merge()
+    assert hash_table._MAX_SHORT_STEPS >= 7
+    expected = _chain_lookups_agree(table, HASHES[:200])
+
+    def no_vector_round(*args: object) -> None:
+        raise AssertionError("read in vector rounds")
+
+    monkeypatch.setattr(table, "lookup", no_vector_round)
+    assert table.lookup_chain(HASHES[:200]).tolist() == expected == [6] * 200
 
 
 def test_a_chain_stored_in_one_run_is_read_through_its_first_hash_nobody_holds() -> None:

@@ -95,6 +95,48 @@ def test_routed_prefixes_count_short_runs_that_share_hashes_until_each_is_droppe
     assert r.extend(A, chain, 0) == 0 and r.extend(B, chain, 2) == 2
 
 
+def test_routed_prefixes_count_a_run_sent_again_to_its_worker_once_until_its_last_request() -> None:
+    r = RoutedPrefixes(ttl_s=10.0)
+    run = hashes(*range(1, 41))  # past `_FEW_HASHES`, and within it below
+    r.add("r1", A, run, now_s=0.0)
+    r.add("r2", A, tuple(run), now_s=1.0)  # the same run, to the same worker: shared
+    r.add("r3", B, run, now_s=1.0)  # to another worker: its own
+    r.add("r4", A, run, now_s=1.0, start=30)  # a shorter run with the same last hash: its own
+    r.add("r5", A, hashes(*range(100, 110), 40), now_s=1.0)  # 11 hashes ending as r4: its own
+    r.check_invariants()
+    chain = hashes(*range(1, 42))
+    r.discard("r1")
+    r.check_invariants()
+    assert (r.extend(A, chain, 0), r.extend(B, chain, 0)) == (40, 40)
+    r.discard("r2")
+    r.check_invariants()
+    assert (r.extend(A, chain, 0), r.extend(A, chain, 30), r.extend(B, chain, 0)) == (0, 40, 40)
+    r.add("r6", A, hashes(*range(1, 31), *range(200, 210), 40), now_s=2.0)
+    r.add("r7", A, hashes(*range(1, 31), *range(200, 210), 40), now_s=2.0)  # under r6's key
+    r.add("r8", A, run, now_s=2.0)  # 40 hashes ending with 40, as r6's key: counted on its own
+    r.check_invariants()
+    for request_id in ("r4", "r6", "r8"):
+        r.discard(request_id)
+    r.check_invariants()
+    assert r.extend(A, chain, 0) == 30 and r.extend(A, hashes(*range(1, 31), 200), 0) == 31
+    r.expire(now_s=20.0)
+    assert len(r) == 0 and r.extend(A, chain, 0) == 0 and r.extend(B, chain, 0) == 0
+    r.check_invariants()
+
+
+def test_routed_prefixes_stay_bounded_counting_shared_runs() -> None:
+    r = RoutedPrefixes(ttl_s=10.0, max_entries=2)
+    for i in range(3):
+        r.add(f"r{i}", A, hashes(1, 2, 3), now_s=float(i))
+    assert len(r) == 2 and r.extend(A, hashes(1, 2, 3), 0) == 3
+    r.discard("r1")
+    r.check_invariants()
+    assert r.extend(A, hashes(1, 2, 3), 0) == 3
+    r.discard("r2")
+    assert len(r) == 0 and r.extend(A, hashes(1, 2, 3), 0) == 0
+    r.check_invariants()
+
+
 def test_routed_prefixes_stay_bounded() -> None:
     r = RoutedPrefixes(ttl_s=10.0, max_entries=2)
     for i in range(5):
