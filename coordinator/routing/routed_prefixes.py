@@ -21,13 +21,14 @@ stays bounded even if completions are never reported.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from itertools import compress, repeat
 from operator import is_not
 
 import numpy as np
 
 from kvmesh.coordinator.index.mirror import WorkerId
+from kvmesh.coordinator.routing.hash_screen import HashScreen
 from kvmesh.proto.block_hash import BlockHash
 
 _FEW_HASHES = 32  # a run sharing hashes with others, up to this long, is counted hash by hash
@@ -47,6 +48,8 @@ class RoutedPrefixes:
       * num_sharing[k] == number of live entries whose `_shared_key_of` is k, and
         shared_run[k] and shared_worker[k] are their run (the same hashes, one array) and worker
       * no empty inner dict is kept
+      * the screen holds every counted run's hashes, as often as `hash_to_worker_refs` counts
+        them (so a hash it rules out has no entry there)
       * entries are ordered by expiry (insertion order with one TTL)
 
     An entry is dict values (expiry, worker, the run's hashes as a uint64 array, its shared
@@ -56,7 +59,9 @@ class RoutedPrefixes:
     hash does not fix the ones before it, or the keys' hashes colliding) is counted on its own.
     """
 
-    def __init__(self, ttl_s: float = 30.0, max_entries: int = 100_000) -> None:
+    def __init__(
+        self, ttl_s: float = 30.0, max_entries: int = 100_000, screen_slots: int = 1 << 18
+    ) -> None:
         if not ttl_s > 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
         if max_entries < 1:
@@ -73,6 +78,7 @@ class RoutedPrefixes:
         # A lone worker id stands for {worker: 1}, the common case: a run's new hashes are then
         # added in one `dict.update` (C), not one Python step each (prompts run to 512 blocks).
         self._hash_to_worker_refs: dict[BlockHash, WorkerId | dict[WorkerId, int]] = {}
+        self._screen = HashScreen(screen_slots)
 
     def __len__(self) -> int:
         return len(self._expires_s)
@@ -110,6 +116,7 @@ class RoutedPrefixes:
                 key = None
         self._shared_key_of[request_id] = key
         self._count(worker, hashes)
+        self._screen.add(run)
         self._bound()
 
     def _bound(self) -> None:
@@ -196,8 +203,13 @@ class RoutedPrefixes:
         hash_at = hashes.__getitem__ if hash_array is None else hash_array.item
         if not _holds(refs.get(hash_at(held)), worker):
             return held
-        get = refs.get
-        lo, hi = held + 1, n  # worker holds hashes[:lo]; it does not hold hashes[:hi + 1]
+        return self._bisect(worker, held + 1, n, hash_at)
+
+    def _bisect(self, worker: WorkerId, lo: int, n: int, hash_at: Callable[[int], int]) -> int:
+        """`extend`'s end of the routed run, `worker` known to hold the chain's first `lo`
+        blocks (the index's and the routed block right after them)."""
+        get = self._hash_to_worker_refs.get
+        hi = n  # worker holds hashes[:lo]; it does not hold hashes[:hi + 1]
         while lo < hi:
             mid = (lo + hi + 1) // 2
             holders = get(hash_at(mid - 1))  # `_holds`, inline
@@ -225,17 +237,29 @@ class RoutedPrefixes:
         where it finds one)."""
         refs, n = self._hash_to_worker_refs, len(hashes)
         out = held
-        if len(hashes) <= _FEW_HASHES and refs.keys().isdisjoint(hashes):
-            return out  # nothing of this short chain was routed lately (for a long one, the
-            # check would cost more than the lookups below)
-        held_list = held.tolist()
-        # each row grows on its own: the order does not matter
-        starts: Collection[int] = set(held_list)
-        if max(starts) >= n:  # only a match shorter than the chain may grow
-            starts = [start for start in starts if start < n]
-        # (the lookups in C maps; most starts have no routed block next; a hash made from the
-        # array one at a time, not by a gather of a list of starts, which costs its conversion
-        # to an array)
+        starts: Collection[int]
+        if not n:
+            return out
+        if hash_array is not None:
+            # The screen rules out, in one operation, the rows whose next block nobody was
+            # routed; ~2 of a fleet's ~35 distinct matches are left to look up. (A row holding
+            # the whole chain reads its last hash here, clipped, and is left out below.)
+            maybe = self._screen.may_hold(hash_array.take(held, mode="clip")).nonzero()[0]
+            if not len(maybe):
+                return out
+            held_list = held.tolist()
+            starts = {start for row in maybe.tolist() if (start := held_list[row]) < n}
+        else:
+            if len(hashes) <= _FEW_HASHES and refs.keys().isdisjoint(hashes):
+                return out  # nothing of this short chain was routed lately (for a long one, the
+                # check would cost more than the lookups below)
+            held_list = held.tolist()
+            # each row grows on its own: the order does not matter
+            starts = set(held_list)
+            if max(starts) >= n:  # only a match shorter than the chain may grow
+                starts = [start for start in starts if start < n]
+        # (the lookups in C maps; a hash made from the array one at a time, not by a gather of
+        # a list of starts, which costs its conversion to an array)
         hash_at = hashes.__getitem__ if hash_array is None else hash_array.item
         routed = list(map(refs.get, map(hash_at, starts)))
         is_routed = map(is_not, routed, repeat(None))
@@ -247,10 +271,11 @@ class RoutedPrefixes:
                     continue
                 if out is held:
                     out = held.copy()
-                out[row] = self.extend(worker, hashes, start, hash_array)
+                out[row] = self._bisect(worker, start + 1, n, hash_at)  # (`extend`)
         return out
 
     def _drop(self, worker: WorkerId, run: np.ndarray) -> None:
+        self._screen.remove(run)
         refs = self._hash_to_worker_refs
         for h in run.tolist():
             holders = refs[h]
@@ -294,6 +319,9 @@ class RoutedPrefixes:
             h: {v: 1} if isinstance(v, str) else v for h, v in self._hash_to_worker_refs.items()
         }
         assert expected == held, "reference counts drifted from entries"
+        self._screen.check_invariants(
+            h for h, holders in expected.items() for _ in range(sum(holders.values()))
+        )
         assert all(v for v in held.values()), "an empty holder set is kept"
         expiries = list(self._expires_s.values())
         assert expiries == sorted(expiries), "entries are not in expiry order"

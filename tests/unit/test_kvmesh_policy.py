@@ -78,6 +78,45 @@ def test_routed_prefixes_extend_a_fleet_alike_with_the_chain_as_an_array() -> No
     assert r.extend(A, chain, 10, array) == 50 and held.tolist()[12:] == [10, 30]
 
 
+@pytest.mark.parametrize("screen_slots", [1, 16, 1 << 18])
+def test_routed_prefixes_screen_rules_out_only_hashes_nobody_was_routed(screen_slots: int) -> None:
+    """With the chain's array, `extend_many` looks up only the matches its screen cannot rule
+    out: every row still grows as `extend` says, while routes are added, shared, done, expired,
+    bounded and their workers removed (a screen of one slot rules nothing out; of 16, hashes
+    share slots)."""
+    import numpy as np
+
+    rng = random.Random(screen_slots)
+    r = RoutedPrefixes(ttl_s=10.0, max_entries=40, screen_slots=screen_slots)
+    workers = [WorkerId(f"w{i}") for i in range(6)]
+    fleet = {w: i for i, w in enumerate(workers)}
+    families = [hashes(*range(f * 1000, f * 1000 + 60)) for f in range(5)]
+    now_s, num_grown = 0.0, 0
+    for i in range(400):
+        chain = families[rng.randrange(len(families))][: rng.randrange(1, 61)]
+        op = rng.random()
+        if op < 0.6:
+            start = rng.randrange(len(chain) + 1)
+            r.add(f"r{i}", rng.choice(workers), chain, now_s, start=start)
+        elif op < 0.8:
+            r.discard(f"r{rng.randrange(i + 1)}")
+        elif op < 0.82:
+            r.forget_worker(rng.choice(workers))
+        now_s += rng.random()
+        r.expire(now_s)
+        r.check_invariants()
+        held = np.array([rng.randrange(len(chain) + 2) for _ in workers], dtype=np.int64)
+        expected = [r.extend(w, chain, int(h)) for w, h in zip(workers, held, strict=True)]
+        num_grown += sum(e > h for e, h in zip(expected, held.tolist(), strict=True))
+        array = np.array(chain, dtype=np.uint64)
+        assert r.extend_many(fleet, chain, held, array).tolist() == expected
+        assert r.extend_many(fleet, chain, held).tolist() == expected
+    assert num_grown > 50  # (the routes were found, not only ruled out)
+    assert (
+        r.extend_many(fleet, [], np.zeros(6, np.int64), np.zeros(0, np.uint64)).tolist() == [0] * 6
+    )
+
+
 def test_routed_prefixes_count_short_runs_that_share_hashes_until_each_is_dropped() -> None:
     r = RoutedPrefixes(ttl_s=10.0)
     r.add("r1", A, hashes(1, 2, 3), now_s=0.0)
