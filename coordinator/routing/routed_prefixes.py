@@ -57,6 +57,9 @@ class RoutedPrefixes:
     collector to count, nor a tuple of the prompt's ints to walk, each int read from memory,
     while young. A run whose key is held by another worker or other hashes (a chain whose last
     hash does not fix the ones before it, or the keys' hashes colliding) is counted on its own.
+
+    `screen_slots`: the size of the `HashScreen` that `extend_many` reads first (a power of two;
+    at 4 bytes a slot, 1 MiB by default, of which only the slots written take memory).
     """
 
     def __init__(
@@ -234,7 +237,7 @@ class RoutedPrefixes:
         size of the fleet. `hash_array`: `hashes` as a uint64 array, when the caller has it:
         the hashes looked up are then made from it, not read from the prompt's int objects,
         which are cold by now (one cache miss each; a lookup reads a key of the dict only
-        where it finds one)."""
+        where it finds one), and only the rows the screen cannot rule out are looked up."""
         refs, n = self._hash_to_worker_refs, len(hashes)
         out = held
         starts: Collection[int]
