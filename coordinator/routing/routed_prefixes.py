@@ -208,7 +208,9 @@ class RoutedPrefixes:
             return held
         return self._bisect(worker, held + 1, n, hash_at)
 
-    def _bisect(self, worker: WorkerId, lo: int, n: int, hash_at: Callable[[int], int]) -> int:
+    def _bisect(
+        self, worker: WorkerId, lo: int, n: int, hash_at: Callable[[int], BlockHash]
+    ) -> int:
         """`extend`'s end of the routed run, `worker` known to hold the chain's first `lo`
         blocks (the index's and the routed block right after them)."""
         get = self._hash_to_worker_refs.get
