@@ -449,7 +449,7 @@ class ModelRunner:
         kernel_only: bool = False,
     ) -> LayerLoad:
         """Start copying host slots (block-major, `export_blocks` layout) into `block_ids`, layer
-        by layer on side streams; the next forwards wait per layer (see `LayerLoad`: the copy
+        by layer on a side stream; the next forwards wait per layer (see `LayerLoad`: the copy
         engine where the slots come in runs, unless `kernel_only`, else the kernel). The caller
         ends it with `take_layer_writes` once a step is over."""
         self._check_block_ids(block_ids, unique=True)
