@@ -136,9 +136,9 @@ class LayerLoad:
         # `done` (the runner keeps its loads until the step after them has synchronised)
         ordered = slot_runs(self.slots) if copy_engine is not None else None
         self.uses_copy_engine = ordered is not None and len(ordered.runs) <= MAX_COPY_RUNS
-        # The blocks were just allocated: whatever the main stream still does with them (a
-        # demotion copying their old contents out) must finish before they are overwritten.
-        stream.wait_stream(torch.cuda.current_stream(cache.device))
+        # Each way makes its ids on the main stream, then has `stream` wait for it: for the ids,
+        # and because the blocks were just allocated: whatever the main stream still does with
+        # them (a demotion copying their old contents out) must finish before they are written.
         if self.uses_copy_engine:
             assert copy_engine is not None and ordered is not None
             rows_to_blocks = [int(blocks[i]) for i in ordered.order]
