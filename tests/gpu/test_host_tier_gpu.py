@@ -15,7 +15,7 @@ from kvmesh.workers.engine.worker import Worker
 from kvmesh.workers.kv import layer_load
 from kvmesh.workers.kv.copy_engine import CopyEngine
 from kvmesh.workers.kv.host_pool import HostPool
-from kvmesh.workers.kv.layer_load import MAX_COPY_RUNS, STAGING_LAYERS, LayerLoad
+from kvmesh.workers.kv.layer_load import MAX_COPY_RUNS, LayerLoad
 from kvmesh.workers.model.runner import ModelRunner
 from kvmesh.workers.model.weights import random_weights
 from tests.gpu.small_model import small_config
@@ -68,7 +68,7 @@ def test_a_copy_engine_load_writes_what_one_copy_writes(slots: list[int]) -> Non
     engine = CopyEngine.find()
     if engine is None:
         pytest.skip("no CUDA runtime library mapped in this process")
-    num_layers = STAGING_LAYERS * 2 + 1  # the staging ring goes round twice
+    num_layers = 3  # the staging layer reused twice
     cache = torch.randn((num_layers, 2, 64, BS, 2, 64), device="cuda", dtype=torch.bfloat16)
     expected = cache.clone()
     host = torch.randn((40, num_layers, 2, BS, 2, 64), dtype=torch.bfloat16).pin_memory()

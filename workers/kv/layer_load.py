@@ -11,11 +11,13 @@ prefill over a promoted prefix costs about max(copy, compute) instead of their s
 
 Two ways to move a layer:
   * copy engine (slots in at most `MAX_COPY_RUNS` runs): one strided DMA per run of consecutive
-    slots into a staging ring (`STAGING_LAYERS` layers deep), then one scatter into the cache's
-    blocks, in stream order. The DMA engines take no SM from the prefill. One stream and no
-    waits on it: streams may share a hardware queue, where a wait queued ahead of a replayed
-    graph would hold the whole graph back (seen: a second stream whose scatters waited on the
-    copies made a host hit's graph start after the last layer had landed).
+    slots into a one-layer staging buffer, then one scatter into the cache's blocks, in stream
+    order. The DMA engines take no SM from the prefill. One stream and no waits on it: streams
+    may share a hardware queue, where a wait queued ahead of a replayed graph would hold the
+    whole graph back (seen: a second stream whose scatters waited on the copies made a host
+    hit's graph start after the last layer had landed). On one stream a layer's copy starts
+    after the previous scatter anyway, so a deeper staging ring bought nothing (measured with
+    four layers).
   * kernel (any slots): a Triton kernel of a few persistent programs reads the pinned slots in
     place (pinned memory is addressable from the GPU). Measured on an H100: 480 scattered 64 KB
     host rows at 47.8 GB/s, 93% of a contiguous pinned copy (`benchmarks/gpu_zero_copy_probe.py`),
@@ -42,9 +44,6 @@ except ImportError:  # pragma: no cover - exercised on CPU-only machines
 _CHUNK = 4096  # elements one step of a program moves (8 KB of bf16)
 _NUM_PROGRAMS = 32  # a few SMs: enough loads in flight for PCIe, the rest left to the prefill
 MAX_COPY_RUNS = 8  # more runs a layer and the host's calls (one per run) cost more than the kernel
-# Staging layers used in turn. On one stream a layer's copy starts after the last scatter anyway,
-# so one would do (as measured: 4; the ring predates the one stream).
-STAGING_LAYERS = 4
 
 if triton is not None:
     # One compiled variant serves every load: Triton would otherwise specialise these on their
@@ -103,7 +102,7 @@ class LayerLoad:
     Invariants: layer l of every target block is written once `events[l]` has completed; the
     host slots read are not reused until `done` has completed (their owner holds them); nothing
     reads the target blocks except after waiting for their layer's event; on the copy-engine
-    path, a staging layer is overwritten only after the scatter that read it has completed.
+    path, the staging layer is overwritten only after the scatter that read it has completed.
     """
 
     def __init__(
@@ -180,13 +179,12 @@ class LayerLoad:
         copy_engine: CopyEngine,
         stream: torch.cuda.Stream,
     ) -> None:
-        """The copy engine's way, all on `stream`: layer l's runs DMA'd into staging layer
-        l % STAGING_LAYERS, then scattered into the blocks (stream order keeps a staging layer
-        from being overwritten before its scatter has read it)."""
+        """The copy engine's way, all on `stream`: layer l's runs DMA'd into the staging layer,
+        then scattered into the blocks (stream order keeps the staging layer from being
+        overwritten before its scatter has read it)."""
         num_layers, device = cache.shape[0], cache.device
         pair_shape = (2, *cache.shape[3:])  # one block's K and V of one layer
-        depth = min(STAGING_LAYERS, num_layers)
-        staging = torch.empty((depth, len(rows_to_blocks), *pair_shape), device=device,
+        staging = torch.empty((len(rows_to_blocks), *pair_shape), device=device,
                               dtype=cache.dtype)  # fmt: skip
         block_ids = torch.tensor(rows_to_blocks, dtype=torch.int64).to(device, non_blocking=True)
         # Kept with the load, not handed to the allocator's cross-stream bookkeeping: a block
@@ -195,22 +193,20 @@ class LayerLoad:
         stream.wait_stream(torch.cuda.current_stream(device))  # the ids above
         # Host time is the cost here (a host hit's forward waits for this loop): pointers by
         # arithmetic, views made once, one stream context.
-        pair_bytes = staging[0, 0].numel() * staging.element_size()
+        pair_bytes = staging[0].numel() * staging.element_size()
         host_pitch = host_data[0].numel() * host_data.element_size()  # one slot, all layers
         host_base, staging_base = host_data.data_ptr(), staging.data_ptr()
-        layer_bytes = len(rows_to_blocks) * pair_bytes  # one staging layer
-        sources = [staging[buf].transpose(0, 1) for buf in range(depth)]
+        source = staging.transpose(0, 1)
         targets = cache.unbind(0)
         with torch.cuda.device(device), torch.cuda.stream(stream):
             for layer in range(num_layers):
-                buf = layer % depth
                 for first_row, first_slot, num_slots in runs:
                     copy_engine.host_to_device_2d(
-                        staging_base + buf * layer_bytes + first_row * pair_bytes, pair_bytes,
+                        staging_base + first_row * pair_bytes, pair_bytes,
                         host_base + first_slot * host_pitch + layer * pair_bytes, host_pitch,
                         pair_bytes, num_slots, stream,
                     )  # fmt: skip
-                targets[layer].index_copy_(1, block_ids, sources[buf])
+                targets[layer].index_copy_(1, block_ids, source)
                 self._landed(layer, stream)
 
     def _landed(self, layer: int, stream: torch.cuda.Stream) -> None:
