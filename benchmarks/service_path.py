@@ -130,6 +130,30 @@ def engine_depth(args: argparse.Namespace) -> dict[str, Any]:
     return out  # the worker goes with this frame, before the actor's model is built
 
 
+class CoordinatorSide:
+    """The coordinator's own view of the service depth's local hits (a `RequestObserver`): its
+    TTFT (from taking the request to its first tokens) and the dispatch (from its send to the
+    worker accepting), so the client's TTFT splits into the gRPC way in and out, and the rest."""
+
+    def __init__(self) -> None:
+        self.records: list[Any] = []
+
+    def on_routed(self, seconds: float) -> None:
+        pass
+
+    def on_request_done(self, record: Any) -> None:
+        self.records.append(record)
+
+    def hits(self) -> dict[str, float]:
+        hits = [r for r in self.records if r.label.startswith("service-hit") and r.ttft_s]
+        if not hits:
+            return {}
+        return {
+            "service_coordinator_ms": median([r.ttft_s * 1e3 for r in hits]),
+            "service_dispatch_ms": median([(r.dispatch_s or 0.0) * 1e3 for r in hits]),
+        }
+
+
 def actor_depth(args: argparse.Namespace) -> dict[str, Any]:
     """Depths 3 and 4: a one-worker deployment; the actor called directly, then via gRPC."""
     import ray
@@ -152,6 +176,9 @@ def actor_depth(args: argparse.Namespace) -> dict[str, Any]:
     )
     deployment = Deployment(config)
     deployment.start()
+    seen = CoordinatorSide()
+    assert deployment.coordinator is not None
+    deployment.coordinator.observers = (*deployment.coordinator.observers, seen)
     try:
         actor, cluster = deployment.cluster.actor("w0"), deployment.cluster
         shapes = Shapes(args, preset(args.model).vocab_size)
@@ -215,6 +242,7 @@ def actor_depth(args: argparse.Namespace) -> dict[str, Any]:
             result[f"decode_b{batch}"] = {"actor_tpot_ms": median(gaps)}
         print(f"phase: service local hits, coordinator pid {os.getpid()}", flush=True)
         result.update(_merge(result, _service_depth(deployment.address, args)))
+        result["local_hit"].update(seen.hits())
         return result
     finally:
         deployment.stop()
@@ -249,16 +277,21 @@ def client_depth(address: str, args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     with Client(address, timeout_s=600) as client:
         client.generate(shapes.rand(args.prompt), max_tokens=2)
-        ttfts, colds = [], []
+        ttfts, colds, servers = [], [], []
         for r in range(args.actor_trials + 1):
             prefix = shapes.rand(args.prefix)
             cold = client.generate(prefix + shapes.tail(), max_tokens=1)
             time.sleep(0.2)  # the index learns the blocks
-            hit = client.generate(prefix + shapes.tail(), max_tokens=2)
+            hit_ms, server_ms = first_chunk(client, prefix + shapes.tail(), f"service-hit{r}")
             if r:
                 colds.append(cold.ttft_ms or 0.0)
-                ttfts.append(hit.ttft_ms or 0.0)
-        out["local_hit"] = {"service_ms": median(ttfts), "service_cold_ms": median(colds)}
+                ttfts.append(hit_ms)
+                servers.append(server_ms)
+        out["local_hit"] = {
+            "service_ms": median(ttfts),
+            "service_cold_ms": median(colds),
+            "service_server_ms": median(servers),  # the gRPC handler's own TTFT
+        }
 
         def one(_: int) -> tuple[list[float], float]:
             """The stream's gaps per token after its first chunk (the statistic the actor depth
@@ -289,6 +322,18 @@ def client_depth(address: str, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def first_chunk(client: Any, prompt: list[int], request_id: str) -> tuple[float, float]:
+    """A local hit's TTFT as the client sees it (from the call, as `generate` times it) and as
+    the gRPC handler reports it on that chunk."""
+    started = time.perf_counter()
+    client_ms, server_ms = 0.0, 0.0
+    for chunk in client.stream(prompt, max_tokens=2, request_id=request_id):
+        if chunk.token_ids and not client_ms:
+            client_ms = (time.perf_counter() - started) * 1e3
+            server_ms = chunk.server_ttft_ms or 0.0
+    return client_ms, server_ms
+
+
 def ratio(cold: float | None, hit: float | None) -> str:
     return f"{cold / hit:.1f}x" if cold and hit else "-"
 
@@ -304,6 +349,14 @@ def rows(r: dict[str, Any], batches: list[int]) -> list[tuple[str, str, str, str
             f(hit_e["engine_ms"]),
             f(hit_a.get("actor_ms")) + f" (worker prefill {f(hit_a.get('worker_prefill_ms'))})",
             f(hit_a.get("service_ms")),
+        ),
+        (
+            "  the gRPC handler's / the coordinator's TTFT (its dispatch)",
+            "-",
+            "-",
+            "-",
+            f"{f(hit_a.get('service_server_ms'))} / {f(hit_a.get('service_coordinator_ms'))}"
+            f" ({f(hit_a.get('service_dispatch_ms'))})",
         ),
         (
             "cold TTFT, same prompt length (ms)",
