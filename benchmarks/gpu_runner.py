@@ -92,7 +92,9 @@ def bench_prefill(runner: ModelRunner, hf: Any, peak_tflops: float) -> dict[str,
     cold_ms = wall_ms(lambda: runner.forward([SeqChunk(ids, 0, table)]))
     runner.fused_elementwise = False
     cold_torch_elementwise_ms = wall_ms(lambda: runner.forward([SeqChunk(ids, 0, table)]))
-    runner.fused_elementwise = True
+    runner.fused_elementwise, runner.fused_kv_write = True, False
+    cold_kv_write_apart_ms = wall_ms(lambda: runner.forward([SeqChunk(ids, 0, table)]))
+    runner.fused_kv_write = True
     hf_ids = torch.tensor([ids], device=runner.device)
     with torch.inference_mode():
         hf_ms = wall_ms(lambda: hf(input_ids=hf_ids, use_cache=True, logits_to_keep=1), reps=3)
@@ -118,6 +120,7 @@ def bench_prefill(runner: ModelRunner, hf: Any, peak_tflops: float) -> dict[str,
     return {
         "cold_ms": cold_ms,
         "cold_torch_elementwise_ms": cold_torch_elementwise_ms,
+        "cold_kv_write_apart_ms": cold_kv_write_apart_ms,
         "hf_sdpa_ms": hf_ms,
         "speedup_vs_hf": hf_ms / cold_ms,
         "model_tflops": flops / cold_ms / 1e9,
@@ -189,14 +192,15 @@ def bench_decode(runner: ModelRunner, tables: list[list[int]]) -> dict[str, Any]
         last += runner.forward(chunks).argmax(-1).tolist()
     results: dict[str, Any] = {}
     default, graphs, fused = runner.attention.mode, runner.cuda_graphs, runner.fused_elementwise
-    for name, mode, use_graphs, use_fused in (
-        ("triton+graphs", TRITON, True, True),
-        ("triton+graphs, torch elementwise", TRITON, True, False),
-        ("triton", TRITON, False, True),
-        ("gather+sdpa", GATHER, False, True),
+    for name, mode, use_graphs, use_fused, kv_write in (
+        ("triton+graphs", TRITON, True, True, True),
+        ("triton+graphs, K/V written apart", TRITON, True, True, False),
+        ("triton+graphs, torch elementwise", TRITON, True, False, False),
+        ("triton", TRITON, False, True, True),
+        ("gather+sdpa", GATHER, False, True, True),
     ):
         runner.attention.mode, runner.cuda_graphs = mode, use_graphs
-        runner.fused_elementwise = use_fused
+        runner.fused_elementwise, runner.fused_kv_write = use_fused, kv_write
         tokens, samples = list(last), []
         for step in range(DECODE_STEPS):
             pos = DECODE_CTX + step
@@ -208,9 +212,12 @@ def bench_decode(runner: ModelRunner, tables: list[list[int]]) -> dict[str, Any]
         results[name] = {"step_ms": step_ms, "tokens_per_s": DECODE_BATCH / step_ms * 1e3}
         results[name]["tokens"] = tokens
     runner.attention.mode, runner.cuda_graphs = default, graphs
-    runner.fused_elementwise = fused
+    runner.fused_elementwise, runner.fused_kv_write = fused, True
     final = {name: row.pop("tokens") for name, row in results.items()}
     results["graphs_same_tokens_as_eager"] = final["triton+graphs"] == final["triton"]
+    results["kv_write_same_tokens_as_apart"] = (
+        final["triton+graphs"] == final["triton+graphs, K/V written apart"]
+    )
     results["fused_same_tokens_as_torch"] = (
         final["triton+graphs"] == final["triton+graphs, torch elementwise"]
     )
@@ -355,6 +362,11 @@ def table_rows(r: dict[str, Any]) -> list[tuple[str, str, str]]:
         (
             "prefill 8K cold, torch elementwise ops",
             f"{p['cold_torch_elementwise_ms']:.1f} ms",
+            "",
+        ),
+        (
+            "prefill 8K cold, K/V written apart from RoPE",
+            f"{p['cold_kv_write_apart_ms']:.1f} ms",
             "",
         ),
         (

@@ -110,6 +110,20 @@ def test_one_capture_per_bucket_and_a_new_one_when_the_shape_grows() -> None:
     graphs._decode_graphs.check_invariants()
 
 
+def test_switching_the_kernels_captures_again_with_the_same_tokens() -> None:
+    graphs, eager = pair(torch.float32)
+    ids, tabs = prompts(3, seed=9), tables(3, seed=9)
+    ids = [p[:100] for p in ids]
+    fused_tokens, _ = greedy(graphs, ids, tabs, steps=4)
+    one = graphs.decode_graph_counts()
+    graphs.fused_kv_write = False  # RoPE's kernel and two index_copy_ instead of one kernel
+    apart_tokens, _ = greedy(graphs, ids, tabs, steps=4)
+    two = graphs.decode_graph_counts()
+    assert two.num_graphs == 1 and two.capture_ms > one.capture_ms  # the bucket captured again
+    eager_tokens, _ = greedy(eager, ids, tabs, steps=4)
+    assert fused_tokens == apart_tokens == eager_tokens
+
+
 def test_padding_rows_never_write_outside_the_batch_blocks() -> None:
     graphs, _ = pair(torch.float32)
     ids, tabs = prompts(5, seed=9), tables(5, seed=9)  # 5 rows padded to 8

@@ -1,4 +1,5 @@
-"""The fused elementwise kernels equal the torch expressions they replace (RoPE, SiLU x up).
+"""The fused elementwise kernels equal the torch expressions they replace (RoPE and the K/V
+write, SiLU x up, add + RMSNorm).
 
 On a GPU machine as part of tests/gpu; on CPU under Triton's interpreter with
 `TRITON_INTERPRET=1 KVMESH_KERNEL_DEVICE=cpu` (float32 only: the interpreter's bfloat16
@@ -51,6 +52,50 @@ def test_rope_qk_equals_apply_rope(dtype: torch.dtype, num_tokens: int) -> None:
     want = apply_rope(qkv[:, : (heads + kv_heads) * dim].view(num_tokens, -1, dim), cos, sin)
     assert got.shape == want.shape and got.dtype == dtype
     torch.testing.assert_close(got, want, **within)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 7, 300])
+def test_rope_qk_writes_the_keys_and_values_index_copy_writes(
+    dtype: torch.dtype, num_tokens: int
+) -> None:
+    from kvmesh.workers.model.elementwise_kernels import KvWrite, rope_qk
+
+    config = preset("tiny-random")
+    heads, kv_heads, dim, block_size = 12, 4, 64, 16  # q, k, v heads span three head blocks
+    gen = torch.Generator().manual_seed(num_tokens)
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(DEVICE, dtype)
+    positions = torch.randint(0, 4000, (num_tokens,), generator=gen).to(DEVICE)
+    cos, sin = Rope(dataclasses.replace(config, head_dim=dim), torch.device(DEVICE)).tables(
+        positions, dtype
+    )
+    cache = torch.randn(2, 40, block_size, kv_heads, dim, generator=gen).to(DEVICE, dtype)
+    slots = torch.randperm(40 * block_size, generator=gen)[:num_tokens].to(DEVICE)
+    want_cache = cache.clone()
+    want = rope_qk(qkv, cos, sin, heads + kv_heads)
+    v = qkv[:, (heads + kv_heads) * dim :].view(num_tokens, kv_heads, dim)
+    want_cache[0].view(-1, kv_heads, dim).index_copy_(0, slots, want[:, heads:])
+    want_cache[1].view(-1, kv_heads, dim).index_copy_(0, slots, v)
+    got = rope_qk(qkv, cos, sin, heads + kv_heads, KvWrite(cache[0], cache[1], slots))
+    assert torch.equal(got, want)
+    assert torch.equal(cache, want_cache)  # the slots written exactly, every other row untouched
+
+
+def test_a_kv_write_refuses_a_cache_it_would_misread() -> None:
+    from kvmesh.workers.model.elementwise_kernels import KvWrite, rope_qk
+
+    config = preset("tiny-random")
+    qkv = torch.randn(3, 20 * 64).to(DEVICE)
+    positions = torch.arange(3).to(DEVICE)
+    cos, sin = Rope(dataclasses.replace(config, head_dim=64), torch.device(DEVICE)).tables(
+        positions, torch.float32
+    )
+    cache = torch.zeros(2, 4, 16, 4, 64).to(DEVICE)
+    with pytest.raises(ValueError, match="slots"):
+        rope_qk(qkv, cos, sin, 16, KvWrite(cache[0], cache[1], torch.arange(2).to(DEVICE)))
+    with pytest.raises(ValueError, match="contiguous"):
+        strided = cache.transpose(1, 2)
+        rope_qk(qkv, cos, sin, 16, KvWrite(strided[0], strided[1], torch.arange(3).to(DEVICE)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

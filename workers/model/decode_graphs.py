@@ -187,6 +187,10 @@ class DecodeGraphs:
     def counts(self) -> GraphCounts:
         return self._graphs.counts()
 
+    def forget(self) -> None:
+        """Drop the captured buckets (see `StepGraphs.forget`)."""
+        self._graphs.forget()
+
     @property
     def buckets(self) -> list[DecodeBucket]:
         """Buckets captured so far, in capture order."""

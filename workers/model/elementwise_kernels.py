@@ -2,7 +2,8 @@
 
   * `rope_qk`: RoPE on the query and key heads straight out of the fused qkv projection, into one
     new [tokens, q + k heads, dim] tensor (torch: a multiply, a roll and a multiply-add, each a
-    full pass over q and k).
+    full pass over q and k), and in the same pass the keys and values into the paged cache
+    (torch: two `index_copy_`, the values' first made contiguous).
   * `silu_mul`: SiLU(gate) x up from the fused gate/up projection (torch: a SiLU pass, then a
     multiply reading both halves again).
   * `add_rms_norm`: the residual add and the next block's RMSNorm in one pass over the row (torch:
@@ -13,12 +14,14 @@ dtype, then the multiply-add; SiLU to the model dtype, then the product; the res
 model dtype, then the norm in float32), so results equal torch's up to the last bit of a float32
 multiply-add or sum. Imported only on CUDA (and by the tests under Triton's interpreter).
 
-    rope_qk       grid (tokens, ceil(q + k heads / BLOCK_H))
+    rope_qk       grid (tokens, ceil(q + k (+ v) heads / BLOCK_H))
     silu_mul      grid (tokens, ceil(intermediate / BLOCK_I))
     add_rms_norm  grid (tokens,): one program a row
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -34,27 +37,47 @@ def _rope_kernel(
     cos_ptr,
     sin_ptr,
     out_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slots_ptr,
     num_heads,
+    num_qk_heads,
     stride_qkv_t,
     stride_cos_t,
     stride_out_t,
     DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    WRITE_KV: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     dims = tl.arange(0, DIM)
     rolled = (dims + DIM // 2) % DIM  # x.roll(DIM // 2): element i reads i + DIM / 2
-    ok = (heads < num_heads)[:, None]
+    num_kv_heads = num_qk_heads - num_heads
+    # With WRITE_KV the programs also cover the value heads, which follow the key heads in qkv.
+    num_read = num_qk_heads + num_kv_heads if WRITE_KV else num_qk_heads
+    read = (heads < num_read)[:, None]
     row = qkv_ptr + token * stride_qkv_t + heads[:, None] * DIM
-    x = tl.load(row + dims[None, :], mask=ok, other=0.0)
-    x_rolled = tl.load(row + rolled[None, :], mask=ok, other=0.0)
+    x = tl.load(row + dims[None, :], mask=read, other=0.0)
+    x_rolled = tl.load(row + rolled[None, :], mask=read, other=0.0)
     cos = tl.load(cos_ptr + token * stride_cos_t + dims)
     sin = tl.load(sin_ptr + token * stride_cos_t + dims)
     scaled = (x.to(tl.float32) * cos.to(tl.float32)[None, :]).to(x.dtype)
-    out = scaled.to(tl.float32) + x_rolled.to(tl.float32) * sin.to(tl.float32)[None, :]
+    out = (scaled.to(tl.float32) + x_rolled.to(tl.float32) * sin.to(tl.float32)[None, :]).to(
+        x.dtype
+    )
+    qk = (heads < num_qk_heads)[:, None]
     dest = out_ptr + token * stride_out_t + heads[:, None] * DIM + dims[None, :]
-    tl.store(dest, out.to(x.dtype), mask=ok)
+    tl.store(dest, out, mask=qk)
+    if WRITE_KV:
+        # The cache row of this token's slot: [slot, kv head, dim], as index_copy_ writes it.
+        slot_row = tl.load(slots_ptr + token).to(tl.int64) * num_kv_heads
+        k_head = (heads - num_heads)[:, None]
+        is_k = qk & (k_head >= 0)
+        tl.store(k_cache_ptr + (slot_row + k_head) * DIM + dims[None, :], out, mask=is_k)
+        v_head = (heads - num_qk_heads)[:, None]
+        is_v = read & (v_head >= 0)
+        tl.store(v_cache_ptr + (slot_row + v_head) * DIM + dims[None, :], x, mask=is_v)
 
 
 @triton.jit
@@ -105,10 +128,36 @@ def _add_rms_norm_kernel(
     tl.store(normed_ptr + token * size + cols, (t * scale * weight).to(x.dtype), mask=ok)
 
 
+@dataclass(frozen=True, slots=True)
+class KvWrite:
+    """Where `rope_qk` writes a layer's new keys and values: the layer's K and V blocks
+    ([num_blocks, block_size, kv_heads, dim] each, contiguous) and each token's slot (its block x
+    block_size + offset)."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slots: torch.Tensor
+
+    def check(self, num_tokens: int, dim: int, qkv: torch.Tensor) -> None:
+        k, v = self.k_cache, self.v_cache
+        if not (k.is_contiguous() and v.is_contiguous() and k.shape == v.shape):
+            raise ValueError("the K and V caches must be contiguous and of one shape")
+        if k.shape[-1] != dim or k.dtype != qkv.dtype:
+            raise ValueError(f"cache rows of {k.shape[-1]} {k.dtype}, not {dim} {qkv.dtype}")
+        if self.slots.shape != (num_tokens,):
+            raise ValueError(f"{tuple(self.slots.shape)} slots for {num_tokens} tokens")
+
+
 def rope_qk(
-    qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, num_qk_heads: int
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    signed_sin: torch.Tensor,
+    num_qk_heads: int,
+    kv_write: KvWrite | None = None,
 ) -> torch.Tensor:
-    """`apply_rope` of qkv's first `num_qk_heads` heads: [tokens, num_qk_heads, head_dim].
+    """`apply_rope` of qkv's first `num_qk_heads` heads: [tokens, num_qk_heads, head_dim]; with
+    `kv_write`, the same pass also writes each token's roped key heads and its value heads (the
+    heads after the key heads) into the cache at its slot, as `index_copy_` would.
 
     qkv [tokens, >= num_qk_heads * head_dim] with contiguous rows; cos / signed_sin
     [tokens, 1, head_dim] as `rope_tables` makes them. head_dim must be a power of two.
@@ -119,20 +168,33 @@ def rope_qk(
     if dim & (dim - 1):
         raise ValueError(f"rope_qk needs a power-of-two head_dim, got {dim}")
     out = torch.empty((num_tokens, num_qk_heads, dim), device=qkv.device, dtype=qkv.dtype)
-    if num_tokens:
-        grid = (num_tokens, triton.cdiv(num_qk_heads, _BLOCK_H))
-        _rope_kernel[grid](
-            qkv,
-            cos,
-            signed_sin,
-            out,
-            num_qk_heads,
-            qkv.stride(0),
-            cos.stride(0),
-            out.stride(0),
-            DIM=dim,
-            BLOCK_H=_BLOCK_H,
-        )
+    if not num_tokens:
+        return out
+    num_heads, num_read = num_qk_heads, num_qk_heads
+    k_cache = v_cache = slots = out  # unread without kv_write
+    if kv_write is not None:
+        kv_write.check(num_tokens, dim, qkv)
+        num_kv_heads = kv_write.k_cache.shape[-2]
+        num_heads, num_read = num_qk_heads - num_kv_heads, num_qk_heads + num_kv_heads
+        k_cache, v_cache, slots = kv_write.k_cache, kv_write.v_cache, kv_write.slots
+    grid = (num_tokens, triton.cdiv(num_read, _BLOCK_H))
+    _rope_kernel[grid](
+        qkv,
+        cos,
+        signed_sin,
+        out,
+        k_cache,
+        v_cache,
+        slots,
+        num_heads,
+        num_qk_heads,
+        qkv.stride(0),
+        cos.stride(0),
+        out.stride(0),
+        DIM=dim,
+        BLOCK_H=_BLOCK_H,
+        WRITE_KV=kv_write is not None,
+    )
     return out
 
 

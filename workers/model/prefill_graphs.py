@@ -118,6 +118,10 @@ class PrefillGraphs:
     def counts(self) -> GraphCounts:
         return self._graphs.counts()
 
+    def forget(self) -> None:
+        """Drop the captured buckets (see `StepGraphs.forget`)."""
+        self._graphs.forget()
+
     def check_invariants(self) -> None:
         for bucket, step in self._graphs.steps.items():
             assert step.bucket == bucket, (bucket, step.bucket)

@@ -129,6 +129,10 @@ class ModelRunner:
         self.fused_elementwise = on_gpu
         """RoPE, SiLU x up and residual add + RMSNorm run as single Triton kernels
         (`elementwise_kernels`) instead of several torch ops; benchmarks may switch it."""
+        self.fused_kv_write = on_gpu
+        """With `fused_elementwise`, the RoPE kernel also writes the new keys and values into the
+        cache (no `index_copy_` of its own); benchmarks may switch it."""
+        self._graph_kernels = (self.fused_elementwise, self.fused_kv_write)
         self._kernels: ModuleType | None = (
             importlib.import_module("kvmesh.workers.model.elementwise_kernels") if on_gpu else None
         )
@@ -234,6 +238,7 @@ class ModelRunner:
     def forward(self, batch: Sequence[SeqChunk]) -> torch.Tensor:
         """Run the chunks and write their K/V; float32 logits of each chunk's last token,
         [len(batch), vocab]."""
+        self._forget_graphs_of_other_kernels()
         graphs = self._decode_graphs
         if (
             graphs is not None
@@ -265,6 +270,17 @@ class ModelRunner:
         plan = self._plan(batch)
         hidden = self._run_layers(plan, self._lora_batch(batch, plan))
         return self._logits(hidden[plan.last_rows])
+
+    def _forget_graphs_of_other_kernels(self) -> None:
+        """A graph replays the kernels it captured: once a benchmark switches the elementwise
+        kernels, the graphs captured with the others go."""
+        kernels = (self.fused_elementwise, self.fused_kv_write)
+        if kernels == self._graph_kernels:
+            return
+        self._graph_kernels = kernels
+        for graphs in (self._decode_graphs, self._prefill_graphs):
+            if graphs is not None:
+                graphs.forget()
 
     @torch.inference_mode()
     def forward_all_logits(self, batch: Sequence[SeqChunk]) -> list[torch.Tensor]:
@@ -351,24 +367,37 @@ class ModelRunner:
         qkv = F.linear(h, layer.qkv_proj, layer.qkv_bias)
         if lora is not None:
             lora.add(qkv, h, layer_index, "qkv")
-        qk = self._rope(qkv, cos, sin, num_qk_heads)
+        kv_blocks = self.kv_cache[layer_index]  # [2, num_blocks, block_size, kv_heads, dim]
+        qk = self._rope_and_write_kv(qkv, cos, sin, kv_blocks, plan.write_slots)
         q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
         v = qkv[:, num_qk_heads * c.head_dim :].view(num_tokens, c.num_kv_heads, c.head_dim)
-        kv_blocks = self.kv_cache[layer_index]  # [2, num_blocks, block_size, kv_heads, dim]
-        kv_blocks[0].view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, plan.write_slots, k)
-        kv_blocks[1].view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, plan.write_slots, v)
         out = self.attention.attend(q, k, v, kv_blocks, plan).view(num_tokens, -1)
         projected = F.linear(out, layer.o_proj)
         return lora.add(projected, out, layer_index, "o") if lora is not None else projected
 
-    def _rope(
-        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_qk_heads: int
+    def _rope_and_write_kv(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_blocks: torch.Tensor,
+        slots: torch.Tensor,
     ) -> torch.Tensor:
-        """RoPE of the query and key heads of qkv: [num_tokens, num_qk_heads, head_dim]."""
-        dim = self.config.head_dim
+        """RoPE of the query and key heads of qkv ([num_tokens, q + k heads, head_dim]), with the
+        keys and values written into the layer's cache at `slots` (one kernel where it fits)."""
+        c = self.config
+        num_qk_heads, dim = c.num_heads + c.num_kv_heads, c.head_dim
         if self.fused_elementwise and self._kernels is not None and self._rope_kernel_fits:
-            return self._kernels.rope_qk(qkv, cos, sin, num_qk_heads)
-        return apply_rope(qkv[:, : num_qk_heads * dim].view(qkv.shape[0], -1, dim), cos, sin)
+            if self.fused_kv_write:
+                write = self._kernels.KvWrite(kv_blocks[0], kv_blocks[1], slots)
+                return self._kernels.rope_qk(qkv, cos, sin, num_qk_heads, write)
+            qk = self._kernels.rope_qk(qkv, cos, sin, num_qk_heads)
+        else:
+            qk = apply_rope(qkv[:, : num_qk_heads * dim].view(qkv.shape[0], -1, dim), cos, sin)
+        v = qkv[:, num_qk_heads * dim :].view(qkv.shape[0], c.num_kv_heads, dim)
+        kv_blocks[0].view(-1, c.num_kv_heads, dim).index_copy_(0, slots, qk[:, c.num_heads :])
+        kv_blocks[1].view(-1, c.num_kv_heads, dim).index_copy_(0, slots, v)
+        return qk
 
     def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.fused_elementwise and self._kernels is not None:

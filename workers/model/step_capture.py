@@ -68,6 +68,11 @@ class StepGraphs(Generic[B, S]):
     def counts(self) -> GraphCounts:
         return GraphCounts(len(self.steps), self.capture_ms, self.num_replays)
 
+    def forget(self) -> None:
+        """Drop every captured step (what they captured no longer holds); buckets capture
+        again on their next step."""
+        self.steps.clear()
+
     def replay(self, bucket: B, new_step: Callable[[], S], load: Callable[[S], None]) -> S:
         """Load this step's inputs into its bucket's static step (`new_step` makes and captures
         one the first time) and replay its graph; the step's `hidden` is valid until the next
