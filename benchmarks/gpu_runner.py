@@ -434,6 +434,12 @@ def table_rows(r: dict[str, Any]) -> list[tuple[str, str, str]]:
             ">= 3,500 tok/s, >= 6x HF",
         ),
         (
+            "decode b32 @2K (graphs, K/V written apart from RoPE)",
+            f"{d['triton+graphs, K/V written apart']['step_ms']:.2f} ms/step "
+            f"(same tokens: {d['kv_write_same_tokens_as_apart']})",
+            "",
+        ),
+        (
             "decode b32 @2K (graphs, torch elementwise ops)",
             f"{d['triton+graphs, torch elementwise']['step_ms']:.2f} ms/step = "
             f"{d['triton+graphs, torch elementwise']['tokens_per_s']:.0f} tok/s "
