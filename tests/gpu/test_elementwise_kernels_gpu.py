@@ -48,10 +48,12 @@ def test_rope_qk_equals_apply_rope(dtype: torch.dtype, num_tokens: int) -> None:
     positions = torch.randint(0, 4000, (num_tokens,), generator=gen).to(DEVICE)
     rope = Rope(dataclasses.replace(config, head_dim=dim), torch.device(DEVICE))
     cos, sin = rope.tables(positions, dtype)
-    got = rope_qk(qkv, cos, sin, heads + kv_heads)
+    got_q, got_k = rope_qk(qkv, cos, sin, heads, kv_heads)
     want = apply_rope(qkv[:, : (heads + kv_heads) * dim].view(num_tokens, -1, dim), cos, sin)
-    assert got.shape == want.shape and got.dtype == dtype
-    torch.testing.assert_close(got, want, **within)
+    assert got_q.is_contiguous() and got_k.is_contiguous() and got_q.dtype == dtype
+    assert got_q.shape == (num_tokens, heads, dim) and got_k.shape == (num_tokens, kv_heads, dim)
+    torch.testing.assert_close(got_q, want[:, :heads], **within)
+    torch.testing.assert_close(got_k, want[:, heads:], **within)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -72,12 +74,12 @@ def test_rope_qk_writes_the_keys_and_values_index_copy_writes(
     cache = torch.randn(2, 40, block_size, kv_heads, dim, generator=gen).to(DEVICE, dtype)
     slots = torch.randperm(40 * block_size, generator=gen)[:num_tokens].to(DEVICE)
     want_cache = cache.clone()
-    want = rope_qk(qkv, cos, sin, heads + kv_heads)
+    want_q, want_k = rope_qk(qkv, cos, sin, heads, kv_heads)
     v = qkv[:, (heads + kv_heads) * dim :].view(num_tokens, kv_heads, dim)
-    want_cache[0].view(-1, kv_heads, dim).index_copy_(0, slots, want[:, heads:])
+    want_cache[0].view(-1, kv_heads, dim).index_copy_(0, slots, want_k)
     want_cache[1].view(-1, kv_heads, dim).index_copy_(0, slots, v)
-    got = rope_qk(qkv, cos, sin, heads + kv_heads, KvWrite(cache[0], cache[1], slots))
-    assert torch.equal(got, want)
+    got_q, got_k = rope_qk(qkv, cos, sin, heads, kv_heads, KvWrite(cache[0], cache[1], slots))
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
     assert torch.equal(cache, want_cache)  # the slots written exactly, every other row untouched
 
 
@@ -92,10 +94,10 @@ def test_a_kv_write_refuses_a_cache_it_would_misread() -> None:
     )
     cache = torch.zeros(2, 4, 16, 4, 64).to(DEVICE)
     with pytest.raises(ValueError, match="slots"):
-        rope_qk(qkv, cos, sin, 16, KvWrite(cache[0], cache[1], torch.arange(2).to(DEVICE)))
+        rope_qk(qkv, cos, sin, 12, 4, KvWrite(cache[0], cache[1], torch.arange(2).to(DEVICE)))
     with pytest.raises(ValueError, match="contiguous"):
         strided = cache.transpose(1, 2)
-        rope_qk(qkv, cos, sin, 16, KvWrite(strided[0], strided[1], torch.arange(3).to(DEVICE)))
+        rope_qk(qkv, cos, sin, 12, 4, KvWrite(strided[0], strided[1], torch.arange(3).to(DEVICE)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

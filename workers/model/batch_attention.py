@@ -130,7 +130,8 @@ class BatchAttention:
                 block_size=self.block_size,
             )
             try:
-                # the runner's queries: views into the fused q / k output of each token
+                # the runner's queries: rows of their own from the RoPE kernel (the default
+                # stride), or views into the fused q / k output of the torch ops (this one)
                 q_stride = (c.num_heads + c.num_kv_heads) * c.head_dim
                 return self._cudnn_pages().warm_up(buckets, [q_stride])
             except Exception as exc:  # noqa: BLE001 - any refusal: the split serves instead

@@ -1,9 +1,9 @@
 """Triton kernels for a layer's elementwise work on CUDA: one pass where torch takes several.
 
-  * `rope_qk`: RoPE on the query and key heads straight out of the fused qkv projection, into one
-    new [tokens, q + k heads, dim] tensor (torch: a multiply, a roll and a multiply-add, each a
-    full pass over q and k), and in the same pass the keys and values into the paged cache
-    (torch: two `index_copy_`, the values' first made contiguous).
+  * `rope_qk`: RoPE on the query and key heads straight out of the fused qkv projection, into
+    new contiguous q and k (torch: a multiply, a roll and a multiply-add, each a full pass over q
+    and k, into one [tokens, q + k heads, dim] tensor), and in the same pass the keys and values
+    into the paged cache (torch: two `index_copy_`, the values' first made contiguous).
   * `silu_mul`: SiLU(gate) x up from the fused gate/up projection (torch: a SiLU pass, then a
     multiply reading both halves again).
   * `add_rms_norm`: the residual add and the next block's RMSNorm in one pass over the row (torch:
@@ -36,7 +36,8 @@ def _rope_kernel(
     qkv_ptr,
     cos_ptr,
     sin_ptr,
-    out_ptr,
+    q_ptr,
+    k_ptr,
     k_cache_ptr,
     v_cache_ptr,
     slots_ptr,
@@ -44,7 +45,6 @@ def _rope_kernel(
     num_qk_heads,
     stride_qkv_t,
     stride_cos_t,
-    stride_out_t,
     DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     WRITE_KV: tl.constexpr,
@@ -66,14 +66,14 @@ def _rope_kernel(
     out = (scaled.to(tl.float32) + x_rolled.to(tl.float32) * sin.to(tl.float32)[None, :]).to(
         x.dtype
     )
-    qk = (heads < num_qk_heads)[:, None]
-    dest = out_ptr + token * stride_out_t + heads[:, None] * DIM + dims[None, :]
-    tl.store(dest, out, mask=qk)
+    is_q = (heads < num_heads)[:, None]
+    tl.store(q_ptr + (token * num_heads + heads[:, None]) * DIM + dims[None, :], out, mask=is_q)
+    k_head = (heads - num_heads)[:, None]
+    is_k = (k_head >= 0) & (heads < num_qk_heads)[:, None]
+    tl.store(k_ptr + (token * num_kv_heads + k_head) * DIM + dims[None, :], out, mask=is_k)
     if WRITE_KV:
         # The cache row of this token's slot: [slot, kv head, dim], as index_copy_ writes it.
         slot_row = tl.load(slots_ptr + token).to(tl.int64) * num_kv_heads
-        k_head = (heads - num_heads)[:, None]
-        is_k = qk & (k_head >= 0)
         tl.store(k_cache_ptr + (slot_row + k_head) * DIM + dims[None, :], out, mask=is_k)
         v_head = (heads - num_qk_heads)[:, None]
         is_v = read & (v_head >= 0)
@@ -138,12 +138,15 @@ class KvWrite:
     v_cache: torch.Tensor
     slots: torch.Tensor
 
-    def check(self, num_tokens: int, dim: int, qkv: torch.Tensor) -> None:
+    def check(self, num_tokens: int, num_kv_heads: int, dim: int, qkv: torch.Tensor) -> None:
         k, v = self.k_cache, self.v_cache
         if not (k.is_contiguous() and v.is_contiguous() and k.shape == v.shape):
             raise ValueError("the K and V caches must be contiguous and of one shape")
-        if k.shape[-1] != dim or k.dtype != qkv.dtype:
-            raise ValueError(f"cache rows of {k.shape[-1]} {k.dtype}, not {dim} {qkv.dtype}")
+        if tuple(k.shape[-2:]) != (num_kv_heads, dim) or k.dtype != qkv.dtype:
+            raise ValueError(
+                f"cache rows of {tuple(k.shape[-2:])} {k.dtype}, not"
+                f" {(num_kv_heads, dim)} {qkv.dtype}"
+            )
         if self.slots.shape != (num_tokens,):
             raise ValueError(f"{tuple(self.slots.shape)} slots for {num_tokens} tokens")
 
@@ -152,37 +155,40 @@ def rope_qk(
     qkv: torch.Tensor,
     cos: torch.Tensor,
     signed_sin: torch.Tensor,
-    num_qk_heads: int,
+    num_heads: int,
+    num_kv_heads: int,
     kv_write: KvWrite | None = None,
-) -> torch.Tensor:
-    """`apply_rope` of qkv's first `num_qk_heads` heads: [tokens, num_qk_heads, head_dim]; with
-    `kv_write`, the same pass also writes each token's roped key heads and its value heads (the
-    heads after the key heads) into the cache at its slot, as `index_copy_` would.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`apply_rope` of qkv's query and key heads, as (q [tokens, num_heads, head_dim], k [tokens,
+    num_kv_heads, head_dim]), each contiguous; with `kv_write`, the same pass also writes each
+    token's roped key heads and its value heads (the heads after the key heads) into the cache
+    at its slot, as `index_copy_` would.
 
-    qkv [tokens, >= num_qk_heads * head_dim] with contiguous rows; cos / signed_sin
-    [tokens, 1, head_dim] as `rope_tables` makes them. head_dim must be a power of two.
+    qkv [tokens, >= (num_heads + num_kv_heads) * head_dim] with contiguous rows; cos /
+    signed_sin [tokens, 1, head_dim] as `rope_tables` makes them. head_dim must be a power of two.
     """
     num_tokens, dim = qkv.shape[0], cos.shape[-1]
     if qkv.stride(1) != 1 or cos.stride(-1) != 1 or signed_sin.stride() != cos.stride():
         raise ValueError("rope_qk needs rows with a contiguous last dimension")
     if dim & (dim - 1):
         raise ValueError(f"rope_qk needs a power-of-two head_dim, got {dim}")
-    out = torch.empty((num_tokens, num_qk_heads, dim), device=qkv.device, dtype=qkv.dtype)
+    q = torch.empty((num_tokens, num_heads, dim), device=qkv.device, dtype=qkv.dtype)
+    k = torch.empty((num_tokens, num_kv_heads, dim), device=qkv.device, dtype=qkv.dtype)
     if not num_tokens:
-        return out
-    num_heads, num_read = num_qk_heads, num_qk_heads
-    k_cache = v_cache = slots = out  # unread without kv_write
+        return q, k
+    num_qk_heads = num_heads + num_kv_heads
+    num_read, k_cache, v_cache, slots = num_qk_heads, q, q, q  # the last three unread
     if kv_write is not None:
-        kv_write.check(num_tokens, dim, qkv)
-        num_kv_heads = kv_write.k_cache.shape[-2]
-        num_heads, num_read = num_qk_heads - num_kv_heads, num_qk_heads + num_kv_heads
+        kv_write.check(num_tokens, num_kv_heads, dim, qkv)
+        num_read += num_kv_heads
         k_cache, v_cache, slots = kv_write.k_cache, kv_write.v_cache, kv_write.slots
     grid = (num_tokens, triton.cdiv(num_read, _BLOCK_H))
     _rope_kernel[grid](
         qkv,
         cos,
         signed_sin,
-        out,
+        q,
+        k,
         k_cache,
         v_cache,
         slots,
@@ -190,12 +196,11 @@ def rope_qk(
         num_qk_heads,
         qkv.stride(0),
         cos.stride(0),
-        out.stride(0),
         DIM=dim,
         BLOCK_H=_BLOCK_H,
         WRITE_KV=kv_write is not None,
     )
-    return out
+    return q, k
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -368,8 +368,7 @@ class ModelRunner:
         if lora is not None:
             lora.add(qkv, h, layer_index, "qkv")
         kv_blocks = self.kv_cache[layer_index]  # [2, num_blocks, block_size, kv_heads, dim]
-        qk = self._rope_and_write_kv(qkv, cos, sin, kv_blocks, plan.write_slots)
-        q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
+        q, k = self._rope_and_write_kv(qkv, cos, sin, kv_blocks, plan.write_slots)
         v = qkv[:, num_qk_heads * c.head_dim :].view(num_tokens, c.num_kv_heads, c.head_dim)
         out = self.attention.attend(q, k, v, kv_blocks, plan).view(num_tokens, -1)
         projected = F.linear(out, layer.o_proj)
@@ -382,22 +381,27 @@ class ModelRunner:
         sin: torch.Tensor,
         kv_blocks: torch.Tensor,
         slots: torch.Tensor,
-    ) -> torch.Tensor:
-        """RoPE of the query and key heads of qkv ([num_tokens, q + k heads, head_dim]), with the
-        keys and values written into the layer's cache at `slots` (one kernel where it fits)."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE of the query and key heads of qkv, (q [num_tokens, heads, head_dim], k
+        [num_tokens, kv heads, head_dim]), with the keys and values written into the layer's
+        cache at `slots` (one kernel where it fits: q and k then rows of their own)."""
         c = self.config
-        num_qk_heads, dim = c.num_heads + c.num_kv_heads, c.head_dim
+        heads, kv_heads, dim = c.num_heads, c.num_kv_heads, c.head_dim
         if self.fused_elementwise and self._kernels is not None and self._rope_kernel_fits:
             if self.fused_kv_write:
                 write = self._kernels.KvWrite(kv_blocks[0], kv_blocks[1], slots)
-                return self._kernels.rope_qk(qkv, cos, sin, num_qk_heads, write)
-            qk = self._kernels.rope_qk(qkv, cos, sin, num_qk_heads)
+                q, k = self._kernels.rope_qk(qkv, cos, sin, heads, kv_heads, write)
+                return q, k
+            q, k = self._kernels.rope_qk(qkv, cos, sin, heads, kv_heads)
         else:
-            qk = apply_rope(qkv[:, : num_qk_heads * dim].view(qkv.shape[0], -1, dim), cos, sin)
-        v = qkv[:, num_qk_heads * dim :].view(qkv.shape[0], c.num_kv_heads, dim)
-        kv_blocks[0].view(-1, c.num_kv_heads, dim).index_copy_(0, slots, qk[:, c.num_heads :])
-        kv_blocks[1].view(-1, c.num_kv_heads, dim).index_copy_(0, slots, v)
-        return qk
+            qk = apply_rope(
+                qkv[:, : (heads + kv_heads) * dim].view(qkv.shape[0], -1, dim), cos, sin
+            )
+            q, k = qk[:, :heads], qk[:, heads:]
+        v = qkv[:, (heads + kv_heads) * dim :].view(qkv.shape[0], kv_heads, dim)
+        kv_blocks[0].view(-1, kv_heads, dim).index_copy_(0, slots, k)
+        kv_blocks[1].view(-1, kv_heads, dim).index_copy_(0, slots, v)
+        return q, k
 
     def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.fused_elementwise and self._kernels is not None:
