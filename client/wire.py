@@ -40,10 +40,13 @@ MAX_UINT64 = 2**64 - 1
 
 def checked_token_ids(token_ids: Iterable[int], what: str = "token_ids") -> list[int]:
     """`token_ids` as a list of Python ints, each a valid uint32; raises ValueError otherwise."""
-    ids = [operator.index(t) for t in token_ids]
-    for i, t in enumerate(ids):
-        if not 0 <= t <= MAX_UINT32:
-            raise ValueError(f"{what}[{i}] = {t} is outside the token id range [0, {MAX_UINT32}]")
+    ids = list(map(operator.index, token_ids))
+    if ids and (min(ids) < 0 or max(ids) > MAX_UINT32):  # one pass in C each: an 8K prompt's
+        for i, t in enumerate(ids):  # check costs ~0.1 ms, not ~0.5; the loop names the first
+            if not 0 <= t <= MAX_UINT32:
+                raise ValueError(
+                    f"{what}[{i}] = {t} is outside the token id range [0, {MAX_UINT32}]"
+                )
     return ids
 
 
