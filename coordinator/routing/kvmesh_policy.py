@@ -163,6 +163,9 @@ class KvmeshPolicy(RoutingPolicy):
         # Only the request counts are read: prompts placed on a worker that held none of them.
         self._new_prefixes = RecentLoad(self.weights.balance_horizon_s)
         self._load_terms = LoadTermCache()
+        # The eviction term's share of each pool the reused prefixes fill, with the sums and
+        # the pools it was priced from (kept while both are the same arrays).
+        self._reused_share: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     replicable = True
 
@@ -422,8 +425,13 @@ class KvmeshPolicy(RoutingPolicy):
         if weights.eviction_weight > 0 and len(self._reused):
             # The stored blocks displace as much of w's pool; so much of that was reused lately
             # as w's reused prefixes fill of the pool.
-            reused = self._reused.num_blocks_many(cols.ids)
-            share = np.minimum(1.0, reused / pool)
+            reused = self._reused.num_blocks_many(cols.ids)  # (the same array while unchanged)
+            kept = self._reused_share
+            if kept is not None and kept[0] is reused and kept[1] is pool:
+                share = kept[2]
+            else:
+                share = np.minimum(1.0, reused / pool)
+                self._reused_share = (reused, pool, share)
             block_ms = weights.eviction_weight * (cm.prefill_per_token_ms * bs)
             cost += block_ms * stored * share
         uncached_share = 1.0 - options.cached_tokens / n
