@@ -177,10 +177,15 @@ class KvmeshPolicy(RoutingPolicy):
     def propose(self, query: RouteQuery, workers: Sequence[WorkerView]) -> RouteDecision:
         return self._propose(query, workers)[0]
 
-    def place(self, placement: Placement, now_s: float) -> None:
-        """What `choose` remembers of its own decision, from a committed log entry."""
+    def place(
+        self, placement: Placement, now_s: float, new_hash_array: np.ndarray | None = None
+    ) -> None:
+        """What `choose` remembers of its own decision, from a committed log entry.
+        `new_hash_array`: `placement.new_hashes` as a uint64 array, when the caller has it."""
         worker = WorkerId(placement.worker_id)
-        self._routed.add(placement.request_id, worker, placement.new_hashes, now_s)
+        self._routed.add(
+            placement.request_id, worker, placement.new_hashes, now_s, hash_array=new_hash_array
+        )
         self._recent.add(worker, placement.predicted_prefill_ms, now_s)
         self._running.add(placement.request_id, worker, placement.prompt_len, now_s)
         self._sessions.remember(placement.session_id, worker)
@@ -464,7 +469,12 @@ class KvmeshPolicy(RoutingPolicy):
         """`indexed`: the chosen worker's match in the index, before routed prefixes. What is
         remembered is the decision's placement, as a replica applies it from the decision log:
         one path, so `choose` is `propose` + `place` by construction."""
-        self.place(self.placement_of(query, decision, indexed), now)
+        hash_array = query.block_hash_array
+        self.place(
+            self.placement_of(query, decision, indexed),
+            now,
+            None if hash_array is None else hash_array[indexed:],
+        )
 
     def placement_of(
         self, query: RouteQuery, decision: RouteDecision, indexed: int, origin: str = ""

@@ -93,14 +93,20 @@ class RoutedPrefixes:
         hashes: Sequence[BlockHash],
         now_s: float,
         start: int = 0,
+        hash_array: np.ndarray | None = None,
     ) -> None:
         """Remember that `hashes[start:]` were sent to `worker` (the index already shows it
-        holding `hashes[:start]`, so only the blocks it will add are kept)."""
+        holding `hashes[:start]`, so only the blocks it will add are kept). `hash_array`:
+        `hashes` as a uint64 array, when the caller has one (copied, not converted again)."""
         self.discard(request_id)
         hashes = hashes[start:]
         self._expires_s[request_id] = now_s + self.ttl_s
         self._worker_of[request_id] = worker
-        run = self._run_of[request_id] = np.fromiter(hashes, np.uint64, len(hashes))
+        if hash_array is None:
+            run = np.fromiter(hashes, np.uint64, len(hashes))
+        else:  # (a copy: a view would keep the whole prompt's array while the run is kept)
+            run = hash_array[start:].copy()
+        self._run_of[request_id] = run
         key: _RunKey | None = hash((worker, len(hashes), hashes[-1])) if hashes else None
         if key is not None:
             shared = self._shared_run.get(key)

@@ -97,7 +97,9 @@ def test_routed_prefixes_screen_rules_out_only_hashes_nobody_was_routed(screen_s
         op = rng.random()
         if op < 0.6:
             start = rng.randrange(len(chain) + 1)
-            r.add(f"r{i}", rng.choice(workers), chain, now_s, start=start)
+            # (every other run from the chain's array, copied, not converted: the same run)
+            array = np.array(chain, dtype=np.uint64) if i % 2 else None
+            r.add(f"r{i}", rng.choice(workers), chain, now_s, start=start, hash_array=array)
         elif op < 0.8:
             r.discard(f"r{rng.randrange(i + 1)}")
         elif op < 0.82:
