@@ -371,13 +371,14 @@ class KvmeshPolicy(RoutingPolicy):
         cm, weights = self.cost_model, self.weights
         n, bs = query.prompt_len, query.block_size
         work, requests = self._recent.snapshot_arrays(cols.ids, now)
-        load = self._load_terms.terms(cols, cm)  # (kept while the load columns are the same)
-        step_ms = load.step_ms
+        # (kept while their columns are the same: `LoadTermCache`)
+        steps = self._load_terms.steps(cols, cm)
+        step_ms = steps.step_ms
         # Decode is paid per token, by this request and by every sequence it joins, over as many
         # tokens as its answer asks (`KvmeshWeights.decode_tokens_for`): what a hot prefix's
         # holder's growing batch costs a long answer, and barely costs a short one.
         calibrated = cm.decode_per_kv_token_ms > 0
-        step_load: np.ndarray = load.per_seq_ms
+        step_load: np.ndarray = steps.per_seq_ms
         if calibrated:
             step_load = self._running.tokens_many(cols.ids) * cm.decode_per_kv_token_ms
         # Below, a term that is 0 on every row is skipped and a weight of 1 not multiplied: a
@@ -388,20 +389,18 @@ class KvmeshPolicy(RoutingPolicy):
             cost += options.recompute_ms
         else:
             cost += weights.recompute_weight * options.recompute_ms
-        if load.running_rows is None:
+        if steps.running_rows is None:
             cost += step_ms
         else:  # adding only where w runs a batch: elsewhere the cost stays as `+ 0.0` leaves it
-            np.add(cost, step_ms, out=cost, where=load.running_rows)
+            np.add(cost, step_ms, out=cost, where=steps.running_rows)
         # Each prefill queued ahead runs at least one step, and the step carries w's batch (its
         # KV read too): a queue of cheap cache hits is as long in steps as in prefill.
         step_kv_ms = step_ms + step_load if calibrated else step_ms
-        if load.queued_steps_ms is not None:
-            cost += load.queued_steps_ms  # (num_queued * step_kv_ms, kept)
-        elif load.any_queued:
+        if np.count_nonzero(cols.num_queued):
             cost += cols.num_queued * step_kv_ms
         decode_tokens = weights.decode_tokens_for(query.max_tokens)
-        if load.decode_spread_ms is not None:  # (step_load above its least, kept)
-            cost += 2.0 * decode_tokens * load.decode_spread_ms
+        if steps.decode_spread_ms is not None:  # (step_load above its least)
+            cost += 2.0 * decode_tokens * steps.decode_spread_ms
         else:
             cost += 2.0 * decode_tokens * (step_load - step_load[step_load.argmin()])
         # What w lacks of the prompt on its device is stored there, computed or pulled (a prefix
@@ -412,16 +411,17 @@ class KvmeshPolicy(RoutingPolicy):
         # (as floats: the maximum with 0.0 makes them, exactly, and the products below take
         # them without converting an int64 operand each)
         stored = np.maximum(query.num_prompt_blocks - held, 0.0)
-        pool = load.pool  # (num_blocks as floats, at least 1)
+        pools = self._load_terms.pool(cols)
+        pool = pools.pool  # (num_blocks as floats, at least 1)
         if weights.memory_weight > 0:
             # The request holds what it stores and its answer's blocks for its answer's steps;
-            # where w's pool is in use (`load.in_use`), the requests after it at w wait for them.
+            # where w's pool is in use (`pools.in_use`), the requests after it at w wait for them.
             answer_len = weights.answer_tokens_for(query.max_tokens)
             # The prompt blocks it stores stay as long as their followers come, so they are
             # priced by the share in use (a pool in use now fills with them); the answer's leave
             # with it, so where the pool is full now: the square.
-            held_ms = stored * load.in_use
-            held_ms += answer_len / bs * load.in_use_squared
+            held_ms = stored * pools.in_use
+            held_ms += answer_len / bs * pools.in_use_squared
             held_ms /= pool
             held_ms *= answer_len
             held_ms *= step_kv_ms
