@@ -245,7 +245,7 @@ class KvmeshPolicy(RoutingPolicy):
         """The row of the lowest cost; ties (within `_TIE_EPSILON_MS`) broken by the rng, drawing
         as `RoutingPolicy._pick_lowest` does."""
         i = int(costs.argmin())
-        tied = costs <= costs[i] + _TIE_EPSILON_MS
+        tied = costs <= costs.item(i) + _TIE_EPSILON_MS
         if np.count_nonzero(tied) == 1:  # the lowest alone: no draw
             return i
         return int(self.rng.choice(tied.nonzero()[0].tolist()))
