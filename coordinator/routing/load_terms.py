@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from kvmesh.coordinator.index.mirror import WorkerId
 from kvmesh.coordinator.routing.cost_model import CostModel
 from kvmesh.coordinator.routing.policy import WorkerColumns
 
@@ -98,3 +99,40 @@ class LoadTermCache:
             self._steps = step_terms(cols, cost_model)
             self._steps_key, self._cost_model = key, cost_model
         return self._steps
+
+    def check_invariants(self) -> None:
+        """Each kept part is what its key's columns price now (bit for bit)."""
+        if self._pool is not None:
+            assert self._pool_key is not None
+            num_blocks, num_free = (np.frombuffer(b, dtype=np.int64) for b in self._pool_key)
+            fresh = pool_terms(_columns(num_blocks=num_blocks, num_free_blocks=num_free))
+            assert _same(self._pool, fresh), "the kept pool terms are not their columns'"
+        if self._steps is not None:
+            assert self._steps_key is not None and self._cost_model is not None
+            running = np.frombuffer(self._steps_key, dtype=np.int64)
+            fresh_steps = step_terms(_columns(num_running=running), self._cost_model)
+            assert _same(self._steps, fresh_steps), "the kept step terms are not their columns'"
+
+
+def _columns(**columns: np.ndarray) -> WorkerColumns:
+    """A fleet with the given load columns (the others zeros)."""
+    n = len(next(iter(columns.values())))
+    zeros = np.zeros(n, dtype=np.int64)
+    get = columns.get
+    return WorkerColumns(
+        tuple(WorkerId(str(i)) for i in range(n)),
+        get("num_blocks", zeros),
+        get("num_free_blocks", zeros),
+        np.zeros(n),
+        zeros,
+        get("num_running", zeros),
+        zeros,
+        zeros,
+    )
+
+
+def _same(a: tuple[np.ndarray | None, ...], b: tuple[np.ndarray | None, ...]) -> bool:
+    return all(
+        x is y if x is None or y is None else x.tobytes() == y.tobytes()
+        for x, y in zip(a, b, strict=True)
+    )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
+import pytest
 
 from kvmesh.coordinator.index.mirror import WorkerId
 from kvmesh.coordinator.routing.cost_model import CostModel
@@ -54,6 +55,7 @@ def test_each_part_is_priced_again_when_its_columns_change_even_in_place() -> No
     cache, cm = LoadTermCache(), CostModel()
     cols = columns([10, 100], [0, 3])
     pools, steps = cache.pool(cols), cache.steps(cols, cm)
+    cache.check_invariants()
     cols.num_free_blocks[0] = 50  # the same array, other numbers: the pools' part only
     assert cache.steps(cols, cm) is steps
     again = cache.pool(cols)
@@ -64,6 +66,7 @@ def test_each_part_is_priced_again_when_its_columns_change_even_in_place() -> No
     assert cache.steps(cols, cm).running_rows is None  # every worker runs now
     other = columns([50, 100], [2, 3], num_blocks=80)
     assert same(cache.pool(other), pool_terms(other))
+    cache.check_invariants()
 
 
 def test_steps_are_priced_again_for_another_cost_model() -> None:
@@ -73,6 +76,7 @@ def test_steps_are_priced_again_for_another_cost_model() -> None:
     assert same(cache.steps(cols, slow), step_terms(cols, slow))
     # Calibrated per KV token, the step load is the running tokens': no spread is kept.
     assert cache.steps(cols, CostModel(decode_per_kv_token_ms=1e-5)).decode_spread_ms is None
+    cache.check_invariants()
 
 
 def test_terms_are_the_costs_operations() -> None:
@@ -87,3 +91,10 @@ def test_terms_are_the_costs_operations() -> None:
     assert steps.decode_spread_ms.tobytes() == (per_seq - per_seq.min()).tobytes()
     assert pools.in_use.tobytes() == in_use.tobytes()
     assert pools.in_use_squared.tobytes() == (in_use * in_use).tobytes()
+
+
+def test_the_check_catches_a_kept_part_that_is_not_its_columns() -> None:
+    cache = LoadTermCache()
+    cache.pool(columns([10, 100], [0, 3])).in_use[0] = 0.5  # (kept terms are never written)
+    with pytest.raises(AssertionError):
+        cache.check_invariants()
