@@ -93,19 +93,10 @@ class RecentLoad:
         self, workers: Sequence[WorkerId], now_s: float
     ) -> tuple[np.ndarray, np.ndarray]:
         """`snapshot` of a whole fleet at once, as arrays (to within an ulp: numpy's exp)."""
-        sums = self._decayed_rows(workers, now_s)
-        return sums[_WORK], sums[_REQUESTS]
-
-    def snapshot_matrix(self, workers: Sequence[WorkerId], now_s: float) -> np.ndarray:
-        """`snapshot_arrays` as one (2, len(workers)) array: work_ms, then num_requests."""
-        return self._decayed_rows(workers, now_s)[:_AT]
-
-    def _decayed_rows(self, workers: Sequence[WorkerId], now_s: float) -> np.ndarray:
-        """The fleet's rows of `_sums` (a copy), work and requests decayed to `now_s` (the
-        times' row is left as the exponents)."""
         n = len(workers)
         if not self._slot_of:
-            return np.zeros((3, n))
+            zeros = np.zeros((2, n))
+            return zeros[_WORK], zeros[_REQUESTS]
         rows = self._rows(tuple(workers))  # first: making rows may grow (replace) `_sums`
         sums = self._sums.take(rows, axis=1)  # a copy: decayed in place below
         exponent = sums[_AT]
@@ -122,7 +113,7 @@ class RecentLoad:
         work, requests = sums[_WORK], sums[_REQUESTS]
         work *= f
         requests *= f
-        return sums
+        return work, requests
 
     def _rows(self, workers: tuple[WorkerId, ...]) -> np.ndarray:
         """Each worker's row, made (sums of 0, which read as no sums) for those without one,
