@@ -19,6 +19,13 @@ from kvmesh.coordinator.index.hash_table import NOBODY
 
 _U64 = (1 << 64) - 1
 
+# Byte value -> its 8 bits as the 8 bytes (0 or 1) of a uint64, bit i in byte i: a table read
+# unpacks a mask's bytes, and sums of these read as 8 per-bit counts (below 256) at once.
+_BYTE_BITS = np.array(
+    [int.from_bytes(bytes((v >> i) & 1 for i in range(8)), "little") for v in range(256)],
+    dtype=np.uint64,
+)
+
 
 class HolderSets:
     """Interned (any-tier mask, device-tier mask) pairs with reference counts.
@@ -148,7 +155,6 @@ class HolderSets:
         a bit set in the first k of them belongs to a worker whose prefix ends where run k
         starts (the chain's length after the last run)."""
         active = np.bitwise_and.accumulate(self._any_low.take(run_sets))
-        bits = np.unpackbits(active.view(np.uint8), bitorder="little").reshape(-1, 64)
         num_starts = len(starts)
         ends = np.empty(num_starts + 2, dtype=np.int64)  # run k's start, the length, then 0
         ends[:num_starts] = starts
@@ -157,11 +163,14 @@ class HolderSets:
         num_runs = np.empty(65, dtype=np.int64)
         num_runs[64] = num_starts + 1
         if num_starts < 256:
-            # Each row's 64 bytes (0 or 1) summed as 8 uint64 lanes of 8 bytes: a byte's sum
-            # stays below 256, so no carry crosses into its neighbour, and the lanes' bytes are
-            # the bits' counts (one contiguous reduce, not 64 strided byte sums into int64).
-            num_runs[:64] = np.add.reduce(bits.view(np.uint64), axis=0).view(np.uint8)
+            # Byte p of every mask unpacked (`_BYTE_BITS`) into a uint64 of 8 one-bit bytes, one
+            # row per p, and each row summed: a byte's sum stays below 256, so no carry crosses
+            # into its neighbour, and the 8 sums' bytes are the counts of bits 0..63, in order
+            # (contiguous reduces over the runs, not 64 strided byte sums into int64).
+            unpacked = _BYTE_BITS.take(active.view(np.uint8).reshape(-1, 8).T)
+            num_runs[:64] = np.add.reduce(unpacked, axis=1).view(np.uint8)
         else:
+            bits = np.unpackbits(active.view(np.uint8), bitorder="little").reshape(-1, 64)
             np.add.reduce(bits, axis=0, dtype=np.int64, out=num_runs[:64])
         return ends.take(num_runs)
 

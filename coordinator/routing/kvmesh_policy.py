@@ -16,6 +16,7 @@ import numpy as np
 from kvmesh.coordinator.index.mirror import WorkerId
 from kvmesh.coordinator.routing.cost_model import CostModel
 from kvmesh.coordinator.routing.kvmesh_weights import KvmeshWeights
+from kvmesh.coordinator.routing.load_terms import LoadTermCache
 from kvmesh.coordinator.routing.policy import (
     _TIE_EPSILON_MS,
     RouteDecision,
@@ -161,6 +162,10 @@ class KvmeshPolicy(RoutingPolicy):
         self._reused = ReusedPrefixes(self.weights.balance_horizon_s)
         # Only the request counts are read: prompts placed on a worker that held none of them.
         self._new_prefixes = RecentLoad(self.weights.balance_horizon_s)
+        self._load_terms = LoadTermCache()
+        # The eviction term's share of each pool the reused prefixes fill, with the sums and
+        # the pools it was priced from (kept while both are the same arrays).
+        self._reused_share: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     replicable = True
 
@@ -172,10 +177,15 @@ class KvmeshPolicy(RoutingPolicy):
     def propose(self, query: RouteQuery, workers: Sequence[WorkerView]) -> RouteDecision:
         return self._propose(query, workers)[0]
 
-    def place(self, placement: Placement, now_s: float) -> None:
-        """What `choose` remembers of its own decision, from a committed log entry."""
+    def place(
+        self, placement: Placement, now_s: float, new_hash_array: np.ndarray | None = None
+    ) -> None:
+        """What `choose` remembers of its own decision, from a committed log entry.
+        `new_hash_array`: `placement.new_hashes` as a uint64 array, when the caller has it."""
         worker = WorkerId(placement.worker_id)
-        self._routed.add(placement.request_id, worker, placement.new_hashes, now_s)
+        self._routed.add(
+            placement.request_id, worker, placement.new_hashes, now_s, hash_array=new_hash_array
+        )
         self._recent.add(worker, placement.predicted_prefill_ms, now_s)
         self._running.add(placement.request_id, worker, placement.prompt_len, now_s)
         self._sessions.remember(placement.session_id, worker)
@@ -235,7 +245,7 @@ class KvmeshPolicy(RoutingPolicy):
         """The row of the lowest cost; ties (within `_TIE_EPSILON_MS`) broken by the rng, drawing
         as `RoutingPolicy._pick_lowest` does."""
         i = int(costs.argmin())
-        tied = costs <= costs[i] + _TIE_EPSILON_MS
+        tied = costs <= costs.item(i) + _TIE_EPSILON_MS
         if np.count_nonzero(tied) == 1:  # the lowest alone: no draw
             return i
         return int(self.rng.choice(tied.nonzero()[0].tolist()))
@@ -360,15 +370,15 @@ class KvmeshPolicy(RoutingPolicy):
         the recent-load decay); change a term there first, then here."""
         cm, weights = self.cost_model, self.weights
         n, bs = query.prompt_len, query.block_size
-        recent = self._recent.snapshot_matrix(cols.ids, now)  # work, requests
-        running = cols.num_running
-        per_seq_ms = running * cm.decode_per_seq_ms
-        step_ms = cm.decode_fixed_ms + per_seq_ms
+        work, requests = self._recent.snapshot_arrays(cols.ids, now)
+        # (kept while their columns are the same: `LoadTermCache`)
+        steps = self._load_terms.steps(cols, cm)
+        step_ms = steps.step_ms
         # Decode is paid per token, by this request and by every sequence it joins, over as many
         # tokens as its answer asks (`KvmeshWeights.decode_tokens_for`): what a hot prefix's
         # holder's growing batch costs a long answer, and barely costs a short one.
         calibrated = cm.decode_per_kv_token_ms > 0
-        step_load: np.ndarray = per_seq_ms
+        step_load: np.ndarray = steps.per_seq_ms
         if calibrated:
             step_load = self._running.tokens_many(cols.ids) * cm.decode_per_kv_token_ms
         # Below, a term that is 0 on every row is skipped and a weight of 1 not multiplied: a
@@ -379,17 +389,20 @@ class KvmeshPolicy(RoutingPolicy):
             cost += options.recompute_ms
         else:
             cost += weights.recompute_weight * options.recompute_ms
-        if np.count_nonzero(running) == len(running):
+        if steps.running_rows is None:
             cost += step_ms
         else:  # adding only where w runs a batch: elsewhere the cost stays as `+ 0.0` leaves it
-            np.add(cost, step_ms, out=cost, where=running != 0)
+            np.add(cost, step_ms, out=cost, where=steps.running_rows)
         # Each prefill queued ahead runs at least one step, and the step carries w's batch (its
         # KV read too): a queue of cheap cache hits is as long in steps as in prefill.
         step_kv_ms = step_ms + step_load if calibrated else step_ms
         if np.count_nonzero(cols.num_queued):
             cost += cols.num_queued * step_kv_ms
         decode_tokens = weights.decode_tokens_for(query.max_tokens)
-        cost += 2.0 * decode_tokens * (step_load - step_load[step_load.argmin()])
+        if steps.decode_spread_ms is not None:  # (step_load above its least)
+            cost += 2.0 * decode_tokens * steps.decode_spread_ms
+        else:
+            cost += 2.0 * decode_tokens * (step_load - step_load[step_load.argmin()])
         # What w lacks of the prompt on its device is stored there, computed or pulled (a prefix
         # routed to w and not yet indexed will be there: not stored).
         held = cols.matched_device_blocks
@@ -398,19 +411,17 @@ class KvmeshPolicy(RoutingPolicy):
         # (as floats: the maximum with 0.0 makes them, exactly, and the products below take
         # them without converting an int64 operand each)
         stored = np.maximum(query.num_prompt_blocks - held, 0.0)
-        # (as floats once: an int64 operand is converted to float64 by each operation anyway;
-        # the maximum with 1.0 gives float64 itself, the same numbers as converting after it)
-        pool = np.maximum(cols.num_blocks, 1.0)
+        pools = self._load_terms.pool(cols)
+        pool = pools.pool  # (num_blocks as floats, at least 1)
         if weights.memory_weight > 0:
             # The request holds what it stores and its answer's blocks for its answer's steps;
-            # where w's pool is in use, the requests after it at w wait for them.
+            # where w's pool is in use (`pools.in_use`), the requests after it at w wait for them.
             answer_len = weights.answer_tokens_for(query.max_tokens)
-            in_use = 1.0 - cols.num_free_blocks / pool
             # The prompt blocks it stores stay as long as their followers come, so they are
             # priced by the share in use (a pool in use now fills with them); the answer's leave
             # with it, so where the pool is full now: the square.
-            held_ms = stored * in_use
-            held_ms += answer_len / bs * (in_use * in_use)
+            held_ms = stored * pools.in_use
+            held_ms += answer_len / bs * pools.in_use_squared
             held_ms /= pool
             held_ms *= answer_len
             held_ms *= step_kv_ms
@@ -419,17 +430,23 @@ class KvmeshPolicy(RoutingPolicy):
         if weights.eviction_weight > 0 and len(self._reused):
             # The stored blocks displace as much of w's pool; so much of that was reused lately
             # as w's reused prefixes fill of the pool.
-            reused = self._reused.num_blocks_many(cols.ids)
-            share = np.minimum(1.0, reused / pool)
+            reused = self._reused.num_blocks_many(cols.ids)  # (the same array while unchanged)
+            kept = self._reused_share
+            if kept is not None and kept[0] is reused and kept[1] is pool:
+                share = kept[2]
+            else:
+                share = np.minimum(1.0, reused / pool)
+                self._reused_share = (reused, pool, share)
             block_ms = weights.eviction_weight * (cm.prefill_per_token_ms * bs)
             cost += block_ms * stored * share
         uncached_share = 1.0 - options.cached_tokens / n
-        # Recent work and requests above the least worker's: both rows' least at once (the
-        # ufunc's own reduce, without the Python wrapper `x.min` goes through).
-        recent -= np.minimum.reduce(recent, axis=1, keepdims=True)
-        cost += weights.placement_balance * recent[0] * uncached_share
+        # Recent work and requests above the least worker's (each row's least read at its
+        # `argmin`: the same value as `min`'s, without a reduction's set-up, ~1.5 us a row).
+        work -= work[work.argmin()]
+        requests -= requests[requests.argmin()]
+        cost += weights.placement_balance * work * uncached_share
         cheapest_ready = options.ready_ms[options.ready_ms.argmin()]
-        cost += weights.request_balance * recent[1] * cheapest_ready
+        cost += weights.request_balance * requests * cheapest_ready
         if weights.new_prefix_balance > 0 and query.block_hashes and not np.count_nonzero(matched):
             # A prefix nobody holds: deal it to the worker given the fewest new prefixes lately
             # (each brings its followers), whatever the load of the moment says.
@@ -452,7 +469,12 @@ class KvmeshPolicy(RoutingPolicy):
         """`indexed`: the chosen worker's match in the index, before routed prefixes. What is
         remembered is the decision's placement, as a replica applies it from the decision log:
         one path, so `choose` is `propose` + `place` by construction."""
-        self.place(self.placement_of(query, decision, indexed), now)
+        hash_array = query.block_hash_array
+        self.place(
+            self.placement_of(query, decision, indexed),
+            now,
+            None if hash_array is None else hash_array[indexed:],
+        )
 
     def placement_of(
         self, query: RouteQuery, decision: RouteDecision, indexed: int, origin: str = ""

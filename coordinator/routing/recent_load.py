@@ -93,14 +93,10 @@ class RecentLoad:
         self, workers: Sequence[WorkerId], now_s: float
     ) -> tuple[np.ndarray, np.ndarray]:
         """`snapshot` of a whole fleet at once, as arrays (to within an ulp: numpy's exp)."""
-        sums = self.snapshot_matrix(workers, now_s)
-        return sums[_WORK], sums[_REQUESTS]
-
-    def snapshot_matrix(self, workers: Sequence[WorkerId], now_s: float) -> np.ndarray:
-        """`snapshot_arrays` as one (2, len(workers)) array: work_ms, then num_requests."""
         n = len(workers)
         if not self._slot_of:
-            return np.zeros((2, n))
+            zeros = np.zeros((2, n))
+            return zeros[_WORK], zeros[_REQUESTS]
         rows = self._rows(tuple(workers))  # first: making rows may grow (replace) `_sums`
         sums = self._sums.take(rows, axis=1)  # a copy: decayed in place below
         exponent = sums[_AT]
@@ -112,10 +108,12 @@ class RecentLoad:
             np.minimum(exponent, 0.0, out=exponent)
         exponent /= self.horizon_s
         f = np.exp(exponent, out=exponent)
-        work, requests, _ = sums
-        work *= f  # (a row at a time: a broadcast over both rows costs more than two)
+        # (a row at a time: a broadcast over both rows costs more than two; rows read by index,
+        # not by unpacking the array, which iterates it)
+        work, requests = sums[_WORK], sums[_REQUESTS]
+        work *= f
         requests *= f
-        return sums[:_AT]
+        return work, requests
 
     def _rows(self, workers: tuple[WorkerId, ...]) -> np.ndarray:
         """Each worker's row, made (sums of 0, which read as no sums) for those without one,

@@ -52,6 +52,10 @@ class ReusedPrefixes:
         self._last_use: OrderedDict[int, float] = OrderedDict()
         self._length: dict[int, int] = {}
         self._sums = WorkerRows(num_blocks=np.int64)
+        # The last fleet's `num_blocks_many` and the count of `_sums` changes it was read at:
+        # returned again while no sum changed (a reuse of a prefix as long as before changes none).
+        self._num_changes = 0
+        self._many: tuple[Sequence[WorkerId], int, np.ndarray] | None = None
 
     def __len__(self) -> int:
         return len(self._last_use)
@@ -72,6 +76,7 @@ class ReusedPrefixes:
         self._length[key] = length
         if length != before:
             self._sums.add_at("num_blocks", row, length - before)
+            self._num_changes += 1
         if len(self._last_use) > self.max_entries:
             self._drop_oldest()
 
@@ -84,13 +89,30 @@ class ReusedPrefixes:
     def _drop_oldest(self) -> None:
         key, _ = self._last_use.popitem(last=False)
         self._sums.add_at("num_blocks", key >> 64, -self._length.pop(key))
+        self._num_changes += 1
 
     def num_blocks(self, worker: WorkerId) -> int:
         return int(self._sums.value("num_blocks", worker))
 
     def num_blocks_many(self, workers: Sequence[WorkerId]) -> np.ndarray:
-        """`num_blocks` of each worker, in order (0 for a worker with none)."""
-        return self._sums.gather("num_blocks", workers)
+        """`num_blocks` of each worker, in order (0 for a worker with none), read only: the
+        same array while no sum changed and the same fleet is asked (so a caller may keep what
+        it made of it while it gets this array back)."""
+        many = self._many
+        if (
+            many is not None
+            and many[1] == self._num_changes
+            and (many[0] is workers or many[0] == workers)
+        ):
+            return many[2]
+        blocks = self._sums.gather("num_blocks", workers)
+        blocks.flags.writeable = False
+        self._many = (
+            workers if isinstance(workers, tuple) else tuple(workers),
+            self._num_changes,
+            blocks,
+        )
+        return blocks
 
     def forget_worker(self, worker: WorkerId) -> None:
         row = self._sums.get(worker)
@@ -100,6 +122,7 @@ class ReusedPrefixes:
             del self._last_use[key]
             del self._length[key]
         self._sums.release(worker)
+        self._num_changes += 1
 
     def check_invariants(self) -> None:
         self._sums.check_invariants()
@@ -116,3 +139,8 @@ class ReusedPrefixes:
             assert row in in_use, f"row {row} is not a worker's"
             assert self._sums.columns["num_blocks"][row] == total, (row, total)
         assert len(self._last_use) <= self.max_entries
+        many = self._many
+        if many is not None and many[1] == self._num_changes:
+            column, row_of = self._sums.columns["num_blocks"], self._sums.get
+            fresh = [0 if (r := row_of(w)) is None else int(column[r]) for w in many[0]]
+            assert many[2].tolist() == fresh, "the kept fleet's sums are stale"

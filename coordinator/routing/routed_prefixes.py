@@ -93,14 +93,20 @@ class RoutedPrefixes:
         hashes: Sequence[BlockHash],
         now_s: float,
         start: int = 0,
+        hash_array: np.ndarray | None = None,
     ) -> None:
         """Remember that `hashes[start:]` were sent to `worker` (the index already shows it
-        holding `hashes[:start]`, so only the blocks it will add are kept)."""
+        holding `hashes[:start]`, so only the blocks it will add are kept). `hash_array`:
+        `hashes` as a uint64 array, when the caller has one (copied, not converted again)."""
         self.discard(request_id)
         hashes = hashes[start:]
         self._expires_s[request_id] = now_s + self.ttl_s
         self._worker_of[request_id] = worker
-        run = self._run_of[request_id] = np.fromiter(hashes, np.uint64, len(hashes))
+        if hash_array is None:
+            run = np.fromiter(hashes, np.uint64, len(hashes))
+        else:  # (a copy: a view would keep the whole prompt's array while the run is kept)
+            run = hash_array[start:].copy()
+        self._run_of[request_id] = run
         key: _RunKey | None = hash((worker, len(hashes), hashes[-1])) if hashes else None
         if key is not None:
             shared = self._shared_run.get(key)
@@ -243,6 +249,7 @@ class RoutedPrefixes:
         refs, n = self._hash_to_worker_refs, len(hashes)
         out = held
         starts: Collection[int]
+        held_at: Callable[[int], int]
         if not n:
             return out
         if hash_array is not None:
@@ -252,13 +259,14 @@ class RoutedPrefixes:
             maybe = self._screen.may_hold(hash_array.take(held, mode="clip")).nonzero()[0]
             if not len(maybe):
                 return out
-            held_list = held.tolist()
-            starts = {start for row in maybe.tolist() if (start := held_list[row]) < n}
+            held_at = held.item  # (a few rows: not the whole column as a list)
+            starts = {start for row in maybe.tolist() if (start := held_at(row)) < n}
         else:
             if len(hashes) <= _FEW_HASHES and refs.keys().isdisjoint(hashes):
                 return out  # nothing of this short chain was routed lately (for a long one, the
                 # check would cost more than the lookups below)
             held_list = held.tolist()
+            held_at = held_list.__getitem__
             # each row grows on its own: the order does not matter
             starts = set(held_list)
             if max(starts) >= n:  # only a match shorter than the chain may grow
@@ -272,7 +280,7 @@ class RoutedPrefixes:
             assert holders is not None  # (compress kept only these)
             for worker in (holders,) if isinstance(holders, str) else holders:
                 row = index_of.get(worker)
-                if row is None or held_list[row] != start:
+                if row is None or held_at(row) != start:
                     continue
                 if out is held:
                     out = held.copy()

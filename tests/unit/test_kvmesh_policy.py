@@ -97,7 +97,9 @@ def test_routed_prefixes_screen_rules_out_only_hashes_nobody_was_routed(screen_s
         op = rng.random()
         if op < 0.6:
             start = rng.randrange(len(chain) + 1)
-            r.add(f"r{i}", rng.choice(workers), chain, now_s, start=start)
+            # (every other run from the chain's array, copied, not converted: the same run)
+            array = np.array(chain, dtype=np.uint64) if i % 2 else None
+            r.add(f"r{i}", rng.choice(workers), chain, now_s, start=start, hash_array=array)
         elif op < 0.8:
             r.discard(f"r{rng.randrange(i + 1)}")
         elif op < 0.82:
@@ -548,3 +550,22 @@ def test_a_prompt_nobody_holds_goes_where_fewer_new_prompts_went_whatever_the_qu
     # a holds a block of it: the prompt is no longer new, and is priced without the term
     held = routed(weights, 1)
     assert _scores(held) == _scores(routed(replace(weights, new_prefix_balance=0.0), 1))
+
+
+def test_reused_sums_of_a_fleet_are_kept_until_a_sum_changes() -> None:
+    reused = ReusedPrefixes(horizon_s=10.0)
+    fleet = (A, B)
+    reused.add(A, BlockHash(7), 4, now_s=0.0)
+    first = reused.num_blocks_many(fleet)
+    assert first.tolist() == [4, 0] and not first.flags.writeable
+    reused.add(A, BlockHash(7), 3, now_s=1.0)  # shorter than before: no sum changes
+    assert reused.num_blocks_many(fleet) is first
+    reused.check_invariants()
+    reused.add(B, BlockHash(9), 2, now_s=2.0)
+    assert reused.num_blocks_many(fleet).tolist() == [4, 2]
+    reused.expire(now_s=11.5)  # A's prefix (last used at 1.0) goes
+    assert reused.num_blocks_many(fleet).tolist() == [0, 2]
+    reused.forget_worker(B)
+    assert reused.num_blocks_many(fleet).tolist() == [0, 0]
+    assert reused.num_blocks_many((B,)).tolist() == [0]
+    reused.check_invariants()
