@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from kvmesh.coordinator.contract import InvalidRequest
 from kvmesh.coordinator.prompt_preparer import PreparedPrompt, PromptPreparer
 from kvmesh.coordinator.session_turns import TurnMode
@@ -32,7 +34,7 @@ def prepared_prompt(
     if not limit or len(token_ids) <= limit:
         adapter, media = adapter_and_media(request)
         prepared = prompts.prepare(
-            list(token_ids),
+            np.array(token_ids, dtype=np.uint32),  # one copy out of the message, in C
             request.prompt,
             request.cache_salt,
             adapter=adapter,
