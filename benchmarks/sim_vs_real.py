@@ -20,6 +20,13 @@ Takes `gpu_e2e.py --json`'s report as it is.
 `kvmesh.coordinator.sim.calibration`'s docstring, as `sim_cost_fit.py --calibration` prints it),
 over `--cost-model`'s fields (which give what the block does not measure).
 
+`--between-steps-from-counters` sets `host_between_steps_per_seq_ms` (the engine thread's work
+between steps under load, which the idle calibration does not see) from the report's own
+engine counters: every row's `engine_steps`, the time between steps (`host_ms_per_step` x
+steps) over the sequences the steps carried (prefill steps: the worker's requests; decode
+steps: steps x mean batch), least squares through 0 over every worker of every rate and
+policy. A measurement of the engines, not of the TTFT or TPOT compared.
+
 `--cost FIELD=VALUE` (repeatable) replaces one field over `--cost-model`'s, for what-if runs
 (a term changed to see what it would take, not a calibration). The last line counts the cells
 within, in all and per policy.
@@ -86,6 +93,25 @@ def real_schedule(
         slowest_s = (row.get("e2e_p99_ms") or 0.0) / 1e3  # 0: a rate whose requests all failed
         start_s += max(config["duration_s"], last_s + slowest_s) + DRAIN_S
     return out, slices
+
+
+def between_steps_per_seq_ms(report: dict[str, Any]) -> float | None:
+    """The engines' time between steps per sequence a step carried, from the rows' counters
+    (None when no row has them)."""
+    host_ms: list[float] = []
+    seqs: list[float] = []
+    for rows in report["results"].values():
+        for row in rows:
+            per_worker = row.get("requests_per_worker", {})
+            for worker, e in row.get("engine_steps", {}).items():
+                if "host_ms_per_step" not in e or worker not in per_worker:
+                    continue
+                host_ms.append(e["host_ms_per_step"] * (e["prefill_steps"] + e["decode_steps"]))
+                seqs.append(per_worker[worker] + e["decode_steps"] * e["decode_batch"])
+    x, y = np.array(seqs, dtype=float), np.array(host_ms, dtype=float)
+    if not x.size or not float(x @ x) > 0:
+        return None
+    return float(x @ y / (x @ x))
 
 
 def percentile(values: list[float], q: int) -> float:
@@ -239,6 +265,11 @@ def main() -> None:  # noqa: D103
         help="the cost model from the report's calibration block, over --cost-model's",
     )
     parser.add_argument(
+        "--between-steps-from-counters",
+        action="store_true",
+        help="host_between_steps_per_seq_ms from the report's engine counters",
+    )
+    parser.add_argument(
         "--cost",
         action="append",
         default=[],
@@ -258,6 +289,12 @@ def main() -> None:  # noqa: D103
             base, fitted = from_calibration(report, base)
             print_calibrated(args.real, fitted)
         cost = SimCostModel.from_mapping(base)
+        if args.between_steps_from_counters:
+            between = between_steps_per_seq_ms(report)
+            if between is None:
+                raise ValueError("the report's rows carry no engine counters (engine_steps)")
+            print(f"  host_between_steps_per_seq_ms  {between:.3g} (the engines' counters)")
+            cost = replace(cost, host_between_steps_per_seq_ms=round(between, 3))
         cost = SimCostModel.from_mapping(parse_overrides(args.cost), cost)
     except (OSError, ValueError) as exc:
         sys.exit(f"sim_vs_real: cannot use {args.cost_model or ''} {args.cost}: {exc}")
@@ -271,6 +308,7 @@ def main() -> None:  # noqa: D103
             "cost_model_source": {
                 "file": str(args.cost_model) if args.cost_model else None,
                 "from_report_calibration": args.cost_model_from_report,
+                "between_steps_from_counters": args.between_steps_from_counters,
                 "overrides": args.cost,
             },
         }

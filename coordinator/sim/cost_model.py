@@ -7,7 +7,8 @@
                              = decode_fixed_ms + batch * decode_per_seq_ms
                                + context_tokens * decode_per_context_token_ms
                                + host_step_ms(batch)
-    host_step_ms(seqs)       = host_step_fixed_ms + seqs * host_step_per_seq_ms
+    host_step_ms(seqs)       = host_step_fixed_ms
+                               + seqs * (host_step_per_seq_ms + host_between_steps_per_seq_ms)
     prefill_batch_step_ms([(new_i, cached_i)])
                              = prefill_fixed_ms + sum_i (prefill_ms(new_i, cached_i)
                                - prefill_fixed_ms) + host_step_ms(len(chunks))
@@ -41,6 +42,11 @@ matmul 790 TFLOP/s, pinned PCIe 55 GB/s, 2026-11-26) and the model's shape (32 l
     are paid once for all of them.
   * service_latency_ms 0: compute alone. Measured through kvmesh on an H100 (gRPC + Ray, local
     hit of 7.5K of 8K cached): 15-17 ms over the runner's forward (`docs/benchmarks.md`).
+  * host_between_steps_per_seq_ms 0: the engine thread's work between two steps under load
+    (`workers/engine_thread.py`'s `_iterate`: the step's outputs handed over, its KV events and
+    request notes published, the requests that came meanwhile taken in), beyond what the idle
+    calibration's step holds; measured by the workers' counters (`engine_steps`'
+    `host_ms_per_step`, ~0.41 ms a sequence a step on the 8B runs).
   * host_step_fixed_ms, host_step_per_seq_ms, delivery_fixed_ms, delivery_per_stream_ms 0: the
     GPU's time alone, outputs at the client the moment the worker makes them. Fitted from the
     four-depth measurement on an H100 by `benchmarks/sim_cost_fit.py` (steps 0.64 ms + 0.038 ms
@@ -112,6 +118,13 @@ class SimCostModel:
     its KV events): worker time, so it delays the next step."""
     host_step_per_seq_ms: float = 0.0
     """... and per sequence in the step (its sampling, its output, its blocks)."""
+    host_between_steps_per_seq_ms: float = 0.0
+    """The engine thread's work between a step and the next, per sequence the step carried, as
+    a loaded engine does it and the idle calibration does not see: the outputs handed to the
+    streams, the step's KV events and request notes published (a Redis round trip the next step
+    waits behind), the requests that arrived meanwhile taken in (`engine_thread.py`, `_iterate`).
+    Worker time, like `host_step_per_seq_ms`, and added to it; the router's model leaves it out
+    (a coordinator calibrated on an idle fleet does not hold it). 0: not charged."""
     delivery_fixed_ms: float = 0.0
     """Each token's way from the worker to the client, apart from the streams it shares the way
     with. Delays the client's token, takes no worker time."""
@@ -204,7 +217,7 @@ class SimCostModel:
         `decodes_ride_prefill` the batch does not ride: the step is the chunk's alone."""
         if not self.decodes_ride_prefill:
             batch_size, context_tokens = 0, 0
-        own_host_ms = self.host_step_per_seq_ms + (
+        own_host_ms = (self.host_step_per_seq_ms + self.host_between_steps_per_seq_ms) + (
             0.0 if batch_size > 0 else self.host_step_fixed_ms
         )
         return (
@@ -230,7 +243,8 @@ class SimCostModel:
         """The engine's host work in a step over `num_seqs` sequences (0 for an empty step)."""
         if num_seqs <= 0:
             return 0.0
-        return self.host_step_fixed_ms + num_seqs * self.host_step_per_seq_ms
+        per_seq = self.host_step_per_seq_ms + self.host_between_steps_per_seq_ms
+        return self.host_step_fixed_ms + num_seqs * per_seq
 
     def delivery_ms(self, num_streams: float) -> float:
         """How often each of `num_streams` streams sharing the way to the client gets a token
