@@ -1,6 +1,6 @@
 """When the workers' load reports are taken: on arrivals (the default) or on a clock of their own.
 
-The live health loop (`WorkerCluster._watch`) waits its interval, then asks every worker for its
+The live health loop (`Cluster._watch`) waits its interval, then asks every worker for its
 `WorkerInfo`: each report is the worker's state at a tick of that loop's own clock, whatever
 arrives meanwhile, so a routing decision reads a report 0 to one interval old. The simulator's
 default takes a report at the first arrival an interval after the last one, just before that
