@@ -27,6 +27,10 @@ steps) over the sequences the steps carried (prefill steps: the worker's request
 steps: steps x mean batch), least squares through 0 over every worker of every rate and
 policy. A measurement of the engines, not of the TTFT or TPOT compared.
 
+`--reports-on-clock` takes the workers' load reports on ticks of the health interval, as the
+live health loop does (`SimConfig.reports_on_clock`), not at the first arrival an interval
+after the last report (a decision then reads a report of its own moment).
+
 `--cost FIELD=VALUE` (repeatable) replaces one field over `--cost-model`'s, for what-if runs
 (a term changed to see what it would take, not a calibration). The last line counts the cells
 within, in all and per policy.
@@ -141,6 +145,7 @@ def compare_policy(
     rows: list[dict[str, Any]],
     tolerance: float,
     cost: SimCostModel,
+    reports_on_clock: bool = False,
 ) -> list[dict[str, Any]]:
     """Each rate of one policy's real sweep beside the simulator's replay of it."""
     arrivals, slices = real_schedule(config, rows)
@@ -150,6 +155,7 @@ def compare_policy(
         capacity_tokens=config["num_blocks"] * 16,
         seed=config["seed"],
         cost=cost,
+        reports_on_clock=reports_on_clock,
     )
     simulation = ClusterSimulation(sim_config, policy, requests)
     simulation.run()
@@ -185,7 +191,10 @@ def compare_policy(
 
 
 def compare(
-    report: dict[str, Any], tolerance: float, cost: SimCostModel | None = None
+    report: dict[str, Any],
+    tolerance: float,
+    cost: SimCostModel | None = None,
+    reports_on_clock: bool = False,
 ) -> dict[str, Any]:
     """Per policy, per rate: real and simulated TTFT and TPOT percentiles (policies the real
     run has no rows for, or the simulator does not know, are left out with a note)."""
@@ -198,7 +207,9 @@ def compare(
         if policy not in POLICIES:
             print(f"# {policy}: not a simulated policy, skipped", file=sys.stderr)
             continue
-        out[policy] = compare_policy(config, policy, rows, tolerance, cost or SimCostModel())
+        out[policy] = compare_policy(
+            config, policy, rows, tolerance, cost or SimCostModel(), reports_on_clock
+        )
     for policy, error in report.get("errors", {}).items():
         print(
             f"# {policy}: the real run failed ({error}); its finished rates are above",
@@ -270,6 +281,11 @@ def main() -> None:  # noqa: D103
         help="host_between_steps_per_seq_ms from the report's engine counters",
     )
     parser.add_argument(
+        "--reports-on-clock",
+        action="store_true",
+        help="workers' load reports taken on the health loop's own clock, not on arrivals",
+    )
+    parser.add_argument(
         "--cost",
         action="append",
         default=[],
@@ -298,7 +314,7 @@ def main() -> None:  # noqa: D103
         cost = SimCostModel.from_mapping(parse_overrides(args.cost), cost)
     except (OSError, ValueError) as exc:
         sys.exit(f"sim_vs_real: cannot use {args.cost_model or ''} {args.cost}: {exc}")
-    result = compare(report, args.tolerance, cost)
+    result = compare(report, args.tolerance, cost, args.reports_on_clock)
     print_table(result, args.tolerance)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -310,6 +326,7 @@ def main() -> None:  # noqa: D103
                 "from_report_calibration": args.cost_model_from_report,
                 "between_steps_from_counters": args.between_steps_from_counters,
                 "overrides": args.cost,
+                "reports_on_clock": args.reports_on_clock,
             },
         }
         args.json.write_text(json.dumps({**out, "results": result}, indent=2))

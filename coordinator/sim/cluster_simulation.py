@@ -44,6 +44,7 @@ from kvmesh.coordinator.sim.delivery import StreamDelivery
 from kvmesh.coordinator.sim.fleet_pools import FleetPools
 from kvmesh.coordinator.sim.pulls import SimPulls
 from kvmesh.coordinator.sim.report import PolicyResult, summarize
+from kvmesh.coordinator.sim.report_clock import ReportClock
 from kvmesh.coordinator.sim.shared_pool_index import SharedPoolIndex
 from kvmesh.coordinator.sim.unread_tokens import UnreadTokens
 from kvmesh.coordinator.sim.worker import PullSource, SimRequest, SimSequence, SimWorker
@@ -114,7 +115,7 @@ class ClusterSimulation:
         """Requests on their way to their worker (heap by arrival there)."""
         self.coordinators = [self._build_coordinator(k) for k in range(config.num_coordinators)]
         self.coordinator = self.coordinators[0]
-        self._last_report_ms = -math.inf
+        self._reports = ReportClock(config.report_interval_ms, config.reports_on_clock)
         self._notes_in_flight: deque[tuple[float, NoteBatch]] = deque()
         for coordinator in self.coordinators:
             coordinator.note_sink = self._post_notes
@@ -211,6 +212,10 @@ class ClusterSimulation:
                 heap[0][0] if heap else math.inf,
                 requests[i].arrival_ms if i < len(requests) else math.inf,
             )
+            if dispatches:
+                next_ms = min(next_ms, dispatches[0][0])
+            if self._reports.due_before_event(next_ms):
+                self._send_reports()
             if dispatches and dispatches[0][0] <= next_ms:
                 self._on_dispatch(heapq.heappop(dispatches))
             elif heap and (i == len(requests) or heap[0][0] <= requests[i].arrival_ms):
@@ -310,9 +315,10 @@ class ClusterSimulation:
     def _report_load(self) -> None:
         """Every report interval, each worker's own load reaches every coordinator (as the live
         health loop's WorkerInfo does), so replicas see each other's requests."""
-        if self.now_ms - self._last_report_ms < self.config.report_interval_ms:
-            return
-        self._last_report_ms = self.now_ms
+        if self._reports.due_on_arrival(self.now_ms):
+            self._send_reports()
+
+    def _send_reports(self) -> None:
         for wid, worker in zip(self.worker_ids, self.workers, strict=True):
             report = ReportedLoad(worker.queued_prefill_tokens, worker.num_requests)
             for coordinator in self.coordinators:

@@ -63,6 +63,11 @@ class SimConfig:
     request notes (each coordinator's of its routes, each worker's of its prefills and ends)."""
     report_interval_ms: float = 500.0
     """How often workers' own load reports reach the coordinators (the live health interval)."""
+    reports_on_clock: bool = False
+    """Take the reports at ticks of `report_interval_ms` on simulated time, as the live health
+    loop does on its own clock, so a decision reads a report 0 to one interval old; off: at the
+    first arrival an interval after the last report, just before it is routed
+    (`sim/report_clock.py`)."""
     note_delay_ms: float = 1.0
     """How long request notes take to reach the coordinators: a coordinator's note of each
     route it makes, a worker's of each request it prefills and finishes (live: one append to a

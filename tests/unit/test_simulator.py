@@ -336,3 +336,15 @@ def test_replicas_with_the_decision_log_apply_every_decision_in_order(
         assert coordinator.counters.num_forced_commits == 0
         coordinator.decisions.cursor.check_invariants()
         coordinator.load.check_invariants()
+
+
+def test_reports_on_the_clock_change_no_placement_that_reads_no_load(
+    shared_prefix: list[SimRequest],
+) -> None:
+    on_arrivals = ClusterSimulation(small_config(), "round_robin", shared_prefix)
+    on_clock = ClusterSimulation(small_config(reports_on_clock=True), "round_robin", shared_prefix)
+    a, b = on_arrivals.run(), on_clock.run()
+    assert a.requests_per_worker == b.requests_per_worker
+    assert (a.cached_tokens, a.ttft_ms) == (b.cached_tokens, b.ttft_ms)
+    assert on_clock._reports.num_reports > 0
+    on_clock._reports.check_invariants()
