@@ -74,9 +74,11 @@ class RequestStream:
                             first_at = c.clock()
                         if event.prefill is not None:
                             prefills.append(event.prefill)
+                        # Finished once the final event is out: a consumer may close the stream
+                        # as soon as it has read it (the OpenAI front door does).
+                        ok = ok or event.finished
                         yield event
                         if event.finished:
-                            ok = True
                             return
                     return  # the worker's stream ended without a final output
                 except WorkerDied:
@@ -85,8 +87,8 @@ class RequestStream:
                         raise
                     self.worker, self.current = self._migrate()
                     self.outputs = c.backend.generate(self.worker, self.current)
-        except GeneratorExit:  # the consumer went away: a cancel, not a failure
-            cancelled = True
+        except GeneratorExit:  # the consumer went away: a cancel, not a failure (unless done)
+            cancelled = not ok
             raise
         except Exception as exc:
             reason = str(exc) or type(exc).__name__

@@ -233,3 +233,42 @@ def test_the_registry_fans_a_death_out_once_and_never_revives_it() -> None:
     with pytest.raises(ValueError, match="unknown"):
         registry.set_drained("w9", True)
     registry.check_invariants()
+
+
+class Records:
+    """A request observer keeping the records it is told of."""
+
+    def __init__(self) -> None:
+        self.outcomes: list[str] = []
+
+    def on_routed(self, seconds: float) -> None:
+        pass
+
+    def on_request_done(self, record) -> None:  # type: ignore[no-untyped-def]
+        self.outcomes.append(record.outcome)
+
+
+def test_a_stream_closed_once_its_final_event_is_read_finished_and_was_not_cancelled() -> None:
+    # The OpenAI front door stops reading at the final event and closes the stream.
+    c, backend, _, _ = make()
+    records = Records()
+    c.observers = (records,)
+    events = c.generate(c.prompts.prepare(PROMPT[:40], "", ""), SamplingConfig(max_tokens=3))
+    for event in events:
+        if event.finished:
+            break
+    events.close()
+    assert c.stats()["num_cancelled_requests"] == 0
+    assert records.outcomes == ["ok"]
+
+
+def test_a_stream_closed_before_its_final_event_was_cancelled() -> None:
+    c, backend, _, _ = make()
+    records = Records()
+    c.observers = (records,)
+    events = c.generate(c.prompts.prepare(PROMPT[:40], "", ""), SamplingConfig(max_tokens=3))
+    first = next(events)
+    assert not first.finished
+    events.close()
+    assert c.stats()["num_cancelled_requests"] == 1
+    assert records.outcomes == ["cancelled"]
