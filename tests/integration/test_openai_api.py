@@ -77,6 +77,8 @@ def test_completion_reports_usage_and_a_cache_hit_on_a_repeated_prefix(
     cluster: Deployment, client: openai.OpenAI
 ) -> None:
     prefix = "The quick brown fox jumps over the lazy dog. " * 4
+    assert cluster.coordinator is not None
+    cancelled = cluster.coordinator.stats()["num_cancelled_requests"]
     first = client.completions.create(
         model=MODEL, prompt=prefix + "One", max_tokens=4, temperature=0
     )
@@ -98,6 +100,9 @@ def test_completion_reports_usage_and_a_cache_hit_on_a_repeated_prefix(
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert cached is not None and cached >= 16 * (len(prefix) // 16)
     assert kvmesh_facts(second)["worker_id"] == facts["worker_id"]
+    # Both answered in full: neither counted as cancelled (the front door closes the stream once
+    # it has the final event).
+    assert cluster.coordinator.stats()["num_cancelled_requests"] == cancelled
 
 
 def _idle_in_view(cluster: Deployment, worker: str) -> bool:
