@@ -10,7 +10,7 @@ policy and counters let go of the request and its observers get one `RequestReco
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -55,9 +55,11 @@ class RequestStream:
         self.produced: list[int] = []
         self.migrations = 0
 
-    def events(self, *, count_turn: bool = True) -> Iterator[StreamEvent]:
+    def events(self, *, count_turn: bool = True) -> Generator[StreamEvent, bool | None, None]:
         """The worker's outputs as stream events. `count_turn`: count it among its session's
-        turns in flight (an exclusive turn was counted before it was routed)."""
+        turns in flight (an exclusive turn was counted before it was routed). A consumer that
+        has what it asked for before the worker finished (a stop string) sends True: the stream
+        ends as finished, the worker stops; closing it instead is a cancel."""
         c, request = self.coordinator, self.request
         if count_turn:
             c.turns.begin(request.session_id, TurnMode.CONCURRENT)
@@ -77,8 +79,11 @@ class RequestStream:
                         # Finished once the final event is out: a consumer may close the stream
                         # as soon as it has read it (the OpenAI front door does).
                         ok = ok or event.finished
-                        yield event
+                        done_early = yield event
                         if event.finished:
+                            return
+                        if done_early:
+                            ok = True
                             return
                     return  # the worker's stream ended without a final output
                 except WorkerDied:

@@ -254,7 +254,8 @@ class OpenAIFrontend:
                     )  # fmt: skip
                 text = detok.push(event.token_ids) + (detok.flush() if event.finished else "")
                 check = matcher.push(text)
-                if check.stopped:
+                if check.stopped:  # the answer is complete: ended before it is handed on
+                    _end_as_finished(events)
                     yield Piece(check.text, "stop", num_tokens, facts)
                     return
                 if event.finished:
@@ -266,7 +267,7 @@ class OpenAIFrontend:
         finally:
             close = getattr(events, "close", None)
             if close is not None:
-                close()  # a stop string ended it early: the worker stops computing for it
+                close()  # a client gone: the worker stops computing for it (a cancel)
 
     def _whole(
         self, chat: bool, request_id: str, created: int, pieces: Iterator[Piece],
@@ -322,3 +323,15 @@ class OpenAIFrontend:
 def _usage(prompt: PreparedPrompt, num_output_tokens: int, facts: CacheFacts | None) -> Usage:
     reused = facts.cached_tokens + facts.pulled_tokens if facts is not None else 0
     return Usage(len(prompt.token_ids), num_output_tokens, reused)
+
+
+def _end_as_finished(events: Iterator[StreamEvent]) -> None:
+    """A stop string ended the answer before the worker did: the coordinator's stream ends as
+    finished (not cancelled), and the worker stops computing for it."""
+    send = getattr(events, "send", None)
+    if send is None:
+        return
+    try:
+        send(True)
+    except StopIteration:
+        pass

@@ -184,7 +184,9 @@ def test_streamed_chat_starts_with_the_role_and_ends_with_facts(client: openai.O
     assert kvmesh_facts(chunks[-1])["computed_tokens"] >= 1
 
 
-def test_stop_string_ends_the_text_before_it(client: openai.OpenAI) -> None:
+def test_stop_string_ends_the_text_before_it(cluster: Deployment, client: openai.OpenAI) -> None:
+    assert cluster.coordinator is not None
+    cancelled = cluster.coordinator.stats()["num_cancelled_requests"]
     kw: dict[str, Any] = dict(model=MODEL, prompt="Stop strings, please", temperature=0)
     free = client.completions.create(**kw, max_tokens=16, extra_body={"ignore_eos": True})
     text = free.choices[0].text
@@ -196,6 +198,8 @@ def test_stop_string_ends_the_text_before_it(client: openai.OpenAI) -> None:
     )
     assert stopped.choices[0].text == text[: text.index(stop)]
     assert stopped.choices[0].finish_reason == "stop"
+    # Both answered (one ended early by its stop string): neither counted as cancelled.
+    assert cluster.coordinator.stats()["num_cancelled_requests"] == cancelled
 
 
 def test_a_seed_makes_sampling_repeatable(client: openai.OpenAI) -> None:

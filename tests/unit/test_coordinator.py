@@ -272,3 +272,18 @@ def test_a_stream_closed_before_its_final_event_was_cancelled() -> None:
     events.close()
     assert c.stats()["num_cancelled_requests"] == 1
     assert records.outcomes == ["cancelled"]
+
+
+def test_a_stream_its_consumer_ends_early_as_done_finished_and_was_not_cancelled() -> None:
+    # A stop string: the consumer has its answer before the worker's last token.
+    c, backend, _, _ = make()
+    records = Records()
+    c.observers = (records,)
+    events = c.generate(c.prompts.prepare(PROMPT[:40], "", ""), SamplingConfig(max_tokens=5))
+    first = next(events)
+    assert not first.finished
+    with pytest.raises(StopIteration):
+        events.send(True)  # type: ignore[attr-defined]
+    assert c.stats()["num_cancelled_requests"] == 0
+    assert c.stats()["num_failed_requests"] == 0
+    assert records.outcomes == ["ok"]
