@@ -248,12 +248,18 @@ class Records:
         self.outcomes.append(record.outcome)
 
 
-def test_a_stream_closed_once_its_final_event_is_read_finished_and_was_not_cancelled() -> None:
-    # The OpenAI front door stops reading at the final event and closes the stream.
-    c, backend, _, _ = make()
+def observed_stream(max_tokens: int):  # type: ignore[no-untyped-def]
+    """A coordinator whose request records are kept, and one request's stream on it."""
+    c, _, _, _ = make()
     records = Records()
     c.observers = (records,)
-    events = c.generate(c.prompts.prepare(PROMPT[:40], "", ""), SamplingConfig(max_tokens=3))
+    prompt = c.prompts.prepare(PROMPT[:40], "", "")
+    return c, records, c.generate(prompt, SamplingConfig(max_tokens=max_tokens))
+
+
+def test_a_stream_closed_once_its_final_event_is_read_finished_and_was_not_cancelled() -> None:
+    # The OpenAI front door stops reading at the final event and closes the stream.
+    c, records, events = observed_stream(3)
     for event in events:
         if event.finished:
             break
@@ -263,10 +269,7 @@ def test_a_stream_closed_once_its_final_event_is_read_finished_and_was_not_cance
 
 
 def test_a_stream_closed_before_its_final_event_was_cancelled() -> None:
-    c, backend, _, _ = make()
-    records = Records()
-    c.observers = (records,)
-    events = c.generate(c.prompts.prepare(PROMPT[:40], "", ""), SamplingConfig(max_tokens=3))
+    c, records, events = observed_stream(3)
     first = next(events)
     assert not first.finished
     events.close()
@@ -276,14 +279,11 @@ def test_a_stream_closed_before_its_final_event_was_cancelled() -> None:
 
 def test_a_stream_its_consumer_ends_early_as_done_finished_and_was_not_cancelled() -> None:
     # A stop string: the consumer has its answer before the worker's last token.
-    c, backend, _, _ = make()
-    records = Records()
-    c.observers = (records,)
-    events = c.generate(c.prompts.prepare(PROMPT[:40], "", ""), SamplingConfig(max_tokens=5))
+    c, records, events = observed_stream(5)
     first = next(events)
     assert not first.finished
     with pytest.raises(StopIteration):
-        events.send(True)  # type: ignore[attr-defined]
+        events.send(True)
     assert c.stats()["num_cancelled_requests"] == 0
     assert c.stats()["num_failed_requests"] == 0
     assert records.outcomes == ["ok"]
