@@ -98,6 +98,11 @@ def test_a_kv_write_refuses_a_cache_it_would_misread() -> None:
     with pytest.raises(ValueError, match="contiguous"):
         strided = cache.transpose(1, 2)
         rope_qk(qkv, cos, sin, 12, 4, KvWrite(strided[0], strided[1], torch.arange(3).to(DEVICE)))
+    with pytest.raises(ValueError, match="qkv rows"):  # no room for the value heads
+        narrow = qkv[:, : 16 * 64]
+        rope_qk(narrow, cos, sin, 12, 4, KvWrite(cache[0], cache[1], torch.arange(3).to(DEVICE)))
+    with pytest.raises(ValueError, match="rope tables"):
+        rope_qk(qkv, cos[:2], sin[:2], 12, 4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -164,8 +164,9 @@ def rope_qk(
     token's roped key heads and its value heads (the heads after the key heads) into the cache
     at its slot, as `index_copy_` would.
 
-    qkv [tokens, >= (num_heads + num_kv_heads) * head_dim] with contiguous rows; cos /
-    signed_sin [tokens, 1, head_dim] as `rope_tables` makes them. head_dim must be a power of two.
+    qkv [tokens, >= (num_heads + num_kv_heads) * head_dim] with contiguous rows (and the value
+    heads after those with `kv_write`); cos / signed_sin [tokens, 1, head_dim] as `rope_tables`
+    makes them. head_dim must be a power of two.
     """
     num_tokens, dim = qkv.shape[0], cos.shape[-1]
     if qkv.stride(1) != 1 or cos.stride(-1) != 1 or signed_sin.stride() != cos.stride():
@@ -182,6 +183,11 @@ def rope_qk(
         kv_write.check(num_tokens, num_kv_heads, dim, qkv)
         num_read += num_kv_heads
         k_cache, v_cache, slots = kv_write.k_cache, kv_write.v_cache, kv_write.slots
+    if qkv.shape[1] < num_read * dim or cos.shape[0] < num_tokens:
+        raise ValueError(
+            f"rope_qk reads {num_read} heads of {dim} values for {num_tokens} tokens: qkv rows"
+            f" of {qkv.shape[1]}, rope tables of {cos.shape[0]} rows"
+        )
     grid = (num_tokens, triton.cdiv(num_read, _BLOCK_H))
     _rope_kernel[grid](
         qkv,
