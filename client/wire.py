@@ -60,10 +60,16 @@ def _set_prompt(message: Any, token_ids: Sequence[int] | None, prompt: str | Non
         message.prompt = prompt
         return
     assert token_ids is not None
-    ids = checked_token_ids(token_ids)
-    if not ids:
+    ids = token_ids.tolist() if hasattr(token_ids, "tolist") else token_ids  # numpy: as ints
+    if not isinstance(ids, list | tuple):
+        ids = list(ids)  # an iterator is read once
+    try:  # protobuf checks each id's type and uint32 range in C as it copies: an 8K prompt
+        message.token_ids.extend(ids)  # in ~0.15 ms, where checking first took ~0.5
+    except (TypeError, ValueError):  # name the first bad id (and take bools, as before)
+        del message.token_ids[:]
+        message.token_ids.extend(checked_token_ids(ids))
+    if not message.token_ids:
         raise ValueError("token_ids is empty")
-    message.token_ids.extend(ids)
 
 
 def _check_range(name: str, value: float, low: float, high: float) -> None:
