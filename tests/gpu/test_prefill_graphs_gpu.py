@@ -66,6 +66,44 @@ def test_graph_replay_matches_the_eager_forward(monkeypatch: pytest.MonkeyPatch)
     graphs.check_invariants()
 
 
+def test_a_short_chunk_alone_in_its_step_replays_a_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A local hit with a short question (`SOLE_CHUNK_MIN_NEW` new tokens and up): cuDNN over the
+    pages and a graph of 64 rows, the same logits and cache as the paged kernel's eager step; a
+    shorter chunk, or one beside another, stays on the paged kernel."""
+    monkeypatch.setattr(batch_plan, "BUCKETED_MIN_PREFIX", 64)
+    config = dataclasses.replace(small_config(), num_layers=3)
+    runner = ModelRunner(config, 400, 16, device="cuda", dtype=torch.bfloat16)
+    runner.attention.mode = dataclasses.replace(
+        runner.attention.mode, bucketed_prefill=True, cudnn_pages=True
+    )
+    graphs = runner._prefill_graphs
+    assert graphs is not None
+    rng = random.Random(13)
+    table = rng.sample(range(1, 300), 60)
+    ids = [rng.randrange(config.vocab_size) for _ in range(760)]
+    runner.forward([SeqChunk(ids[:700], 0, table)])
+    n = batch_plan.SOLE_CHUNK_MIN_NEW
+    for new in (n, n + 30):
+        chunk = SeqChunk(ids[700 : 700 + new], 700, table)
+        runner.prefill_graphs = True
+        replays = graphs.counts().num_replays
+        graphed = runner.forward([chunk])
+        assert graphs.counts().num_replays == replays + 1
+        cache_graphed = runner.kv_cache.clone()
+        runner.prefill_graphs = False
+        paged = dataclasses.replace(runner.attention.mode, cudnn_pages=False)
+        runner.attention.mode, mode = paged, runner.attention.mode
+        eager = runner.forward([chunk])
+        runner.attention.mode = mode
+        torch.testing.assert_close(graphed, eager, atol=0.05 * eager.abs().max().item(), rtol=0)
+        scale = cache_graphed.abs().max().item()
+        assert (runner.kv_cache - cache_graphed).abs().max().item() <= 0.02 * scale
+    runner.prefill_graphs = True
+    replays = graphs.counts().num_replays
+    runner.forward([SeqChunk(ids[700 : 700 + n - 1], 700, table)])  # too short: eager
+    assert graphs.counts().num_replays == replays
+
+
 def test_a_pulled_prefix_still_landing_is_waited_for_before_the_replay(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

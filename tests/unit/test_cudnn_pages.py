@@ -90,3 +90,30 @@ def test_the_plan_sends_long_chunks_to_cudnn_when_the_mode_asks(
 
 def test_not_usable_off_cuda() -> None:
     assert not cudnn_pages_usable(CPU)
+
+
+def test_a_steps_only_chunk_goes_to_cudnn_from_fewer_new_tokens(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(batch_plan, "BUCKETED_MIN_PREFIX", 32)
+    short = SeqChunk(list(range(batch_plan.SOLE_CHUNK_MIN_NEW)), 40, list(range(100, 104)))
+    shorter = SeqChunk(short.token_ids[1:], 40, list(range(100, 104)))
+    beside = SeqChunk(list(range(20)), 40, list(range(200, 204)))
+    mode = AttentionMode(
+        paged_decode=True, paged_prefill=True, explicit_masks=False, bucketed_prefill=True
+    )
+
+    def on_pages(batch: list[SeqChunk], cudnn: bool) -> list[bool]:
+        plan = plan_batch(
+            batch,
+            block_size=16,
+            num_queries_per_kv=4,
+            device=CPU,
+            mode=dataclasses.replace(mode, cudnn_pages=cudnn),
+        )
+        return [chunk.pages is not None for chunk in plan.cached]
+
+    assert on_pages([short], cudnn=True) == [True]  # alone: one call a layer, and a graph
+    assert on_pages([shorter], cudnn=True) == []  # below the floor: the paged kernel
+    assert on_pages([short, beside], cudnn=True) == []  # sharing a step: the paged kernel
+    assert on_pages([short], cudnn=False) == []  # the split keeps BUCKETED_MIN_NEW

@@ -21,6 +21,7 @@ from torch.nn.attention.bias import causal_lower_right
 from kvmesh.workers.model.batch_plan import (
     BUCKETED_MIN_NEW,
     BUCKETED_MIN_PREFIX,
+    SOLE_CHUNK_MIN_NEW,
     AttentionMode,
     BatchPlan,
     CachedChunk,
@@ -113,7 +114,8 @@ class BatchAttention:
         """Build cuDNN's plans for the long chunks `bucketed_prefill` picks now (~50 ms each on
         an H100, ~0.6 s the first), not in the middle of serving: every shape of a prefix up to
         the cache's size (at most `WARM_MAX_LEN`) and a chunk up to `max_new` (at most
-        `WARM_MAX_NEW`), on scratch tensors (the cache is not touched). Returns the number of
+        `WARM_MAX_NEW`; over the pages from `SOLE_CHUNK_MIN_NEW` tokens, a step's only chunk),
+        on scratch tensors (the cache is not touched). Returns the number of
         shapes; longer ones build on first use. cuDNN refusing the paged plans turns
         `cudnn_pages` off (the split serves); a fused kernel that refuses the split's shapes
         turns the split off."""
@@ -125,7 +127,7 @@ class BatchAttention:
             buckets = PagesBucket.all_buckets(
                 min_prefix=BUCKETED_MIN_PREFIX,
                 max_len=max_len,
-                min_new=BUCKETED_MIN_NEW,
+                min_new=SOLE_CHUNK_MIN_NEW,
                 max_new=min(max_new, WARM_MAX_NEW),
                 block_size=self.block_size,
             )

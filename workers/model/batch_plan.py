@@ -92,7 +92,8 @@ class AttentionMode:
     cuDNN plans); other chunks take the paths above."""
     cudnn_pages: bool = False
     """The chunks `bucketed_prefill` picks are attended by cuDNN reading the paged cache in
-    place (`cudnn_pages`: one call, no gathers, no merge) instead of split."""
+    place (`cudnn_pages`: one call, no gathers, no merge) instead of split; so is a step's only
+    chunk from `SOLE_CHUNK_MIN_NEW` new tokens."""
 
 
 BUCKETED_MIN_PREFIX = 2048
@@ -103,6 +104,14 @@ BUCKETED_MIN_NEW = 512
 merge) cost more than cuDNN saves: on an H100, chunks of 54-460 tokens behind 2.4-7.3K cached
 ran 1.0-2.2x slower split than on the paged kernel, chunks of 512-682 tokens 0.75-0.98x
 (docs/benchmarks.md)."""
+SOLE_CHUNK_MIN_NEW = 16
+"""With `cudnn_pages`, a step's only chunk goes to cuDNN over the pages from this many new
+tokens (behind >= `BUCKETED_MIN_PREFIX`): one call a layer, nothing gathered, and the step
+replays as a CUDA graph (`prefill_graphs`) instead of issuing ~400 kernels from Python. On an
+H100 (Llama-3-8B shape, behind 8,192 cached) 16, 64, 256 and 511 new tokens took 11.5, 11.4,
+12.9 and 18.4 ms so, against 13.1, 12.3, 14.7 and 21.8 on the paged kernel (docs/benchmarks.md).
+Chunks sharing a step stay on the paged kernel below `BUCKETED_MIN_NEW`: it reads them all in
+one launch a layer, where cuDNN takes one call a chunk."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,7 +253,8 @@ def plan_batch(
     fresh, cached_indices, decode_indices = _sort_chunks(batch)
     split_indices = []
     if mode.bucketed_prefill:
-        splits = [splits_well(batch[i]) for i in cached_indices]
+        alone = mode.cudnn_pages and len(batch) == 1
+        splits = [takes_bucketed_path(batch[i], alone_on_pages=alone) for i in cached_indices]
         split_indices = [i for i, split in zip(cached_indices, splits, strict=True) if split]
         cached_indices = [i for i, split in zip(cached_indices, splits, strict=True) if not split]
     paged = []
@@ -303,9 +313,12 @@ def _cached_chunk(
     return CachedChunk(rows, chunk.end_pos, block_ids, chunk.start_pos, mask)
 
 
-def splits_well(chunk: SeqChunk) -> bool:
-    """A chunk long enough, behind a prefix long enough, for the bucketed split to pay."""
-    return chunk.start_pos >= BUCKETED_MIN_PREFIX and len(chunk.token_ids) >= BUCKETED_MIN_NEW
+def takes_bucketed_path(chunk: SeqChunk, *, alone_on_pages: bool = False) -> bool:
+    """A chunk long enough, behind a prefix long enough, for the bucketed split (or cuDNN over
+    the pages) to pay; `alone_on_pages`: the step's only chunk, read by cuDNN over the pages
+    (`SOLE_CHUNK_MIN_NEW`)."""
+    least = SOLE_CHUNK_MIN_NEW if alone_on_pages else BUCKETED_MIN_NEW
+    return chunk.start_pos >= BUCKETED_MIN_PREFIX and len(chunk.token_ids) >= least
 
 
 def _split_chunk(

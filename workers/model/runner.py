@@ -29,7 +29,7 @@ from kvmesh.workers.model.batch_plan import (
     BatchPlan,
     SeqChunk,
     plan_batch,
-    splits_well,
+    takes_bucketed_path,
     validate_batch,
 )
 from kvmesh.workers.model.cudnn_pages import cudnn_pages_usable
@@ -290,9 +290,14 @@ class ModelRunner:
         return list(self._logits(hidden).split(plan.chunk_lens))
 
     def _on_cudnn_pages(self, chunk: SeqChunk) -> bool:
-        """Whether the plan sends this chunk to cuDNN over the pages (`cudnn_pages`)."""
+        """Whether the plan sends this chunk, alone in its step, to cuDNN over the pages
+        (`cudnn_pages`)."""
         mode = self.attention.mode
-        return mode.bucketed_prefill and mode.cudnn_pages and splits_well(chunk)
+        return (
+            mode.bucketed_prefill
+            and mode.cudnn_pages
+            and takes_bucketed_path(chunk, alone_on_pages=True)
+        )
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         normed = rms_norm(hidden, self.weights.norm, self.config.rms_norm_eps)
