@@ -116,7 +116,7 @@ class Scheduler:
             num_new_tokens = seq.num_tokens - len(matched) * bs
             if admitted and num_new_tokens > budget:
                 break
-            num_free_matched = sum(1 for b in matched if self.pool.ref_count(b) == 0)
+            num_free_matched = self.pool.num_free_of(matched)
             num_new_blocks = -(-seq.num_tokens // bs) - len(matched)
             if not self.pool.can_allocate(num_new_blocks + num_free_matched):
                 break  # wait for running sequences to free blocks
