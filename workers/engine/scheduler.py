@@ -20,7 +20,6 @@ from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-from kvmesh.proto.block_hash import num_reusable_blocks
 from kvmesh.workers.engine.sequence import SeqStatus, Sequence
 from kvmesh.workers.kv.block_pool import BlockPool
 
@@ -111,7 +110,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         while self.waiting and len(self.running) + len(admitted) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            hashes = seq.full_block_hashes(bs)[: num_reusable_blocks(seq.num_tokens, bs)]
+            hashes = seq.reusable_block_hashes(bs)
             matched = [] if seq.bypass_cache else self.pool.match_prefix(hashes)
             num_new_tokens = seq.num_tokens - len(matched) * bs
             if admitted and num_new_tokens > budget:

@@ -5,6 +5,8 @@ KV written:   [0, num_computed_tokens)            the last sampled token has no 
 block_table:  one block per block_size tokens of all_ids that have (or are about to get) KV
 pinned:       while waiting, refs on a prefix pulled or promoted for it (dropped at admission)
 block_hashes: chained hashes of every full block of all_ids, extended as tokens arrive
+
+prompt_ids never change once the sequence exists (prompt_array, made from them, relies on it).
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from kvmesh.proto.block_hash import BlockHash, block_hashes
+import numpy as np
+
+from kvmesh.proto.block_hash import BlockHash, block_hashes, num_reusable_blocks
 from kvmesh.workers.contract.replies import PrefillFacts
 from kvmesh.workers.contract.requests import SamplingConfig
 from kvmesh.workers.kv.block_pool import BlockId
@@ -58,6 +62,9 @@ class Sequence:
     bypass_cache: bool = False
     """Reuse no cached KV and register none of its own (a request that leaves no trace)."""
     cache_salt: str = ""  # the tenant part of root_hash (a cache reset re-roots waiting requests)
+    prompt_array: np.ndarray | None = None
+    """prompt_ids as uint32 (`token_id_array`, made when the request was checked), which hashing
+    reads instead of converting the list again; None: hashing converts the list."""
 
     @property
     def num_tokens(self) -> int:
@@ -67,15 +74,34 @@ class Sequence:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def ids_from(self, start: int) -> list[int]:
+        """all_ids[start:] (start >= 0), without copying the whole sequence first: a decode step
+        asks for one token of a long one."""
+        num_prompt = len(self.prompt_ids)
+        if start >= num_prompt:
+            return self.output_ids[start - num_prompt :]
+        return self.prompt_ids[start:] + self.output_ids
+
     def full_block_hashes(self, block_size: int) -> list[BlockHash]:
         """Hashes of every full block of all_ids (computed once, extended incrementally)."""
         num_full = self.num_tokens // block_size
         done = len(self.block_hashes)
         if num_full > done:
             parent = self.block_hashes[-1] if done else self.root_hash
-            tokens = self.all_ids[done * block_size : num_full * block_size]
+            start, stop = done * block_size, num_full * block_size
+            tokens: list[int] | np.ndarray
+            if self.prompt_array is not None and stop <= len(self.prompt_ids):
+                tokens = self.prompt_array[start:stop]
+            else:
+                tokens = self.ids_from(start)[: stop - start]
             self.block_hashes.extend(block_hashes(tokens, block_size, parent))
         return self.block_hashes[:num_full]
+
+    def reusable_block_hashes(self, block_size: int) -> list[BlockHash]:
+        """Hashes of the leading full blocks whose cached KV can be reused (all but the block
+        holding the last token: `num_reusable_blocks`), what a prefix match looks up."""
+        self.full_block_hashes(block_size)
+        return self.block_hashes[: num_reusable_blocks(self.num_tokens, block_size)]
 
     def parent_hash(self, block_index: int) -> BlockHash:
         return self.block_hashes[block_index - 1] if block_index else self.root_hash
