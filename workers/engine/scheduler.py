@@ -191,12 +191,15 @@ class Scheduler:
         bs = self.config.block_size
         for seq, token in zip(step.seqs, sampled, strict=True):
             seq.num_computed_tokens = seq.num_tokens
-            hashes = seq.full_block_hashes(bs)
-            for i in range(seq.num_registered_blocks, seq.num_computed_tokens // bs):
-                if seq.bypass_cache:
-                    break
-                self.pool.register(seq.block_table[i], hashes[i], seq.parent_hash(i), depth=i + 1)
-            seq.num_registered_blocks = seq.num_computed_tokens // bs
+            num_full = seq.num_computed_tokens // bs
+            # Hashes only when a block filled (most decode steps fill none, and the chain would
+            # be copied for nothing); a sequence that bypasses the cache registers none.
+            if num_full > seq.num_registered_blocks and not seq.bypass_cache:
+                hashes = seq.full_block_hashes(bs)
+                for i in range(seq.num_registered_blocks, num_full):
+                    block, parent = seq.block_table[i], seq.parent_hash(i)
+                    self.pool.register(block, hashes[i], parent, depth=i + 1)
+            seq.num_registered_blocks = num_full
             seq.output_ids.append(token)
             cfg = seq.sampling
             if len(seq.output_ids) >= cfg.max_tokens:
