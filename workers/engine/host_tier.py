@@ -88,7 +88,7 @@ class HostTier:
             return 0
         bs = self.block_size
         chain = seq.reusable_block_hashes(bs)
-        k = len(self.pool.match_prefix(chain))
+        k = len(seq.reusable_prefix_in(self.pool, bs))
         n = self.host_pool.match(chain[k:])
         if not n:
             return 0

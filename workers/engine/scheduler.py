@@ -110,8 +110,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         while self.waiting and len(self.running) + len(admitted) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            hashes = seq.reusable_block_hashes(bs)
-            matched = [] if seq.bypass_cache else self.pool.match_prefix(hashes)
+            matched = [] if seq.bypass_cache else seq.reusable_prefix_in(self.pool, bs)
             num_new_tokens = seq.num_tokens - len(matched) * bs
             if admitted and num_new_tokens > budget:
                 break

@@ -19,7 +19,7 @@ import numpy as np
 from kvmesh.proto.block_hash import BlockHash, block_hashes, num_reusable_blocks
 from kvmesh.workers.contract.replies import PrefillFacts
 from kvmesh.workers.contract.requests import SamplingConfig
-from kvmesh.workers.kv.block_pool import BlockId
+from kvmesh.workers.kv.block_pool import BlockId, BlockPool
 
 
 class SeqStatus(enum.Enum):
@@ -65,6 +65,10 @@ class Sequence:
     prompt_array: np.ndarray | None = None
     """prompt_ids as uint32 (`token_id_array`, made when the request was checked), which hashing
     reads instead of converting the list again; None: hashing converts the list."""
+    _matched: tuple[BlockPool, int, int, BlockHash, list[BlockId]] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
+    # The last `reusable_prefix_in`: (pool, its num_hash_changes, num_tokens, root_hash, blocks).
 
     @property
     def num_tokens(self) -> int:
@@ -102,6 +106,25 @@ class Sequence:
         holding the last token: `num_reusable_blocks`), what a prefix match looks up."""
         self.full_block_hashes(block_size)
         return self.block_hashes[: num_reusable_blocks(self.num_tokens, block_size)]
+
+    def reusable_prefix_in(self, pool: BlockPool, block_size: int) -> list[BlockId]:
+        """`pool.match_prefix` of `reusable_block_hashes` (refs not taken), looked up again only
+        once the pool's hashes, this sequence's tokens or its root have moved: the prefill
+        backlog matches a request when it arrives and the scheduler when it admits it, usually
+        with nothing registered or evicted between (hundreds of dict lookups saved per hit).
+        Exact because the chain is a function of root_hash and all_ids, which only grows, and
+        `match_prefix`'s answer changes only with `num_hash_changes`."""
+        memo = self._matched
+        stamp = pool.num_hash_changes
+        if (
+            memo is not None
+            and memo[0] is pool
+            and memo[1:4] == (stamp, self.num_tokens, self.root_hash)
+        ):
+            return list(memo[4])
+        matched = pool.match_prefix(self.reusable_block_hashes(block_size))
+        self._matched = (pool, stamp, self.num_tokens, self.root_hash, matched)
+        return list(matched)
 
     def parent_hash(self, block_index: int) -> BlockHash:
         return self.block_hashes[block_index - 1] if block_index else self.root_hash
