@@ -31,6 +31,7 @@ def test_the_chain_is_the_same_from_the_prompt_array_as_from_the_list_as_tokens_
 ) -> None:
     prompt = [(i * 37) % 101 for i in range(num_prompt)]
     a, b = seq(prompt, with_array=True), seq(prompt, with_array=False)
+    assert a == b  # the array is derived from the prompt: no part of a sequence's equality
     for token in range(13):  # the chain grows across the end of the prompt, block by block
         assert a.full_block_hashes(BS) == b.full_block_hashes(BS)
         assert a.full_block_hashes(BS) == block_hashes(a.all_ids, BS, ROOT)

@@ -62,9 +62,10 @@ class Sequence:
     bypass_cache: bool = False
     """Reuse no cached KV and register none of its own (a request that leaves no trace)."""
     cache_salt: str = ""  # the tenant part of root_hash (a cache reset re-roots waiting requests)
-    prompt_array: np.ndarray | None = None
+    prompt_array: np.ndarray | None = field(default=None, repr=False, compare=False)
     """prompt_ids as uint32 (`token_id_array`, made when the request was checked), which hashing
-    reads instead of converting the list again; None: hashing converts the list."""
+    reads instead of converting the list again; None: hashing converts the list. (Derived from
+    prompt_ids, so left out of == and repr.)"""
     _matched: tuple[BlockPool, int, int, BlockHash, list[BlockId]] | None = field(
         default=None, init=False, repr=False, compare=False
     )
