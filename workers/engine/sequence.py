@@ -66,10 +66,11 @@ class Sequence:
     """prompt_ids as uint32 (`token_id_array`, made when the request was checked), which hashing
     reads instead of converting the list again; None: hashing converts the list. (Derived from
     prompt_ids, so left out of == and repr.)"""
-    _matched: tuple[BlockPool, int, int, BlockHash, list[BlockId]] | None = field(
+    _matched: tuple[BlockPool, int, int, BlockHash, int, list[BlockId]] | None = field(
         default=None, init=False, repr=False, compare=False
     )
-    # The last `reusable_prefix_in`: (pool, its num_hash_changes, num_tokens, root_hash, blocks).
+    # The last `reusable_prefix_in`: (pool, its num_hash_changes, num_tokens, root_hash,
+    # block_size, the blocks matched).
 
     @property
     def num_tokens(self) -> int:
@@ -120,11 +121,11 @@ class Sequence:
         if (
             memo is not None
             and memo[0] is pool
-            and memo[1:4] == (stamp, self.num_tokens, self.root_hash)
+            and memo[1:5] == (stamp, self.num_tokens, self.root_hash, block_size)
         ):
-            return list(memo[4])
+            return list(memo[5])
         matched = pool.match_prefix(self.reusable_block_hashes(block_size))
-        self._matched = (pool, stamp, self.num_tokens, self.root_hash, matched)
+        self._matched = (pool, stamp, self.num_tokens, self.root_hash, block_size, matched)
         return list(matched)
 
     def parent_hash(self, block_index: int) -> BlockHash:
