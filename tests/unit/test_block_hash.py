@@ -3,7 +3,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvmesh.proto.block_hash import BlockHash, block_hash_array, block_hashes, namespace_hash
+from kvmesh.proto.block_hash import (
+    BlockHash,
+    block_hash_array,
+    block_hashes,
+    namespace_hash,
+    token_id_array,
+)
 
 ROOT = namespace_hash("tiny-random-abc")
 
@@ -44,6 +50,15 @@ def test_namespaces_never_share_hashes() -> None:
 def test_numpy_and_list_inputs_agree() -> None:
     tokens = np.arange(100, 164, dtype=np.int64)
     assert block_hashes(tokens, 16, ROOT) == block_hashes(tokens.tolist(), 16, ROOT)
+
+
+def test_the_ids_as_a_uint32_array_hash_as_the_list_or_are_none_if_they_do_not_fit() -> None:
+    ids = [0, 7, 2**32 - 1] + list(range(45))
+    array = token_id_array(ids)
+    assert array is not None and array.dtype == np.uint32 and array.tolist() == ids
+    assert block_hashes(array[16:48], 16, ROOT) == block_hashes(ids[16:48], 16, ROOT)
+    for bad in ([1, -1], [2**32], [1, 2.0], ["3"]):
+        assert token_id_array(bad) is None  # type: ignore[arg-type]
 
 
 def test_the_chain_as_an_array_holds_the_same_hashes() -> None:

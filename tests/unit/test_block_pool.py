@@ -163,7 +163,10 @@ class PoolMachine(RuleBasedStateMachine):
         hashes = [BlockHash(h) for h in range(max(1, self.next_hash - k), self.next_hash)]
         matched = self.pool.match_prefix(hashes)
         if matched:
+            num_free, num_taken = self.pool.num_free, self.pool.num_free_of(matched)
+            assert num_taken == sum(self.pool.ref_count(b) == 0 for b in matched)
             self.pool.acquire(matched)
+            assert self.pool.num_free == num_free - num_taken
             self.seqs.append(matched)
 
     @rule()

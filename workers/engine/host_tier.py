@@ -18,7 +18,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from kvmesh.proto.block_hash import BlockHash, num_reusable_blocks
+from kvmesh.proto.block_hash import BlockHash
 from kvmesh.workers.engine.sequence import Sequence
 from kvmesh.workers.kv import pull_reservation
 from kvmesh.workers.kv.block_pool import BlockId, BlockPool
@@ -87,8 +87,8 @@ class HostTier:
         if seq.bypass_cache:
             return 0
         bs = self.block_size
-        chain = seq.full_block_hashes(bs)[: num_reusable_blocks(seq.num_tokens, bs)]
-        k = len(self.pool.match_prefix(chain))
+        chain = seq.reusable_block_hashes(bs)
+        k = len(seq.reusable_prefix_in(self.pool, bs))
         n = self.host_pool.match(chain[k:])
         if not n:
             return 0

@@ -53,8 +53,7 @@ class PrefillBacklog:
         if known is not None and known[0] is s and known[1:3] == (stamp, s.num_tokens):
             return known[3]
         bs = self.block_size
-        chain = s.full_block_hashes(bs)[: num_reusable_blocks(s.num_tokens, bs)]
-        return s.num_tokens - len(self.pool.match_prefix(chain)) * bs
+        return s.num_tokens - len(s.reusable_prefix_in(self.pool, bs)) * bs
 
     def uncached_len(self, seq: Sequence, pull: PullSpec | None) -> int:
         """Prompt tokens `seq` will compute here: less what the pool holds now, or what the

@@ -5,12 +5,19 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
+import numpy as np
+
+from kvmesh.proto.block_hash import token_id_array
 from kvmesh.workers.contract.requests import WorkerRequest
 from kvmesh.workers.model.model_config import ModelConfig
 
 
-def check_request(req: WorkerRequest, model: ModelConfig, adapters: Collection[str]) -> None:
-    """Raises `ValueError` naming the first problem; `adapters`: those the worker serves."""
+def check_request(
+    req: WorkerRequest, model: ModelConfig, adapters: Collection[str]
+) -> np.ndarray | None:
+    """Raises `ValueError` naming the first problem; `adapters`: those the worker serves.
+    Returns the prompt as a uint32 array (`token_id_array`), made once here for hashing too;
+    None if its ids are not all such ints (then hashing refuses them, as before)."""
     problem = req.sampling.problem()  # checked at the door too; a worker trusts no caller
     if problem is not None:
         raise ValueError(problem)
@@ -21,9 +28,13 @@ def check_request(req: WorkerRequest, model: ModelConfig, adapters: Collection[s
     vocab = model.vocab_size
     if not req.prompt_ids:
         raise ValueError("the prompt is empty")
-    bad = max(req.prompt_ids)
-    if bad >= vocab or min(req.prompt_ids) < 0:
-        raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+    ids = token_id_array(req.prompt_ids)
+    # uint32 ids below the vocabulary pass; anything else takes the two passes over the tuple
+    # that name the token the error has always named.
+    if ids is None or int(ids.max()) >= vocab:
+        bad = max(req.prompt_ids)
+        if bad >= vocab or min(req.prompt_ids) < 0:
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
     context = model.max_position_embeddings
     total = len(req.prompt_ids) + req.sampling.max_tokens
     if total > context:
@@ -31,3 +42,4 @@ def check_request(req: WorkerRequest, model: ModelConfig, adapters: Collection[s
             f"prompt ({len(req.prompt_ids)}) + max_tokens ({req.sampling.max_tokens}) = {total}"
             f" exceeds the model's context of {context} tokens"
         )
+    return ids

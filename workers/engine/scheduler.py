@@ -20,7 +20,6 @@ from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-from kvmesh.proto.block_hash import num_reusable_blocks
 from kvmesh.workers.engine.sequence import SeqStatus, Sequence
 from kvmesh.workers.kv.block_pool import BlockPool
 
@@ -111,12 +110,11 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         while self.waiting and len(self.running) + len(admitted) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            hashes = seq.full_block_hashes(bs)[: num_reusable_blocks(seq.num_tokens, bs)]
-            matched = [] if seq.bypass_cache else self.pool.match_prefix(hashes)
+            matched = [] if seq.bypass_cache else seq.reusable_prefix_in(self.pool, bs)
             num_new_tokens = seq.num_tokens - len(matched) * bs
             if admitted and num_new_tokens > budget:
                 break
-            num_free_matched = sum(1 for b in matched if self.pool.ref_count(b) == 0)
+            num_free_matched = self.pool.num_free_of(matched)
             num_new_blocks = -(-seq.num_tokens // bs) - len(matched)
             if not self.pool.can_allocate(num_new_blocks + num_free_matched):
                 break  # wait for running sequences to free blocks
@@ -192,12 +190,15 @@ class Scheduler:
         bs = self.config.block_size
         for seq, token in zip(step.seqs, sampled, strict=True):
             seq.num_computed_tokens = seq.num_tokens
-            hashes = seq.full_block_hashes(bs)
-            for i in range(seq.num_registered_blocks, seq.num_computed_tokens // bs):
-                if seq.bypass_cache:
-                    break
-                self.pool.register(seq.block_table[i], hashes[i], seq.parent_hash(i), depth=i + 1)
-            seq.num_registered_blocks = seq.num_computed_tokens // bs
+            num_full = seq.num_computed_tokens // bs
+            # Hashes only when a block filled (most decode steps fill none, and the chain would
+            # be copied for nothing); a sequence that bypasses the cache registers none.
+            if num_full > seq.num_registered_blocks and not seq.bypass_cache:
+                hashes = seq.full_block_hashes(bs)
+                for i in range(seq.num_registered_blocks, num_full):
+                    block, parent = seq.block_table[i], seq.parent_hash(i)
+                    self.pool.register(block, hashes[i], parent, depth=i + 1)
+            seq.num_registered_blocks = num_full
             seq.output_ids.append(token)
             cfg = seq.sampling
             if len(seq.output_ids) >= cfg.max_tokens:

@@ -5,6 +5,8 @@ KV written:   [0, num_computed_tokens)            the last sampled token has no 
 block_table:  one block per block_size tokens of all_ids that have (or are about to get) KV
 pinned:       while waiting, refs on a prefix pulled or promoted for it (dropped at admission)
 block_hashes: chained hashes of every full block of all_ids, extended as tokens arrive
+
+prompt_ids never change once the sequence exists (prompt_array, made from them, relies on it).
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from kvmesh.proto.block_hash import BlockHash, block_hashes
+import numpy as np
+
+from kvmesh.proto.block_hash import BlockHash, block_hashes, num_reusable_blocks
 from kvmesh.workers.contract.replies import PrefillFacts
 from kvmesh.workers.contract.requests import SamplingConfig
-from kvmesh.workers.kv.block_pool import BlockId
+from kvmesh.workers.kv.block_pool import BlockId, BlockPool
 
 
 class SeqStatus(enum.Enum):
@@ -58,6 +62,15 @@ class Sequence:
     bypass_cache: bool = False
     """Reuse no cached KV and register none of its own (a request that leaves no trace)."""
     cache_salt: str = ""  # the tenant part of root_hash (a cache reset re-roots waiting requests)
+    prompt_array: np.ndarray | None = field(default=None, repr=False, compare=False)
+    """prompt_ids as uint32 (`token_id_array`, made when the request was checked), which hashing
+    reads instead of converting the list again; None: hashing converts the list. (Derived from
+    prompt_ids, so left out of == and repr.)"""
+    _matched: tuple[BlockPool, int, int, BlockHash, int, list[BlockId]] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
+    # The last `reusable_prefix_in`: (pool, its num_hash_changes, num_tokens, root_hash,
+    # block_size, the blocks matched).
 
     @property
     def num_tokens(self) -> int:
@@ -67,15 +80,53 @@ class Sequence:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def ids_from(self, start: int) -> list[int]:
+        """all_ids[start:] (start >= 0), without copying the whole sequence first: a decode step
+        asks for one token of a long one."""
+        num_prompt = len(self.prompt_ids)
+        if start >= num_prompt:
+            return self.output_ids[start - num_prompt :]
+        return self.prompt_ids[start:] + self.output_ids
+
     def full_block_hashes(self, block_size: int) -> list[BlockHash]:
         """Hashes of every full block of all_ids (computed once, extended incrementally)."""
         num_full = self.num_tokens // block_size
         done = len(self.block_hashes)
         if num_full > done:
             parent = self.block_hashes[-1] if done else self.root_hash
-            tokens = self.all_ids[done * block_size : num_full * block_size]
+            start, stop = done * block_size, num_full * block_size
+            tokens: list[int] | np.ndarray
+            if self.prompt_array is not None and stop <= len(self.prompt_ids):
+                tokens = self.prompt_array[start:stop]
+            else:
+                tokens = self.ids_from(start)[: stop - start]
             self.block_hashes.extend(block_hashes(tokens, block_size, parent))
         return self.block_hashes[:num_full]
+
+    def reusable_block_hashes(self, block_size: int) -> list[BlockHash]:
+        """Hashes of the leading full blocks whose cached KV can be reused (all but the block
+        holding the last token: `num_reusable_blocks`), what a prefix match looks up."""
+        self.full_block_hashes(block_size)
+        return self.block_hashes[: num_reusable_blocks(self.num_tokens, block_size)]
+
+    def reusable_prefix_in(self, pool: BlockPool, block_size: int) -> list[BlockId]:
+        """`pool.match_prefix` of `reusable_block_hashes` (refs not taken), looked up again only
+        once the pool's hashes, this sequence's tokens or its root have moved: the prefill
+        backlog matches a request when it arrives and the scheduler when it admits it, usually
+        with nothing registered or evicted between (hundreds of dict lookups saved per hit).
+        Exact because the chain is a function of root_hash and all_ids, which only grows, and
+        `match_prefix`'s answer changes only with `num_hash_changes`."""
+        memo = self._matched
+        stamp = pool.num_hash_changes
+        if (
+            memo is not None
+            and memo[0] is pool
+            and memo[1:5] == (stamp, self.num_tokens, self.root_hash, block_size)
+        ):
+            return list(memo[5])
+        matched = pool.match_prefix(self.reusable_block_hashes(block_size))
+        self._matched = (pool, stamp, self.num_tokens, self.root_hash, block_size, matched)
+        return list(matched)
 
     def parent_hash(self, block_index: int) -> BlockHash:
         return self.block_hashes[block_index - 1] if block_index else self.root_hash

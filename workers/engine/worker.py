@@ -160,7 +160,7 @@ class Worker:
         it waited for the engine to finish its step: its queueing counts from then."""
         if req.request_id in self._seqs:
             raise ValueError("a request with this id is already running on this worker")
-        check_request(req, self.runner.config, self.runner.adapters)
+        prompt_array = check_request(req, self.runner.config, self.runner.adapters)
         now = self.clock()
         accepted = now if accepted_s is None else min(accepted_s, now)
         seq = Sequence(
@@ -173,6 +173,7 @@ class Worker:
             adapter=req.adapter,
             bypass_cache=req.bypass_cache or not self.prefix_cache,
             cache_salt=req.cache_salt,
+            prompt_array=prompt_array,
         )
         self.scheduler.check_fits(seq)
         if req.sent_at_s > 0:  # the wall clock when it was accepted, against the coordinator's
@@ -252,7 +253,7 @@ class Worker:
                 seq.prefill_started_s = now
         started = time.perf_counter()
         chunks = [
-            SeqChunk(seq.all_ids[start:], start, seq.block_table, adapter=seq.adapter)
+            SeqChunk(seq.ids_from(start), start, seq.block_table, adapter=seq.adapter)
             for seq, start in zip(step.seqs, step.start_positions, strict=True)
         ]
         with self.state_lock.released() if self.state_lock is not None else nullcontext():

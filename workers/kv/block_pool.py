@@ -129,14 +129,22 @@ class BlockPool:
             matched.append(block)
         return matched
 
+    def num_free_of(self, blocks: Sequence[BlockId]) -> int:
+        """How many of `blocks` are free (ref_count 0): what acquiring them takes off the free
+        queues."""
+        ref_count = self._ref_count
+        return [ref_count[b] for b in blocks].count(0)
+
     def acquire(self, blocks: Sequence[BlockId]) -> None:
         """Take a reference on blocks returned by `match_prefix` (they may be free or in use)."""
         now = self._clock()
+        # (locals: this runs once per block of every matched prefix, hundreds per admission)
+        ref_count, last_use, protected = self._ref_count, self._last_use, self._protected
         for b in blocks:
-            if self._ref_count[b] == 0:
-                self._queue_of(b).pop(b)
-            self._ref_count[b] += 1
-            self._last_use[b] = now
+            if ref_count[b] == 0:
+                (self._warm if b in protected else self._free).pop(b)
+            ref_count[b] += 1
+            last_use[b] = now
 
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= self.num_free
@@ -202,18 +210,21 @@ class BlockPool:
         last of them to be evicted; unregistered blocks go to the head, to be reused first.
         """
         now = self._clock()
+        ref_count, last_use, block_hash = self._ref_count, self._last_use, self._block_hash
+        free, protected = self._free, self._protected
         for b in reversed(blocks):
-            if self._ref_count[b] <= 0:
+            num_refs = ref_count[b]
+            if num_refs <= 0:
                 raise ValueError(f"block {b} freed more often than acquired")
-            self._ref_count[b] -= 1
-            self._last_use[b] = now
-            if self._ref_count[b] == 0:
-                if b in self._protected:
+            ref_count[b] = num_refs - 1
+            last_use[b] = now
+            if num_refs == 1:
+                if b in protected:
                     self._warm[b] = None
                     continue
-                self._free[b] = None
-                if self._block_hash[b] is None:
-                    self._free.move_to_end(b, last=False)
+                free[b] = None
+                if block_hash[b] is None:
+                    free.move_to_end(b, last=False)
 
     def protect(self, blocks: Sequence[BlockId]) -> None:
         """Keep registered blocks (a chain, in chain order) past every ordinary free block.
@@ -250,9 +261,6 @@ class BlockPool:
         """Protected blocks reallocated since the last call (the pool had nothing else left)."""
         lost, self._lost_protection = self._lost_protection, []
         return lost
-
-    def _queue_of(self, block: BlockId) -> OrderedDict[BlockId, None]:
-        return self._warm if block in self._protected else self._free
 
     def evict_all_free(self) -> int:
         """Forget the hashes of every free block (ClearCache); returns how many were dropped.
