@@ -14,6 +14,7 @@ from kvmesh.client.parser import build_parser
 from kvmesh.client.results import CacheStats, IndexTree, TreeNode
 from kvmesh.coordinator.cluster.launcher import deployment_config
 from kvmesh.proto import kvmesh_pb2 as pb
+from tests.unit.generate_args import generate_args
 
 
 def parse(*argv: str):  # type: ignore[no-untyped-def]
@@ -29,22 +30,7 @@ def test_no_prefix_cache_reaches_every_worker_config() -> None:
 def test_bypass_cache_flag_reaches_the_request() -> None:
     args = parse("generate", "--tokens", "1,2,3", "--bypass-cache")
     assert args.bypass_cache is True
-    request = wire.build_generate_request(
-        [1, 2, 3],
-        prompt=None,
-        max_tokens=1,
-        temperature=0.0,
-        top_p=1.0,
-        top_k=0,
-        seed=0,
-        stop_token_ids=(),
-        ignore_eos=False,
-        session_id="",
-        cache_salt="",
-        worker_id="",
-        request_id="",
-        bypass_cache=True,
-    )
+    request = wire.build_generate_request([1, 2, 3], **generate_args(bypass_cache=True))
     assert request.bypass_cache
     route = wire.build_route_request(
         [1], prompt=None, session_id="", cache_salt="", bypass_cache=True

@@ -3,13 +3,11 @@ inputs hold, and where the batch plan sends long chunks when the mode asks for i
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
 from kvmesh.workers.model import batch_plan
-from kvmesh.workers.model.batch_plan import AttentionMode, SeqChunk, plan_batch
+from kvmesh.workers.model.batch_plan import AttentionMode, BatchPlan, SeqChunk, plan_batch
 from kvmesh.workers.model.cudnn_pages import (
     MIN_PAGES,
     MIN_ROWS,
@@ -69,18 +67,8 @@ def test_the_plan_sends_long_chunks_to_cudnn_when_the_mode_asks(
         SeqChunk(list(range(5)), 40, list(range(200, 203))),  # too few new tokens: paged
         SeqChunk([1], 60, list(range(300, 304))),  # decode
     ]
-    mode = AttentionMode(
-        paged_decode=True, paged_prefill=True, explicit_masks=False, bucketed_prefill=True
-    )
     for cudnn in (False, True):
-        plan = plan_batch(
-            batch,
-            block_size=16,
-            num_queries_per_kv=4,
-            device=CPU,
-            mode=dataclasses.replace(mode, cudnn_pages=cudnn),
-        )
-        (chunk,) = plan.cached
+        (chunk,) = _bucketed_plan(batch, cudnn).cached
         assert chunk.rows == slice(0, 10) and chunk.end_pos == 50
         assert chunk.block_ids.tolist() == [100, 101, 102, 103]
         assert (chunk.pages is not None) == cudnn and (chunk.split is not None) != cudnn
@@ -99,21 +87,23 @@ def test_a_steps_only_chunk_goes_to_cudnn_from_fewer_new_tokens(
     short = SeqChunk(list(range(batch_plan.SOLE_CHUNK_MIN_NEW)), 40, list(range(100, 104)))
     shorter = SeqChunk(short.token_ids[1:], 40, list(range(100, 104)))
     beside = SeqChunk(list(range(20)), 40, list(range(200, 204)))
-    mode = AttentionMode(
-        paged_decode=True, paged_prefill=True, explicit_masks=False, bucketed_prefill=True
-    )
 
     def on_pages(batch: list[SeqChunk], cudnn: bool) -> list[bool]:
-        plan = plan_batch(
-            batch,
-            block_size=16,
-            num_queries_per_kv=4,
-            device=CPU,
-            mode=dataclasses.replace(mode, cudnn_pages=cudnn),
-        )
-        return [chunk.pages is not None for chunk in plan.cached]
+        return [chunk.pages is not None for chunk in _bucketed_plan(batch, cudnn).cached]
 
     assert on_pages([short], cudnn=True) == [True]  # alone: one call a layer, and a graph
     assert on_pages([shorter], cudnn=True) == []  # below the floor: the paged kernel
     assert on_pages([short, beside], cudnn=True) == []  # sharing a step: the paged kernel
     assert on_pages([short], cudnn=False) == []  # the split keeps BUCKETED_MIN_NEW
+
+
+def _bucketed_plan(batch: list[SeqChunk], cudnn: bool) -> BatchPlan:
+    """The plan of a runner whose long chunks are bucketed, on cuDNN over the pages or split."""
+    mode = AttentionMode(
+        paged_decode=True,
+        paged_prefill=True,
+        explicit_masks=False,
+        bucketed_prefill=True,
+        cudnn_pages=cudnn,
+    )
+    return plan_batch(batch, block_size=16, num_queries_per_kv=4, device=CPU, mode=mode)

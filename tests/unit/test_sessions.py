@@ -9,6 +9,7 @@ import pytest
 
 from kvmesh.coordinator.session_turns import SessionBusy, SessionTurns, TurnMode
 from kvmesh.workers.contract.requests import SamplingConfig
+from tests.unit.generate_args import generate_args
 from tests.unit.test_coordinator import PROMPT, make
 
 
@@ -117,20 +118,7 @@ def test_client_sends_the_turn_mode_and_maps_failed_precondition() -> None:
     from kvmesh.client.errors import error_class_for
     from kvmesh.proto import kvmesh_pb2 as pb
 
-    kwargs = dict(
-        prompt=None,
-        max_tokens=1,
-        temperature=0.0,
-        top_p=1.0,
-        top_k=0,
-        seed=0,
-        stop_token_ids=(),
-        ignore_eos=False,
-        session_id="chat",
-        cache_salt="",
-        worker_id="",
-        request_id="",
-    )
+    kwargs = generate_args(session_id="chat")
     request = wire.build_generate_request([1, 2], turn_mode="queue", **kwargs)  # type: ignore[arg-type]
     assert request.turn_mode == pb.TURN_MODE_QUEUE
     with pytest.raises(ValueError, match="turn_mode"):

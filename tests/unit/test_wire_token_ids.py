@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from kvmesh.client.wire import MAX_UINT32, checked_token_ids
+from tests.unit.generate_args import generate_args
 
 
 def test_valid_ids_come_back_as_python_ints_in_order() -> None:
@@ -36,21 +37,7 @@ def test_a_non_integer_id_is_refused() -> None:
 def _request(token_ids: object) -> list[int]:
     from kvmesh.client.wire import build_generate_request
 
-    request = build_generate_request(
-        token_ids,  # type: ignore[arg-type]
-        prompt=None,
-        max_tokens=2,
-        temperature=0.0,
-        top_p=1.0,
-        top_k=0,
-        seed=0,
-        stop_token_ids=(),
-        ignore_eos=False,
-        session_id="",
-        cache_salt="",
-        worker_id="",
-        request_id="",
-    )
+    request = build_generate_request(token_ids, **generate_args(max_tokens=2))  # type: ignore[arg-type]
     return list(request.token_ids)
 
 
