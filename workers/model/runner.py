@@ -356,7 +356,6 @@ class ModelRunner:
         lora: LoraBatch | None = None,
         gated: bool = False,
     ) -> torch.Tensor:
-        c = self.config
         # Blocks promoted or pulled land layer by layer: wait for this layer's part. A capture
         # may not wait on events recorded outside it: a prefill graph (`gated`) waits on this
         # layer's gate instead, which every layer load records (`forward` waited for all of any
@@ -368,13 +367,12 @@ class ModelRunner:
                     writes.wait_layer(layer_index)
             elif gated and capturing and self._layer_gates is not None:
                 self._layer_gates.wait(layer_index)
-        num_tokens, num_qk_heads = h.shape[0], c.num_heads + c.num_kv_heads
+        num_tokens = h.shape[0]
         qkv = F.linear(h, layer.qkv_proj, layer.qkv_bias)
         if lora is not None:
             lora.add(qkv, h, layer_index, "qkv")
         kv_blocks = self.kv_cache[layer_index]  # [2, num_blocks, block_size, kv_heads, dim]
-        q, k = self._rope_and_write_kv(qkv, cos, sin, kv_blocks, plan.write_slots)
-        v = qkv[:, num_qk_heads * c.head_dim :].view(num_tokens, c.num_kv_heads, c.head_dim)
+        q, k, v = self._rope_and_write_kv(qkv, cos, sin, kv_blocks, plan.write_slots)
         out = self.attention.attend(q, k, v, kv_blocks, plan).view(num_tokens, -1)
         projected = F.linear(out, layer.o_proj)
         return lora.add(projected, out, layer_index, "o") if lora is not None else projected
@@ -386,27 +384,27 @@ class ModelRunner:
         sin: torch.Tensor,
         kv_blocks: torch.Tensor,
         slots: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE of the query and key heads of qkv, (q [num_tokens, heads, head_dim], k
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """RoPE of the query and key heads of qkv, (q [num_tokens, heads, head_dim], k and v
         [num_tokens, kv heads, head_dim]), with the keys and values written into the layer's
         cache at `slots` (one kernel where it fits: q and k then rows of their own)."""
         c = self.config
         heads, kv_heads, dim = c.num_heads, c.num_kv_heads, c.head_dim
+        v = qkv[:, (heads + kv_heads) * dim :].view(qkv.shape[0], kv_heads, dim)
         if self.fused_elementwise and self._kernels is not None and self._rope_kernel_fits:
             if self.fused_kv_write:
                 write = self._kernels.KvWrite(kv_blocks[0], kv_blocks[1], slots)
                 q, k = self._kernels.rope_qk(qkv, cos, sin, heads, kv_heads, write)
-                return q, k
+                return q, k, v
             q, k = self._kernels.rope_qk(qkv, cos, sin, heads, kv_heads)
         else:
             qk = apply_rope(
                 qkv[:, : (heads + kv_heads) * dim].view(qkv.shape[0], -1, dim), cos, sin
             )
             q, k = qk[:, :heads], qk[:, heads:]
-        v = qkv[:, (heads + kv_heads) * dim :].view(qkv.shape[0], kv_heads, dim)
         kv_blocks[0].view(-1, kv_heads, dim).index_copy_(0, slots, k)
         kv_blocks[1].view(-1, kv_heads, dim).index_copy_(0, slots, v)
-        return q, k
+        return q, k, v
 
     def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.fused_elementwise and self._kernels is not None:
