@@ -4,6 +4,9 @@
   * router decision (match + price + pick), per worker count x 100K indexed blocks
                                                 goal p99 < 0.3 ms at 64 workers, < 1 ms at 1,024
   * index event ingestion, worker -> Redis -> coordinator mirror               goal > 100K events/s
+  * an 8K prompt across the coordinator -> worker seam (the handler's preparation of a request
+    message, the request's frame to the worker, the worker's unframing and checks), its ids as
+    one uint32 buffer (`TokenIds`) beside the same request carrying a tuple of ints
 
 Usage: python benchmarks/micro.py [--workers 16,64,256,1024] [--reference] [--json out.json]
 """
@@ -32,17 +35,25 @@ from kvmesh.coordinator.cluster.redis_server import (
     start_redis_cluster,
     start_redis_server,
 )
+from kvmesh.coordinator.config import CoordinatorConfig
 from kvmesh.coordinator.index.follower import IndexFollower
 from kvmesh.coordinator.index.locked_mirror import LockedMirror
 from kvmesh.coordinator.index.mirror import IndexMirror, WorkerId
 from kvmesh.coordinator.index.store import IndexStore
+from kvmesh.coordinator.prompt_preparer import PromptPreparer
 from kvmesh.coordinator.routing.cost_model import CostModel
 from kvmesh.coordinator.routing.kvmesh_policy import KvmeshPolicy
 from kvmesh.coordinator.routing.kvmesh_reference import KvmeshReferencePolicy
 from kvmesh.coordinator.routing.policy import RouteQuery, WorkerColumns
+from kvmesh.coordinator.service.request_messages import prepared_prompt
+from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto.block_hash import BlockHash, block_hash_array, block_hashes, namespace_hash
 from kvmesh.proto.events import BlockStored, EventBatch
+from kvmesh.workers.contract.requests import SamplingConfig, WorkerRequest
 from kvmesh.workers.engine.event_publisher import EventPublisher
+from kvmesh.workers.engine.request_checks import check_request
+from kvmesh.workers.model.model_config import preset
+from kvmesh.workers.request_channel import Frame, decode, encode
 
 BS = 16
 ROOT = namespace_hash("bench-model")
@@ -68,6 +79,42 @@ def bench_hash(iterations: int = 300) -> dict[str, float]:
         block_hash_array(block_hashes(tokens, BS, ROOT))
         samples.append((time.perf_counter() - t) * 1e3)
     return percentiles(samples)
+
+
+def bench_seam(iterations: int = 300) -> dict[str, float]:
+    """An 8K prompt from a request message to a checked worker request: the coordinator's leg
+    (prepare, build, frame) and the worker's (unframe, check), as `TokenIds` and, as the
+    baseline, with the prompt carried as a tuple of Python ints."""
+    model = preset("llama3-8b-random")
+    prompts = PromptPreparer(CoordinatorConfig(), model)
+    message = pb.GenerateRequest()
+    message.token_ids.extend(np.random.default_rng(1).integers(0, 128_000, 8192).tolist())
+    sampling = SamplingConfig(max_tokens=1)
+
+    def coordinator_leg(as_tuple: bool) -> bytes:
+        prompt = prepared_prompt(prompts, 0, message)
+        ids = tuple(prompt.token_ids) if as_tuple else prompt.token_ids
+        return encode(Frame.SUBMIT, 1, WorkerRequest("r", ids, sampling))
+
+    def worker_leg(frame: bytes) -> None:
+        _kind, _seq, request = decode(frame[4:])
+        check_request(request, model, ())
+
+    out: dict[str, float] = {}
+    for name, as_tuple in (("token_ids", False), ("tuple", True)):
+        frame = coordinator_leg(as_tuple)
+        coordinator, worker = [], []
+        for _ in range(iterations):
+            t = time.perf_counter()
+            coordinator_leg(as_tuple)
+            t1 = time.perf_counter()
+            worker_leg(frame)
+            worker.append((time.perf_counter() - t1) * 1e3)
+            coordinator.append((t1 - t) * 1e3)
+        out[f"{name}_coordinator_p50_ms"] = statistics.median(coordinator)
+        out[f"{name}_worker_p50_ms"] = statistics.median(worker)
+        out[f"{name}_frame_bytes"] = float(len(frame))
+    return out
 
 
 def _indexed_mirror(
@@ -348,6 +395,7 @@ def main() -> None:  # noqa: D103
             "cpu": platform.processor() or platform.machine(),
         },
         "hash_8k": bench_hash(),
+        "seam_8k": bench_seam(),
         "router": [bench_router(n) for n in worker_counts],
     }
     if args.reference:
@@ -363,6 +411,17 @@ def main() -> None:  # noqa: D103
             "< 0.5 ms",
         ),
     ]
+    m = results["seam_8k"]
+    ways = (("token_ids", "one uint32 buffer"), ("tuple", "a tuple of ints (baseline)"))
+    for name, label in ways:
+        rows.append(
+            (
+                f"8K prompt across the seam, {label}: coordinator; worker",
+                f"p50 {m[f'{name}_coordinator_p50_ms']:.3f} ms; {m[f'{name}_worker_p50_ms']:.3f} ms"
+                f"  ({m[f'{name}_frame_bytes'] / 1024:.0f} KiB frame)",
+                "-",
+            )
+        )
     for key, label in (("router", ""), ("router_reference", " (scalar reference)")):
         for r in results.get(key, []):
             n = int(r["num_workers"])

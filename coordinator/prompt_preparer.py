@@ -20,6 +20,7 @@ from kvmesh.proto.block_hash import (
     media_extra_keys,
     prompt_root,
 )
+from kvmesh.proto.token_ids import TokenIds, token_ids_of
 from kvmesh.workers.contract.requests import SamplingConfig
 from kvmesh.workers.model.model_config import ModelConfig
 
@@ -31,7 +32,9 @@ class TextCodec(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class PreparedPrompt:
-    token_ids: tuple[int, ...]
+    token_ids: TokenIds | tuple[int, ...]
+    """`TokenIds` as `PromptPreparer` makes them (what a worker request carries); the
+    simulator's prompts are their length only (`sim/unread_tokens.py`)."""
     block_hashes: tuple[BlockHash, ...]
     cache_salt: str
     adapter: str = ""
@@ -92,16 +95,19 @@ class PromptPreparer:
                 f" {context} tokens"
             )
         vocab = self.model.vocab_size
-        # (an array, as a request message's ids come: checked and hashed without a Python int
-        # per token, ~0.25 ms less for an 8K prompt)
-        array = token_ids if isinstance(token_ids, np.ndarray) else None
-        top = int(array.max()) if array is not None else max(token_ids)
+        # One uint32 buffer from here to the worker (a request message's ids come as an array):
+        # checked, hashed and sent without a Python int per token.
+        try:
+            ids = token_ids_of(token_ids)
+        except ValueError as exc:
+            raise _id_refusal(token_ids, vocab, exc) from None
+        top = int(ids.array.max())
         if top >= vocab:
             raise InvalidRequest(f"token id {top} is outside the vocabulary [0, {vocab})")
-        extra_keys = _media_keys(media, len(token_ids), self.config.block_size)
-        hashes = self.chain(token_ids, cache_salt, adapter, extra_keys)
+        extra_keys = _media_keys(media, len(ids), self.config.block_size)
+        hashes = self.chain(ids, cache_salt, adapter, extra_keys)
         return PreparedPrompt(
-            tuple(array.tolist() if array is not None else token_ids),
+            ids,
             tuple(hashes),
             cache_salt,
             adapter=adapter,
@@ -143,6 +149,16 @@ class PromptPreparer:
                 f"prompt ({len(prompt.token_ids)}) + max_tokens ({sampling.max_tokens}) = {total}"
                 f" exceeds the model's context of {context} tokens"
             )
+
+
+def _id_refusal(
+    token_ids: Sequence[int] | np.ndarray, vocab: int, problem: ValueError
+) -> InvalidRequest:
+    """The refusal of ids that are no uint32s, naming the first id outside the vocabulary."""
+    bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+    if bad is None:
+        return InvalidRequest(str(problem))
+    return InvalidRequest(f"token id {bad!r} is outside the vocabulary [0, {vocab})")
 
 
 def _media_keys(

@@ -26,6 +26,8 @@ from typing import NewType, cast
 import numpy as np
 import xxhash
 
+from kvmesh.proto.token_ids import TokenIds
+
 BlockHash = NewType("BlockHash", int)
 
 assert array.array("I").itemsize == 4, "uint32 arrays must be 4 bytes wide"
@@ -154,8 +156,11 @@ def block_hashes(
 
 def token_id_array(token_ids: Sequence[int]) -> np.ndarray | None:
     """Token ids as a uint32 array, the values `block_hashes` encodes (one C pass over the list,
-    ~4x faster than numpy's); None if one is not an int that fits uint32. Hashing the array (or
-    a slice of it) converts nothing again, and its min/max are numpy reductions."""
+    ~4x faster than numpy's; `TokenIds` are one already); None if one is not an int that fits
+    uint32. Hashing the array (or a slice of it) converts nothing again, and its min/max are
+    numpy reductions."""
+    if isinstance(token_ids, TokenIds):
+        return token_ids.array
     try:
         packed = array.array("I", token_ids)
     except (OverflowError, TypeError):
@@ -171,6 +176,10 @@ def block_hash_array(hashes: Sequence[BlockHash]) -> np.ndarray:
 
 def _canonical_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
     """Token ids as little-endian uint32 bytes; one conversion, no per-token Python work."""
+    if isinstance(token_ids, TokenIds):
+        if sys.byteorder == "little":
+            return token_ids.tobytes()  # checked when made: no reduction, no copy
+        token_ids = token_ids.array
     if isinstance(token_ids, np.ndarray):
         if token_ids.size and (token_ids.min() < 0 or token_ids.max() > 0xFFFFFFFF):
             raise ValueError("token ids must fit in uint32")

@@ -1,11 +1,12 @@
-"""A sequence's token views, hash chain and prefix match: the same whichever copy of its prompt
-it reads, and whether or not it remembered the last answer."""
+"""A sequence's token views, hash chain and prefix match: the chain of its prompt buffer and its
+answer as one list, and the same whether or not it remembered the last answer."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvmesh.proto.block_hash import BlockHash, block_hashes, token_id_array
+from kvmesh.proto.block_hash import BlockHash, block_hashes
+from kvmesh.proto.token_ids import TokenIds
 from kvmesh.workers.contract.requests import SamplingConfig
 from kvmesh.workers.engine.sequence import Sequence
 from kvmesh.workers.kv.block_pool import BlockId, BlockPool
@@ -14,34 +15,23 @@ BS = 4
 ROOT = BlockHash(12345)
 
 
-def seq(prompt: list[int], *, with_array: bool) -> Sequence:
-    return Sequence(
-        "r",
-        list(prompt),
-        SamplingConfig(max_tokens=32),
-        ROOT,
-        0.0,
-        prompt_array=token_id_array(prompt) if with_array else None,
-    )
+def seq(prompt: list[int]) -> Sequence:
+    return Sequence("r", TokenIds(prompt), SamplingConfig(max_tokens=32), ROOT, 0.0)
 
 
 @pytest.mark.parametrize("num_prompt", [1, 7, 8, 9])
-def test_the_chain_is_the_same_from_the_prompt_array_as_from_the_list_as_tokens_arrive(
-    num_prompt: int,
-) -> None:
+def test_the_chain_is_the_chain_of_all_its_ids_as_tokens_arrive(num_prompt: int) -> None:
     prompt = [(i * 37) % 101 for i in range(num_prompt)]
-    a, b = seq(prompt, with_array=True), seq(prompt, with_array=False)
-    assert a == b  # the array is derived from the prompt: no part of a sequence's equality
+    a = seq(prompt)
     for token in range(13):  # the chain grows across the end of the prompt, block by block
-        assert a.full_block_hashes(BS) == b.full_block_hashes(BS)
+        assert a.all_ids == prompt + a.output_ids
         assert a.full_block_hashes(BS) == block_hashes(a.all_ids, BS, ROOT)
         assert a.reusable_block_hashes(BS) == a.full_block_hashes(BS)[: (a.num_tokens - 1) // BS]
         a.output_ids.append(token)
-        b.output_ids.append(token)
 
 
 def test_ids_from_is_all_ids_from_there() -> None:
-    s = seq(list(range(10, 19)), with_array=True)
+    s = seq(list(range(10, 19)))
     s.output_ids.extend([1, 2, 3])
     for start in range(s.num_tokens + 2):
         assert s.ids_from(start) == s.all_ids[start:]
@@ -49,7 +39,7 @@ def test_ids_from_is_all_ids_from_there() -> None:
 
 def test_the_remembered_prefix_match_follows_the_pools_hashes_the_tokens_and_the_root() -> None:
     pool = BlockPool(8, lambda: 0.0)
-    s = seq(list(range(13)), with_array=True)  # 3 full blocks, all 3 reusable
+    s = seq(list(range(13)))  # 3 full blocks, all 3 reusable
 
     def registered(num_blocks: int, root: BlockHash) -> list[BlockId]:
         chain = block_hashes(s.all_ids, BS, root)

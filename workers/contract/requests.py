@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass
 
 from kvmesh.proto.block_hash import BlockHash
+from kvmesh.proto.token_ids import TokenIds
 
 MIN_TEMPERATURE = 1e-2
 """Smallest temperature other than 0 (greedy). Below it the scaled logits would only differ from
@@ -114,7 +115,9 @@ class PullSpec:
 @dataclass(frozen=True, slots=True)
 class WorkerRequest:
     request_id: str
-    prompt_ids: tuple[int, ...]
+    prompt_ids: TokenIds | tuple[int, ...]
+    """`TokenIds` from a coordinator (it pickles as one buffer); a tuple where a caller builds
+    a request by hand. The worker checks either (`workers/engine/request_checks.py`)."""
     sampling: SamplingConfig
     cache_salt: str = ""
     pull: PullSpec | None = None

@@ -5,19 +5,16 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-import numpy as np
-
 from kvmesh.proto.block_hash import token_id_array
+from kvmesh.proto.token_ids import TokenIds
 from kvmesh.workers.contract.requests import WorkerRequest
 from kvmesh.workers.model.model_config import ModelConfig
 
 
-def check_request(
-    req: WorkerRequest, model: ModelConfig, adapters: Collection[str]
-) -> np.ndarray | None:
+def check_request(req: WorkerRequest, model: ModelConfig, adapters: Collection[str]) -> TokenIds:
     """Raises `ValueError` naming the first problem; `adapters`: those the worker serves.
-    Returns the prompt as a uint32 array (`token_id_array`), made once here for hashing too;
-    None if its ids are not all such ints (then hashing refuses them, as before)."""
+    Returns the prompt as `TokenIds` (the request's own when it came as them, as from a
+    coordinator), which the sequence keeps, slices and hashes without converting again."""
     problem = req.sampling.problem()  # checked at the door too; a worker trusts no caller
     if problem is not None:
         raise ValueError(problem)
@@ -35,6 +32,7 @@ def check_request(
         bad = max(req.prompt_ids)
         if bad >= vocab or min(req.prompt_ids) < 0:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        raise ValueError(f"token ids must be integers in [0, {vocab})")
     context = model.max_position_embeddings
     total = len(req.prompt_ids) + req.sampling.max_tokens
     if total > context:
@@ -42,4 +40,5 @@ def check_request(
             f"prompt ({len(req.prompt_ids)}) + max_tokens ({req.sampling.max_tokens}) = {total}"
             f" exceeds the model's context of {context} tokens"
         )
-    return ids
+    prompt = req.prompt_ids
+    return prompt if isinstance(prompt, TokenIds) else TokenIds(ids)

@@ -6,7 +6,8 @@ block_table:  one block per block_size tokens of all_ids that have (or are about
 pinned:       while waiting, refs on a prefix pulled or promoted for it (dropped at admission)
 block_hashes: chained hashes of every full block of all_ids, extended as tokens arrive
 
-prompt_ids never change once the sequence exists (prompt_array, made from them, relies on it).
+prompt_ids are `TokenIds` (one immutable uint32 buffer): hashed and sliced without a Python int
+per prompt token.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvmesh.proto.block_hash import BlockHash, block_hashes, num_reusable_blocks
+from kvmesh.proto.token_ids import TokenIds
 from kvmesh.workers.contract.replies import PrefillFacts
 from kvmesh.workers.contract.requests import SamplingConfig
 from kvmesh.workers.kv.block_pool import BlockId, BlockPool
@@ -31,7 +33,7 @@ class SeqStatus(enum.Enum):
 @dataclass(slots=True)
 class Sequence:
     request_id: str
-    prompt_ids: list[int]
+    prompt_ids: TokenIds
     sampling: SamplingConfig
     root_hash: BlockHash  # h_0 of the request's namespace (model + tenant)
     arrival_s: float
@@ -62,10 +64,6 @@ class Sequence:
     bypass_cache: bool = False
     """Reuse no cached KV and register none of its own (a request that leaves no trace)."""
     cache_salt: str = ""  # the tenant part of root_hash (a cache reset re-roots waiting requests)
-    prompt_array: np.ndarray | None = field(default=None, repr=False, compare=False)
-    """prompt_ids as uint32 (`token_id_array`, made when the request was checked), which hashing
-    reads instead of converting the list again; None: hashing converts the list. (Derived from
-    prompt_ids, so left out of == and repr.)"""
     _matched: tuple[BlockPool, int, int, BlockHash, int, list[BlockId]] | None = field(
         default=None, init=False, repr=False, compare=False
     )
@@ -78,7 +76,7 @@ class Sequence:
 
     @property
     def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+        return self.prompt_ids.tolist() + self.output_ids
 
     def ids_from(self, start: int) -> list[int]:
         """all_ids[start:] (start >= 0), without copying the whole sequence first: a decode step
@@ -86,7 +84,7 @@ class Sequence:
         num_prompt = len(self.prompt_ids)
         if start >= num_prompt:
             return self.output_ids[start - num_prompt :]
-        return self.prompt_ids[start:] + self.output_ids
+        return self.prompt_ids.array[start:].tolist() + self.output_ids
 
     def full_block_hashes(self, block_size: int) -> list[BlockHash]:
         """Hashes of every full block of all_ids (computed once, extended incrementally)."""
@@ -96,8 +94,8 @@ class Sequence:
             parent = self.block_hashes[-1] if done else self.root_hash
             start, stop = done * block_size, num_full * block_size
             tokens: list[int] | np.ndarray
-            if self.prompt_array is not None and stop <= len(self.prompt_ids):
-                tokens = self.prompt_array[start:stop]
+            if stop <= len(self.prompt_ids):
+                tokens = self.prompt_ids.array[start:stop]
             else:
                 tokens = self.ids_from(start)[: stop - start]
             self.block_hashes.extend(block_hashes(tokens, block_size, parent))

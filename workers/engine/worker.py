@@ -160,12 +160,12 @@ class Worker:
         it waited for the engine to finish its step: its queueing counts from then."""
         if req.request_id in self._seqs:
             raise ValueError("a request with this id is already running on this worker")
-        prompt_array = check_request(req, self.runner.config, self.runner.adapters)
+        prompt_ids = check_request(req, self.runner.config, self.runner.adapters)
         now = self.clock()
         accepted = now if accepted_s is None else min(accepted_s, now)
         seq = Sequence(
             req.request_id,
-            list(req.prompt_ids),
+            prompt_ids,
             req.sampling,
             self.root_hash(req.cache_salt, req.adapter),
             accepted,
@@ -173,7 +173,6 @@ class Worker:
             adapter=req.adapter,
             bypass_cache=req.bypass_cache or not self.prefix_cache,
             cache_salt=req.cache_salt,
-            prompt_array=prompt_array,
         )
         self.scheduler.check_fits(seq)
         if req.sent_at_s > 0:  # the wall clock when it was accepted, against the coordinator's
