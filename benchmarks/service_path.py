@@ -64,7 +64,13 @@ def engine_depth(args: argparse.Namespace) -> dict[str, Any]:
     from kvmesh.workers.model.loader import build_worker
 
     worker = build_worker(
-        WorkerConfig("engine", model=args.model, num_blocks=args.num_blocks, device=args.device)
+        WorkerConfig(
+            "engine",
+            model=args.model,
+            num_blocks=args.num_blocks,
+            block_size=args.block_size,
+            device=args.device,
+        )
     )
     shapes = Shapes(args, worker.runner.config.vocab_size)
     forward_s: list[float] = []
@@ -166,6 +172,7 @@ def actor_depth(args: argparse.Namespace) -> dict[str, Any]:
     config = DeploymentConfig(
         coordinator=CoordinatorConfig(
             model=args.model,
+            block_size=args.block_size,
             port=0,
             max_tokens_limit=4096,
             worker_side_door=args.side_door == "on",
@@ -396,6 +403,7 @@ def main() -> None:  # noqa: D103
     ap.add_argument("--model", default="llama3-8b-random")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--num-blocks", type=int, default=4096)
+    ap.add_argument("--block-size", type=int, default=16, help="tokens a KV block holds")
     ap.add_argument("--prompt", type=int, default=8192)
     ap.add_argument("--prefix", type=int, default=7680)
     ap.add_argument("--decode-prompt", type=int, default=2048)
