@@ -1,7 +1,8 @@
 """Cross-worker and host-tier KV movement on one GPU, each figure beside its ceiling.
 
   1. ceilings: device-to-device copy, pinned host<->device copy (same run, same card)
-  2. block movement, Llama-3-8B KV layout (128 KiB per token), 7.5K tokens = 480 blocks of 16:
+  2. block movement, Llama-3-8B KV layout (128 KiB per token), 7.5K tokens = 480 blocks of 16
+     (or of `--block-size`):
      same-GPU pool-to-pool (the CUDA-IPC pull path), demote to / promote from the host tier
   3. TTFT of an 8K-token prompt through kvmesh (2 workers sharing the GPU, gRPC + Ray):
      cold recompute vs 7.5K pulled from the peer vs 7.5K local hit; and, in-process, vs 7.5K
@@ -32,7 +33,6 @@ from prefix_ttft import (
 
 from kvmesh.workers.transfer.block_copy import copy_block_runs, copy_blocks
 
-BS = 16
 LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3-8B
 
 
@@ -62,18 +62,21 @@ def ceilings(num_bytes: int = 2 << 30) -> dict[str, float]:
     }
 
 
-def block_movement(num_pool_blocks: int = 2048) -> dict[str, float]:
-    shape = (LAYERS, 2, num_pool_blocks, BS, KV_HEADS, HEAD_DIM)
+def block_movement(bs: int, num_pool_blocks: int = 2048) -> dict[str, float]:
+    """The prefix's blocks moved every way, in blocks of `bs` tokens."""
+    num_pool_blocks = num_pool_blocks * 16 // bs  # the same tokens whatever the block size
+    shape = (LAYERS, 2, num_pool_blocks, bs, KV_HEADS, HEAD_DIM)
     a = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
     b = torch.zeros_like(a)
-    n = PREFIX // BS
-    moved = n * LAYERS * 2 * BS * KV_HEADS * HEAD_DIM * 2
-    src_run, dst_run = list(range(100, 100 + n)), list(range(1000, 1000 + n))
+    n = PREFIX // bs
+    moved = n * LAYERS * 2 * bs * KV_HEADS * HEAD_DIM * 2
+    src_run = list(range(100 * 16 // bs, 100 * 16 // bs + n))
+    dst_run = list(range(1000 * 16 // bs, 1000 * 16 // bs + n))
     g = torch.Generator().manual_seed(0)
     src_rand = torch.randperm(num_pool_blocks, generator=g)[:n].tolist()
     dst_rand = torch.randperm(num_pool_blocks, generator=g)[:n].tolist()
     host = torch.empty(
-        (n, LAYERS, 2, BS, KV_HEADS, HEAD_DIM), dtype=torch.bfloat16, pin_memory=True
+        (n, LAYERS, 2, bs, KV_HEADS, HEAD_DIM), dtype=torch.bfloat16, pin_memory=True
     )
 
     def demote() -> None:
@@ -104,14 +107,20 @@ def block_movement(num_pool_blocks: int = 2048) -> dict[str, float]:
     return out
 
 
-def host_tier_ttft() -> dict[str, Any]:
-    """In-process (no Ray): an 8K prompt whose 7.5K prefix sits on the host tier."""
+def host_tier_ttft(bs: int) -> dict[str, Any]:
+    """In-process (no Ray): an 8K prompt whose 7.5K prefix sits on the host tier (blocks of
+    `bs` tokens; the pool holds 16K tokens whatever their size)."""
     from kvmesh.workers.config import WorkerConfig
     from kvmesh.workers.contract.requests import SamplingConfig, WorkerRequest
     from kvmesh.workers.model.loader import build_worker
 
     worker_config = WorkerConfig(
-        "bench", model="llama3-8b-random", num_blocks=1024, host_cache_gb=4, device="cuda"
+        "bench",
+        model="llama3-8b-random",
+        num_blocks=1024 * 16 // bs,
+        block_size=bs,
+        host_cache_gb=4,
+        device="cuda",
     )
     worker = build_worker(worker_config)
     g = torch.Generator().manual_seed(1)
@@ -197,7 +206,7 @@ def host_tier_ttft() -> dict[str, Any]:
     # 480 blocks are overwritten).
     host_pool = worker.host_pool
     assert host_pool is not None
-    slots, blocks = list(range(480)), list(range(480))
+    slots, blocks = list(range(PREFIX // bs)), list(range(PREFIX // bs))
     for label, kernel_only in (("layer_load_only_ms", False), ("layer_load_only_kernel_ms", True)):
         samples = []
         for _ in range(5):
@@ -211,7 +220,7 @@ def host_tier_ttft() -> dict[str, Any]:
     return out
 
 
-def e2e_ttft() -> dict[str, Any]:
+def e2e_ttft(bs: int) -> dict[str, Any]:
     """Through gRPC + Ray: two llama3-8b-random workers sharing the GPU."""
     from kvmesh.client import Client
     from kvmesh.coordinator.cluster.deployment import Deployment, DeploymentConfig
@@ -219,9 +228,11 @@ def e2e_ttft() -> dict[str, Any]:
     from kvmesh.workers.config import WorkerConfig
 
     config = DeploymentConfig(
-        coordinator=CoordinatorConfig(model="llama3-8b-random", port=0, max_tokens_limit=64),
+        coordinator=CoordinatorConfig(
+            model="llama3-8b-random", block_size=bs, port=0, max_tokens_limit=64
+        ),
         num_workers=2,
-        worker=WorkerConfig("t", num_blocks=2048, device="cuda"),
+        worker=WorkerConfig("t", num_blocks=2048 * 16 // bs, device="cuda"),
         gpus_per_worker=0.5,
     )
     d = Deployment(config)
@@ -246,14 +257,16 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-results")))
     parser.add_argument("--skip-e2e", action="store_true")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens a KV block holds")
     args = parser.parse_args()
-    results: dict[str, Any] = {"device": torch.cuda.get_device_name()}
+    bs = args.block_size
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "block_size": bs}
     results["ceilings"] = ceilings()
-    results["blocks"] = block_movement()
-    results["host_tier"] = host_tier_ttft()
+    results["blocks"] = block_movement(bs)
+    results["host_tier"] = host_tier_ttft(bs)
     torch.cuda.empty_cache()
     if not args.skip_e2e:
-        results["e2e"] = e2e_ttft()
+        results["e2e"] = e2e_ttft(bs)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_transfer.json").write_text(json.dumps(results, indent=2))
     c, b, h = results["ceilings"], results["blocks"], results["host_tier"]

@@ -20,7 +20,6 @@ from collections.abc import Callable
 from typing import Any
 
 PROMPT, PREFIX = 8192, 7680
-BLOCK_SIZE = 16
 TRIALS = 11
 """TTFT trials per client: one GPU's local hit moves by ~25 % from request to request, so the
 medians (and the per-trial ratios) want more than a handful."""
@@ -95,6 +94,7 @@ def worker_pull_trials(
 
     coordinator, cluster = deployment.coordinator, deployment.cluster
     root = coordinator.prompts.root_hash()
+    block_size = coordinator.config.block_size
     transport = coordinator.transfers.transport(source, target)
     samples: dict[str, list[float]] = {"pull_ms": [], "actor_pulled_ms": [], "actor_local_ms": []}
     for key in ("pull_source_ms", "pull_write_ms", "pin_round_trip_ms"):
@@ -117,7 +117,7 @@ def worker_pull_trials(
     for k in range(4):
         prefix = rand(PREFIX)
         client.generate(prefix + [1], max_tokens=1, worker_id=source)
-        hashes = tuple(block_hashes(prefix, BLOCK_SIZE, root))
+        hashes = tuple(block_hashes(prefix, block_size, root))
         start = time.perf_counter()
         ids = ray.get(cluster.actor(source).pin_blocks.remote(list(hashes)))
         ray.get(cluster.actor(source).unpin_blocks.remote(ids))
@@ -141,7 +141,7 @@ def worker_pull_trials(
             samples[f"{name}_prefill_ms"].append(facts.prefill_ms)
         samples["actor_pulled_ms"].append(pulled_ms)
         samples["actor_local_ms"].append(local_ms)
-        num_blocks.append(out.prefill.pulled_tokens // BLOCK_SIZE)
+        num_blocks.append(out.prefill.pulled_tokens // block_size)
     result: dict[str, Any] = {k: sorted(v)[len(v) // 2] for k, v in samples.items()}
     result.update(transport=transport.value, pull_blocks=min(num_blocks))
     return result
