@@ -3,12 +3,15 @@ and replay are checked against eager decode in tests/gpu/test_decode_graphs_gpu.
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 
 from kvmesh.workers.model.batch_plan import SeqChunk
 from kvmesh.workers.model.decode_graphs import (
     DecodeBucket,
+    TableRows,
     batch_sizes,
     decode_bucket,
     fill_decode_inputs,
@@ -92,3 +95,58 @@ def test_slot_and_table_prefix_follow_the_block_formula(pos: int) -> None:
     assert ints[2, 0] == table[pos // BS] * BS + pos % BS
     needed = pos // BS + 1
     assert meta[:needed].tolist() == table[:needed]
+
+
+def tables_of(bucket: DecodeBucket, meta: np.ndarray) -> np.ndarray:
+    max_blocks = bucket.max_blocks(BS)
+    return meta[: bucket.batch * max_blocks].reshape(bucket.batch, max_blocks)
+
+
+def test_rows_remembered_step_to_step_hold_what_a_full_copy_holds() -> None:
+    """Sequences decode for many steps, their tables growing a block at a time, the batch
+    reordered, a row dropped, a table replaced by a new one (a preempted sequence's): the rows
+    a step reads are the ones copying every table would write."""
+    rng = random.Random(7)
+    bucket = DecodeBucket(8, 1024)
+    rows = TableRows(bucket.batch, num_blocks=1000)
+    _, remembered = buffers(bucket)
+    tables = {s: [rng.randrange(1000)] for s in range(6)}
+    positions = dict.fromkeys(tables, 1)
+    for step in range(120):
+        live = sorted(tables)
+        if step % 17 == 0:
+            rng.shuffle(live)
+        if step == 60:
+            live = live[:-1]  # one finished
+        if step == 80:
+            tables[live[0]] = [rng.randrange(1000) for _ in tables[live[0]]]  # a new table
+        for s in live:
+            positions[s] += 1
+            if positions[s] // BS >= len(tables[s]):
+                tables[s].append(rng.randrange(1000))
+        batch = [SeqChunk([s], positions[s], tables[s]) for s in live]
+        ints, full = buffers(bucket)
+        fill_decode_inputs(batch, bucket, BS, ints, full)
+        fill_decode_inputs(batch, bucket, BS, ints, remembered, rows)
+        for row in range(bucket.batch):
+            needed = batch[min(row, len(batch) - 1)].start_pos // BS + 1
+            assert (
+                tables_of(bucket, remembered)[row, :needed].tolist()
+                == tables_of(bucket, full)[row, :needed].tolist()
+            ), (step, row)
+
+
+def test_an_id_outside_the_pool_is_refused_by_chunk_and_the_row_copied_again_later() -> None:
+    bucket = DecodeBucket(2, 256)
+    rows = TableRows(bucket.batch, num_blocks=50)
+    ints, meta = buffers(bucket)
+    good, bad = [1, 2], [3, 50]
+    with pytest.raises(ValueError, match=r"chunk 1: block ids span \[3, 50\], pool has \[0, 50\)"):
+        fill_decode_inputs(
+            [SeqChunk([1], 20, good), SeqChunk([1], 20, bad)], bucket, BS, ints, meta, rows
+        )
+    bad[1] = 7  # (a table is append-only in the engine; here: the same list, now valid)
+    fill_decode_inputs(
+        [SeqChunk([1], 20, good), SeqChunk([1], 20, bad)], bucket, BS, ints, meta, rows
+    )
+    assert tables_of(bucket, meta)[:, :2].tolist() == [[1, 2], [3, 7]]

@@ -3,6 +3,8 @@
 all_ids:      | prompt ....................... | output ......... |
 KV written:   [0, num_computed_tokens)            the last sampled token has no KV yet
 block_table:  one block per block_size tokens of all_ids that have (or are about to get) KV
+              (append-only: extended, or replaced by a new list; never rewritten in place,
+              which the decode graphs rely on to copy only what a table gained)
 pinned:       while waiting, refs on a prefix pulled or promoted for it (dropped at admission)
 block_hashes: chained hashes of every full block of all_ids, extended as tokens arrive
 

@@ -11,6 +11,11 @@ fills and copies over in two transfers:
     meta  int32              block tables [batch, context / block_size], then the paged kernel's
                              seq_meta [4, batch] and tile_meta [2, batch] (see `paged_attention`)
 
+A row's table is copied only where it grew since the bucket's last step (`TableRows`): a decode
+batch keeps its order from step to step, and a sequence's table gains a block every block_size
+steps, so most steps copy no table entry at all (32 rows x 2K context were ~0.1 ms of Python a
+step, as long again to check them).
+
 Padding rows repeat the last real row (token, position, slot, table), so they compute that row's
 K/V and write it to that row's slot: a padded step never touches a block the batch does not own.
 A bucket is captured the first time a step needs it, from that step's own inputs; the warm-up and
@@ -34,6 +39,7 @@ from kvmesh.workers.model.step_capture import StepGraphs
 __all__ = [
     "DecodeBucket",
     "DecodeGraphs",
+    "TableRows",
     "batch_sizes",
     "decode_bucket",
     "fill_decode_inputs",
@@ -85,24 +91,60 @@ def decode_bucket(
     return DecodeBucket(size, -(-context // block_size) * block_size)
 
 
+class TableRows:
+    """Which table, and how much of it, each row of a bucket's host block tables holds.
+
+    Invariant: row r's first `copied[r]` entries equal `tables[r][:copied[r]]`. Sound because a
+    sequence's block table is append-only (a new table is a new list, `engine/sequence.py`),
+    so entries once copied never go stale; the ids a row gains are checked against the pool as
+    they are copied (the batch's other checks are `validate_batch`'s)."""
+
+    def __init__(self, size: int, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._tables: list[Sequence[int] | None] = [None] * size
+        self._copied = [0] * size
+
+    def copy(self, row: int, table: Sequence[int], needed: int, out: np.ndarray) -> None:
+        """Make `out` (row `row` of the host tables) hold `table[:needed]`; raises ValueError,
+        copying nothing, for an id outside the pool."""
+        start = self._copied[row] if self._tables[row] is table else 0
+        if needed <= start:
+            return
+        new = table[start:needed]
+        low, high = min(new), max(new)
+        if low < 0 or high >= self.num_blocks:
+            raise ValueError(f"block ids span [{low}, {high}], pool has [0, {self.num_blocks})")
+        out[start:needed] = new
+        self._tables[row], self._copied[row] = table, needed
+
+
 def fill_decode_inputs(
     batch: Sequence[SeqChunk],
     bucket: DecodeBucket,
     block_size: int,
     ints: np.ndarray,
     meta: np.ndarray,
+    rows: TableRows | None = None,
 ) -> None:
     """Write a decode batch into the host buffers of its bucket (layouts in the module doc);
-    rows past the batch repeat its last chunk."""
+    rows past the batch repeat its last chunk. With `rows` (kept with the buffers from step to
+    step), each row's table is copied only where it grew, its new ids checked."""
     size, max_blocks = bucket.batch, bucket.max_blocks(block_size)
     tables = meta[: size * max_blocks].reshape(size, max_blocks)
     seq_meta = meta[size * max_blocks : size * (max_blocks + 4)].reshape(4, size)
     tile_meta = meta[size * (max_blocks + 4) :].reshape(2, size)
     for row in range(size):
-        chunk = batch[min(row, len(batch) - 1)]
+        index = min(row, len(batch) - 1)
+        chunk = batch[index]
         pos = chunk.start_pos
         needed = pos // block_size + 1
-        tables[row, :needed] = chunk.block_table[:needed]
+        if rows is None:
+            tables[row, :needed] = chunk.block_table[:needed]
+        else:
+            try:
+                rows.copy(row, chunk.block_table, needed, tables[row])
+            except ValueError as exc:
+                raise ValueError(f"chunk {index}: {exc}") from None
         ints[0, row] = chunk.token_ids[0]
         ints[1, row] = pos
         ints[2, row] = chunk.block_table[pos // block_size] * block_size + pos % block_size
@@ -116,10 +158,16 @@ class _StaticStep:
     """One bucket's input buffers (pinned host + device), the plan that reads them, its graph."""
 
     def __init__(
-        self, bucket: DecodeBucket, block_size: int, num_queries_per_kv: int, device: torch.device
+        self,
+        bucket: DecodeBucket,
+        block_size: int,
+        num_queries_per_kv: int,
+        device: torch.device,
+        num_blocks: int,
     ) -> None:
         self.bucket = bucket
         size, max_blocks = bucket.batch, bucket.max_blocks(block_size)
+        self.rows = TableRows(size, num_blocks)
         self.ints_host = torch.zeros((3, size), dtype=torch.int64).pin_memory()
         self.meta_host = torch.zeros(size * (max_blocks + 6), dtype=torch.int32).pin_memory()
         self.ints = torch.zeros((3, size), dtype=torch.int64, device=device)
@@ -153,7 +201,12 @@ class _StaticStep:
     def load(self, batch: Sequence[SeqChunk], block_size: int) -> None:
         self.copied.synchronize()  # the last step's copies have read the pinned buffers
         fill_decode_inputs(
-            batch, self.bucket, block_size, self.ints_host.numpy(), self.meta_host.numpy()
+            batch,
+            self.bucket,
+            block_size,
+            self.ints_host.numpy(),
+            self.meta_host.numpy(),
+            self.rows,
         )
         self.ints.copy_(self.ints_host, non_blocking=True)
         self.meta.copy_(self.meta_host, non_blocking=True)
@@ -176,10 +229,14 @@ class DecodeGraphs:
         device: torch.device,
         block_size: int,
         num_queries_per_kv: int,
+        num_blocks: int,
         max_batch: int = 64,
     ) -> None:
+        """`num_blocks`: the pool's size, which every table id a step copies is checked against
+        (the runner skips that part of `validate_batch` for the batches served here)."""
         self._device = device
         self._block_size = block_size
+        self._num_blocks = num_blocks
         self._num_queries_per_kv = num_queries_per_kv
         self.max_batch = max_batch
         self._graphs: StepGraphs[DecodeBucket, _StaticStep] = StepGraphs(layers)
@@ -214,7 +271,9 @@ class DecodeGraphs:
         assert bucket is not None, "run() needs a batch that serves() accepts"
         step = self._graphs.replay(
             bucket,
-            lambda: _StaticStep(bucket, self._block_size, self._num_queries_per_kv, self._device),
+            lambda: _StaticStep(
+                bucket, self._block_size, self._num_queries_per_kv, self._device, self._num_blocks
+            ),
             lambda static: static.load(batch, self._block_size),
         )
         assert step.hidden is not None

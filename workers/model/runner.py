@@ -148,6 +148,7 @@ class ModelRunner:
                 device=self.device,
                 block_size=block_size,
                 num_queries_per_kv=config.num_queries_per_kv,
+                num_blocks=num_blocks,
             )
             if self.cuda_graphs
             else None
@@ -246,7 +247,7 @@ class ModelRunner:
             and self.attention.mode.paged_decode
             and graphs.serves(batch)
         ):
-            self.validate_batch(batch)
+            self.validate_batch(batch, check_tables=False)  # the graphs check the ids they copy
             for writes in self._layer_writes:
                 writes.wait_all()
             return self._logits(graphs.run(batch))
@@ -414,14 +415,16 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ batch planning
 
-    def validate_batch(self, batch: Sequence[SeqChunk]) -> None:
-        """Raise ValueError, with the numbers, for any chunk the cache or the model cannot run."""
+    def validate_batch(self, batch: Sequence[SeqChunk], *, check_tables: bool = True) -> None:
+        """Raise ValueError, with the numbers, for any chunk the cache or the model cannot run
+        (`check_tables=False`: all but the range of the block tables' ids)."""
         validate_batch(
             batch,
             num_blocks=self.num_blocks,
             block_size=self.block_size,
             vocab_size=self.config.vocab_size,
             context_len=self.config.max_position_embeddings,
+            check_tables=check_tables,
         )
 
     def _plan(self, batch: Sequence[SeqChunk]) -> BatchPlan:
