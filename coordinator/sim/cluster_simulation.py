@@ -144,14 +144,14 @@ class ClusterSimulation:
         return self.coordinator.load
 
     def _build_workers(self) -> list[SimWorker]:
-        config, clock = self.config, self._clock_ms
+        config = self.config
         n, c = config.num_workers, config.num_blocks
-        shared = BlockPool(n * c, clock) if self.oracle else None
+        shared = BlockPool(n * c) if self.oracle else None
         root = namespace_hash(SIM_MODEL)
         return [
             SimWorker(
                 f"w{i}",
-                shared or BlockPool(c, clock),
+                shared or BlockPool(c),
                 config.cost,
                 config.block_size,
                 root,

@@ -10,21 +10,12 @@ from kvmesh.proto.events import BlockRemoved, BlockStored
 from kvmesh.workers.kv.block_pool import BlockId, BlockPool
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        self.t += 1.0
-        return self.t
-
-
 def H(i: int) -> BlockHash:
     return BlockHash(1000 + i)
 
 
 def make_pool(n: int = 8) -> BlockPool:
-    return BlockPool(n, FakeClock())
+    return BlockPool(n)
 
 
 def test_free_keeps_prefix_matchable_until_reused() -> None:
@@ -110,7 +101,7 @@ def test_misuse_raises_with_numbers() -> None:
     with pytest.raises(ValueError, match="is free"):
         pool.register(a, H(0), BlockHash(0))
     with pytest.raises(ValueError, match="num_blocks"):
-        BlockPool(0, FakeClock())
+        BlockPool(0)
 
 
 class PoolMachine(RuleBasedStateMachine):

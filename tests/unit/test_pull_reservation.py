@@ -12,7 +12,7 @@ CHAIN = [BlockHash(100 + i) for i in range(6)]
 
 def pool_holding(num_held: int) -> BlockPool:
     """A pool of 16 blocks whose first `num_held` chain blocks were computed and freed."""
-    pool = BlockPool(16, clock=lambda: 0.0)
+    pool = BlockPool(16)
     blocks = pool.allocate(num_held) or []
     parent = ROOT
     for depth, (b, h) in enumerate(zip(blocks, CHAIN, strict=False), start=1):

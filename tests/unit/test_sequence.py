@@ -38,7 +38,7 @@ def test_ids_from_is_all_ids_from_there() -> None:
 
 
 def test_the_remembered_prefix_match_follows_the_pools_hashes_the_tokens_and_the_root() -> None:
-    pool = BlockPool(8, lambda: 0.0)
+    pool = BlockPool(8)
     s = seq(list(range(13)))  # 3 full blocks, all 3 reusable
 
     def registered(num_blocks: int, root: BlockHash) -> list[BlockId]:

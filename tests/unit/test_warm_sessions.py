@@ -36,7 +36,7 @@ def _sessions(
     num_blocks: int = 16, budget_blocks: int = 8, ttl_s: float = 60.0
 ) -> tuple[BlockPool, WarmSessions, Clock]:
     clock = Clock()
-    pool = BlockPool(num_blocks, clock)
+    pool = BlockPool(num_blocks)
     config = WarmSessionConfig(idle_ttl_s=ttl_s, budget_bytes=budget_blocks * 100)
     return pool, WarmSessions(pool, config, 100, clock), clock
 
@@ -48,7 +48,7 @@ def _check(warm: WarmSessions) -> None:
 
 
 def test_protected_chain_outlives_every_ordinary_free_block() -> None:
-    pool = BlockPool(8, Clock())
+    pool = BlockPool(8)
     kept = _chain(pool, 1, 3)
     pool.protect(kept)
     _chain(pool, 2, 3)  # freed later: LRU alone would keep it longer than the protected chain
@@ -60,7 +60,7 @@ def test_protected_chain_outlives_every_ordinary_free_block() -> None:
 
 
 def test_warm_blocks_are_allocated_tail_first_once_nothing_else_is_free() -> None:
-    pool = BlockPool(4, Clock())
+    pool = BlockPool(4)
     kept = _chain(pool, 1, 4)
     pool.protect(kept)
     assert pool.allocate(1) is not None
@@ -70,7 +70,7 @@ def test_warm_blocks_are_allocated_tail_first_once_nothing_else_is_free() -> Non
 
 
 def test_protect_refuses_an_unregistered_block() -> None:
-    pool = BlockPool(4, Clock())
+    pool = BlockPool(4)
     blocks = pool.allocate(1)
     assert blocks is not None
     with pytest.raises(ValueError, match="not registered"):
@@ -78,7 +78,7 @@ def test_protect_refuses_an_unregistered_block() -> None:
 
 
 def test_unprotected_chain_goes_first_tail_before_root() -> None:
-    pool = BlockPool(6, Clock())
+    pool = BlockPool(6)
     kept = _chain(pool, 1, 3)
     pool.protect(kept)
     other = _chain(pool, 2, 3)
@@ -167,7 +167,7 @@ def test_chain_over_the_whole_budget_keeps_its_leading_part() -> None:
 
 def test_zero_budget_keeps_nothing() -> None:
     clock = Clock()
-    pool = BlockPool(8, clock)
+    pool = BlockPool(8)
     warm = WarmSessions(pool, WarmSessionConfig(budget_fraction=0.0), 100, clock)
     warm.keep("chat", _chain(pool, 1, 2))
     assert warm.num_sessions == 0 and pool.num_protected == 0

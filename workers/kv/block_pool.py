@@ -22,7 +22,7 @@ block; protection is dropped when such a block is reallocated (`drain_lost_prote
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NewType
 
@@ -51,17 +51,15 @@ class BlockPool:
       * a free block keeps its hash (still matchable) until it is reallocated
     """
 
-    def __init__(self, num_blocks: int, clock: Callable[[], float]) -> None:
+    def __init__(self, num_blocks: int) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
-        self._clock = clock
         self._ref_count = [0] * num_blocks
         self._block_hash: list[BlockHash | None] = [None] * num_blocks
         # Radix links of registered blocks (parent hash, depth; 0 = unknown), re-published whole.
         self._block_parent: list[BlockHash] = [BlockHash(0)] * num_blocks
         self._block_depth = [0] * num_blocks
-        self._last_use = [0.0] * num_blocks
         self._hash_to_block: dict[BlockHash, BlockId] = {}
         self.num_hash_changes = 0
         """Grows whenever a hash becomes matchable or stops being (what `match_prefix` answers
@@ -137,14 +135,12 @@ class BlockPool:
 
     def acquire(self, blocks: Sequence[BlockId]) -> None:
         """Take a reference on blocks returned by `match_prefix` (they may be free or in use)."""
-        now = self._clock()
         # (locals: this runs once per block of every matched prefix, hundreds per admission)
-        ref_count, last_use, protected = self._ref_count, self._last_use, self._protected
+        ref_count, protected = self._ref_count, self._protected
         for b in blocks:
             if ref_count[b] == 0:
                 (self._warm if b in protected else self._free).pop(b)
             ref_count[b] += 1
-            last_use[b] = now
 
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= self.num_free
@@ -155,7 +151,6 @@ class BlockPool:
             raise ValueError(f"cannot allocate {num_blocks} blocks")
         if num_blocks > self.num_free:
             return None  # expected: the scheduler waits or preempts
-        now = self._clock()
         blocks: list[BlockId] = []
         evicted: list[BlockHash] = []
         for _ in range(num_blocks):
@@ -173,7 +168,6 @@ class BlockPool:
                 self._evicted.append((b, h))
                 self.num_evicted += 1
             self._ref_count[b] = 1
-            self._last_use[b] = now
             blocks.append(b)
         if evicted:
             self.num_hash_changes += 1
@@ -209,15 +203,13 @@ class BlockPool:
         Blocks reaching ref_count 0 join the free queue tail first, so the root of a chain is the
         last of them to be evicted; unregistered blocks go to the head, to be reused first.
         """
-        now = self._clock()
-        ref_count, last_use, block_hash = self._ref_count, self._last_use, self._block_hash
+        ref_count, block_hash = self._ref_count, self._block_hash
         free, protected = self._free, self._protected
         for b in reversed(blocks):
             num_refs = ref_count[b]
             if num_refs <= 0:
                 raise ValueError(f"block {b} freed more often than acquired")
             ref_count[b] = num_refs - 1
-            last_use[b] = now
             if num_refs == 1:
                 if b in protected:
                     self._warm[b] = None
