@@ -21,12 +21,13 @@ def forward_isolated(
     forward: Callable[[list[Chunk]], torch.Tensor],
     chunks: list[Chunk],
     request_ids: Sequence[str],
-) -> list[torch.Tensor | SequenceFailure]:
-    """The logits row of each chunk, or its sequence's failure. The batch runs as one; only if
-    that raises does each chunk run alone (writing a chunk's KV slots again is idempotent), so
-    only the sequences that fail alone fail."""
+) -> torch.Tensor | list[torch.Tensor | SequenceFailure]:
+    """The batch's logits [len(chunks), vocab] when it runs as one (the usual case, kept as one
+    tensor); only if that raises does each chunk run alone (writing a chunk's KV slots again is
+    idempotent), giving the logits row of each chunk or its sequence's failure, so only the
+    sequences that fail alone fail."""
     try:
-        return list(forward(chunks))
+        return forward(chunks)
     except Exception:
         if len(chunks) == 1:
             log.exception("forward pass failed for request %s", request_ids[0])
@@ -52,11 +53,15 @@ def forward_and_sample(
     test hook) receives (request_id, logits row) for every sampled token."""
     ids = [seq.request_id for seq in seqs]
     rows = forward_isolated(forward, chunks, ids)
-    out: list[int | SequenceFailure] = [r if isinstance(r, SequenceFailure) else -1 for r in rows]
-    live = [i for i, r in enumerate(rows) if isinstance(r, torch.Tensor)]
-    if not live:
-        return out
-    logits = torch.stack([r for r in rows if isinstance(r, torch.Tensor)])
+    if isinstance(rows, torch.Tensor):  # the batch ran as one: every sequence is live
+        out: list[int | SequenceFailure] = [-1] * len(seqs)
+        live, logits = list(range(len(seqs))), rows
+    else:
+        out = [r if isinstance(r, SequenceFailure) else -1 for r in rows]
+        live = [i for i, r in enumerate(rows) if isinstance(r, torch.Tensor)]
+        if not live:
+            return out
+        logits = torch.stack([r for r in rows if isinstance(r, torch.Tensor)])
     if logits_sink is not None:
         for i, row in zip(live, logits, strict=True):
             logits_sink(seqs[i].request_id, row.detach().cpu())
