@@ -154,3 +154,26 @@ def test_bad_block_ids_are_refused_before_any_replay() -> None:
     graphs, _ = pair(torch.float32)
     with pytest.raises(ValueError, match="block ids"):
         graphs.forward([SeqChunk([1], 5, [NUM_BLOCKS + 3])])
+
+
+def test_a_bad_id_that_a_table_gains_later_is_refused_before_the_replay() -> None:
+    """A row's table is copied only where it grew: the id it gains when its sequence crosses
+    into a new block is checked then, and the same table's steps after it still decode as the
+    eager path does."""
+    graphs, eager = pair(torch.float32)
+    prompt = [3] * (5 * BS - 2)  # the next two positions are the last of block 4
+    table = list(range(100, 105))
+    for runner in (graphs, eager):
+        runner.forward([SeqChunk(prompt, 0, table)])
+    pos = len(prompt)
+    step = [SeqChunk([7], pos, table)]
+    torch.testing.assert_close(graphs.forward(step), eager.forward(step), atol=2e-4, rtol=0)
+    crossing = pos + 2  # the first position of block 5: the table must gain an id
+    table.append(NUM_BLOCKS + 1)
+    with pytest.raises(ValueError, match=r"chunk 0: block ids span \[1025, 1025\]"):
+        graphs.forward([SeqChunk([7], crossing, table)])
+    table[-1] = 200  # (the same list: its bad id never reached the graph's buffers)
+    step = [SeqChunk([7], pos + 1, table)]
+    torch.testing.assert_close(graphs.forward(step), eager.forward(step), atol=2e-4, rtol=0)
+    step = [SeqChunk([8], crossing, table)]
+    torch.testing.assert_close(graphs.forward(step), eager.forward(step), atol=2e-4, rtol=0)
