@@ -71,7 +71,8 @@ def test_a_copy_engine_load_writes_what_one_copy_writes(slots: list[int]) -> Non
     num_layers = 3  # the staging layer reused twice
     cache = torch.randn((num_layers, 2, 64, BS, 2, 64), device="cuda", dtype=torch.bfloat16)
     expected = cache.clone()
-    host = torch.randn((40, num_layers, 2, BS, 2, 64), dtype=torch.bfloat16).pin_memory()
+    num_slots = max(40, max(slots) + 1)
+    host = torch.randn((num_slots, num_layers, 2, BS, 2, 64), dtype=torch.bfloat16).pin_memory()
     blocks = [(7 * i + 5) % 64 for i in range(len(slots))]
     expected[:, :, blocks] = host[slots].to("cuda").permute(1, 2, 0, 3, 4, 5)
     load = LayerLoad(host, slots, cache, blocks, torch.cuda.Stream(), copy_engine=engine)
