@@ -48,7 +48,7 @@ MAX_COPY_RUNS = 32
 slots fragment as it evicts, so after a while a promoted chain comes in 8-14 runs: at 9-14 runs
 the copy engine still loads beside the prefill in about the time of 4-6 (host hit 24.4 ms against
 33.4 by the kernel, 64-token blocks, one H100), its calls enqueued while the first layers move.
-Past 32 (1,024 calls a promotion) the kernel takes the slots as they come."""
+Past 32 (1,024 calls for the 8B shape's 32 layers) the kernel takes the slots as they come."""
 
 if triton is not None:
     # One compiled variant serves every load: Triton would otherwise specialise these on their
