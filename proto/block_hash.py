@@ -17,7 +17,6 @@ same in every process, on every machine and across restarts: tests pin them with
 
 from __future__ import annotations
 
-import array
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -26,11 +25,9 @@ from typing import NewType, cast
 import numpy as np
 import xxhash
 
-from kvmesh.proto.token_ids import TokenIds
+from kvmesh.proto.token_ids import token_ids_of
 
 BlockHash = NewType("BlockHash", int)
-
-assert array.array("I").itemsize == 4, "uint32 arrays must be 4 bytes wide"
 
 _EXTRA_SEPARATOR = b"\xff"
 
@@ -154,20 +151,6 @@ def block_hashes(
     return cast(list[BlockHash], hashes)
 
 
-def token_id_array(token_ids: Sequence[int]) -> np.ndarray | None:
-    """Token ids as a uint32 array, the values `block_hashes` encodes (one C pass over the list,
-    ~4x faster than numpy's; `TokenIds` are one already); None if one is not an int that fits
-    uint32. Hashing the array (or a slice of it) converts nothing again, and its min/max are
-    numpy reductions."""
-    if isinstance(token_ids, TokenIds):
-        return token_ids.array
-    try:
-        packed = array.array("I", token_ids)
-    except (OverflowError, TypeError):
-        return None
-    return np.frombuffer(packed, dtype=np.uint32)
-
-
 def block_hash_array(hashes: Sequence[BlockHash]) -> np.ndarray:
     """The chain as a uint64 array, as the index's vectorised lookups read it: made once, where
     the prompt is hashed, so that routing it converts none of its hashes."""
@@ -175,22 +158,12 @@ def block_hash_array(hashes: Sequence[BlockHash]) -> np.ndarray:
 
 
 def _canonical_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
-    """Token ids as little-endian uint32 bytes; one conversion, no per-token Python work."""
-    if isinstance(token_ids, TokenIds):
-        if sys.byteorder == "little":
-            return token_ids.tobytes()  # checked when made: no reduction, no copy
-        token_ids = token_ids.array
-    if isinstance(token_ids, np.ndarray):
-        if token_ids.size and (token_ids.min() < 0 or token_ids.max() > 0xFFFFFFFF):
-            raise ValueError("token ids must fit in uint32")
-        return token_ids.astype("<u4", copy=False).tobytes()
-    try:
-        packed = array.array("I", token_ids)  # 4x faster than numpy for a Python list
-    except (OverflowError, TypeError):
-        raise ValueError("token ids must fit in uint32") from None
-    if sys.byteorder != "little":
-        packed.byteswap()
-    return packed.tobytes()
+    """Token ids as little-endian uint32 bytes: one conversion (`TokenIds`, which refuses an id
+    that is no uint32 with ValueError), no per-token Python work."""
+    ids = token_ids_of(token_ids)
+    if sys.byteorder == "little":
+        return ids.tobytes()  # no copy for a prompt that is `TokenIds` already
+    return ids.array.astype("<u4").tobytes()
 
 
 def cache_root(namespace_root: BlockHash, kv_dtype: str, cache_epoch: int) -> BlockHash:

@@ -20,6 +20,7 @@ from typing import Any, overload
 import numpy as np
 
 _MAX_ID = 0xFFFFFFFF
+assert array.array("I").itemsize == 4, "uint32 arrays must be 4 bytes wide"
 
 
 class TokenIds(Sequence[int]):
@@ -43,7 +44,7 @@ class TokenIds(Sequence[int]):
             try:
                 data = array.array("I", values).tobytes()
             except (OverflowError, TypeError):
-                raise ValueError("token ids must be integers in [0, 2**32)") from None
+                raise ValueError("token ids must be uint32 integers, in [0, 2**32)") from None
         self._data = data
         self._array = np.frombuffer(data, dtype=np.uint32)
 
@@ -119,5 +120,5 @@ def _array_bytes(values: np.ndarray) -> bytes:
     if not np.issubdtype(values.dtype, np.integer):
         raise ValueError(f"token ids must be integers, got {values.dtype}")
     if values.size and (int(values.min()) < 0 or int(values.max()) > _MAX_ID):
-        raise ValueError("token ids must be integers in [0, 2**32)")
+        raise ValueError("token ids must be uint32 integers, in [0, 2**32)")
     return values.astype(np.uint32).tobytes()

@@ -8,8 +8,8 @@ from kvmesh.proto.block_hash import (
     block_hash_array,
     block_hashes,
     namespace_hash,
-    token_id_array,
 )
+from kvmesh.proto.token_ids import TokenIds
 
 ROOT = namespace_hash("tiny-random-abc")
 
@@ -52,13 +52,16 @@ def test_numpy_and_list_inputs_agree() -> None:
     assert block_hashes(tokens, 16, ROOT) == block_hashes(tokens.tolist(), 16, ROOT)
 
 
-def test_the_ids_as_a_uint32_array_hash_as_the_list_or_are_none_if_they_do_not_fit() -> None:
+def test_the_ids_as_a_uint32_array_hash_as_the_list_or_are_refused_if_they_do_not_fit() -> None:
     ids = [0, 7, 2**32 - 1] + list(range(45))
-    array = token_id_array(ids)
+    array = TokenIds(ids).array
     assert array is not None and array.dtype == np.uint32 and array.tolist() == ids
     assert block_hashes(array[16:48], 16, ROOT) == block_hashes(ids[16:48], 16, ROOT)
     for bad in ([1, -1], [2**32], [1, 2.0], ["3"]):
-        assert token_id_array(bad) is None  # type: ignore[arg-type]
+        with pytest.raises(ValueError):
+            TokenIds(bad)  # type: ignore[arg-type]
+        with pytest.raises(ValueError):
+            block_hashes(bad * 16, 16, ROOT)  # type: ignore[arg-type]
 
 
 def test_the_chain_as_an_array_holds_the_same_hashes() -> None:

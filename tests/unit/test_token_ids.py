@@ -9,7 +9,7 @@ import pickle
 import numpy as np
 import pytest
 
-from kvmesh.proto.block_hash import block_hashes, token_id_array
+from kvmesh.proto.block_hash import block_hashes
 from kvmesh.proto.token_ids import TokenIds, token_ids_of
 from kvmesh.workers.contract.requests import SamplingConfig, WorkerRequest
 
@@ -68,7 +68,7 @@ def test_it_hashes_as_its_list_and_is_its_own_uint32_array() -> None:
     ids = TokenIds(prompt)
     assert block_hashes(ids, 16, 5) == block_hashes(prompt, 16, 5)
     assert block_hashes(ids.array[16:48], 16, 5) == block_hashes(prompt[16:48], 16, 5)
-    assert token_id_array(ids) is ids.array
+    assert ids.array.dtype == np.uint32 and ids.array.tolist() == prompt
 
 
 def test_a_worker_request_pickles_its_prompt_as_four_bytes_a_token() -> None:

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from kvmesh.proto.block_hash import token_id_array
-from kvmesh.proto.token_ids import TokenIds
+from kvmesh.proto.token_ids import TokenIds, token_ids_of
 from kvmesh.workers.contract.requests import WorkerRequest
 from kvmesh.workers.model.model_config import ModelConfig
 
@@ -25,10 +24,13 @@ def check_request(req: WorkerRequest, model: ModelConfig, adapters: Collection[s
     vocab = model.vocab_size
     if not req.prompt_ids:
         raise ValueError("the prompt is empty")
-    ids = token_id_array(req.prompt_ids)
+    try:
+        ids: TokenIds | None = token_ids_of(req.prompt_ids)
+    except ValueError:
+        ids = None
     # uint32 ids below the vocabulary pass; anything else takes the two passes over the tuple
     # that name the token the error has always named.
-    if ids is None or int(ids.max()) >= vocab:
+    if ids is None or int(ids.array.max()) >= vocab:
         bad = max(req.prompt_ids)
         if bad >= vocab or min(req.prompt_ids) < 0:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
@@ -40,5 +42,4 @@ def check_request(req: WorkerRequest, model: ModelConfig, adapters: Collection[s
             f"prompt ({len(req.prompt_ids)}) + max_tokens ({req.sampling.max_tokens}) = {total}"
             f" exceeds the model's context of {context} tokens"
         )
-    prompt = req.prompt_ids
-    return prompt if isinstance(prompt, TokenIds) else TokenIds(ids)
+    return ids
