@@ -40,8 +40,9 @@ MAX_UINT64 = 2**64 - 1
 
 def checked_token_ids(token_ids: Iterable[int], what: str = "token_ids") -> list[int]:
     """`token_ids` as a list of Python ints, each a valid uint32; raises ValueError otherwise."""
-    ids = [operator.index(t) for t in token_ids]  # (a prompt's ids go to protobuf's own check
-    for i, t in enumerate(ids):  # first, `_set_prompt`: this one names the bad id)
+    # (A prompt's ids go to protobuf's own check first, `_set_prompt`: this one names the bad id.)
+    ids = [operator.index(t) for t in token_ids]
+    for i, t in enumerate(ids):
         if not 0 <= t <= MAX_UINT32:
             raise ValueError(f"{what}[{i}] = {t} is outside the token id range [0, {MAX_UINT32}]")
     return ids

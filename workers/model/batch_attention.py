@@ -84,16 +84,10 @@ class BatchAttention:
         if _one_fresh_prompt(plan, q.shape[0]):
             # The kernel's output is the step's ([tokens, heads, dim] in memory as it returns
             # it): no copy into `out` (an 8K prompt's is 64 MB, ~40 us a layer on an H100).
-            qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-            attn = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
-            return attn.squeeze(0).transpose(0, 1).contiguous()
+            return _fresh_attention(q, k, v).contiguous()
         out = torch.empty((q.shape[0], c.num_heads, c.head_dim), device=q.device, dtype=q.dtype)
         for rows in plan.fresh:
-            # [1, heads, tokens, dim] and a plain causal mask: the flash kernel takes GQA natively
-            # (fused kernels need 4-D inputs; 3-D ones fall back to the float32 math path).
-            qt, kt, vt = (x[rows].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-            attn = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
-            out[rows] = attn.squeeze(0).transpose(0, 1)
+            out[rows] = _fresh_attention(q[rows], k[rows], v[rows])
         for chunk in plan.cached:
             if chunk.pages is not None:
                 rows = chunk.rows
@@ -227,6 +221,15 @@ class BatchAttention:
             q_rows, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask
         )
         return out.view(b, kv_heads, group, n, dim).permute(0, 3, 1, 2, 4).reshape(b, n, -1, dim)
+
+
+def _fresh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of one fresh prompt's rows, [tokens, heads, dim]."""
+    # [1, heads, tokens, dim] and a plain causal mask: the flash kernel takes GQA natively
+    # (fused kernels need 4-D inputs; 3-D ones fall back to the float32 math path).
+    qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    attn = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
+    return attn.squeeze(0).transpose(0, 1)
 
 
 def _one_fresh_prompt(plan: BatchPlan, num_tokens: int) -> bool:
