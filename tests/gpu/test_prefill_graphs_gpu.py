@@ -121,7 +121,7 @@ def test_a_pulled_prefix_still_landing_is_waited_for_before_the_replay(
         cache[lo:hi, :, target[:pulled]] = cache[lo:hi, :, source[:pulled]]
 
     groups = LayerGroups([(0, 1), (1, 3)], runner.layer_stream(), target[:pulled], write)
-    assert not groups.overlaps_forward
+    assert not groups.overlaps_forward and not groups.gated
     runner.add_layer_writes(groups)
     runner.prefill_graphs = True
     graphs = runner._prefill_graphs
@@ -130,6 +130,45 @@ def test_a_pulled_prefix_still_landing_is_waited_for_before_the_replay(
     runner.take_layer_writes()
     assert graphs.counts().num_replays == 1
     torch.testing.assert_close(got, expected, atol=0.05 * expected.abs().max().item(), rtol=0)
+
+
+def test_a_pulled_prefix_with_gates_is_waited_for_layer_by_layer_inside_the_replay(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    runner = small_runner(monkeypatch)
+    assert runner.layer_gates is not None
+    rng = random.Random(13)
+    source = rng.sample(range(1, 150), 60)
+    ids = [rng.randrange(runner.config.vocab_size) for _ in range(900)]
+    runner.forward([SeqChunk(ids[:600], 0, source)])
+    runner.prefill_graphs = False
+    expected = runner.forward([SeqChunk(ids[600:], 600, source)])
+    cache, pulled = runner.kv_cache, -(-600 // 16)
+    runner.prefill_graphs = True
+    graphs = runner._prefill_graphs
+    assert graphs is not None
+    # Twice into fresh blocks: the first forward captures the bucket, the second replays it while
+    # the later group still sleeps on the side stream, so only the gates inside the graph keep
+    # layers 1 and 2 from reading blocks not written yet (nothing waits for the pull up front).
+    for round_, lo in enumerate((150, 225)):
+        target = rng.sample(range(lo, lo + 75), 60)
+        cache[:, :, target] = 0
+
+        def write(lo: int, hi: int, target: list[int] = target) -> None:
+            if lo > 0:
+                torch.cuda._sleep(100_000_000)
+            cache[lo:hi, :, target[:pulled]] = cache[lo:hi, :, source[:pulled]]
+
+        groups = LayerGroups(
+            [(0, 1), (1, 3)], runner.layer_stream(), target[:pulled], write, runner.layer_gates
+        )
+        assert groups.gated and not groups.overlaps_forward
+        runner.add_layer_writes(groups)
+        got = runner.forward([SeqChunk(ids[600:], 600, target)])
+        assert graphs.counts().num_replays == round_ + 1
+        for writes in runner.take_layer_writes():
+            writes.done.synchronize()
+        torch.testing.assert_close(got, expected, atol=0.05 * expected.abs().max().item(), rtol=0)
 
 
 @pytest.mark.parametrize("kernel_only", [False, True])

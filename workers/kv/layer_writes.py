@@ -7,7 +7,9 @@ layers overlaps the compute of the earlier ones.
 
 Two kinds feed the model runner this way: a promotion from the pinned host tier (`LayerLoad`,
 one event per layer) and a pull from a peer, over NCCL or CUDA IPC, moved in layer groups
-(`LayerGroups`). The runner keeps them until the end of the step that follows; anything that hands
+(`LayerGroups`). Both record the runner's layer gates as their layers land (`layer_gates.py`), so
+a prefill replayed as a CUDA graph waits for them layer by layer too, not for all of them before
+the replay. The runner keeps them until the end of the step that follows; anything that hands
 their blocks to a peer settles them first, and a copy out of the cache waits for them
 (`ModelRunner.settle_layer_writes`, `export_blocks`): the blocks are registered before their
 layers land.
@@ -21,6 +23,8 @@ from typing import Any, Protocol
 
 import torch
 
+from kvmesh.workers.kv.layer_gates import LayerGates
+
 
 class LayerWrites(Protocol):
     """Invariant: layer l of every target block (`blocks`) is written once the current stream
@@ -28,9 +32,9 @@ class LayerWrites(Protocol):
 
     blocks: frozenset[int]
     overlaps_forward: bool
-    """True: a copy about as long as the forward that reads it (the host tier over PCIe): the
-    forward waits layer by layer. False: a short copy (a pull from a peer GPU): a forward may
-    wait for all of it up front and replay a CUDA graph instead (`prefill_graphs`)."""
+    """True: a copy about as long as the forward that reads it (the host tier over PCIe): a
+    forward waits layer by layer, never for all of it first. False: a short copy (a pull from a
+    peer GPU): a forward may wait for all of it up front where it has no gates to wait on."""
     gated: bool
     """True: it records the runner's `LayerGates` too, so a captured prefill graph waits on it
     layer by layer and nothing need wait for it before a replay."""
@@ -63,6 +67,10 @@ class LayerGroups:
     (side) stream;
     whatever it returns (received buffers, staging) is kept until `done` has completed, so the
     caching allocator cannot hand that memory out while the GPU still reads or writes it.
+    With `gates` (the runner's), each group also records the gates of its layers, so a prefill
+    graph starts once the first group has landed; `stream` must then be the runner's layer
+    stream, where every gated write runs, so that a gate's latest record comes after every
+    write enqueued before it.
     Invariant: `_event_of[l]` is the event of the group holding layer l.
     """
 
@@ -72,12 +80,15 @@ class LayerGroups:
         stream: torch.cuda.Stream,
         blocks: Iterable[int],
         write_group: Callable[[int, int], Any],
+        gates: LayerGates | None = None,
     ) -> None:
         if not spans:
             raise ValueError("a layered write needs at least one layer group")
+        if gates is not None and spans[-1][1] > gates.num_layers:
+            raise ValueError(f"{gates.num_layers} layer gates for layers up to {spans[-1][1]}")
         self.blocks = frozenset(int(b) for b in blocks)
         self.overlaps_forward = False  # a peer's pull: ~1-3 ms for 1 GB
-        self.gated = False
+        self.gated = gates is not None
         self._event_of: dict[int, torch.cuda.Event] = {}
         self._events: list[torch.cuda.Event] = []
         self._kept: list[Any] = []
@@ -92,6 +103,8 @@ class LayerGroups:
                 self._events.append(event)
                 for layer in range(lo, hi):
                     self._event_of[layer] = event
+                    if gates is not None:
+                        gates.record(layer, stream)
 
     @property
     def done(self) -> torch.cuda.Event:

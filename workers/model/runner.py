@@ -520,6 +520,12 @@ class ModelRunner:
             self._load_stream = torch.cuda.Stream(self.device, priority=-1)
         return self._load_stream
 
+    @property
+    def layer_gates(self) -> LayerGates | None:
+        """The gates layered writes record and prefill graphs wait on (None without prefill
+        graphs, or where torch makes no external events)."""
+        return self._layer_gates
+
     def add_layer_writes(self, writes: LayerWrites) -> None:
         """Make the next forwards wait for `writes` layer by layer (see `kv/layer_writes.py`)."""
         self._layer_writes.append(writes)

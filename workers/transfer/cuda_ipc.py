@@ -56,6 +56,7 @@ class CudaIpcTransport:
                         self._runner.layer_stream(),
                         dst,
                         lambda lo, hi: copy_block_pairs(ours[lo:hi], peer_cache[lo:hi], pairs),
+                        self._runner.layer_gates,
                     )
                     # The request's forward waits per group; only the peer's unpin waits for
                     # all of it, and not the request.

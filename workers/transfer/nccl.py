@@ -34,6 +34,7 @@ import torch
 
 from kvmesh.proto.block_hash import BlockHash
 from kvmesh.workers.engine.pull_admission import PullTargets
+from kvmesh.workers.kv.layer_gates import LayerGates
 from kvmesh.workers.kv.layer_writes import LayerGroups, group_spans, until_done
 from kvmesh.workers.model.runner import ModelRunner
 from kvmesh.workers.transfer.block_copy import BlockPairs, copy_block_pairs
@@ -129,6 +130,7 @@ class NcclLink:
         num_blocks: int,
         src_rank: int,
         stream: torch.cuda.Stream,
+        gates: LayerGates | None = None,
     ) -> LayerGroups:
         """Receive `num_blocks` (always, so the sender completes) and write those that line up
         with `targets` (none if the request went away meanwhile), group by group on `stream`:
@@ -153,7 +155,7 @@ class NcclLink:
                 copy_block_pairs(cache[lo:hi], buf, pairs)
             return buf
 
-        return LayerGroups(spans, stream, dst, scatter)
+        return LayerGroups(spans, stream, dst, scatter, gates)
 
 
 class NcclTransport:
@@ -206,7 +208,12 @@ class NcclTransport:
 
             def fill(targets: PullTargets) -> int:
                 groups = NcclLink.receive(
-                    runner.kv_cache, targets, len(ids), src_rank, runner.layer_stream()
+                    runner.kv_cache,
+                    targets,
+                    len(ids),
+                    src_rank,
+                    runner.layer_stream(),
+                    runner.layer_gates,
                 )
                 received.append(groups)
                 n = targets.fillable(len(ids))
