@@ -2,13 +2,14 @@
 closure from the actor's event loop (`submit`, `on_engine`), between engine steps, or under its
 state lock while a step's forward pass runs (a peer's pin and unpin: `state_lock.py`).
 
-    loop:  run queued calls -> step -> first and middle tokens out -> publish the step's KV
-           events and notes -> last outputs out -> heartbeat when due -> idle: write back to
+    loop:  run queued calls -> step -> first and middle tokens out -> hand the step's KV events,
+           notes and last outputs to the sender -> heartbeat when due -> idle: write back to
            the host tier, or wait for a call
 
-A first token goes out before the step's KV events (an 8K prefill's 512 blocks are a ~1.5 ms
-Redis script); a request's last output only after them, so a finished request's blocks are
-already announced. A second thread keeps the liveness key fresh while one iteration runs long.
+A first token goes out before the step's KV events; a request's last output only after them, so
+a finished request's blocks are already announced. The sender thread (`event_sender.py`) makes
+the Redis round trip, so the next step does not wait for it. A second thread keeps the liveness
+key fresh while one iteration runs long.
 """
 
 from __future__ import annotations
@@ -22,19 +23,18 @@ from collections.abc import Callable
 from concurrent import futures
 from typing import Any, TypeVar
 
+from kvmesh.proto.events import EventBatch
+from kvmesh.proto.request_notes import NoteBatch
 from kvmesh.workers.config import WorkerConfig
 from kvmesh.workers.contract.replies import RequestOutput
 from kvmesh.workers.engine.event_publisher import EventPublisher
 from kvmesh.workers.engine.state_lock import StateLock
 from kvmesh.workers.engine.worker import Worker
+from kvmesh.workers.event_sender import EventSender
 
 log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.05
-_LANDING_S = 0.01
-"""While a pull reserved this recently is pending and no step ran, the engine holds its KV
-events and notes back rather than spend a Redis round trip (0.3-0.8 ms) that the pull's landing
-would wait behind."""
 T = TypeVar("T")
 
 
@@ -56,9 +56,8 @@ class EngineThread:
         self._deliver = deliver
         self._fail_all = fail_all
         self.lock = StateLock()
-        """Held by this thread for each iteration but a step's forward pass and the Redis round
-        trip of its events (`state_lock.py`); a peer's pin or unpin takes it instead of
-        queueing behind the step."""
+        """Held by this thread for each iteration but a step's forward pass (`state_lock.py`); a
+        peer's pin or unpin takes it instead of queueing behind the step."""
         worker.state_lock = self.lock
         self._inbox: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
@@ -69,6 +68,7 @@ class EngineThread:
         self._keepalive = threading.Thread(
             target=self._keep_alive, name="kvmesh-keepalive", daemon=True
         )
+        self._sender = EventSender(self._publish_step, deliver) if publisher is not None else None
 
     def start(self) -> None:
         self.heartbeat()
@@ -80,6 +80,8 @@ class EngineThread:
         self._wakeup.set()
         self._thread.join(timeout=5)
         self._keepalive.join(timeout=5)
+        if self._sender is not None:
+            self._sender.stop()
         if not self._thread.is_alive():
             self.worker.state_lock = None  # whoever steps the worker next does so without us
 
@@ -105,7 +107,9 @@ class EngineThread:
         return await asyncio.wrap_future(reply)
 
     def publish(self, batch: Any) -> None:
+        """Publish `batch` now, after everything the sender holds (on the engine thread)."""
         if self.publisher is not None:
+            self._flush_sender()
             self.publisher.publish(batch)
 
     def heartbeat(self) -> None:
@@ -118,11 +122,12 @@ class EngineThread:
             self._warn_if_slow(self.last_tick)
             self.last_tick = time.monotonic()
             idle = False
-            with self.lock:  # let go of only in a step's forward pass and its events' round trip
+            with self.lock:  # let go of only in a step's forward pass
                 try:
                     idle = self._iterate()
                 except Exception as exc:  # keep serving: fail the running requests, not the worker
                     log.exception("engine step failed")
+                    self._flush_sender()  # their outputs sent so far go out before the failure
                     self._fail_all(exc)
             if idle:
                 self._wakeup.wait(_IDLE_WAIT_S)
@@ -140,11 +145,7 @@ class EngineThread:
         for o in outputs:
             if not o.finished:
                 self._deliver(o.request_id, o)
-        if outputs or not self.worker.pulls.landing(_LANDING_S):
-            self._publish_events()  # else: after the pull lands, a few ms later
-        for o in outputs:
-            if o.finished:
-                self._deliver(o.request_id, o)
+        self._send_events(tuple(o for o in outputs if o.finished))
         if time.monotonic() - self._last_heartbeat >= self.config.heartbeat_interval_s:
             self.heartbeat()
         self.worker.tally.on_engine_host((time.perf_counter() - began - step_s) * 1e3)
@@ -187,27 +188,44 @@ class EngineThread:
                 return
             fn()  # what it changes in the pool (e.g. pulled blocks) is announced after the step
 
-    def _publish_events(self) -> None:
-        """Called with the state lock held (`_iterate`)."""
+    def _send_events(self, finished: tuple[RequestOutput, ...]) -> None:
+        """Hand the step's KV events and notes to the sender, with the outputs that wait for
+        them (called with the state lock held, `_iterate`)."""
         # Request notes are hints for the other coordinators: dropped while Redis is away.
         notes = self.worker.drain_request_notes()
-        if self.publisher is None:
+        if self.publisher is None or self._sender is None:
             self.worker.pool.drain_events()
+            self._deliver_now(finished)
             return
         if self.publisher.lost_events:
+            self._sender.flush()  # the full state goes out after every batch sent before
             if not self.publisher.heartbeat(self._heartbeat_info(), self._ttl_ms()):
+                self._deliver_now(finished)
                 return  # still unreachable; events keep accumulating in the pool
             self.publisher.lost_events = False
-            self.publish(self.worker.full_state_batch())
+            self._sender.send(self.worker.full_state_batch(), None, finished)
             return
         batch = self.worker.drain_event_batch()
-        # The Redis round trip (0.3-3 ms) touches none of the worker's state (the batch is
-        # drained already): a peer's pin need not wait for it.
-        with self.lock.released():
-            if batch is not None:
-                self.publisher.publish(batch, notes)  # one round trip for both
-            elif notes is not None and self.publisher.connected:
-                self.publisher.publish_notes(notes)
+        if batch is None and notes is None and self._sender.idle:
+            self._deliver_now(finished)  # nothing to announce, nothing announcing
+            return
+        self._sender.send(batch, notes, finished)
+
+    def _publish_step(self, batch: EventBatch | None, notes: NoteBatch | None) -> None:
+        """The sender's Redis round trip for one step: its events and notes in one."""
+        assert self.publisher is not None
+        if batch is not None:
+            self.publisher.publish(batch, notes)
+        elif notes is not None and self.publisher.connected:
+            self.publisher.publish_notes(notes)
+
+    def _deliver_now(self, outputs: tuple[RequestOutput, ...]) -> None:
+        for o in outputs:
+            self._deliver(o.request_id, o)
+
+    def _flush_sender(self) -> None:
+        if self._sender is not None:
+            self._sender.flush()
 
     def _heartbeat_info(self) -> dict[str, str | int]:
         i = self.worker.info()

@@ -16,7 +16,6 @@ A request that goes away in between is `release`d: its reservation goes back to 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -67,8 +66,6 @@ of the leading ones it wrote."""
 class PendingPull:
     seq: Sequence
     reservation: PullReservation
-    reserved_s: float
-    """When it was reserved (`time.monotonic`)."""
     from_block: int
     end_block: int
     """The plan is chain blocks [from_block, end_block); the reservation may start later."""
@@ -94,12 +91,6 @@ class PullAdmission:
     def sequences(self) -> Iterator[Sequence]:
         return (p.seq for p in self._pending.values())
 
-    def landing(self, within_s: float) -> bool:
-        """Whether a pull reserved less than `within_s` ago is still pending (it usually lands
-        within a few milliseconds, and its request's first step waits for the engine)."""
-        now = time.monotonic()
-        return any(now - p.reserved_s < within_s for p in self._pending.values())
-
     def held_blocks(self) -> list[BlockId]:
         held: list[BlockId] = []
         for pending in self._pending.values():
@@ -122,9 +113,7 @@ class PullAdmission:
         self.host_tier.demote_evicted()  # before the transport overwrites reallocated blocks
         if reservation is None:
             return None
-        self._pending[seq.request_id] = PendingPull(
-            seq, reservation, time.monotonic(), spec.from_block, end
-        )
+        self._pending[seq.request_id] = PendingPull(seq, reservation, spec.from_block, end)
         return reservation
 
     def write(self, request_id: str, fill: BlockWriter) -> int:
