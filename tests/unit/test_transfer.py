@@ -382,6 +382,24 @@ def test_blocks_written_back_while_idle_are_evicted_without_another_copy() -> No
     host.check_invariants()
 
 
+def test_an_idle_write_back_tick_copies_at_most_its_bytes() -> None:
+    """A request arriving during a tick waits for it: a tick is bounded in bytes, not blocks."""
+    worker, _ = make_worker("w", num_blocks=10, host_slots=64)
+    run(worker, "a", PREFIX + [1])
+    host = worker.host_pool
+    assert host is not None
+    block = worker.runner.block_num_bytes
+    assert worker.host_tier.write_back(look_ahead=10, max_bytes=3 * block + 1) == 3
+    assert worker.host_tier.write_back(look_ahead=10, max_bytes=1) == 1  # at least a block
+    copied = 4
+    while n := worker.host_tier.write_back(look_ahead=10, max_bytes=2 * block):
+        assert n <= 2
+        copied += n
+    hashes = [h for _b, h in worker.pool.next_evicted(10)]
+    assert copied == len(hashes) and not host.missing(hashes)
+    host.check_invariants()
+
+
 def test_a_prefix_written_back_ahead_is_promoted_with_the_same_result() -> None:
     worker, logits = make_worker("w", num_blocks=10, host_slots=64)  # 160 device tokens
     run(worker, "a", PREFIX + [1])

@@ -25,6 +25,12 @@ from kvmesh.workers.kv.block_pool import BlockId, BlockPool
 from kvmesh.workers.kv.host_pool import HostPool
 from kvmesh.workers.model.runner import ModelRunner
 
+WRITE_BACK_TICK_BYTES = 32 << 20
+"""The most one idle write-back tick copies. The engine holds the worker's state through the
+tick, so a request arriving meanwhile waits for it: ~0.8 ms at the 44 GB/s a demotion moves on
+an H100 host (`benchmarks/gpu_transfer.py`), where 64 blocks a tick (before) were 3.0 ms of
+Llama-3-8B's 2 MiB blocks and 12 ms of its 64-token (8 MiB) blocks."""
+
 
 class HostTier:
     """Invariant: every registered block the device pool reallocates is offered to the host pool
@@ -58,11 +64,13 @@ class HostTier:
             self.host_pool.announce(hashes)
         return len(missing)
 
-    def write_back(self, look_ahead: int, max_blocks: int = 64) -> int:
-        """Copy up to `max_blocks` of the device pool's next `look_ahead` evictions that the host
-        tier lacks (the blocks a request would take first); returns how many were copied."""
+    def write_back(self, look_ahead: int, max_bytes: int = WRITE_BACK_TICK_BYTES) -> int:
+        """Copy up to `max_bytes` (at least a block) of the device pool's next `look_ahead`
+        evictions that the host tier lacks (the blocks a request would take first); returns how
+        many blocks were copied."""
         if self.host_pool is None or look_ahead <= 0:
             return 0
+        max_blocks = max(1, max_bytes // self.runner.block_num_bytes)
         # At most half the host tier: copies made ahead must not push each other out (an idle
         # worker would copy forever) nor crowd out the blocks the device has already let go.
         candidates = self.pool.next_evicted(min(look_ahead, self.host_pool.num_slots // 2))

@@ -146,8 +146,7 @@ class Worker:
 
     @property
     def block_num_bytes(self) -> int:
-        cache = self.runner.kv_cache
-        return cache[:, :, :1].numel() * cache.element_size()
+        return self.runner.block_num_bytes
 
     # ---- requests -----------------------------------------------------------------------------
 

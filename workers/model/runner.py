@@ -512,6 +512,12 @@ class ModelRunner:
         graphs = self._prefill_graphs
         return graphs.counts() if graphs is not None else NO_GRAPHS
 
+    @property
+    def block_num_bytes(self) -> int:
+        """Bytes one block holds: its keys and values in every layer."""
+        cache = self.kv_cache
+        return cache[:, :, :1].numel() * cache.element_size()
+
     def layer_stream(self) -> torch.cuda.Stream:
         """The side stream layered writes run on (CUDA only)."""
         if self._load_stream is None:
