@@ -31,6 +31,7 @@ from prefix_ttft import (
     worker_pull_trials,
 )
 
+from kvmesh.workers.contract.requests import SamplingConfig, WorkerRequest
 from kvmesh.workers.transfer.block_copy import copy_block_runs, copy_blocks
 
 LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3-8B
@@ -111,7 +112,6 @@ def host_tier_ttft(bs: int) -> dict[str, Any]:
     """In-process (no Ray): an 8K prompt whose 7.5K prefix sits on the host tier (blocks of
     `bs` tokens; the pool holds 16K tokens whatever their size)."""
     from kvmesh.workers.config import WorkerConfig
-    from kvmesh.workers.contract.requests import SamplingConfig, WorkerRequest
     from kvmesh.workers.model.loader import build_worker
 
     worker_config = WorkerConfig(
@@ -202,6 +202,7 @@ def host_tier_ttft(bs: int) -> dict[str, Any]:
         out[f"{label}_split"] = float(mode.bucketed_prefill)
         out[f"{label}_local_hit_ms"] = sorted(locals_ms)[1]
         out[f"{label}_host_hit_written_back_ms"] = sorted(hosts_ms)[1]
+    out.update(write_back_ticks(worker, worker_config.host_write_back_blocks, g))
     # The layer-by-layer load alone, no prefill beside it (the worker is done with: its first
     # 480 blocks are overwritten).
     host_pool = worker.host_pool
@@ -217,6 +218,37 @@ def host_tier_ttft(bs: int) -> dict[str, Any]:
                 load.done.synchronize()
             samples.append((time.perf_counter() - start) * 1e3)
         out[label] = sorted(samples)[2]
+    return out
+
+
+def write_back_ticks(worker: Any, look_ahead: int, g: torch.Generator) -> dict[str, float]:
+    """How long one idle write-back tick holds the engine (a request arriving meanwhile waits
+    for it): fresh blocks to copy ahead, then every tick timed, at today's byte-bounded tick and
+    at the 64 blocks a tick was before."""
+    from kvmesh.workers.engine.host_tier import WRITE_BACK_TICK_BYTES
+
+    out: dict[str, float] = {}
+    block = worker.runner.block_num_bytes
+    for label, max_bytes in (("tick", WRITE_BACK_TICK_BYTES), ("tick_64_blocks", 64 * block)):
+        for k in range(3):  # the device pool over again: its next evictions are fresh blocks
+            prompt = torch.randint(0, 128000, (7000,), generator=g).tolist()
+            one = SamplingConfig(max_tokens=1, ignore_eos=True)
+            worker.add_request(WorkerRequest(f"{label}{k}", tuple(prompt), one))
+            while worker.has_work:
+                worker.step()
+        ticks, blocks = [], 0
+        while True:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            n = worker.host_tier.write_back(look_ahead, max_bytes)
+            if not n:
+                break
+            ticks.append((time.perf_counter() - start) * 1e3)
+            blocks += n
+        ticks.sort()
+        out[f"write_back_{label}_ms_p50"] = ticks[len(ticks) // 2] if ticks else 0.0
+        out[f"write_back_{label}_ms_max"] = ticks[-1] if ticks else 0.0
+        out[f"write_back_{label}_blocks"] = blocks / max(1, len(ticks))
     return out
 
 
@@ -304,6 +336,13 @@ def main() -> None:
         f" by the kernel {h['host_hit_written_back_kernel_ms']:.1f} ms"
         f" = {h['host_hit_written_back_kernel_ms'] / h['local_hit_ms']:.2f}x;"
         f" load alone {h['layer_load_only_ms']:.1f} / {h['layer_load_only_kernel_ms']:.1f} ms"
+    )
+    print(
+        f"idle write-back tick (a request arriving meanwhile waits it out): median"
+        f" {h['write_back_tick_ms_p50']:.2f} ms, longest {h['write_back_tick_ms_max']:.2f} ms"
+        f" ({h['write_back_tick_blocks']:.0f} blocks); at 64 blocks a tick (before)"
+        f" {h['write_back_tick_64_blocks_ms_p50']:.2f} ms, longest"
+        f" {h['write_back_tick_64_blocks_ms_max']:.2f} ms"
     )
     print(f"long chunked prefills (start-up probe): {h['prefill_choice']}")
     for label in ("picked_path", "other_path"):
