@@ -7,6 +7,11 @@ pulling worker reports it.
 The TTFT trials run twice: with the client in the benchmark's own process (which also holds the
 coordinator and its gRPC server, so the two share one interpreter) and with the client in a
 process of its own, as a real client is (`client_process_trials`, which runs this file).
+
+Every measured hit follows one cold prompt on its worker's GPU by the same pause (`heat`): a GPU
+that has just run an 8K prefill (~200 ms at its 700 W cap, the SM clock down to ~1.5 GHz) runs
+the next ones a few percent slower for a while, so without it the request that happens to come
+first after the source's cold prefix (the pulled one) paid for it and the later ones did not.
 """
 
 from __future__ import annotations
@@ -20,9 +25,17 @@ from collections.abc import Callable
 from typing import Any
 
 PROMPT, PREFIX = 8192, 7680
+HEAT_GAP_S = 0.2
+"""From the end of the cold prompt that heats a GPU to the measured request after it."""
 TRIALS = 11
 """TTFT trials per client: one GPU's local hit moves by ~25 % from request to request, so the
 medians (and the per-trial ratios) want more than a handful."""
+
+
+def heat(client: Any, rand: Callable[[int], list[int]], worker: str) -> None:
+    """A cold prompt on `worker`'s GPU, then `HEAT_GAP_S`: what every measured hit follows."""
+    client.generate(rand(PROMPT), max_tokens=1, worker_id=worker)
+    time.sleep(HEAT_GAP_S)
 
 
 def prefix_ttft_trials(
@@ -40,11 +53,13 @@ def prefix_ttft_trials(
     for _ in range(trials):
         prefix = rand(PREFIX)
         cold = client.generate(prefix + rand(PROMPT - PREFIX), max_tokens=answer, worker_id=source)
-        time.sleep(0.2)  # the index learns the source's blocks
+        heat(client, rand, target)  # meanwhile the index learns the source's blocks
         pulled = client.generate(
             prefix + rand(PROMPT - PREFIX), max_tokens=answer, worker_id=target
         )
+        heat(client, rand, target)
         again = client.generate(prefix + rand(PROMPT - PREFIX), max_tokens=answer, worker_id=target)
+        heat(client, rand, source)
         local = client.generate(prefix + rand(PROMPT - PREFIX), max_tokens=answer, worker_id=source)
         samples["target_local_hit_ms"].append(again.ttft_ms or 0.0)
         samples["cold_ms"].append(cold.ttft_ms or 0.0)
@@ -124,10 +139,13 @@ def worker_pull_trials(
         samples["pin_round_trip_ms"].append((time.perf_counter() - start) * 1e3)
         tail = rand(PROMPT - PREFIX)
         spec = PullSpec(source, 0, hashes, transport)
+        heat(client, rand, target)
         out, pulled_ms = first_output(target, f"bare-pull-{k}", prefix + tail, spec)
+        heat(client, rand, target)
         again, again_ms = first_output(
             target, f"bare-again-{k}", prefix + rand(PROMPT - PREFIX), None
         )
+        heat(client, rand, source)
         local, local_ms = first_output(
             source, f"bare-local-{k}", prefix + rand(PROMPT - PREFIX), None
         )
