@@ -104,16 +104,26 @@ def test_a_short_chunk_alone_in_its_step_replays_a_graph(monkeypatch: pytest.Mon
     assert graphs.counts().num_replays == replays
 
 
-def test_a_pulled_prefix_still_landing_is_waited_for_before_the_replay(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    runner = small_runner(monkeypatch)
-    rng = random.Random(9)
-    source, target = rng.sample(range(1, 150), 60), rng.sample(range(150, 300), 60)
+def hit_behind_prefix(
+    runner: ModelRunner, seed: int
+) -> tuple[random.Random, list[int], list[int], torch.Tensor]:
+    """A 600-token prefix computed into 60 scattered blocks below 150, and the eager logits of
+    the 300 tokens after it read from there: (rng, those blocks, the token ids, the logits)."""
+    rng = random.Random(seed)
+    source = rng.sample(range(1, 150), 60)
     ids = [rng.randrange(runner.config.vocab_size) for _ in range(900)]
     runner.forward([SeqChunk(ids[:600], 0, source)])
     runner.prefill_graphs = False
     expected = runner.forward([SeqChunk(ids[600:], 600, source)])
+    return rng, source, ids, expected
+
+
+def test_a_pulled_prefix_still_landing_is_waited_for_before_the_replay(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    runner = small_runner(monkeypatch)
+    rng, source, ids, expected = hit_behind_prefix(runner, 9)
+    target = rng.sample(range(150, 300), 60)
     cache, pulled = runner.kv_cache, -(-600 // 16)
 
     def write(lo: int, hi: int) -> None:  # a peer's pull of the prefix, slow on the GPU
@@ -137,12 +147,7 @@ def test_a_pulled_prefix_with_gates_is_waited_for_layer_by_layer_inside_the_repl
 ) -> None:
     runner = small_runner(monkeypatch)
     assert runner.layer_gates is not None
-    rng = random.Random(13)
-    source = rng.sample(range(1, 150), 60)
-    ids = [rng.randrange(runner.config.vocab_size) for _ in range(900)]
-    runner.forward([SeqChunk(ids[:600], 0, source)])
-    runner.prefill_graphs = False
-    expected = runner.forward([SeqChunk(ids[600:], 600, source)])
+    rng, source, ids, expected = hit_behind_prefix(runner, 13)
     cache, pulled = runner.kv_cache, -(-600 // 16)
     runner.prefill_graphs = True
     graphs = runner._prefill_graphs
@@ -176,12 +181,7 @@ def test_a_promotion_still_landing_is_waited_for_layer_by_layer_inside_the_repla
     monkeypatch: pytest.MonkeyPatch, kernel_only: bool
 ) -> None:
     runner = small_runner(monkeypatch)
-    rng = random.Random(11)
-    source = rng.sample(range(1, 150), 60)
-    ids = [rng.randrange(runner.config.vocab_size) for _ in range(900)]
-    runner.forward([SeqChunk(ids[:600], 0, source)])
-    runner.prefill_graphs = False
-    expected = runner.forward([SeqChunk(ids[600:], 600, source)])
+    rng, source, ids, expected = hit_behind_prefix(runner, 11)
     num_promoted = -(-600 // 16)
     host = runner.export_blocks(source[:num_promoted]).cpu().pin_memory()  # the host tier's layout
     runner.prefill_graphs = True
