@@ -27,6 +27,12 @@ Publish = Callable[[EventBatch | None, NoteBatch | None], None]
 """Writes one step's events and notes (either may be None) to Redis; never raises for Redis."""
 Deliver = Callable[[str, RequestOutput], None]
 
+MAX_PENDING = 8
+"""Sends that may wait at once before the engine waits too. A prefill that evicted sends ~1,000
+block events (a Redis script of several ms), and the steps right after it send again: at two,
+the engine waited out such scripts (a profile of an 8B worker on an H100 found it blocked there),
+while a step's last outputs wait behind the sends before theirs either way."""
+
 
 @dataclass(frozen=True, slots=True)
 class _Send:
@@ -39,7 +45,7 @@ class EventSender:
     """Invariants: sends are published, and their outputs delivered, in the order `send` took
     them; at most `max_pending` wait or run at once (`send` blocks while that many do)."""
 
-    def __init__(self, publish: Publish, deliver: Deliver, max_pending: int = 2) -> None:
+    def __init__(self, publish: Publish, deliver: Deliver, max_pending: int = MAX_PENDING) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
         self._publish = publish
