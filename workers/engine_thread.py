@@ -209,7 +209,9 @@ class EngineThread:
         if batch is None and notes is None and self._sender.idle:
             self._deliver_now(finished)  # nothing to announce, nothing announcing
             return
-        self._sender.send(batch, notes, finished)
+        # A full sender holds the engine back; a peer's pin need not wait with it.
+        with self.lock.released():
+            self._sender.send(batch, notes, finished)
 
     def _publish_step(self, batch: EventBatch | None, notes: NoteBatch | None) -> None:
         """The sender's Redis round trip for one step: its events and notes in one."""
