@@ -29,9 +29,9 @@ Deliver = Callable[[str, RequestOutput], None]
 
 MAX_PENDING = 8
 """Sends that may wait at once before the engine waits too. A prefill that evicted sends ~1,000
-block events (a Redis script of several ms), and the steps right after it send again: at two,
-the engine waited out such scripts (a profile of an 8B worker on an H100 found it blocked there),
-while a step's last outputs wait behind the sends before theirs either way."""
+block events (a longer Redis script than a step's usual few), and the steps right after it send
+again: at two, the engine waited out such scripts (a profile of an 8B worker on an H100 found it
+blocked there), while a step's last outputs wait behind the sends before theirs either way."""
 
 
 @dataclass(frozen=True, slots=True)
