@@ -56,8 +56,9 @@ class EngineThread:
         self._deliver = deliver
         self._fail_all = fail_all
         self.lock = StateLock()
-        """Held by this thread for each iteration but a step's forward pass (`state_lock.py`); a
-        peer's pin or unpin takes it instead of queueing behind the step."""
+        """Held by this thread for each iteration but a step's forward pass and a wait for room
+        in the sender (`state_lock.py`); a peer's pin or unpin takes it instead of queueing
+        behind the step."""
         worker.state_lock = self.lock
         self._inbox: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
@@ -122,7 +123,7 @@ class EngineThread:
             self._warn_if_slow(self.last_tick)
             self.last_tick = time.monotonic()
             idle = False
-            with self.lock:  # let go of only in a step's forward pass
+            with self.lock:  # let go of in a step's forward pass and a wait for the sender
                 try:
                     idle = self._iterate()
                 except Exception as exc:  # keep serving: fail the running requests, not the worker

@@ -1,12 +1,13 @@
 """Who may touch a worker's state (its pool, scheduler and pulls) right now.
 
 The engine thread holds the lock for each whole iteration of its loop and lets go of it only
-while a step's forward pass runs (`Worker.step` calls `released`; the step's KV events go to
-Redis on another thread, `event_sender.py`). The forward pass is the long part of a step (a
-cold 8K prefill on a GPU, ~200 ms), and it reads no pool state but the block tables it was
-scheduled with. A same-GPU peer's small calls on a pull's path (pin a run, unpin it) take the lock
-themselves, from the worker's event loop, instead of queueing behind the step for the engine
-thread (an NCCL send is queued there with its pin: NCCL calls stay on one thread):
+while a step's forward pass runs (`Worker.step` calls `released`) and while it waits for room in
+the event sender (`event_sender.py`, which takes the step's KV events to Redis). The forward
+pass is the long part of a step (a cold 8K prefill on a GPU, ~200 ms), and it reads no pool
+state but the block tables it was scheduled with. A same-GPU peer's small calls on a pull's
+path (pin a run, unpin it) take the lock themselves, from the worker's event loop, instead of
+queueing behind the step for the engine thread (an NCCL send is queued there with its pin: NCCL
+calls stay on one thread):
 
     engine:  [ schedule | forward (released) ............ | outputs, register ] [ next ...
     peer:                   pin ^ runs here, not after the step
