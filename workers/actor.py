@@ -81,7 +81,9 @@ class WorkerActor:
         self._engine = EngineThread(self.worker, config, publisher, self._deliver, self._fail_all)
         self._submit = self._engine.submit
         self._on_engine = self._engine.on_engine
-        self._puller = Puller(self.worker, self._node_id, self._on_engine, self._fail_pull)
+        self._puller = Puller(
+            self.worker, self._node_id, self._on_engine, self._fail_pull, submit=self._submit
+        )
         self._doors = SideDoors(config.worker_id)
         self._nccl_link: NcclLink | None = None
         self._sends: set[asyncio.Task[None]] = set()
@@ -91,17 +93,26 @@ class WorkerActor:
 
     async def submit(self, request: WorkerRequest) -> None:
         """Accept a request; its outputs go out on the `outputs` stream it names (`reply_to`).
-        Raises RequestRejected for a request this worker cannot run. A pull it plans runs in the
-        background, its source asked while the request is still being reserved; the request is
-        admitted once the blocks land (or, failed, recomputes)."""
+        Raises RequestRejected for a request this worker cannot run. A same-GPU pull from a peer
+        already mapped runs inside the request's admission on the engine thread
+        (`admission_pull.py`); any other pull runs in the background, its source asked while the
+        request is still being reserved. Either way the request is admitted once the blocks land
+        (or, failed, recomputes)."""
         rid = request.request_id
         accepted = self.worker.clock()  # before the wait for the engine's step in progress
         self._outputs.route(rid, request.reply_to)
+        pull = request.pull if not request.bypass_cache else None
+        admission = self._puller.admission(pull) if pull is not None else None
         reserved = None
-        if request.pull is not None and not request.bypass_cache:
-            reserved = self._puller.begin(rid, request.pull)
         reservation = None
         try:
+            if admission is not None and await self._on_engine(
+                lambda: admission.admit(request, accepted)
+            ):
+                self._engine.wake()
+                return
+            if pull is not None:
+                reserved = self._puller.begin(rid, pull)
             reservation = await self._on_engine(lambda: self.worker.add_request(request, accepted))
         except BaseException as exc:
             self._outputs.unroute(rid)

@@ -1,5 +1,6 @@
 """Two workers sharing one GPU: a prefix pulled through CUDA IPC (the source asked while the
-target reserves) gives the tokens a local hit gives, and both pools end balanced."""
+target reserves; once its cache is mapped, inside the request's admission on the engine thread)
+gives the tokens a local hit gives, and both pools end balanced."""
 
 from __future__ import annotations
 
@@ -32,6 +33,12 @@ def test_prefix_pulled_on_the_same_gpu_over_cuda_ipc(ray_session: None) -> None:
             assert pulled[0].cache.pulled_tokens == 1024
             tokens = [t for r in pulled for t in r.token_ids]
             assert tokens == [t for r in local for t in r.token_ids]
+
+        import ray
+
+        counters = ray.get(d.cluster.actor("w1").info.remote()).counters
+        # the first pull mapped w0's cache through the event loop; the others ran in admission
+        assert (counters.num_pulls, counters.num_pulls_in_admission) == (3, 2)
 
         def balanced() -> bool:
             workers = stub.ListWorkers(pb.ListWorkersRequest()).workers

@@ -12,7 +12,12 @@ from collections.abc import Sequence
 import pytest
 
 from kvmesh.workers.transfer import peer_channel
-from kvmesh.workers.transfer.peer_channel import ChannelError, ChannelOp, PeerChannel
+from kvmesh.workers.transfer.peer_channel import (
+    BlockingChannel,
+    ChannelError,
+    ChannelOp,
+    PeerChannel,
+)
 
 
 class Source:
@@ -106,6 +111,34 @@ def test_a_source_that_went_away_leaves_a_broken_channel() -> None:
         assert channel.broken
         with pytest.raises(ChannelError, match="closed"):
             await channel.call(ChannelOp.PIN, [1])
+        server.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_blocking_end_gets_the_same_answers_for_one_owner_at_a_time() -> None:
+    async def scenario() -> None:
+        server, path = await served(Source())
+        channel = BlockingChannel(path)
+        assert channel.try_take() and not channel.try_take()
+
+        def ask(values: list[int]) -> list[int] | None:
+            channel.send(ChannelOp.PIN, values)
+            assert channel.answered_within(5.0)
+            return channel.receive()
+
+        big = [2**64 - 1 - i for i in range(480)]
+        assert await asyncio.to_thread(ask, big) == [100 + i for i in range(480)]
+        with pytest.raises(ChannelError, match="unlucky hash"):
+            await asyncio.to_thread(ask, [1, 13])
+        assert not channel.broken  # an error answer leaves the channel usable
+        assert await asyncio.to_thread(ask, [1]) == [100]
+        channel.give_back()
+        assert channel.try_take()
+        channel.close()
+        assert channel.broken and not channel.try_take()
+        with pytest.raises(ChannelError, match="closed"):
+            channel.send(ChannelOp.PIN, [1])
         server.close()
 
     asyncio.run(scenario())

@@ -126,6 +126,9 @@ class WorkerCounters:
     generated_tokens: int = 0
     num_pulls: int = 0
     num_failed_pulls: int = 0
+    num_pulls_in_admission: int = 0
+    """Same-GPU pulls run inside their request's admission on the engine thread (the rest of
+    `num_pulls` went through the worker's event loop)."""
     num_preemptions: int = 0
     num_host_blocks: int = 0
     num_evicted_blocks: int = 0

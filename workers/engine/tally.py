@@ -25,6 +25,7 @@ class WorkerTally:
     generated_tokens: int = 0
     num_pulls: int = 0
     num_failed_pulls: int = 0
+    num_pulls_in_admission: int = 0
     prefill_ms_total: float = 0.0
     prefill_tokens_total: int = 0
     num_prefill_steps: int = 0
@@ -71,6 +72,7 @@ class WorkerTally:
             generated_tokens=self.generated_tokens,
             num_pulls=self.num_pulls,
             num_failed_pulls=self.num_failed_pulls,
+            num_pulls_in_admission=self.num_pulls_in_admission,
             num_preemptions=num_preemptions,
             num_host_blocks=num_host_blocks,
             num_evicted_blocks=num_evicted_blocks,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from kvmesh.proto.block_hash import BlockHash
-from kvmesh.workers.engine.pull_admission import PullTargets
+from kvmesh.workers.engine.pull_admission import BlockWriter, PullTargets
 from kvmesh.workers.kv.layer_writes import LayerGroups, group_spans, until_done
 from kvmesh.workers.model.runner import ModelRunner
 from kvmesh.workers.transfer.block_copy import BlockPairs, copy_block_pairs
@@ -29,6 +29,10 @@ class CudaIpcTransport:
         self._runner = runner
         self._mapped: dict[str, torch.Tensor] = {}
 
+    def mapped(self, source: str) -> torch.Tensor | None:
+        """The peer's cache, if it has been mapped (by a first `fetch`)."""
+        return self._mapped.get(source)
+
     async def fetch(
         self, source: str, hashes: tuple[BlockHash, ...], write: WriteOnEngine
     ) -> int | None:
@@ -39,37 +43,52 @@ class CudaIpcTransport:
                 return None  # the peer's cache is not on a GPU
             rebuild, args = handle
             self._mapped[source] = rebuild(*args)
-        peer_cache = self._mapped[source]
         ids = await peer.pin(hashes)
         copied: list[torch.cuda.Event] = []
         try:
-
-            def fill(targets: PullTargets) -> int:
-                n = targets.fillable(len(ids))
-                if n:
-                    ours = self._runner.kv_cache
-                    check_same_layout(ours, peer_cache)
-                    dst = [int(b) for b in targets.blocks[:n]]
-                    pairs = BlockPairs(ids[targets.first : targets.first + n], dst)
-                    groups = LayerGroups(
-                        group_spans(ours.shape[0], LAYER_GROUPS),
-                        self._runner.layer_stream(),
-                        dst,
-                        lambda lo, hi: copy_block_pairs(ours[lo:hi], peer_cache[lo:hi], pairs),
-                        self._runner.layer_gates,
-                    )
-                    # The request's forward waits per group; only the peer's unpin waits for
-                    # all of it, and not the request.
-                    self._runner.add_layer_writes(groups)
-                    copied.append(groups.done)
-                return n
-
-            return await write(fill)
+            return await write(self.writer(self._mapped[source], ids, copied))
         finally:
             if ids:
-                for done in copied:
-                    await until_done(done)
-                await peer.unpin(ids)
+                await self.unpin_after(source, ids, copied)
+
+    def writer(
+        self, peer_cache: torch.Tensor, ids: list[int], copied: list[torch.cuda.Event]
+    ) -> BlockWriter:
+        """Copies the pinned run `ids` of `peer_cache` into the reserved blocks it is given, in
+        layer groups on the runner's layer stream; appends the copy's last event to `copied`."""
+
+        def fill(targets: PullTargets) -> int:
+            n = targets.fillable(len(ids))
+            if n:
+                ours = self._runner.kv_cache
+                check_same_layout(ours, peer_cache)
+                dst = [int(b) for b in targets.blocks[:n]]
+                pairs = BlockPairs(ids[targets.first : targets.first + n], dst)
+                if not ours.is_cuda:  # a cache on the CPU (tests): copied now, nothing to wait for
+                    copy_block_pairs(ours, peer_cache, pairs)
+                    return n
+                groups = LayerGroups(
+                    group_spans(ours.shape[0], LAYER_GROUPS),
+                    self._runner.layer_stream(),
+                    dst,
+                    lambda lo, hi: copy_block_pairs(ours[lo:hi], peer_cache[lo:hi], pairs),
+                    self._runner.layer_gates,
+                )
+                # The request's forward waits per group; only the peer's unpin waits for all
+                # of it, and not the request.
+                self._runner.add_layer_writes(groups)
+                copied.append(groups.done)
+            return n
+
+        return fill
+
+    async def unpin_after(
+        self, source: str, ids: list[int], copied: list[torch.cuda.Event]
+    ) -> None:
+        """Let the peer unpin `ids` once the GPU has passed every copy out of them."""
+        for done in copied:
+            await until_done(done)
+        await self._peers(source).unpin(ids)
 
 
 def check_same_layout(ours: torch.Tensor, theirs: torch.Tensor) -> None:

@@ -19,8 +19,12 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import select
+import socket
 import struct
-from collections.abc import Awaitable, Callable, Sequence
+import threading
+from collections.abc import Awaitable, Callable, Generator, Sequence
+from typing import TypeVar, cast
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +42,12 @@ class ChannelOp(enum.IntEnum):
     """arg unused, block ids -> none"""
     NCCL_ACCEPT = 3
     """arg: the puller's rank, hashes -> block ids being sent, or None (busy)"""
+
+
+RECEIVE_TIMEOUT_S = 30.0
+"""How long a blocking reader waits for a reply it is owed before it gives the channel up."""
+
+T = TypeVar("T")
 
 
 class ChannelError(RuntimeError):
@@ -72,16 +82,28 @@ async def _read_request(reader: asyncio.StreamReader) -> tuple[ChannelOp, int, l
     return op, arg, values
 
 
-async def _read_reply(reader: asyncio.StreamReader) -> list[int] | None:
-    (n,) = _COUNT.unpack(await reader.readexactly(_COUNT.size))
+def _reply_parts() -> Generator[int, bytes, list[int] | None]:
+    """A reply, parsed as it is read: yields how many bytes it needs next and is sent them;
+    returns the block ids (None: NONE_REPLY) or raises the source's error."""
+    (n,) = _COUNT.unpack((yield _COUNT.size))
     if n == NONE_REPLY:
         return None
     if n == ERROR_REPLY:
-        (length,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
-        raise ChannelError((await reader.readexactly(length)).decode(errors="replace"))
+        (length,) = _LENGTH.unpack((yield _LENGTH.size))
+        raise ChannelError((yield length).decode(errors="replace"))
     if n < 0:
         raise ChannelError(f"bad reply count {n}")
-    return list(struct.unpack(f"<{n}I", await reader.readexactly(4 * n)))
+    return list(struct.unpack(f"<{n}I", (yield 4 * n)))
+
+
+async def _read_reply(reader: asyncio.StreamReader) -> list[int] | None:
+    parts = _reply_parts()
+    wanted = next(parts)
+    while True:
+        try:
+            wanted = parts.send(await reader.readexactly(wanted))
+        except StopIteration as done:
+            return cast("list[int] | None", done.value)
 
 
 async def serve(path: str, handlers: dict[ChannelOp, Handler]) -> asyncio.AbstractServer:
@@ -144,3 +166,74 @@ class PeerChannel:
         self.broken = True
         if not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._writer.close)
+
+
+class BlockingChannel:
+    """The puller's blocking end of one peer's channel, for the engine thread: it sends a pin
+    before the request is reserved and reads the answer after, with no event loop between
+    (`admission_pull.py`). Invariant: at most one request awaits its reply; whoever holds
+    `_busy` owns the socket (`try_take` / `give_back`); once broken, every call raises
+    `ChannelError`."""
+
+    def __init__(self, path: str) -> None:
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._sock.connect(path)
+        except OSError:
+            self._sock.close()
+            raise
+        self._busy = threading.Lock()
+        self.broken = False
+
+    def try_take(self) -> bool:
+        """Own the channel for one request and its reply; False while another owns it."""
+        if self.broken:
+            return False
+        return self._busy.acquire(blocking=False)
+
+    def give_back(self) -> None:
+        self._busy.release()
+
+    def send(self, op: ChannelOp, values: Sequence[int], arg: int = 0) -> None:
+        self._io(lambda: self._sock.sendall(encode_request(op, values, arg)))
+
+    def answered_within(self, timeout_s: float) -> bool:
+        """Whether the reply has begun to arrive within `timeout_s` (it is read whole after)."""
+        ready, _, _ = self._io(lambda: select.select([self._sock], [], [], timeout_s))
+        return bool(ready)
+
+    def receive(self, timeout_s: float = RECEIVE_TIMEOUT_S) -> list[int] | None:
+        """The reply to the request sent; a source silent for `timeout_s` breaks the channel."""
+        self._io(lambda: self._sock.settimeout(timeout_s))
+        return self._io(self._read_reply)
+
+    def _read_reply(self) -> list[int] | None:
+        parts = _reply_parts()
+        wanted = next(parts)
+        while True:
+            try:
+                wanted = parts.send(self._read_exactly(wanted))
+            except StopIteration as done:
+                return cast("list[int] | None", done.value)
+
+    def _read_exactly(self, num_bytes: int) -> bytes:
+        data = bytearray()
+        while len(data) < num_bytes:
+            chunk = self._sock.recv(num_bytes - len(data))
+            if not chunk:
+                raise ConnectionError("the peer closed its channel")
+            data += chunk
+        return bytes(data)
+
+    def _io(self, fn: Callable[[], T]) -> T:
+        if self.broken:
+            raise ChannelError("the peer channel is closed")
+        try:
+            return fn()
+        except OSError as exc:  # timeouts included: a reply half read leaves nothing usable
+            self.close()
+            raise ChannelError(f"the peer channel broke: {exc!r}") from None
+
+    def close(self) -> None:
+        self.broken = True
+        self._sock.close()

@@ -11,19 +11,26 @@ from typing import Any
 
 from kvmesh.proto.block_hash import BlockHash
 from kvmesh.workers.transfer.block_export import BlockExport
-from kvmesh.workers.transfer.peer_channel import ChannelError, ChannelOp, PeerChannel
+from kvmesh.workers.transfer.peer_channel import (
+    BlockingChannel,
+    ChannelError,
+    ChannelOp,
+    PeerChannel,
+)
 
 log = logging.getLogger(__name__)
 
 
 class PeerSource:
     """Invariant: the channel is looked up at most once (`_looked_up`); a channel that breaks is
-    dropped and this source's calls go over Ray from then on."""
+    dropped and this source's calls go over Ray from then on. The blocking end (`_blocking`) is
+    connected with the channel and dropped alone when it breaks."""
 
     def __init__(self, actor: Any, node_id: str) -> None:
         self.actor = actor
         self._node_id = node_id
         self._channel: PeerChannel | None = None
+        self._blocking: BlockingChannel | None = None
         self._looked_up = False
         self._lookup = asyncio.Lock()
 
@@ -36,11 +43,18 @@ class PeerSource:
                 if address is not None and address[0] == self._node_id:
                     try:
                         self._channel = await PeerChannel.connect(address[1])
+                        self._blocking = BlockingChannel(address[1])
                     except OSError as exc:
                         log.warning("peer channel %s unreachable, using Ray: %s", address[1], exc)
             if self._channel is not None and self._channel.broken:
                 self._channel = None
             return self._channel
+
+    def blocking_channel(self) -> BlockingChannel | None:
+        """The channel's blocking end for the engine thread, once `channel` has connected it."""
+        if self._blocking is not None and self._blocking.broken:
+            self._blocking = None
+        return self._blocking
 
     async def pin(self, hashes: Sequence[BlockHash]) -> list[int]:
         """Pin the leading run of `hashes` the peer holds on its device; its block ids."""
@@ -80,3 +94,5 @@ class PeerSource:
     def close(self) -> None:
         if self._channel is not None:
             self._channel.close()
+        if self._blocking is not None:
+            self._blocking.close()

@@ -15,12 +15,16 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from concurrent import futures
 from typing import Any, TypeVar
+
+import torch
 
 from kvmesh.workers.contract.requests import PullSpec, Transport
 from kvmesh.workers.engine.pull_admission import PullTiming
 from kvmesh.workers.engine.worker import BlockWriter, PullTargets, Worker
 from kvmesh.workers.kv.pull_reservation import PullReservation
+from kvmesh.workers.transfer.admission_pull import AdmissionPull
 from kvmesh.workers.transfer.cuda_ipc import CudaIpcTransport
 from kvmesh.workers.transfer.nccl import NcclLink, NcclTransport
 from kvmesh.workers.transfer.object_store import ObjectStoreTransport
@@ -45,15 +49,19 @@ class Puller:
         on_engine: OnEngine[Any],
         fail: Callable[[str, Exception], None],
         clock: Callable[[], float] = time.perf_counter,
+        submit: Callable[[Callable[[], Any]], None] | None = None,
     ) -> None:
         self.worker = worker
         self.node_id = node_id
         self._clock = clock
         """Seconds; times each pull's parts (`PullTiming`)."""
         self._on_engine = on_engine
+        self._submit = submit
+        """Runs a closure on the engine thread without waiting (None: no pull within admission)."""
         self._fail = fail
         self._peers: dict[str, PeerSource] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._unpins: set[futures.Future[None]] = set()
         self._object_store = ObjectStoreTransport(self.peer, worker.runner)
         self._cuda_ipc = CudaIpcTransport(self.peer, worker.runner)
         self._nccl: NcclTransport | None = None
@@ -78,6 +86,30 @@ class Puller:
 
     def join_nccl(self, link: NcclLink) -> None:
         self._nccl = NcclTransport(self.peer, self.worker.runner, link)
+
+    def admission(self, spec: PullSpec) -> AdmissionPull | None:
+        """The pull to run inside its request's admission on the engine thread
+        (`admission_pull.py`): a same-GPU pull from a peer whose cache is mapped and whose
+        channel is connected. None: `begin` it on the loop instead."""
+        if spec.transport is not Transport.CUDA_IPC or self._submit is None:
+            return None
+        peer = self._peers.get(spec.source)
+        peer_cache = self._cuda_ipc.mapped(spec.source)
+        channel = peer.blocking_channel() if peer is not None else None
+        if channel is None or peer_cache is None:
+            return None
+        loop = asyncio.get_running_loop()
+
+        def release(ids: list[int], copied: list[torch.cuda.Event]) -> None:
+            unpin = self._cuda_ipc.unpin_after(spec.source, ids, copied)
+            future = asyncio.run_coroutine_threadsafe(unpin, loop)
+            self._unpins.add(future)
+            future.add_done_callback(self._unpins.discard)
+
+        return AdmissionPull(
+            self.worker, self._cuda_ipc, channel, peer_cache, spec, release, self._submit,
+            self._fail, self._clock,
+        )  # fmt: skip
 
     def begin(self, rid: str, spec: PullSpec) -> asyncio.Future[PullReservation | None]:
         """Start pulling `spec` for request `rid`; resolve the returned future with its
