@@ -29,8 +29,8 @@ class WorkerConfig:
     """Pinned host-memory tier for blocks evicted from the device pool; 0 disables it."""
     host_write_back_blocks: int = 1024
     """With a host tier: how many of the device pool's next evictions to keep copied on it,
-    written while the engine is idle (at most 32 MiB a tick), so evicting them when a request needs the room
-    copies nothing; 0 copies only on eviction."""
+    written while the engine is idle (at most 32 MiB a tick), so evicting them when a request
+    needs the room copies nothing; 0 copies only on eviction."""
     cpu_kv_cache_mb: int = 256
     """KV pool size on CPU when num_blocks is 0."""
     redis_url: str = field(default="", repr=False)
