@@ -39,6 +39,7 @@ ANSWER_WAIT_S = 0.005
 read. Measured on an H100 host: the answer came 0.3-0.6 ms after the ask, within the ~0.6 ms the
 reservation takes; a source whose loop is busy answers later, and the engine steps on meanwhile."""
 
+
 class RunWriter(Protocol):
     """What copies a pinned run of the source's cache in place (`CudaIpcTransport`)."""
 
