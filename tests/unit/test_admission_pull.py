@@ -23,6 +23,7 @@ from kvmesh.workers.transfer import peer_channel
 from kvmesh.workers.transfer.admission_pull import ANSWER_WAIT_S, AdmissionPull
 from kvmesh.workers.transfer.cuda_ipc import CudaIpcTransport
 from kvmesh.workers.transfer.peer_channel import BlockingChannel, ChannelOp
+from tests.unit.loop_thread import LoopThread
 from tests.unit.test_transfer import PREFIX, chain_of, finish, make_worker, request, warm_peer
 
 
@@ -34,12 +35,9 @@ class ServedSource:
         self.worker = worker
         self.delay_s = delay_s
         self.path = os.path.join(tempfile.mkdtemp(), "peer.sock")
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
+        self._loop_thread = LoopThread()
         handlers = {ChannelOp.PIN: self._pin, ChannelOp.UNPIN: self._unpin}
-        serving = peer_channel.serve(self.path, handlers)  # type: ignore[arg-type]
-        self.server = asyncio.run_coroutine_threadsafe(serving, self.loop).result()
+        self.server = self._loop_thread.run(peer_channel.serve(self.path, handlers))  # type: ignore[arg-type]
 
     async def _pin(self, hashes: Sequence[int], _: int) -> list[int]:
         await asyncio.sleep(self.delay_s)
@@ -50,16 +48,7 @@ class ServedSource:
         return []
 
     def close(self) -> None:
-        async def shut() -> None:
-            self.server.close()
-            for task in asyncio.all_tasks():
-                if task is not asyncio.current_task():
-                    task.cancel()
-
-        asyncio.run_coroutine_threadsafe(shut(), self.loop).result(timeout=5)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=5)
-        self.loop.close()
+        self._loop_thread.stop(self.server)
 
 
 class DeadSource:

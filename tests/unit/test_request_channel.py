@@ -23,6 +23,7 @@ from kvmesh.workers import request_channel
 from kvmesh.workers.contract.replies import RequestOutput, RequestRejected
 from kvmesh.workers.contract.requests import SamplingConfig, WorkerRequest
 from kvmesh.workers.request_channel import BadFrame, Frame, RequestHandlers
+from tests.unit.loop_thread import LoopThread
 
 
 class Worker:
@@ -65,27 +66,18 @@ class Served:
     """A `Worker` served on a loop in a background thread."""
 
     def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self._thread.start()
+        self._loop_thread = LoopThread()
+        self.loop = self._loop_thread.loop
         self.path = os.path.join(tempfile.mkdtemp(), "requests.sock")
         self.worker = Worker(self.loop)
         handlers = RequestHandlers(self.worker.submit, self.worker.abort, self.worker.outputs)
         self.server = self.on_loop(request_channel.serve(self.path, handlers))
 
     def on_loop(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=10)
+        return self._loop_thread.run(coro)
 
     def stop(self) -> None:
-        async def close() -> None:
-            self.server.close()
-            for task in asyncio.all_tasks():
-                if task is not asyncio.current_task():
-                    task.cancel()
-
-        self.on_loop(close())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=5)
+        self._loop_thread.stop(self.server)
 
 
 @pytest.fixture
