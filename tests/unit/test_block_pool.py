@@ -225,3 +225,33 @@ def test_registration_events_carry_the_depth_of_their_first_block() -> None:
         BlockStored((H(0), H(1)), 0, BlockHash(7), 1),
         BlockStored((H(5),), 0, H(4), 6),
     ]
+
+
+def test_a_run_registers_as_its_blocks_one_by_one_would() -> None:
+    """`register_run` against `register` block by block on a twin pool: the same matches, radix
+    links, events and answer, a held hash included (that block alone stays unregistered)."""
+    one, run = make_pool(8), make_pool(8)
+    for pool in (one, run):
+        held = pool.allocate(1) or []
+        pool.register(held[0], H(2), H(1), depth=3)  # H(2) lives in another block already
+    blocks_one, blocks_run = one.allocate(4) or [], run.allocate(4) or []
+    assert blocks_one == blocks_run
+    hashes = [H(0), H(1), H(2), H(3)]
+    answers = []
+    parent, depth = BlockHash(7), 1
+    for block, h in zip(blocks_one, hashes, strict=True):
+        answers.append(one.register(block, h, parent, depth=depth))
+        parent, depth = h, depth + 1
+    assert run.register_run(blocks_run, hashes, BlockHash(7), depth=1) is all(answers) is False
+    chain = [*blocks_run[:2], held[0], blocks_run[3]]  # the held block stands in for H(2)
+    assert run.match_prefix(hashes) == one.match_prefix(hashes) == chain
+    assert run.block_hash(blocks_run[2]) is None and run.block_hash(blocks_run[3]) == H(3)
+    assert run.drain_events() == one.drain_events()
+    for pool in (one, run):
+        pool.check_invariants()
+    fresh = make_pool(4)
+    blocks = fresh.allocate(2) or []
+    assert fresh.register_run(blocks, [H(0), H(1)], BlockHash(7))  # depth unknown: 0 for all
+    assert fresh.drain_events() == [BlockStored((H(0), H(1)), 0, BlockHash(7), 0)]
+    with pytest.raises(ValueError, match="2 blocks for 1 hashes"):
+        fresh.register_run(blocks, [H(0)], BlockHash(7))

@@ -195,9 +195,13 @@ class Scheduler:
             # be copied for nothing); a sequence that bypasses the cache registers none.
             if num_full > seq.num_registered_blocks and not seq.bypass_cache:
                 hashes = seq.full_block_hashes(bs)
-                for i in range(seq.num_registered_blocks, num_full):
-                    block, parent = seq.block_table[i], seq.parent_hash(i)
-                    self.pool.register(block, hashes[i], parent, depth=i + 1)
+                first = seq.num_registered_blocks
+                self.pool.register_run(
+                    seq.block_table[first:num_full],
+                    hashes[first:num_full],
+                    seq.parent_hash(first),
+                    depth=first + 1,
+                )
             seq.num_registered_blocks = num_full
             seq.output_ids.append(token)
             cfg = seq.sampling

@@ -67,14 +67,10 @@ def commit(
         raise ValueError(
             f"{num_written} blocks written into a reservation of {len(reservation.targets)}"
         )
-    parent = reservation.parent
     depth = len(reservation.local) + 1  # hashes[0] follows the local run
     written = reservation.targets[:num_written]
-    all_registered = True
-    for block, h in zip(written, reservation.hashes, strict=False):
-        all_registered &= pool.register(block, h, parent, depth=depth)
-        parent, depth = h, depth + 1
-    if all_registered:
+    hashes = reservation.hashes[:num_written]
+    if pool.register_run(written, hashes, reservation.parent, depth):
         # The common case: the prefix the pool now holds is exactly the local run and the
         # written blocks, and the reservation's references on them become the request's pin.
         pool.free(reservation.targets[num_written:])
