@@ -9,6 +9,7 @@ to `copy_block_runs`, one strided copy per run of consecutive blocks.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -100,8 +101,8 @@ class BlockPairs:
         # pointers on that alignment, and every copy runs the one compiled variant.
         gap = -n % 4
         if self._on is None or self._on[0] != stream:
-            ids = self.src_ids + [0] * gap + self.dst_ids
-            pinned = torch.tensor(ids, dtype=torch.int32).pin_memory()
+            ids = np.array(self.src_ids + [0] * gap + self.dst_ids, dtype=np.int32)
+            pinned = torch.from_numpy(ids).pin_memory()  # (numpy converts a list ~2x faster)
             self._on = (stream, pinned.to(device, non_blocking=True))
         ids_t = self._on[1]
         return ids_t[:n], ids_t[n + gap :]
