@@ -2,7 +2,9 @@
 (mapped once per peer through CUDA IPC) with the block-copy kernel; no staging, no host trip. The
 copy runs in layer groups on a side stream (`kv/layer_writes.py`): the request is queued as soon
 as it is enqueued, and its forward waits for each group just before that group's first layer.
-The source unpins once the GPU has passed the copy."""
+The source unpins once the GPU has passed the copy. After the first pull from a peer (which maps
+its cache), the next ones run inside their request's admission on the engine thread with this
+transport's `writer` (`admission_pull.py`)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,9 @@ A Ray actor call between two idle workers costs ~2-3 ms on a GPU host (measured 
 2.6 ms with 10 ms between calls, 0.65 ms for the same request over a Unix socket served by an
 asyncio loop through an engine-thread hop), and a same-GPU pull of 7.5K tokens copies in ~1 ms, so
 the call was most of a pull. Everything else (the IPC handle, exports, peers on other nodes) stays
-on Ray.
+on Ray. The puller's engine thread also holds a blocking end of the same channel
+(`BlockingChannel`), a second connection, for a same-GPU pin asked and answered within a request's
+admission.
 
 Wire format, little-endian; one request at a time per connection, answered in order:
 

@@ -7,6 +7,10 @@ plan a request arrives with to the request queued on the engine.
 `begin` starts the pull before the request is reserved (the source needs only the plan); the
 caller resolves the returned future with the reservation, or None when there is none (the plan
 did not fit and the request recomputes, or the request was rejected).
+
+A same-GPU pull from a peer whose cache is already mapped skips the loop: `admission` hands the
+actor an `AdmissionPull`, which asks, reserves, writes and queues in the one engine call
+(`admission_pull.py`); the first pull from a peer, NCCL and the object store go as above.
 """
 
 from __future__ import annotations
