@@ -106,6 +106,11 @@ _WORKER_COUNTERS = (
     ("num_pulls", "kvmesh_worker_pulls_total", "Pulls from peers the worker ran."),
     ("num_failed_pulls", "kvmesh_worker_failed_pulls_total", "Pulls that fell back to compute."),
     (
+        "num_pulls_in_admission",
+        "kvmesh_worker_pulls_in_admission_total",
+        "Same-GPU pulls run inside their request's admission on the engine thread.",
+    ),
+    (
         "host_hit_tokens",
         "kvmesh_worker_host_hit_tokens_total",
         "Tokens promoted from the host tier.",
