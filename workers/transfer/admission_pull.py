@@ -10,8 +10,8 @@ Through the loop (`puller.py`'s path, which every other pull takes) the answer w
 actor's own Ray work after the reservation, and the write ran beside it: on an H100 host the
 request reached its step ~3.9 ms after it arrived, ~1.3 ms of it in those hand-offs.
 
-The engine waits for the answer at most `ANSWER_WAIT_S`, with the state lock let go so that a
-peer pulling from this worker meanwhile is served; a later answer is read by a helper thread,
+The engine waits for the answer at most `ANSWER_WAIT_S` (2 ms), with the state lock let go so that
+a peer pulling from this worker meanwhile is served; a later answer is read by a helper thread,
 which queues the write on the engine as the loop's path would. A channel that breaks means
 recompute, and the next pulls from that source go through the loop.
 """
@@ -34,10 +34,12 @@ from kvmesh.workers.transfer.peer_channel import BlockingChannel, ChannelError, 
 
 log = logging.getLogger(__name__)
 
-ANSWER_WAIT_S = 0.005
+ANSWER_WAIT_S = 0.002
 """How long the engine waits for the source's answer before a helper thread takes over the
-read. Measured on an H100 host: the answer came 0.3-0.6 ms after the ask, within the ~0.6 ms the
-reservation takes; a source whose loop is busy answers later, and the engine steps on meanwhile."""
+read; the worker's running requests wait with it, so this bounds what a slow source costs them.
+Measured on an H100 host: the answer came 0.3-0.6 ms after the ask, within the ~0.6 ms the
+reservation takes (the pull's whole source part 0.9-1.2 ms, the reservation included); a source
+whose loop is busy answers later, and the engine steps on meanwhile."""
 
 
 class RunWriter(Protocol):
