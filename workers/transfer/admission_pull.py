@@ -87,8 +87,8 @@ class AdmissionPull:
 
     def admit(self, request: WorkerRequest, accepted_s: float) -> bool:
         """On the engine thread: ask the source, add the request, write what the source pinned
-        and queue the request. False (nothing done) while the channel serves another pull: the
-        caller takes the loop's path instead."""
+        and queue the request. False (nothing done) when the channel is broken or serves another
+        pull: the caller takes the loop's path instead."""
         if not self._channel.try_take():
             return False
         started = self._clock()
