@@ -67,6 +67,10 @@ class DeadSource:
         connection.close()
         self._listener.close()
 
+    def wait_dead(self) -> None:
+        """Until the connection made to it has been closed."""
+        self._thread.join(timeout=10)
+
 
 class Admission:
     """An `AdmissionPull` from `source` into `target` with what the puller gives it: the
@@ -162,7 +166,9 @@ def test_a_broken_channel_means_recompute(source: ServedSource) -> None:
     admission = Admission(target, source, prompt)
     admission.channel.close()
     assert not admission.pull.admit(request("req", prompt, pull=admission.spec), 0.0)
-    dead = Admission(target, DeadSource(), prompt)
+    dead_source = DeadSource()
+    dead = Admission(target, dead_source, prompt)
+    dead_source.wait_dead()
     assert dead.pull.admit(request("req", prompt, pull=dead.spec), time.monotonic())
     assert dead.channel.broken and dead.released == []
     facts = finish(target, "req")[0].prefill
