@@ -42,9 +42,10 @@ OnEngine = Callable[[Callable[[], T]], Awaitable[T]]
 
 
 class Puller:
-    """Invariant: every pull task is held in `_tasks` until it ends (the loop keeps only weak
-    references), and every pull whose request was reserved ends with the request queued
-    (`finish_pull`) or failed through `fail`."""
+    """Invariant: every pull task is held in `_tasks`, and every unpin an admission's pull
+    scheduled on the loop in `_unpins`, until it ends (the loop keeps only weak references);
+    every pull whose request was reserved ends with the request queued (`finish_pull`) or failed
+    through `fail`."""
 
     def __init__(
         self,
@@ -108,12 +109,18 @@ class Puller:
             unpin = self._cuda_ipc.unpin_after(spec.source, ids, copied)
             future = asyncio.run_coroutine_threadsafe(unpin, loop)
             self._unpins.add(future)
-            future.add_done_callback(self._unpins.discard)
+            future.add_done_callback(self._unpinned)
 
         return AdmissionPull(
             self.worker, self._cuda_ipc, channel, peer_cache, spec, release, self._submit,
             self._fail, self._clock,
         )  # fmt: skip
+
+    def _unpinned(self, future: futures.Future[None]) -> None:
+        self._unpins.discard(future)
+        failure = None if future.cancelled() else future.exception()
+        if failure is not None:  # the source keeps the run pinned: say so, serve on
+            log.warning("unpinning a pulled run failed: %s", failure)
 
     def begin(self, rid: str, spec: PullSpec) -> asyncio.Future[PullReservation | None]:
         """Start pulling `spec` for request `rid`; resolve the returned future with its
