@@ -135,6 +135,11 @@ def test_the_blocking_end_gets_the_same_answers_for_one_owner_at_a_time() -> Non
         assert await asyncio.to_thread(ask, [1]) == [100]
         channel.give_back()
         assert channel.try_take()
+        closing = BlockingChannel(path)
+        closing._sock.close()  # closed by another thread between the check and the wait
+        with pytest.raises(ChannelError, match="broke"):
+            closing.answered_within(0.01)
+        assert closing.broken
         channel.close()
         assert channel.broken and not channel.try_take()
         with pytest.raises(ChannelError, match="closed"):

@@ -200,9 +200,15 @@ class BlockingChannel:
         self._io(lambda: self._sock.sendall(encode_request(op, values, arg)))
 
     def answered_within(self, timeout_s: float) -> bool:
-        """Whether the reply has begun to arrive within `timeout_s` (it is read whole after)."""
-        ready, _, _ = self._io(lambda: select.select([self._sock], [], [], timeout_s))
-        return bool(ready)
+        """Whether the reply has begun to arrive within `timeout_s` (it is read whole after).
+        Polled, not `select`ed: a worker process can hold more than 1,024 descriptors."""
+
+        def wait() -> bool:
+            poller = select.poll()
+            poller.register(self._sock, select.POLLIN)
+            return bool(poller.poll(timeout_s * 1e3))
+
+        return self._io(wait)
 
     def receive(self, timeout_s: float = RECEIVE_TIMEOUT_S) -> list[int] | None:
         """The reply to the request sent; a source silent for `timeout_s` breaks the channel."""
@@ -232,7 +238,8 @@ class BlockingChannel:
             raise ChannelError("the peer channel is closed")
         try:
             return fn()
-        except OSError as exc:  # timeouts included: a reply half read leaves nothing usable
+        except (OSError, ValueError) as exc:  # a timeout (a half-read reply is lost), or a
+            # socket another thread closed meanwhile (its descriptor gone: ValueError)
             self.close()
             raise ChannelError(f"the peer channel broke: {exc!r}") from None
 
