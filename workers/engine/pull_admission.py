@@ -56,6 +56,15 @@ class PullTiming:
     write_ms: float = 0.0
     """The engine call that wrote the blocks (or enqueued their copy) and registered them."""
 
+    @classmethod
+    def between(
+        cls, started_s: float, answered_s: float, write_began_s: float | None, done_s: float
+    ) -> PullTiming:
+        """From the clock's readings (s): the pull's start, the source's answer, the write
+        call's start (None: nothing was written) and the blocks registered."""
+        write_s = done_s - write_began_s if write_began_s is not None else 0.0
+        return cls((done_s - started_s) * 1e3, (answered_s - started_s) * 1e3, write_s * 1e3)
+
 
 BlockWriter = Callable[[PullTargets], int]
 """Fills the given reserved blocks (possibly none: the request went away) and returns how many

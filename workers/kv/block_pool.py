@@ -180,22 +180,7 @@ class BlockPool:
     ) -> bool:
         """Make a fully written, referenced block matchable; False if the hash is already held.
         `parent` and `depth` (1: first block after the root; 0: unknown) are its radix link."""
-        if self._ref_count[block] == 0:
-            raise ValueError(f"block {block} is free; register it before freeing it")
-        current = self._block_hash[block]
-        if current is not None:
-            if current != block_hash:
-                raise ValueError(f"block {block} already holds hash {current:#x}")
-            return True
-        if block_hash in self._hash_to_block:
-            return False
-        self._block_hash[block] = block_hash
-        self._hash_to_block[block_hash] = block
-        self.num_hash_changes += 1
-        self._block_parent[block] = parent
-        self._block_depth[block] = depth
-        self._append_stored(block_hash, parent, depth)
-        return True
+        return self.register_run([block], [block_hash], parent, depth)
 
     def register_run(
         self,
@@ -207,7 +192,8 @@ class BlockPool:
         """`register` a chain at once: `blocks[i]` as `hashes[i]`, the first after `parent` at
         `depth` (0: unknown, for all of them), each after the one before. False if any hash was
         already held (that block stays unregistered; the rest are registered all the same).
-        One pass with the state in locals: a prefill or a pull registers hundreds of blocks."""
+        One pass with the state in locals: a prefill or a pull registers hundreds of blocks.
+        Raises ValueError for a free block, or one that holds another hash."""
         if len(blocks) != len(hashes):
             raise ValueError(f"{len(blocks)} blocks for {len(hashes)} hashes")
         ref_count, block_hash = self._ref_count, self._block_hash
@@ -229,11 +215,7 @@ class BlockPool:
                 self.num_hash_changes += 1
                 block_parent[block] = parent
                 block_depth[block] = depth
-                run = self._run
-                if run and run[-1] == parent:
-                    run.append(h)
-                else:
-                    self._append_stored(h, parent, depth)
+                self._append_stored(h, parent, depth)
             parent = h
             if depth:
                 depth += 1

@@ -166,12 +166,7 @@ class AdmissionPull:
     def _finish(
         self, rid: str, written: int, started: float, answered: float, write_began: float | None
     ) -> None:
-        done = self._clock()
-        timing = PullTiming(
-            (done - started) * 1e3,
-            (answered - started) * 1e3,
-            (done - write_began) * 1e3 if write_began is not None else 0.0,
-        )
+        timing = PullTiming.between(started, answered, write_began, self._clock())
         try:
             self._worker.finish_pull(rid, written, timing)
         except Exception as exc:  # the request cannot be queued: it ends here, not silently

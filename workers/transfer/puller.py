@@ -153,12 +153,7 @@ class Puller:
             nonlocal finished, failure
             finished = True
             try:
-                done = self._clock()
-                timing = PullTiming(
-                    (done - started) * 1e3,
-                    (answered - started) * 1e3,
-                    (done - write_began) * 1e3 if write_began is not None else 0.0,
-                )
+                timing = PullTiming.between(started, answered, write_began, self._clock())
                 self.worker.finish_pull(rid, written, timing)
             except Exception as exc:
                 failure = exc
