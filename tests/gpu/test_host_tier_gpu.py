@@ -15,6 +15,7 @@ from kvmesh.workers.engine.worker import Worker
 from kvmesh.workers.kv import layer_load
 from kvmesh.workers.kv.copy_engine import CopyEngine
 from kvmesh.workers.kv.host_pool import HostPool
+from kvmesh.workers.kv.layer_gates import LayerGates
 from kvmesh.workers.kv.layer_load import MAX_COPY_RUNS, LayerLoad
 from kvmesh.workers.model.runner import ModelRunner
 from kvmesh.workers.model.weights import random_weights
@@ -64,23 +65,34 @@ def test_layer_loads_of_any_count_run_one_compiled_kernel() -> None:
         list(range(0, 2 * (MAX_COPY_RUNS + 1), 2)),  # a run a slot, too many: the kernel
     ],
 )
-def test_a_copy_engine_load_writes_what_one_copy_writes(slots: list[int]) -> None:
+@pytest.mark.parametrize(
+    "two_streams, gated", [(False, False), (True, False), (True, True)], ids=["one", "two", "gated"]
+)
+def test_a_copy_engine_load_writes_what_one_copy_writes(
+    slots: list[int], two_streams: bool, gated: bool
+) -> None:
     engine = CopyEngine.find()
     if engine is None:
         pytest.skip("no CUDA runtime library mapped in this process")
-    num_layers = 3  # the staging layer reused twice
+    if gated and not LayerGates.usable():
+        pytest.skip("this torch makes no external events")
+    num_layers = 5  # each staging layer reused, on either stream
     cache = torch.randn((num_layers, 2, 64, BS, 2, 64), device="cuda", dtype=torch.bfloat16)
     expected = cache.clone()
     num_slots = max(40, max(slots) + 1)
     host = torch.randn((num_slots, num_layers, 2, BS, 2, 64), dtype=torch.bfloat16).pin_memory()
     blocks = [(7 * i + 5) % 64 for i in range(len(slots))]
     expected[:, :, blocks] = host[slots].to("cuda").permute(1, 2, 0, 3, 4, 5)
-    load = LayerLoad(host, slots, cache, blocks, torch.cuda.Stream(), copy_engine=engine)
+    load = LayerLoad(
+        host, slots, cache, blocks, torch.cuda.Stream(), copy_engine=engine,
+        gates=LayerGates(num_layers, cache.device) if gated else None,
+        second_stream=torch.cuda.Stream() if two_streams else None,
+    )  # fmt: skip
     assert load.uses_copy_engine == (len(slots) < MAX_COPY_RUNS + 1)
-    for layer in range(num_layers):  # each layer's event covers that layer
+    for layer in range(num_layers):  # each layer's wait covers that layer
         load.wait_layer(layer)
         assert torch.equal(cache[layer], expected[layer]), layer
-    torch.cuda.synchronize()
+    load.done.synchronize()  # `done` covers every layer, on either stream
     assert torch.equal(cache, expected)
 
 

@@ -12,12 +12,14 @@ prefill over a promoted prefix costs about max(copy, compute) instead of their s
 Two ways to move a layer:
   * copy engine (slots in at most `MAX_COPY_RUNS` runs): one strided DMA per run of consecutive
     slots into a one-layer staging buffer, then one scatter into the cache's blocks, in stream
-    order. The DMA engines take no SM from the prefill. One stream and no waits on it: streams
-    may share a hardware queue, where a wait queued ahead of a replayed graph would hold the
-    whole graph back (seen: a second stream whose scatters waited on the copies made a host
-    hit's graph start after the last layer had landed). On one stream a layer's copy starts
-    after the previous scatter anyway, so a deeper staging ring bought nothing (measured with
-    four layers).
+    order. The DMA engines take no SM from the prefill, but a scatter beside the prefill waits
+    for SMs (60-220 us a layer on an H100), and on one stream the next layer's copy waited
+    behind it; so even layers go on the load stream and odd ones on a second, each with its own
+    staging layer. No waits between the two inside the load (the second waits once at its start
+    for what the first holds, the first joins the second once at its end): streams may share a
+    hardware queue, where a wait queued ahead of a replayed graph holds the whole graph back
+    (seen: a second stream whose scatters waited on the copies' events made a host hit's graph
+    start after the last layer had landed).
   * kernel (any slots): a Triton kernel of a few persistent programs reads the pinned slots in
     place (pinned memory is addressable from the GPU). Measured on an H100: 480 scattered 64 KB
     host rows at 47.8 GB/s, 93% of a contiguous pinned copy (`benchmarks/gpu_zero_copy_probe.py`),
@@ -104,10 +106,11 @@ def can_load_layers(host_data: torch.Tensor, cache: torch.Tensor) -> bool:
 class LayerLoad:
     """Host slots -> cache blocks, one layer at a time on `stream`, started at construction.
 
-    Invariants: layer l of every target block is written once `events[l]` has completed; the
-    host slots read are not reused until `done` has completed (their owner holds them); nothing
-    reads the target blocks except after waiting for their layer's event; on the copy-engine
-    path, the staging layer is overwritten only after the scatter that read it has completed.
+    Invariants: layer l of every target block is written once a stream has waited in
+    `wait_layer(l)`; the host slots read are not reused until `done` has completed (their owner
+    holds them); nothing reads the target blocks except after waiting for their layer; on the
+    copy-engine path, the staging layer is overwritten only after the scatter that read it has
+    completed.
     """
 
     def __init__(
@@ -120,22 +123,31 @@ class LayerLoad:
         *,
         copy_engine: CopyEngine | None = None,
         gates: LayerGates | None = None,
+        second_stream: torch.cuda.Stream | None = None,
     ) -> None:
         """`copy_engine` moves the layers when the slots come in at most `MAX_COPY_RUNS` runs;
-        otherwise the kernel does; either on `stream`. `gates` are recorded beside the load's
-        own events (a captured prefill graph waits on them)."""
+        otherwise the kernel does; either on `stream`. With `gates`, each landed layer records
+        its gate (a captured prefill graph waits on them), which `wait_layer` waits on too.
+        `second_stream`: the copy engine's way alternates layers between it and `stream`."""
         if len(slots) != len(blocks) or not slots:
             raise ValueError(f"{len(slots)} host slots for {len(blocks)} cache blocks")
         if not can_load_layers(host_data, cache):
             raise ValueError("layer loads need a CUDA cache and pinned host slots of its layout")
         self.slots = list(slots)
-        self.blocks = frozenset(int(b) for b in blocks)
+        self.blocks = frozenset(blocks)
         self.overlaps_forward = True  # PCIe: about as long as the prefill beside it
         if gates is not None and gates.num_layers != cache.shape[0]:
             raise ValueError(f"{gates.num_layers} layer gates for {cache.shape[0]} layers")
         self.gated = gates is not None
         self._gates = gates
-        self.events = [torch.cuda.Event() for _ in range(cache.shape[0])]
+        # With gates, a layer's gate is its event too (every gated write runs on one stream, so
+        # a gate's latest record covers this load's layer): one record a layer, not two, on a
+        # host hit's path. Without them, an event of its own for each layer.
+        num_layers = cache.shape[0]
+        self._events = (
+            None if gates is not None else [torch.cuda.Event() for _ in range(num_layers)]
+        )
+        self._done = torch.cuda.Event()
         self._keep: tuple[torch.Tensor, ...] = ()  # what the side stream reads: alive until
         # `done` (the runner keeps its loads until the step after them has synchronised)
         ordered = slot_runs(self.slots) if copy_engine is not None else None
@@ -145,10 +157,13 @@ class LayerLoad:
         # them (a demotion copying their old contents out) must finish before they are written.
         if self.uses_copy_engine:
             assert copy_engine is not None and ordered is not None
-            rows_to_blocks = [int(blocks[i]) for i in ordered.order]
-            self._copy_layers(host_data, cache, ordered.runs, rows_to_blocks, copy_engine, stream)
+            rows_to_blocks = [blocks[i] for i in ordered.order]
+            self._copy_layers(
+                host_data, cache, ordered.runs, rows_to_blocks, copy_engine, stream, second_stream
+            )
         else:
             self._load_layers(host_data, cache, blocks, stream)
+        self._done.record(stream)
 
     def _load_layers(
         self,
@@ -183,49 +198,73 @@ class LayerLoad:
         rows_to_blocks: list[int],
         copy_engine: CopyEngine,
         stream: torch.cuda.Stream,
+        second_stream: torch.cuda.Stream | None,
     ) -> None:
-        """The copy engine's way, all on `stream`: layer l's runs DMA'd into the staging layer,
-        then scattered into the blocks (stream order keeps the staging layer from being
-        overwritten before its scatter has read it)."""
+        """The copy engine's way: layer l's runs DMA'd into a staging layer, then scattered into
+        the blocks, stream order keeping a staging layer from being overwritten before its
+        scatter has read it. With `second_stream`, even layers go on `stream` and odd ones on
+        the second, each with its own staging layer, so a layer's copy never waits behind the
+        scatter before it (a scatter beside the prefill waits for SMs: 60-220 us a layer)."""
         num_layers, device = cache.shape[0], cache.device
+        streams = (stream,) if second_stream is None else (stream, second_stream)
         pair_shape = (2, *cache.shape[3:])  # one block's K and V of one layer
-        staging = torch.empty((len(rows_to_blocks), *pair_shape), device=device,
-                              dtype=cache.dtype)  # fmt: skip
+        staging = [
+            torch.empty((len(rows_to_blocks), *pair_shape), device=device, dtype=cache.dtype)
+            for _ in streams
+        ]
         block_ids = torch.tensor(rows_to_blocks, dtype=torch.int64).to(device, non_blocking=True)
         # Kept with the load, not handed to the allocator's cross-stream bookkeeping: a block
         # freed with stream uses queues events, which a graph capture on this thread refuses.
-        self._keep = (staging, block_ids)
+        self._keep = (*staging, block_ids)
         stream.wait_stream(torch.cuda.current_stream(device))  # the ids above
+        for other in streams[1:]:  # and every gated write queued on `stream` before this load,
+            other.wait_stream(stream)  # so a gate the second stream records covers them too
         # Host time is the cost here (a host hit's forward waits for this loop): pointers by
-        # arithmetic, views made once, one stream context.
-        pair_bytes = staging[0].numel() * staging.element_size()
+        # arithmetic, views made once, no stream context a layer.
+        slab_elems = staging[0][0, 0].numel()  # one block's K (or V) of one layer
+        pair_bytes = 2 * slab_elems * staging[0].element_size()
         host_pitch = host_data[0].numel() * host_data.element_size()  # one slot, all layers
-        host_base, staging_base = host_data.data_ptr(), staging.data_ptr()
-        source = staging.transpose(0, 1)
+        host_base = host_data.data_ptr()
+        bases = [s.data_ptr() for s in staging]
+        sources = [s.transpose(0, 1) for s in staging]
         targets = cache.unbind(0)
-        with torch.cuda.device(device), torch.cuda.stream(stream):
+        caller = torch.cuda.current_stream(device)
+        try:
             for layer in range(num_layers):
+                k = layer % len(streams)
+                on = streams[k]
+                torch.cuda.set_stream(on)
                 for first_row, first_slot, num_slots in runs:
                     copy_engine.host_to_device_2d(
-                        staging_base + first_row * pair_bytes, pair_bytes,
+                        bases[k] + first_row * pair_bytes, pair_bytes,
                         host_base + first_slot * host_pitch + layer * pair_bytes, host_pitch,
-                        pair_bytes, num_slots, stream,
+                        pair_bytes, num_slots, on,
                     )  # fmt: skip
-                targets[layer].index_copy_(1, block_ids, source)
-                self._landed(layer, stream)
+                targets[layer].index_copy_(1, block_ids, sources[k])
+                self._landed(layer, on)
+        finally:
+            torch.cuda.set_stream(caller)
+        for other in streams[1:]:  # joined: `done`, and any gated write queued on `stream`
+            stream.wait_stream(other)  # after this load, come after all of it
 
     def _landed(self, layer: int, stream: torch.cuda.Stream) -> None:
-        self.events[layer].record(stream)
         if self._gates is not None:
             self._gates.record(layer, stream)
+        else:
+            assert self._events is not None
+            self._events[layer].record(stream)
 
     @property
     def done(self) -> torch.cuda.Event:
-        return self.events[-1]
+        return self._done
 
     def wait_layer(self, layer: int) -> None:
         """Make the current stream wait until `layer` of every target block is written."""
-        torch.cuda.current_stream().wait_event(self.events[layer])
+        if self._gates is not None:
+            self._gates.wait(layer)
+        else:
+            assert self._events is not None
+            torch.cuda.current_stream().wait_event(self._events[layer])
 
     def wait_all(self) -> None:
-        torch.cuda.current_stream().wait_event(self.done)
+        torch.cuda.current_stream().wait_event(self._done)

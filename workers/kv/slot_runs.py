@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
+
 
 class SlotRun(NamedTuple):
     first_row: int
@@ -29,17 +31,22 @@ class SlotOrder(NamedTuple):
 
 
 def slot_runs(slots: Sequence[int]) -> SlotOrder:
-    """`slots` sorted into runs of consecutive slots; raises on a repeated or negative slot."""
-    order = sorted(range(len(slots)), key=lambda i: slots[i])
-    runs: list[SlotRun] = []
-    previous = -1
-    for row, i in enumerate(order):
-        slot = slots[i]
-        if slot <= previous or slot < 0:
-            raise ValueError(f"slots must be distinct and >= 0, got {slot} after {previous}")
-        if runs and previous == slot - 1:
-            runs[-1] = runs[-1]._replace(num_slots=runs[-1].num_slots + 1)
-        else:
-            runs.append(SlotRun(row, slot, 1))
-        previous = slot
-    return SlotOrder(order, runs)
+    """`slots` sorted into runs of consecutive slots; raises on a repeated or negative slot.
+
+    On a host hit's path (a promotion's few hundred slots, before its first copy): array
+    operations, one Python object per run, not per slot."""
+    values = np.asarray(slots, dtype=np.int64)
+    if not values.size:
+        return SlotOrder([], [])
+    order = np.argsort(values, kind="stable")
+    rows = values[order]
+    steps = np.diff(rows)
+    bad = np.flatnonzero(steps <= 0)
+    if rows[0] < 0 or bad.size:
+        at = int(bad[0]) + 1 if rows[0] >= 0 else 0
+        after = int(rows[at - 1]) if at else -1
+        raise ValueError(f"slots must be distinct and >= 0, got {int(rows[at])} after {after}")
+    starts = np.flatnonzero(np.concatenate(([True], steps != 1)))
+    ends = np.append(starts[1:], rows.size)
+    runs = [SlotRun(int(r), int(rows[r]), int(e - r)) for r, e in zip(starts, ends, strict=True)]
+    return SlotOrder(order.tolist(), runs)

@@ -178,7 +178,7 @@ class ModelRunner:
         """Moves layer loads whose host slots come in runs (`LayerLoad`); None: the kernel
         moves them all (no runtime library to bind, or switched off by a benchmark)."""
         self._layer_writes: list[LayerWrites] = []
-        self._load_stream: torch.cuda.Stream | None = None
+        self._load_streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
         self._layer_gates = (
             LayerGates(self.config.num_layers, self.device)
             if self._prefill_graphs is not None and LayerGates.usable()
@@ -491,10 +491,11 @@ class ModelRunner:
         by layer on a side stream; the next forwards wait per layer (see `LayerLoad`: the copy
         engine where the slots come in runs, unless `kernel_only`, else the kernel). The caller
         ends it with `take_layer_writes` once a step is over."""
-        self._check_block_ids(block_ids, unique=True)
+        ids = self._check_block_ids(block_ids, unique=True)
         load = LayerLoad(
-            host_data, slots, self.kv_cache, block_ids, self.layer_stream(),
+            host_data, slots, self.kv_cache, ids, self.layer_stream(),
             copy_engine=None if kernel_only else self.copy_engine, gates=self._layer_gates,
+            second_stream=self.layer_stream(second=True),
         )  # fmt: skip
         self.add_layer_writes(load)
         self.num_layer_loads += 1
@@ -518,13 +519,17 @@ class ModelRunner:
         cache = self.kv_cache
         return cache[:, :, :1].numel() * cache.element_size()
 
-    def layer_stream(self) -> torch.cuda.Stream:
-        """The side stream layered writes run on (CUDA only)."""
-        if self._load_stream is None:
+    def layer_stream(self, *, second: bool = False) -> torch.cuda.Stream:
+        """The side stream layered writes run on (CUDA only); `second`: the one a host-tier
+        load alternates layers with (`LayerLoad`)."""
+        if self._load_streams is None:
             # High priority: its copy programs take SMs as the prefill's kernels free them, so
             # layer l + 1 arrives while layer l computes instead of after the whole forward.
-            self._load_stream = torch.cuda.Stream(self.device, priority=-1)
-        return self._load_stream
+            self._load_streams = (
+                torch.cuda.Stream(self.device, priority=-1),
+                torch.cuda.Stream(self.device, priority=-1),
+            )
+        return self._load_streams[int(second)]
 
     @property
     def layer_gates(self) -> LayerGates | None:
