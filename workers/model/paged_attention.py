@@ -60,7 +60,10 @@ class TileShape:
 
 
 # Decode: few rows, memory-bound; keys are split across programs to fill the GPU (flash-decoding).
-DECODE_TILE = TileShape(block_m=16, block_n=64, num_warps=4, num_stages=3, min_split_len=256)
+# Swept on an H100 (18 tiles x 1-2 splits at batch 32 x 2K, shuffled 16-token pages): 128 keys a
+# step 106.8 us against 110.1 for the 64 before, and at every other shape tried no slower (4 x 8K
+# 72.2 against 84.0 us); on an H200 79.6 against 91.8 us (`benchmarks/gpu_kernel.py`).
+DECODE_TILE = TileShape(block_m=16, block_n=128, num_warps=4, num_stages=3, min_split_len=256)
 # Chunked prefill: many rows reuse each K/V tile, so it is arithmetic-bound like flash attention.
 # Swept on an H100 (512 new tokens behind 7,680 cached, 36 tiles x 3 splits,
 # `python benchmarks/gpu_kernel.py`): 4 warps 245 us, the earlier 8 warps 301 us.
