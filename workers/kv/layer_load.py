@@ -229,21 +229,22 @@ class LayerLoad:
         sources = [s.transpose(0, 1) for s in staging]
         targets = cache.unbind(0)
         caller = torch.cuda.current_stream(device)
-        try:
-            for layer in range(num_layers):
-                k = layer % len(streams)
-                on = streams[k]
-                torch.cuda.set_stream(on)
-                for first_row, first_slot, num_slots in runs:
-                    copy_engine.host_to_device_2d(
-                        bases[k] + first_row * pair_bytes, pair_bytes,
-                        host_base + first_slot * host_pitch + layer * pair_bytes, host_pitch,
-                        pair_bytes, num_slots, on,
-                    )  # fmt: skip
-                targets[layer].index_copy_(1, block_ids, sources[k])
-                self._landed(layer, on)
-        finally:
-            torch.cuda.set_stream(caller)
+        with torch.cuda.device(device):
+            try:
+                for layer in range(num_layers):
+                    k = layer % len(streams)
+                    on = streams[k]
+                    torch.cuda.set_stream(on)
+                    for first_row, first_slot, num_slots in runs:
+                        copy_engine.host_to_device_2d(
+                            bases[k] + first_row * pair_bytes, pair_bytes,
+                            host_base + first_slot * host_pitch + layer * pair_bytes, host_pitch,
+                            pair_bytes, num_slots, on,
+                        )  # fmt: skip
+                    targets[layer].index_copy_(1, block_ids, sources[k])
+                    self._landed(layer, on)
+            finally:
+                torch.cuda.set_stream(caller)
         for other in streams[1:]:  # joined: `done`, and any gated write queued on `stream`
             stream.wait_stream(other)  # after this load, come after all of it
 
