@@ -1,10 +1,11 @@
 """A promotion from the pinned host tier that runs layer by layer beside the prefill (CUDA).
 
 The host tier keeps each block as one slab per block (all layers, K and V); the device cache is
-layer-major. Layer by layer, on a side stream, every promoted block's K and V are written into the
-cache and an event is recorded per layer; the forward pass waits for layer l's event just before
-layer l's attention. So the PCIe copy of layer l + 1 overlaps the compute of layer l, and a
-prefill over a promoted prefix costs about max(copy, compute) instead of their sum.
+layer-major. Layer by layer, on side streams, every promoted block's K and V are written into the
+cache and an event is recorded per layer (the runner's layer gate, where it has gates); the forward
+pass waits for layer l's event just before layer l's attention. So the PCIe copy of layer l + 1
+overlaps the compute of layer l, and a prefill over a promoted prefix costs about max(copy,
+compute) instead of their sum.
 
     host slot s:    [ L0 K V | L1 K V | ... | L31 K V ]      (one block, all layers)
     cache layer l:  K[blocks] V[blocks]  <- layer l of every promoted slot, then event[l]
@@ -140,9 +141,10 @@ class LayerLoad:
             raise ValueError(f"{gates.num_layers} layer gates for {cache.shape[0]} layers")
         self.gated = gates is not None
         self._gates = gates
-        # With gates, a layer's gate is its event too (every gated write runs on one stream, so
-        # a gate's latest record covers this load's layer): one record a layer, not two, on a
-        # host hit's path. Without them, an event of its own for each layer.
+        # With gates, a layer's gate is its event too: gated writes run in the layer stream's
+        # order (a load's second stream waits for it first and is joined back into it last), so
+        # a gate's latest record covers this load's layer. One record a layer, not two, on a host
+        # hit's path. Without gates, an event of its own for each layer.
         num_layers = cache.shape[0]
         self._events = (
             None if gates is not None else [torch.cuda.Event() for _ in range(num_layers)]

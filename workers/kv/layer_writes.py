@@ -69,8 +69,8 @@ class LayerGroups:
     caching allocator cannot hand that memory out while the GPU still reads or writes it.
     With `gates` (the runner's), each group also records the gates of its layers, so a prefill
     graph starts once the first group has landed; `stream` must then be the runner's layer
-    stream, where every gated write runs, so that a gate's latest record comes after every
-    write enqueued before it.
+    stream, in whose order every gated write runs (a host-tier load's second stream included:
+    `LayerLoad`), so that a gate's latest record comes after every write enqueued before it.
     Invariant: `_event_of[l]` is the event of the group holding layer l.
     """
 
