@@ -110,3 +110,18 @@ def test_llama32_1b_shape_runs_prefill_and_batched_decode() -> None:
     decode = [SeqChunk([7], 500 + i, list(range(32 * i, 32 * i + 32))) for i in range(4)]
     logits = model.forward(decode)
     assert logits.shape == (4, config.vocab_size) and torch.isfinite(logits).all()
+
+
+def test_few_row_matmuls_track_the_unfused_layers_in_decode() -> None:
+    """A decode step's projections with the norms and SiLU in their epilogues (`skinny_matmul`)
+    give the logits of the cuBLAS and elementwise kernels, within bf16's rounding."""
+    model = runner(small_config(), torch.bfloat16)
+    model.cuda_graphs = False  # both paths eager: the comparison is of the layers alone
+    tables = [list(range(8 * i, 8 * i + 8)) for i in range(6)]
+    model.forward([SeqChunk(prompt(40, seed=30 + i), 0, t) for i, t in enumerate(tables)])
+    step = [SeqChunk([11 + i], 40, t) for i, t in enumerate(tables)]
+    fused = model.forward(step)
+    model.few_row_matmuls = False
+    unfused = model.forward(step)
+    assert not torch.equal(fused, unfused)  # two paths ran, rounding apart
+    assert_bf16_close(fused, unfused)

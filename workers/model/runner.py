@@ -40,7 +40,7 @@ from kvmesh.workers.model.model_config import ModelConfig, checkpoint_source
 from kvmesh.workers.model.prefill_graphs import PrefillGraphs
 from kvmesh.workers.model.rope import Rope, apply_rope, rope_inv_freq, rope_tables
 from kvmesh.workers.model.split_attention import cudnn_attention_usable
-from kvmesh.workers.model.weights import LayerWeights, ModelWeights, load_checkpoint, random_weights
+from kvmesh.workers.model.weights import ModelWeights, load_checkpoint, random_weights
 
 log = logging.getLogger(__name__)
 
@@ -132,11 +132,20 @@ class ModelRunner:
         self.fused_kv_write = on_gpu
         """With `fused_elementwise`, the RoPE kernel also writes the new keys and values into the
         cache (no `index_copy_` of its own); benchmarks may switch it."""
-        self._graph_kernels = (self.fused_elementwise, self.fused_kv_write)
+        self.few_row_matmuls = on_gpu and self.dtype in (torch.bfloat16, torch.float16)
+        """With `fused_elementwise`, batches of at most `MAX_ROWS` tokens (decode steps) run their
+        projections through `skinny_matmul`, the add + RMSNorm and SiLU x up inside them;
+        benchmarks may switch it."""
+        self._graph_kernels = self._kernel_choice()
         self._kernels: ModuleType | None = (
             importlib.import_module("kvmesh.workers.model.elementwise_kernels") if on_gpu else None
         )
+        self._few_rows: ModuleType | None = (
+            importlib.import_module("kvmesh.workers.model.skinny_matmul") if on_gpu else None
+        )
         head_dim = config.head_dim
+        k_sizes = (config.hidden_size, config.intermediate_size, config.num_heads * head_dim)
+        self._few_row_shapes = not config.qkv_bias and all(k % 16 == 0 for k in k_sizes)
         self._rope_kernel_fits = not head_dim & (head_dim - 1)  # the kernel tiles a power of two
         # Dynamic RoPE picks its frequencies from the longest position on the host: not capturable.
         self.cuda_graphs = on_gpu and self.rope.dynamic is None
@@ -275,13 +284,16 @@ class ModelRunner:
     def _forget_graphs_of_other_kernels(self) -> None:
         """A graph replays the kernels it captured: once a benchmark switches the elementwise
         kernels, the graphs captured with the others go."""
-        kernels = (self.fused_elementwise, self.fused_kv_write)
+        kernels = self._kernel_choice()
         if kernels == self._graph_kernels:
             return
         self._graph_kernels = kernels
         for graphs in (self._decode_graphs, self._prefill_graphs):
             if graphs is not None:
                 graphs.forget()
+
+    def _kernel_choice(self) -> tuple[bool, bool, bool]:
+        return (self.fused_elementwise, self.fused_kv_write, self.few_row_matmuls)
 
     @torch.inference_mode()
     def forward_all_logits(self, batch: Sequence[SeqChunk]) -> list[torch.Tensor]:
@@ -301,8 +313,24 @@ class ModelRunner:
         )
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        normed = rms_norm(hidden, self.weights.norm, self.config.rms_norm_eps)
+        eps = self.config.rms_norm_eps
+        normed = rms_norm(hidden, self.weights.norm, eps)
+        if self._takes_few_rows(hidden.shape[0]):
+            assert self._few_rows is not None
+            return self._few_rows.skinny_matmul(normed, self.weights.lm_head).float()
         return F.linear(normed, self.weights.lm_head).float()
+
+    def _takes_few_rows(self, num_tokens: int, lora: LoraBatch | None = None) -> bool:
+        """Whether a batch of num_tokens runs its projections through `skinny_matmul` (not with
+        LoRA, which reads each projection's input, nor with a qkv bias)."""
+        return (
+            self._few_rows is not None
+            and self.few_row_matmuls
+            and self.fused_elementwise
+            and lora is None
+            and 0 < num_tokens <= self._few_rows.MAX_ROWS
+            and self._few_row_shapes
+        )
 
     def _lora_batch(self, batch: Sequence[SeqChunk], plan: BatchPlan) -> LoraBatch | None:
         if not any(c.adapter for c in batch):
@@ -321,9 +349,17 @@ class ModelRunner:
         cos, sin = self.rope.tables(plan.positions, self.dtype)
         layers = self.weights.layers
         x = F.embedding(plan.token_ids, self.weights.embed_tokens)
+        if self._takes_few_rows(x.shape[0], lora):
+            return self._run_few_rows(plan, x, cos, sin, gated)
         h = rms_norm(x, layers[0].input_norm, eps)
         for layer_index, layer in enumerate(layers):
-            attended = self._attention_block(layer_index, layer, h, cos, sin, plan, lora, gated)
+            qkv = F.linear(h, layer.qkv_proj, layer.qkv_bias)
+            if lora is not None:
+                lora.add(qkv, h, layer_index, "qkv")
+            out = self._attend(layer_index, qkv, cos, sin, plan, gated)
+            attended = F.linear(out, layer.o_proj)
+            if lora is not None:
+                lora.add(attended, out, layer_index, "o")
             x, h = self._add_norm(x, attended, layer.post_attention_norm)
             gate_up = F.linear(h, layer.gate_up_proj)
             if lora is not None:
@@ -337,6 +373,25 @@ class ModelRunner:
             x, h = self._add_norm(x, down, layers[layer_index + 1].input_norm)
         raise AssertionError("a model has at least one layer")
 
+    def _run_few_rows(
+        self, plan: BatchPlan, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, gated: bool
+    ) -> torch.Tensor:
+        """`_run_layers` for a batch `_takes_few_rows`: six kernels a layer, each residual add
+        and RMSNorm inside the projections around it, SiLU x up inside gate/up's
+        (`skinny_matmul`)."""
+        kernels, eps, layers = self._few_rows, self.config.rms_norm_eps, self.weights.layers
+        assert kernels is not None
+        normed = kernels.norm_input(x, layers[0].input_norm)
+        for layer_index, layer in enumerate(layers):
+            qkv = kernels.norm_matmul(normed, eps, layer.qkv_proj)
+            out = self._attend(layer_index, qkv, cos, sin, plan, gated)
+            x, normed = kernels.add_matmul(out, layer.o_proj, x, layer.post_attention_norm)
+            act = kernels.norm_matmul(normed, eps, layer.gate_up_proj, silu=True)
+            last = layer_index + 1 == len(layers)
+            next_norm = self.weights.norm if last else layers[layer_index + 1].input_norm
+            x, normed = kernels.add_matmul(act, layer.down_proj, x, next_norm)
+        return x
+
     def _add_norm(
         self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -346,17 +401,17 @@ class ModelRunner:
         x = x + delta
         return x, rms_norm(x, weight, self.config.rms_norm_eps)
 
-    def _attention_block(
+    def _attend(
         self,
         layer_index: int,
-        layer: LayerWeights,
-        h: torch.Tensor,
+        qkv: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
         plan: BatchPlan,
-        lora: LoraBatch | None = None,
         gated: bool = False,
     ) -> torch.Tensor:
+        """A layer's attention of its qkv projection, [num_tokens, heads x head_dim], its new keys
+        and values written into the cache."""
         # Blocks promoted or pulled land layer by layer: wait for this layer's part. A capture
         # may not wait on events recorded outside it: a prefill graph (`gated`) waits on this
         # layer's gate instead, which every layer load records (`forward` waited for all of any
@@ -368,15 +423,9 @@ class ModelRunner:
                     writes.wait_layer(layer_index)
             elif gated and capturing and self._layer_gates is not None:
                 self._layer_gates.wait(layer_index)
-        num_tokens = h.shape[0]
-        qkv = F.linear(h, layer.qkv_proj, layer.qkv_bias)
-        if lora is not None:
-            lora.add(qkv, h, layer_index, "qkv")
         kv_blocks = self.kv_cache[layer_index]  # [2, num_blocks, block_size, kv_heads, dim]
         q, k, v = self._rope_and_write_kv(qkv, cos, sin, kv_blocks, plan.write_slots)
-        out = self.attention.attend(q, k, v, kv_blocks, plan).view(num_tokens, -1)
-        projected = F.linear(out, layer.o_proj)
-        return lora.add(projected, out, layer_index, "o") if lora is not None else projected
+        return self.attention.attend(q, k, v, kv_blocks, plan).view(qkv.shape[0], -1)
 
     def _rope_and_write_kv(
         self,
