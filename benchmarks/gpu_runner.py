@@ -485,7 +485,7 @@ def table_rows(r: dict[str, Any]) -> list[tuple[str, str, str]]:
             "",
         ),
         (
-            "decode b32 @2K (graphs, torch elementwise ops)",
+            "decode b32 @2K (graphs, torch elementwise ops, cuBLAS projections)",
             f"{d['triton+graphs, torch elementwise']['step_ms']:.2f} ms/step = "
             f"{d['triton+graphs, torch elementwise']['tokens_per_s']:.0f} tok/s "
             f"(same tokens as fused: {d['fused_same_tokens_as_torch']})",
