@@ -134,3 +134,33 @@ def test_few_row_matmuls_refuse_what_they_cannot_take() -> None:
         add_matmul(x, w, x[:, :64].contiguous(), g)
     with pytest.raises(ValueError, match="power of two"):
         MatmulTile(24, 128, 4, 2)
+
+
+@pytest.mark.parametrize("dtype", dtypes())
+def test_few_row_layers_equal_the_unfused_layers(dtype: torch.dtype) -> None:
+    """`LayerStack.run_few_rows` wires each norm to the projection it feeds (the next layer's
+    input norm, the final norm after the last) as `run` does: same hidden states, rounding apart."""
+    from kvmesh.workers.model import skinny_matmul
+    from kvmesh.workers.model.layer_stack import LayerStack
+    from kvmesh.workers.model.model_config import preset
+    from kvmesh.workers.model.weights import random_weights
+
+    config = preset("tiny-random")  # hidden 64, intermediate 128: K multiples of 16
+    weights = random_weights(config, seed=3, device=DEVICE, dtype=dtype, std=0.1)
+    gen = torch.Generator().manual_seed(4)
+    for layer in weights.layers:  # norm scales that differ, so a norm wired wrong shows
+        for g in (layer.input_norm, layer.post_attention_norm):
+            g.copy_(0.5 + torch.rand(g.shape, generator=gen))
+    weights.norm.copy_(0.5 + torch.rand(weights.norm.shape, generator=gen))
+    q_size = config.num_heads * config.head_dim
+
+    def attend(layer_index: int, qkv: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(qkv[:, :q_size] * (1 + layer_index))  # any function of qkv
+
+    x = torch.randn(5, config.hidden_size, generator=gen).to(DEVICE, dtype)
+    stack = LayerStack(weights, config.rms_norm_eps, few_rows=skinny_matmul)
+    want = stack.run(x, attend, fused=False)
+    got = stack.run_few_rows(x, attend)
+    assert got.shape == want.shape
+    assert_near(got, want.double(), dtype)
+    assert_near(stack.logits(got, few_rows=True), stack.logits(want).double(), dtype)

@@ -10,6 +10,7 @@ RMSNorm are single Triton kernels (`elementwise_kernels`); decode-only steps rep
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import logging
@@ -35,6 +36,7 @@ from kvmesh.workers.model.batch_plan import (
 from kvmesh.workers.model.cudnn_pages import cudnn_pages_usable
 from kvmesh.workers.model.decode_graphs import DecodeGraphs
 from kvmesh.workers.model.graph_counts import NO_GRAPHS, GraphCounts
+from kvmesh.workers.model.layer_stack import LayerStack, rms_norm
 from kvmesh.workers.model.lora import LoraAdapter, LoraBatch, load_peft_adapter
 from kvmesh.workers.model.model_config import ModelConfig, checkpoint_source
 from kvmesh.workers.model.prefill_graphs import PrefillGraphs
@@ -45,11 +47,6 @@ from kvmesh.workers.model.weights import ModelWeights, load_checkpoint, random_w
 log = logging.getLogger(__name__)
 
 __all__ = ["ModelRunner", "SeqChunk", "apply_rope", "rms_norm", "rope_inv_freq", "rope_tables"]
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm; torch's fused kernel accumulates in float32 even for bf16 inputs."""
-    return F.rms_norm(x, weight.shape, weight, eps)
 
 
 class ModelRunner:
@@ -146,6 +143,7 @@ class ModelRunner:
         head_dim = config.head_dim
         k_sizes = (config.hidden_size, config.intermediate_size, config.num_heads * head_dim)
         self._few_row_shapes = not config.qkv_bias and all(k % 16 == 0 for k in k_sizes)
+        self._layers = LayerStack(self.weights, config.rms_norm_eps, self._kernels, self._few_rows)
         self._rope_kernel_fits = not head_dim & (head_dim - 1)  # the kernel tiles a power of two
         # Dynamic RoPE picks its frequencies from the longest position on the host: not capturable.
         self.cuda_graphs = on_gpu and self.rope.dynamic is None
@@ -313,12 +311,7 @@ class ModelRunner:
         )
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        eps = self.config.rms_norm_eps
-        normed = rms_norm(hidden, self.weights.norm, eps)
-        if self._takes_few_rows(hidden.shape[0]):
-            assert self._few_rows is not None
-            return self._few_rows.skinny_matmul(normed, self.weights.lm_head).float()
-        return F.linear(normed, self.weights.lm_head).float()
+        return self._layers.logits(hidden, few_rows=self._takes_few_rows(hidden.shape[0]))
 
     def _takes_few_rows(self, num_tokens: int, lora: LoraBatch | None = None) -> bool:
         """Whether a batch of num_tokens runs its projections through `skinny_matmul` (not with
@@ -345,66 +338,19 @@ class ModelRunner:
     def _run_layers(
         self, plan: BatchPlan, lora: LoraBatch | None = None, *, gated: bool = False
     ) -> torch.Tensor:
-        eps = self.config.rms_norm_eps
+        """The batch's last hidden states, its keys and values written (`LayerStack`)."""
         cos, sin = self.rope.tables(plan.positions, self.dtype)
-        layers = self.weights.layers
         x = F.embedding(plan.token_ids, self.weights.embed_tokens)
+        attend = functools.partial(self._attend, cos=cos, sin=sin, plan=plan, gated=gated)
         if self._takes_few_rows(x.shape[0], lora):
-            return self._run_few_rows(plan, x, cos, sin, gated)
-        h = rms_norm(x, layers[0].input_norm, eps)
-        for layer_index, layer in enumerate(layers):
-            qkv = F.linear(h, layer.qkv_proj, layer.qkv_bias)
-            if lora is not None:
-                lora.add(qkv, h, layer_index, "qkv")
-            out = self._attend(layer_index, qkv, cos, sin, plan, gated)
-            attended = F.linear(out, layer.o_proj)
-            if lora is not None:
-                lora.add(attended, out, layer_index, "o")
-            x, h = self._add_norm(x, attended, layer.post_attention_norm)
-            gate_up = F.linear(h, layer.gate_up_proj)
-            if lora is not None:
-                lora.add(gate_up, h, layer_index, "gate_up")
-            act = self._silu_mul(gate_up)
-            down = F.linear(act, layer.down_proj)
-            if lora is not None:
-                lora.add(down, act, layer_index, "down")
-            if layer_index + 1 == len(layers):
-                return x + down
-            x, h = self._add_norm(x, down, layers[layer_index + 1].input_norm)
-        raise AssertionError("a model has at least one layer")
-
-    def _run_few_rows(
-        self, plan: BatchPlan, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, gated: bool
-    ) -> torch.Tensor:
-        """`_run_layers` for a batch `_takes_few_rows`: six kernels a layer, each residual add
-        and RMSNorm inside the projections around it, SiLU x up inside gate/up's
-        (`skinny_matmul`)."""
-        kernels, eps, layers = self._few_rows, self.config.rms_norm_eps, self.weights.layers
-        assert kernels is not None
-        normed = kernels.norm_input(x, layers[0].input_norm)
-        for layer_index, layer in enumerate(layers):
-            qkv = kernels.norm_matmul(normed, eps, layer.qkv_proj)
-            out = self._attend(layer_index, qkv, cos, sin, plan, gated)
-            x, normed = kernels.add_matmul(out, layer.o_proj, x, layer.post_attention_norm)
-            act = kernels.norm_matmul(normed, eps, layer.gate_up_proj, silu=True)
-            last = layer_index + 1 == len(layers)
-            next_norm = self.weights.norm if last else layers[layer_index + 1].input_norm
-            x, normed = kernels.add_matmul(act, layer.down_proj, x, next_norm)
-        return x
-
-    def _add_norm(
-        self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + delta, RMSNorm of it): the residual stream and the next block's input."""
-        if self.fused_elementwise and self._kernels is not None:
-            return self._kernels.add_rms_norm(x, delta, weight, self.config.rms_norm_eps)
-        x = x + delta
-        return x, rms_norm(x, weight, self.config.rms_norm_eps)
+            return self._layers.run_few_rows(x, attend)
+        return self._layers.run(x, attend, lora, fused=self.fused_elementwise)
 
     def _attend(
         self,
         layer_index: int,
         qkv: torch.Tensor,
+        *,
         cos: torch.Tensor,
         sin: torch.Tensor,
         plan: BatchPlan,
@@ -455,12 +401,6 @@ class ModelRunner:
         kv_blocks[0].view(-1, kv_heads, dim).index_copy_(0, slots, k)
         kv_blocks[1].view(-1, kv_heads, dim).index_copy_(0, slots, v)
         return q, k, v
-
-    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if self.fused_elementwise and self._kernels is not None:
-            return self._kernels.silu_mul(gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
 
     # ------------------------------------------------------------------ batch planning
 
