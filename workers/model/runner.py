@@ -3,9 +3,11 @@
 All chunks' tokens go through the matmuls as one flattened token dimension; attention is the only
 per-sequence step, grouped as `batch_plan` describes and run by `batch_attention` (the paged Triton
 kernel, the split prefill on cuDNN and flash, or on CPU, the reference path matched against
-transformers in the unit tests, SDPA over gathered blocks). On CUDA, RoPE, SiLU x up and add +
-RMSNorm are single Triton kernels (`elementwise_kernels`); decode-only steps replay CUDA graphs
-(`decode_graphs`).
+transformers in the unit tests, SDPA over gathered blocks). The layers' arithmetic around
+attention is `layer_stack`'s. On CUDA, RoPE, SiLU x up and add + RMSNorm are single Triton kernels
+(`elementwise_kernels`), a batch of at most 64 tokens runs its projections through few-row
+matmuls with the norms and SiLU in their epilogues (`skinny_matmul`), and decode-only steps
+replay CUDA graphs (`decode_graphs`).
 """
 
 from __future__ import annotations
