@@ -18,6 +18,7 @@ overflow L2, as a decode step meets each weight cold.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import time
@@ -156,15 +157,6 @@ def sweep_tiles(kind: str) -> list[MatmulTile]:
     return tiles
 
 
-def tile_dict(tile: MatmulTile) -> dict[str, int]:
-    return {
-        "block_n": tile.block_n,
-        "block_k": tile.block_k,
-        "warps": tile.warps,
-        "stages": tile.stages,
-    }
-
-
 def sweep(rows: int, budget_s: float) -> dict[str, Any]:
     results: dict[str, Any] = {}
     began = time.perf_counter()
@@ -181,7 +173,7 @@ def sweep(rows: int, budget_s: float) -> dict[str, Any]:
             "unfused_us": unfused,
             "unfused_gbps": case.weight_bytes / unfused / 1e3,
             "unfused_error": case.error(None),
-            "default_tile": tile_dict(default) if default else None,
+            "default_tile": dataclasses.asdict(default) if default else None,
             "default_us": case.time_us(case.fused),
             "tiles": [],
         }
@@ -192,11 +184,11 @@ def sweep(rows: int, budget_s: float) -> dict[str, Any]:
                 us = case.time_us(lambda w, t=tile, c=case: c.fused(w, t))
                 error = case.error(tile)
             except Exception as exc:  # a tile the card cannot hold (shared memory, registers)
-                row["tiles"].append({"tile": tile_dict(tile), "failed": str(exc)[:120]})
+                row["tiles"].append({"tile": dataclasses.asdict(tile), "failed": str(exc)[:120]})
                 continue
             row["tiles"].append(
                 {
-                    "tile": tile_dict(tile),
+                    "tile": dataclasses.asdict(tile),
                     "us": us,
                     "gbps": case.weight_bytes / us / 1e3,
                     "error": error,

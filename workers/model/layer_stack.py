@@ -69,21 +69,13 @@ class LayerStack:
         kernels = self._elementwise if fused else None
         h = rms_norm(x, layers[0].input_norm, self.eps)
         for layer_index, layer in enumerate(layers):
-            qkv = F.linear(h, layer.qkv_proj, layer.qkv_bias)
-            if lora is not None:
-                lora.add(qkv, h, layer_index, "qkv")
+            qkv = _project(h, layer.qkv_proj, lora, layer_index, "qkv", layer.qkv_bias)
             out = attend(layer_index, qkv)
-            attended = F.linear(out, layer.o_proj)
-            if lora is not None:
-                lora.add(attended, out, layer_index, "o")
+            attended = _project(out, layer.o_proj, lora, layer_index, "o")
             x, h = self._add_norm(kernels, x, attended, layer.post_attention_norm)
-            gate_up = F.linear(h, layer.gate_up_proj)
-            if lora is not None:
-                lora.add(gate_up, h, layer_index, "gate_up")
+            gate_up = _project(h, layer.gate_up_proj, lora, layer_index, "gate_up")
             act = _silu_mul(kernels, gate_up)
-            down = F.linear(act, layer.down_proj)
-            if lora is not None:
-                lora.add(down, act, layer_index, "down")
+            down = _project(act, layer.down_proj, lora, layer_index, "down")
             if layer_index + 1 == len(layers):
                 return x + down
             x, h = self._add_norm(kernels, x, down, layers[layer_index + 1].input_norm)
@@ -122,6 +114,19 @@ class LayerStack:
             return kernels.add_rms_norm(x, delta, g, self.eps)
         x = x + delta
         return x, rms_norm(x, g, self.eps)
+
+
+def _project(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    lora: LoraBatch | None,
+    layer_index: int,
+    name: str,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x @ w^T (+ bias), plus a LoRA batch's delta of this projection on its rows."""
+    out = F.linear(x, w, bias)
+    return lora.add(out, x, layer_index, name) if lora is not None else out
 
 
 def _silu_mul(kernels: ModuleType | None, gate_up: torch.Tensor) -> torch.Tensor:
