@@ -78,6 +78,28 @@ def test_graphs_give_the_eager_greedy_tokens_in_fp32(num_seqs: int) -> None:
     assert eager._decode_graphs is not None and not eager._decode_graphs.buckets
 
 
+@pytest.mark.parametrize("num_seqs", [3, 13])
+def test_steps_fed_the_last_steps_tokens_on_the_device_give_the_same_tokens(
+    num_seqs: int,
+) -> None:
+    graphs, eager = pair(torch.float32)
+    ids, tabs = prompts(num_seqs, seed=30 + num_seqs), tables(num_seqs, seed=30 + num_seqs)
+    want, _ = greedy(eager, ids, tabs, steps=12)
+    previous = graphs.forward_greedy([SeqChunk(p, 0, t) for p, t in zip(ids, tabs, strict=True)])
+    got: list[list[int]] = [[] for _ in ids]
+    for step in range(12):
+        # every chunk says token 0: the step must read its tokens from `previous`
+        batch = [SeqChunk([0], len(p) + step, t) for p, t in zip(ids, tabs, strict=True)]
+        launched = graphs.forward_greedy(batch, previous=previous)
+        for row, token in zip(got, previous.tolist(), strict=True):  # read behind the launch
+            row.append(token)
+        previous = launched
+    for row, token in zip(got, previous.tolist(), strict=True):
+        row.append(token)
+    assert got == want
+    assert graphs.decode_graph_counts().num_replays >= 11
+
+
 def test_graphs_match_eager_in_bf16_at_a_bucket_size() -> None:
     graphs, eager = pair(torch.bfloat16)
     ids, tabs = prompts(8, seed=21), tables(8, seed=21)

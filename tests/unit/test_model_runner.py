@@ -279,6 +279,38 @@ def test_sequences_sharing_prefix_blocks_read_them_without_rewriting(tiny: Model
     torch.testing.assert_close(a[0], alone[0], atol=1e-5, rtol=0)
 
 
+def test_greedy_steps_fed_on_the_device_give_the_host_loops_tokens(tiny: ModelRunner) -> None:
+    ids = [prompt(9 + 5 * i, seed=40 + i) for i in range(3)]
+    blocks = shuffled_table(36, seed=50)
+    tables = [blocks[12 * i : 12 * (i + 1)] for i in range(3)]
+    sync, fed = fresh_runner(tiny), fresh_runner(tiny)
+    want = [sync.forward([SeqChunk(p, 0, t) for p, t in zip(ids, tables, strict=True)]).argmax(-1)]
+    previous = fed.forward_greedy([SeqChunk(p, 0, t) for p, t in zip(ids, tables, strict=True)])
+    got = [previous.device]
+    for step in range(8):
+        positions = [len(p) + step for p in ids]
+        tokens = want[-1].tolist()
+        host_fed = [SeqChunk([tokens[i]], n, tables[i]) for i, n in enumerate(positions)]
+        want.append(sync.forward(host_fed).argmax(-1))
+        # token 0 everywhere: a step that read the chunks' ids would go another way
+        previous = fed.forward_greedy(
+            [SeqChunk([0], n, t) for n, t in zip(positions, tables, strict=True)], previous=previous
+        )
+        got.append(previous.device)
+    assert [g.tolist() for g in got] == [w.tolist() for w in want]
+    assert len({tuple(w.tolist()) for w in want}) > 2  # the tokens change from step to step
+    assert previous.tolist() == want[-1].tolist()
+
+
+def test_feeding_tokens_needs_one_one_token_chunk_each(tiny: ModelRunner) -> None:
+    runner = fresh_runner(tiny)
+    previous = runner.forward_greedy([SeqChunk([3, 4], 0, [0]), SeqChunk([5], 0, [1])])
+    with pytest.raises(ValueError, match=r"previous has 2 tokens.*got \[1\]"):
+        runner.forward_greedy([SeqChunk([0], 2, [0])], previous=previous)
+    with pytest.raises(ValueError, match=r"got \[2, 1\]"):
+        runner.forward_greedy([SeqChunk([0, 0], 2, [0]), SeqChunk([0], 1, [1])], previous=previous)
+
+
 # ---------------------------------------------------------------- misuse
 
 

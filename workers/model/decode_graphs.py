@@ -11,6 +11,9 @@ fills and copies over in two transfers:
     meta  int32              block tables [batch, context / block_size], then the paged kernel's
                              seq_meta [4, batch] and tile_meta [2, batch] (see `paged_attention`)
 
+A step fed the last step's tokens on the device (`greedy_tokens`) copies them over row 0 of
+`ints` after the transfer, so the host can fill and launch it before it has read them.
+
 A row's table is copied only where it grew since the bucket's last step (`TableRows`): a decode
 batch keeps its order from step to step, and a sequence's table gains a block every block_size
 steps, so most steps copy no table entry at all (32 rows x 2K context were ~0.1 ms of Python a
@@ -198,7 +201,10 @@ class _StaticStep:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.hidden: torch.Tensor | None = None
 
-    def load(self, batch: Sequence[SeqChunk], block_size: int) -> None:
+    def load(
+        self, batch: Sequence[SeqChunk], block_size: int, token_ids: torch.Tensor | None = None
+    ) -> None:
+        """Fill the inputs; `token_ids` (on the device, one per chunk) replace the chunks'."""
         self.copied.synchronize()  # the last step's copies have read the pinned buffers
         fill_decode_inputs(
             batch,
@@ -211,6 +217,10 @@ class _StaticStep:
         self.ints.copy_(self.ints_host, non_blocking=True)
         self.meta.copy_(self.meta_host, non_blocking=True)
         self.copied.record()
+        if token_ids is not None:  # padding rows repeat the last real row, as on the host
+            num_rows = len(batch)
+            self.ints[0, :num_rows].copy_(token_ids)
+            self.ints[0, num_rows:].copy_(token_ids[-1:].expand(self.bucket.batch - num_rows))
 
 
 class DecodeGraphs:
@@ -218,7 +228,8 @@ class DecodeGraphs:
 
     Invariants:
       * at most one graph per bucket; every graph shares one memory pool (steps never overlap:
-        each replay's output is read before the next step loads its inputs)
+        they run in order on one stream, and each replay's output is read there, by the logits
+        queued behind it, before the next replay rewrites it)
       * a replay computes exactly what `layers` computes eagerly on the same padded inputs
     """
 
@@ -264,9 +275,10 @@ class DecodeGraphs:
     def serves(self, batch: Sequence[SeqChunk]) -> bool:
         return is_decode_batch(batch) and len(batch) <= self.max_batch
 
-    def run(self, batch: Sequence[SeqChunk]) -> torch.Tensor:
+    def run(self, batch: Sequence[SeqChunk], token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Final hidden states [len(batch), hidden] of a validated batch that `serves` accepts;
-        a view of the graph's output, valid until the next call."""
+        a view of the graph's output, valid until the next call. `token_ids` (on the device, one
+        per chunk) replace the chunks' own: the host need not have read them."""
         bucket = decode_bucket(batch, block_size=self._block_size, max_batch=self.max_batch)
         assert bucket is not None, "run() needs a batch that serves() accepts"
         step = self._graphs.replay(
@@ -274,7 +286,7 @@ class DecodeGraphs:
             lambda: _StaticStep(
                 bucket, self._block_size, self._num_queries_per_kv, self._device, self._num_blocks
             ),
-            lambda static: static.load(batch, self._block_size),
+            lambda static: static.load(batch, self._block_size, token_ids),
         )
         assert step.hidden is not None
         return step.hidden[: len(batch)]

@@ -12,6 +12,7 @@ replay CUDA graphs (`decode_graphs`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import importlib.util
@@ -38,6 +39,7 @@ from kvmesh.workers.model.batch_plan import (
 from kvmesh.workers.model.cudnn_pages import cudnn_pages_usable
 from kvmesh.workers.model.decode_graphs import DecodeGraphs
 from kvmesh.workers.model.graph_counts import NO_GRAPHS, GraphCounts
+from kvmesh.workers.model.greedy_tokens import GreedyTokens
 from kvmesh.workers.model.layer_stack import LayerStack, rms_norm
 from kvmesh.workers.model.lora import LoraAdapter, LoraBatch, load_peft_adapter
 from kvmesh.workers.model.model_config import ModelConfig, checkpoint_source
@@ -248,6 +250,30 @@ class ModelRunner:
     def forward(self, batch: Sequence[SeqChunk]) -> torch.Tensor:
         """Run the chunks and write their K/V; float32 logits of each chunk's last token,
         [len(batch), vocab]."""
+        return self._forward(batch)
+
+    @torch.inference_mode()
+    def forward_greedy(
+        self, batch: Sequence[SeqChunk], *, previous: GreedyTokens | None = None
+    ) -> GreedyTokens:
+        """`forward`'s argmax per chunk, returned while it is still being computed
+        (`GreedyTokens`). With `previous`, the last step's tokens of the same rows in the same
+        order, each one-token chunk's token id is read from it on the device (the chunks' own,
+        any valid id, are ignored), so the host can queue this step before it reads that one. A
+        decode batch the graphs serve is queued without waiting on the GPU; others may wait."""
+        if previous is not None:
+            if len(previous) != len(batch) or any(len(c.token_ids) != 1 for c in batch):
+                raise ValueError(
+                    f"previous has {len(previous)} tokens; the batch needs one one-token chunk"
+                    f" per token, got {[len(c.token_ids) for c in batch]}"
+                )
+            return GreedyTokens.of_logits(self._forward(batch, previous.device))
+        return GreedyTokens.of_logits(self._forward(batch))
+
+    def _forward(
+        self, batch: Sequence[SeqChunk], token_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`forward`; `token_ids` (on the device, one per one-token chunk) replace the chunks'."""
         self._forget_graphs_of_other_kernels()
         graphs = self._decode_graphs
         if (
@@ -259,10 +285,11 @@ class ModelRunner:
             self.validate_batch(batch, check_tables=False)  # the graphs check the ids they copy
             for writes in self._layer_writes:
                 writes.wait_all()
-            return self._logits(graphs.run(batch))
+            return self._logits(graphs.run(batch, token_ids))
         prefill = self._prefill_graphs
         if (
-            prefill is not None
+            token_ids is None
+            and prefill is not None
             and self.cuda_graphs
             and self.prefill_graphs
             and all(w.gated or not w.overlaps_forward for w in self._layer_writes)
@@ -278,6 +305,9 @@ class ModelRunner:
                 log.warning("prefill graphs off, long chunks run eagerly: %s", exc)
                 self.prefill_graphs = False
         plan = self._plan(batch)
+        if token_ids is not None:
+            fed = plan.token_ids.index_copy(0, plan.last_rows, token_ids)
+            plan = dataclasses.replace(plan, token_ids=fed)
         hidden = self._run_layers(plan, self._lora_batch(batch, plan))
         return self._logits(hidden[plan.last_rows])
 

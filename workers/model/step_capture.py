@@ -53,8 +53,8 @@ S = TypeVar("S", bound=StaticStep)
 
 
 class StepGraphs(Generic[B, S]):
-    """Captured steps by bucket, all in one memory pool (steps never overlap: each replay's
-    output is read before the next step loads its inputs)."""
+    """Captured steps by bucket, all in one memory pool (steps never overlap: they run in
+    order on one stream, each replay's output read there before the next replay rewrites it)."""
 
     def __init__(self, layers: Callable[[BatchPlan], torch.Tensor]) -> None:
         self._layers = layers
