@@ -160,16 +160,16 @@ def host_tier_ttft(bs: int) -> dict[str, Any]:
     # engine loop runs whenever it has nothing to do), promoting as one copy and layer by layer
     # beside the prefill (its kernel compiled when the worker was built), by the copy engine
     # (the default where the host slots come in runs) and by the kernel. Median of 3 each.
-    engine = worker.runner.copy_engine
+    engine = worker.runner.block_io.copy_engine
     out["copy_engine"] = engine is not None
     rounds = [("host_hit", False, False, engine)]
     rounds += [("host_hit_written_back_one_copy", True, False, engine)]
     rounds += [("host_hit_written_back", True, True, engine)]
     rounds += [("host_hit_written_back_kernel", True, True, None)]
     for label, idle, layered, copier in rounds:
-        worker.runner.layered_loads = layered
-        worker.runner.copy_engine = copier
-        loads_before = worker.runner.num_copy_engine_loads
+        worker.runner.block_io.layered_loads = layered
+        worker.runner.block_io.copy_engine = copier
+        loads_before = worker.runner.block_io.num_copy_engine_loads
         samples, promoted = [], []
         for r in range(3):
             prefix = torch.randint(0, 128000, (PREFIX,), generator=g).tolist()
@@ -180,8 +180,10 @@ def host_tier_ttft(bs: int) -> dict[str, Any]:
             promoted.append(float(worker.tally.host_hit_tokens - before))
         out[f"{label}_ms"] = sorted(samples)[1]
         out[f"{label}_tokens"] = min(promoted)
-        out[f"{label}_copy_engine_loads"] = worker.runner.num_copy_engine_loads - loads_before
-    worker.runner.copy_engine = engine
+        out[f"{label}_copy_engine_loads"] = (
+            worker.runner.block_io.num_copy_engine_loads - loads_before
+        )
+    worker.runner.block_io.copy_engine = engine
     # The same local and layered host hits with long chunks on the path the start-up probe did
     # not pick (split <-> paged), then back: which path a promoted prefix prefers.
     choice = worker.runner.attention.prefill_choice
@@ -190,7 +192,7 @@ def host_tier_ttft(bs: int) -> dict[str, Any]:
     other = replace(picked, bucketed_prefill=not picked.bucketed_prefill)
     for label, mode in (("other_path", other), ("picked_path", picked)):
         worker.runner.attention.mode = mode
-        worker.runner.layered_loads = True
+        worker.runner.block_io.layered_loads = True
         ttft(f"{label}-warm", warm + tail(0))
         locals_ms, hosts_ms = [], []
         for r in range(3):
@@ -213,8 +215,10 @@ def host_tier_ttft(bs: int) -> dict[str, Any]:
         for _ in range(5):
             torch.cuda.synchronize()
             start = time.perf_counter()
-            worker.runner.load_layers(host_pool.data, slots, blocks, kernel_only=kernel_only)
-            for load in worker.runner.take_layer_writes():
+            worker.runner.block_io.load_layers(
+                host_pool.data, slots, blocks, kernel_only=kernel_only
+            )
+            for load in worker.runner.block_io.take_layer_writes():
                 load.done.synchronize()
             samples.append((time.perf_counter() - start) * 1e3)
         out[label] = sorted(samples)[2]
@@ -228,7 +232,7 @@ def write_back_ticks(worker: Any, look_ahead: int, g: torch.Generator) -> dict[s
     from kvmesh.workers.engine.host_tier import WRITE_BACK_TICK_BYTES
 
     out: dict[str, float] = {}
-    block = worker.runner.block_num_bytes
+    block = worker.runner.block_io.block_num_bytes
     for label, max_bytes in (("tick", WRITE_BACK_TICK_BYTES), ("tick_64_blocks", 64 * block)):
         for k in range(3):  # the device pool over again: its next evictions are fresh blocks
             prompt = torch.randint(0, 128000, (7000,), generator=g).tolist()

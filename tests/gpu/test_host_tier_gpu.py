@@ -108,9 +108,9 @@ def make_worker(  # type: ignore[no-untyped-def]
 ):
     config = small_config()
     runner = ModelRunner(config, 12, BS, device="cuda", dtype=torch.float32, weights=weights)
-    runner.layered_loads = layered
+    runner.block_io.layered_loads = layered
     if not copy_engine:
-        runner.copy_engine = None
+        runner.block_io.copy_engine = None
     shape = (*runner.kv_cache.shape[:2], *runner.kv_cache.shape[3:])
     host = HostPool(host_slots, shape, torch.float32, pin=True) if host_slots else None
     logits: dict[str, list[torch.Tensor]] = defaultdict(list)
@@ -152,11 +152,11 @@ def test_a_prompt_promoted_layer_by_layer_matches_a_cold_run(
         outs = run(worker, "again", PREFIX + [1])
         facts = outs[0].prefill
         assert facts is not None and facts.host_tokens > 0
-        assert (worker.runner.num_layer_loads > 0) == layered
-        if worker.runner.copy_engine is None:
-            assert worker.runner.num_copy_engine_loads == 0
+        assert (worker.runner.block_io.num_layer_loads > 0) == layered
+        if worker.runner.block_io.copy_engine is None:
+            assert worker.runner.block_io.num_copy_engine_loads == 0
         elif layered:  # a fresh host pool hands out its slots in order: they come in runs
-            assert worker.runner.num_copy_engine_loads > 0
+            assert worker.runner.block_io.num_copy_engine_loads > 0
         results[layered] = ([t for o in outs for t in o.new_token_ids], logits["again"])
     cold, cold_logits = make_worker(weights, True, host_slots=0)
     expected = [t for o in run(cold, "again", PREFIX + [1]) for t in o.new_token_ids]
@@ -176,7 +176,7 @@ def test_a_worker_built_with_a_host_tier_compiles_its_layer_load_up_front() -> N
     )
     worker = build_worker(config)
     runner = worker.runner
-    assert runner.num_layer_loads == (2 if runner.copy_engine is not None else 1)
-    assert runner.num_copy_engine_loads == runner.num_layer_loads - 1
+    assert runner.block_io.num_layer_loads == (2 if runner.block_io.copy_engine is not None else 1)
+    assert runner.block_io.num_copy_engine_loads == runner.block_io.num_layer_loads - 1
     assert worker.pool.num_cached == 0 and worker.pool.num_free == worker.pool.num_blocks
     assert worker.host_pool is not None and worker.host_pool.num_cached == 0

@@ -51,11 +51,11 @@ def test_a_forward_waits_for_each_layer_group_it_reads(num_groups: int) -> None:
     landed: list[tuple[int, int]] = []
     write = slow_copy(runner.kv_cache, target[:8], source[:8], landed)
     spans = group_spans(config.num_layers, num_groups)
-    groups = LayerGroups(spans, runner.layer_stream(), target[:8], write)
-    runner.add_layer_writes(groups)
+    groups = LayerGroups(spans, runner.block_io.layer_stream(), target[:8], write)
+    runner.block_io.add_layer_writes(groups)
     # Queued while the copy sleeps: without the waits it would read the target blocks unwritten.
     got = runner.forward([SeqChunk(ids[8 * BS :], 8 * BS, target)])
-    for writes in runner.take_layer_writes():
+    for writes in runner.block_io.take_layer_writes():
         writes.done.synchronize()
     assert landed == spans
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
@@ -67,9 +67,9 @@ def test_a_runner_settles_its_layered_writes_before_a_peer_reads_them() -> None:
     cache = runner.kv_cache
     cache[:, :, 0].fill_(1.0)
     write = slow_copy(cache, [5], [0])
-    groups = LayerGroups([(0, config.num_layers)], runner.layer_stream(), [5], write)
-    runner.add_layer_writes(groups)
-    runner.settle_layer_writes([3, 5])
+    groups = LayerGroups([(0, config.num_layers)], runner.block_io.layer_stream(), [5], write)
+    runner.block_io.add_layer_writes(groups)
+    runner.block_io.settle_layer_writes([3, 5])
     assert groups.done.query()
     assert torch.equal(cache[:, :, 5].cpu(), torch.ones_like(cache[:, :, 5]).cpu())
 
@@ -80,8 +80,10 @@ def test_a_copy_out_of_the_cache_waits_for_the_blocks_still_landing() -> None:
     runner = ModelRunner(config, 16, BS, device="cuda", dtype=torch.float32)
     runner.kv_cache[:, :, 0].fill_(2.0)
     write = slow_copy(runner.kv_cache, [7], [0])
-    runner.add_layer_writes(LayerGroups([(0, 2), (2, 4)], runner.layer_stream(), [7], write))
-    out = runner.export_blocks([7])
+    runner.block_io.add_layer_writes(
+        LayerGroups([(0, 2), (2, 4)], runner.block_io.layer_stream(), [7], write)
+    )
+    out = runner.block_io.export_blocks([7])
     assert torch.equal(out.cpu(), torch.full_like(out, 2.0).cpu())
 
 
@@ -99,10 +101,10 @@ def test_a_decode_graph_captured_behind_a_layered_write_waits_for_it() -> None:
     runner.forward([SeqChunk(ids[: 8 * BS], 0, source[:8])])
     expected = runner.forward([SeqChunk(ids[8 * BS :], 8 * BS, source)])
     write = slow_copy(runner.kv_cache, target[:8], source[:8])
-    groups = LayerGroups([(0, 2), (2, 4)], runner.layer_stream(), target[:8], write)
-    runner.add_layer_writes(groups)
+    groups = LayerGroups([(0, 2), (2, 4)], runner.block_io.layer_stream(), target[:8], write)
+    runner.block_io.add_layer_writes(groups)
     runner.cuda_graphs = True  # the first decode-shaped step captures its bucket now
     got = runner.forward([SeqChunk(ids[8 * BS :], 8 * BS, target)])
-    for writes in runner.take_layer_writes():
+    for writes in runner.block_io.take_layer_writes():
         writes.done.synchronize()
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)

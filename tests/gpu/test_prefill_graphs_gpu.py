@@ -130,14 +130,14 @@ def test_a_pulled_prefix_still_landing_is_waited_for_before_the_replay(
         torch.cuda._sleep(50_000_000)
         cache[lo:hi, :, target[:pulled]] = cache[lo:hi, :, source[:pulled]]
 
-    groups = LayerGroups([(0, 1), (1, 3)], runner.layer_stream(), target[:pulled], write)
+    groups = LayerGroups([(0, 1), (1, 3)], runner.block_io.layer_stream(), target[:pulled], write)
     assert not groups.overlaps_forward and not groups.gated
-    runner.add_layer_writes(groups)
+    runner.block_io.add_layer_writes(groups)
     runner.prefill_graphs = True
     graphs = runner._prefill_graphs
     assert graphs is not None
     got = runner.forward([SeqChunk(ids[600:], 600, target)])
-    runner.take_layer_writes()
+    runner.block_io.take_layer_writes()
     assert graphs.counts().num_replays == 1
     torch.testing.assert_close(got, expected, atol=0.05 * expected.abs().max().item(), rtol=0)
 
@@ -146,7 +146,7 @@ def test_a_pulled_prefix_with_gates_is_waited_for_layer_by_layer_inside_the_repl
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     runner = small_runner(monkeypatch)
-    assert runner.layer_gates is not None
+    assert runner.block_io.layer_gates is not None
     rng, source, ids, expected = hit_behind_prefix(runner, 13)
     cache, pulled = runner.kv_cache, -(-600 // 16)
     runner.prefill_graphs = True
@@ -165,13 +165,17 @@ def test_a_pulled_prefix_with_gates_is_waited_for_layer_by_layer_inside_the_repl
             cache[lo:hi, :, target[:pulled]] = cache[lo:hi, :, source[:pulled]]
 
         groups = LayerGroups(
-            [(0, 1), (1, 3)], runner.layer_stream(), target[:pulled], write, runner.layer_gates
+            [(0, 1), (1, 3)],
+            runner.block_io.layer_stream(),
+            target[:pulled],
+            write,
+            runner.block_io.layer_gates,
         )
         assert groups.gated and not groups.overlaps_forward
-        runner.add_layer_writes(groups)
+        runner.block_io.add_layer_writes(groups)
         got = runner.forward([SeqChunk(ids[600:], 600, target)])
         assert graphs.counts().num_replays == round_ + 1
-        for writes in runner.take_layer_writes():
+        for writes in runner.block_io.take_layer_writes():
             writes.done.synchronize()
         torch.testing.assert_close(got, expected, atol=0.05 * expected.abs().max().item(), rtol=0)
 
@@ -183,7 +187,9 @@ def test_a_promotion_still_landing_is_waited_for_layer_by_layer_inside_the_repla
     runner = small_runner(monkeypatch)
     rng, source, ids, expected = hit_behind_prefix(runner, 11)
     num_promoted = -(-600 // 16)
-    host = runner.export_blocks(source[:num_promoted]).cpu().pin_memory()  # the host tier's layout
+    host = (
+        runner.block_io.export_blocks(source[:num_promoted]).cpu().pin_memory()
+    )  # the host tier's layout
     runner.prefill_graphs = True
     graphs = runner._prefill_graphs
     assert graphs is not None
@@ -193,16 +199,16 @@ def test_a_promotion_still_landing_is_waited_for_layer_by_layer_inside_the_repla
     for round_, lo in enumerate((150, 225)):
         target = rng.sample(range(lo, lo + 75), 60)
         runner.kv_cache[:, :, target] = 0
-        with torch.cuda.stream(runner.layer_stream()):
+        with torch.cuda.stream(runner.block_io.layer_stream()):
             torch.cuda._sleep(100_000_000)
-        load = runner.load_layers(
+        load = runner.block_io.load_layers(
             host, list(range(num_promoted)), target[:num_promoted], kernel_only=kernel_only
         )
         assert load.gated and load.uses_copy_engine == (
-            not kernel_only and runner.copy_engine is not None
+            not kernel_only and runner.block_io.copy_engine is not None
         )
         got = runner.forward([SeqChunk(ids[600:], 600, target)])
         assert graphs.counts().num_replays == round_ + 1
-        for writes in runner.take_layer_writes():
+        for writes in runner.block_io.take_layer_writes():
             writes.done.synchronize()
         torch.testing.assert_close(got, expected, atol=0.05 * expected.abs().max().item(), rtol=0)

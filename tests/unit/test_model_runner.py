@@ -272,9 +272,9 @@ def test_sequences_sharing_prefix_blocks_read_them_without_rewriting(tiny: Model
     ids = prompt(12, seed=20)
     runner = fresh_runner(tiny)
     runner.forward([SeqChunk(ids[:8], 0, [5, 6])])
-    before = runner.export_blocks([5, 6])
+    before = runner.block_io.export_blocks([5, 6])
     a = runner.forward([SeqChunk(ids[8:], 8, [5, 6, 7]), SeqChunk([1, 2, 3], 8, [5, 6, 9])])
-    torch.testing.assert_close(runner.export_blocks([5, 6]), before, atol=0, rtol=0)
+    torch.testing.assert_close(runner.block_io.export_blocks([5, 6]), before, atol=0, rtol=0)
     alone = fresh_runner(tiny).forward([SeqChunk(ids, 0, [0, 1, 2])])
     torch.testing.assert_close(a[0], alone[0], atol=1e-5, rtol=0)
 
@@ -445,23 +445,25 @@ def test_exported_blocks_imported_elsewhere_continue_the_sequence(tiny: ModelRun
     source = fresh_runner(tiny)
     source_table = [7, 3, 12, 30]
     source.forward([SeqChunk(ids[:12], 0, source_table)])
-    blocks = source.export_blocks(source_table[:3])
+    blocks = source.block_io.export_blocks(source_table[:3])
     c = tiny.config
     assert blocks.shape == (3, c.num_layers, 2, BLOCK_SIZE, c.num_kv_heads, c.head_dim)
     assert blocks.is_contiguous()
     target = fresh_runner(tiny)
     target_table = [50, 1, 22, 9]
-    target.import_blocks(target_table[:3], blocks)
-    torch.testing.assert_close(target.export_blocks(target_table[:3]), blocks, atol=0, rtol=0)
+    target.block_io.import_blocks(target_table[:3], blocks)
+    torch.testing.assert_close(
+        target.block_io.export_blocks(target_table[:3]), blocks, atol=0, rtol=0
+    )
     expected = source.forward([SeqChunk(ids[12:], 12, source_table)])
     got = target.forward([SeqChunk(ids[12:], 12, target_table)])
     torch.testing.assert_close(got, expected, atol=0, rtol=0)
     with pytest.raises(ValueError, match="duplicates"):
-        target.import_blocks([1, 1, 2], blocks)
+        target.block_io.import_blocks([1, 1, 2], blocks)
     with pytest.raises(ValueError, match="expected"):
-        target.import_blocks([1, 2], blocks)
+        target.block_io.import_blocks([1, 2], blocks)
     with pytest.raises(ValueError, match=r"block ids span \[0, 64\]"):
-        target.export_blocks([0, 64])
+        target.block_io.export_blocks([0, 64])
 
 
 def test_random_weights_are_the_same_for_any_dtype_up_to_rounding() -> None:

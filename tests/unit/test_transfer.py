@@ -388,7 +388,7 @@ def test_an_idle_write_back_tick_copies_at_most_its_bytes() -> None:
     run(worker, "a", PREFIX + [1])
     host = worker.host_pool
     assert host is not None
-    block = worker.runner.block_num_bytes
+    block = worker.runner.block_io.block_num_bytes
     assert worker.host_tier.write_back(look_ahead=10, max_bytes=3 * block + 1) == 3
     assert worker.host_tier.write_back(look_ahead=10, max_bytes=1) == 1  # at least a block
     copied = 4

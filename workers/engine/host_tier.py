@@ -58,7 +58,7 @@ class HostTier:
         missing = self.host_pool.missing(hashes)
         if missing:
             ids = [blocks[i][0] for i in missing]
-            copies = self.runner.export_blocks(ids)
+            copies = self.runner.block_io.export_blocks(ids)
             self.host_pool.put([hashes[i] for i in missing], copies, announce=False)
         if announce:
             self.host_pool.announce(hashes)
@@ -70,7 +70,7 @@ class HostTier:
         many blocks were copied."""
         if self.host_pool is None or look_ahead <= 0:
             return 0
-        max_blocks = max(1, max_bytes // self.runner.block_num_bytes)
+        max_blocks = max(1, max_bytes // self.runner.block_io.block_num_bytes)
         # At most half the host tier: copies made ahead must not push each other out (an idle
         # worker would copy forever) nor crowd out the blocks the device has already let go.
         candidates = self.pool.next_evicted(min(look_ahead, self.host_pool.num_slots // 2))
@@ -107,13 +107,13 @@ class HostTier:
         run = list(reservation.hashes)
         targets = [int(b) for b in reservation.targets]
         try:
-            if self.runner.can_load_layers(self.host_pool.data):
+            if self.runner.block_io.can_load_layers(self.host_pool.data):
                 slots = self.host_pool.slots_for(run)
                 self.host_pool.hold(slots)  # read by the load until this step ends
-                self.runner.load_layers(self.host_pool.data, slots, targets)
+                self.runner.block_io.load_layers(self.host_pool.data, slots, targets)
             else:
                 data = self.host_pool.get(run, self.runner.kv_cache.device)
-                self.runner.import_blocks(targets, data)
+                self.runner.block_io.import_blocks(targets, data)
             written = len(run)
         except (KeyError, ValueError):
             written = 0  # a slot the host tier gave up meanwhile: recompute instead
@@ -129,14 +129,14 @@ class HostTier:
         make the copy engine's first load (its staging, its stream): one slot into block 0,
         which a pool that has served nothing holds no KV in, each way."""
         pool, host_pool = self.pool, self.host_pool
-        if host_pool is None or not self.runner.can_load_layers(host_pool.data):
+        if host_pool is None or not self.runner.block_io.can_load_layers(host_pool.data):
             return
         if pool.num_cached or pool.ref_count(BlockId(0)):
             raise ValueError("warm_up overwrites block 0: call it before the pool serves")
-        self.runner.load_layers(host_pool.data, [0], [0], kernel_only=True)
+        self.runner.block_io.load_layers(host_pool.data, [0], [0], kernel_only=True)
         self.end_step()
-        if self.runner.copy_engine is not None:
-            self.runner.load_layers(host_pool.data, [0], [0])
+        if self.runner.block_io.copy_engine is not None:
+            self.runner.block_io.load_layers(host_pool.data, [0], [0])
             self.end_step()
 
     def end_step(self) -> None:
@@ -144,7 +144,7 @@ class HostTier:
         (usually long since: the step's forward waited for each layer, and sampling waited for
         the forward), so nothing outlives the step that follows it, and the host slots they read
         are free again."""
-        for writes in self.runner.take_layer_writes():
+        for writes in self.runner.block_io.take_layer_writes():
             writes.done.synchronize()
         if self.host_pool is not None:
             self.host_pool.release_held()

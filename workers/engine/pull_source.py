@@ -34,14 +34,14 @@ class PullSource:
     def export_blocks(self, hashes: Seq[BlockHash], to_cpu: bool = True) -> BlockExport:
         """The leading run of `hashes` this worker holds (device tier, then host tier)."""
         ids = self.pool.match_prefix(hashes)
-        parts = [self.runner.export_blocks(ids)] if ids else []  # waits for blocks landing
+        parts = [self.runner.block_io.export_blocks(ids)] if ids else []  # waits for blocks landing
         found = list(hashes[: len(ids)])
         from_host, run = self.host_tier.export_after(hashes[len(ids) :])
         if from_host is not None:
             parts.append(from_host)
             found += run
         if not parts:
-            parts = [self.runner.export_blocks([])]
+            parts = [self.runner.block_io.export_blocks([])]
         blocks = torch.cat(parts) if len(parts) > 1 else parts[0]
         return BlockExport(self.worker_id, tuple(found), blocks.cpu() if to_cpu else blocks)
 
@@ -49,7 +49,7 @@ class PullSource:
         """Take refs on the leading device run of `hashes` so a peer can copy it in place
         (same-GPU and NCCL pulls); `unpin` releases them."""
         ids = self.pool.match_prefix(hashes)
-        self.runner.settle_layer_writes(ids)  # the peer reads them on its own stream
+        self.runner.block_io.settle_layer_writes(ids)  # the peer reads them on its own stream
         self.pool.acquire(ids)
         self._peer_pins.extend(ids)
         return ids

@@ -146,7 +146,7 @@ class Worker:
 
     @property
     def block_num_bytes(self) -> int:
-        return self.runner.block_num_bytes
+        return self.runner.block_io.block_num_bytes
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -373,8 +373,8 @@ class Worker:
             self.host_pool.num_evicted if self.host_pool else 0,
             self.runner.decode_graph_counts(),
             self.runner.prefill_graph_counts(),
-            self.runner.num_layer_loads,
-            self.runner.num_copy_engine_loads,
+            self.runner.block_io.num_layer_loads,
+            self.runner.block_io.num_copy_engine_loads,
         )
         return WorkerInfo(
             worker_id=self.worker_id,

@@ -64,7 +64,7 @@ class HostPool:
     def put(
         self, hashes: Sequence[BlockHash], blocks: torch.Tensor, *, announce: bool = True
     ) -> None:
-        """Store blocks (layout of ModelRunner.export_blocks) under their hashes, evicting LRU;
+        """Store blocks (layout of `BlockIO.export_blocks`) under their hashes, evicting LRU;
         a hash already here is only marked recently used (and announced, if asked)."""
         if blocks.shape[0] != len(hashes):
             raise ValueError(f"{blocks.shape[0]} blocks for {len(hashes)} hashes")

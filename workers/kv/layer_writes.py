@@ -11,7 +11,7 @@ one event per layer) and a pull from a peer, over NCCL or CUDA IPC, moved in lay
 a prefill replayed as a CUDA graph waits for them layer by layer too, not for all of them before
 the replay. The runner keeps them until the end of the step that follows; anything that hands
 their blocks to a peer settles them first, and a copy out of the cache waits for them
-(`ModelRunner.settle_layer_writes`, `export_blocks`): the blocks are registered before their
+(`BlockIO.settle_layer_writes`, `export_blocks`): the blocks are registered before their
 layers land.
 """
 

@@ -23,10 +23,8 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from kvmesh.workers.kv.copy_engine import CopyEngine
+from kvmesh.workers.kv.block_io import BlockIO
 from kvmesh.workers.kv.layer_gates import LayerGates
-from kvmesh.workers.kv.layer_load import LayerLoad, can_load_layers
-from kvmesh.workers.kv.layer_writes import LayerWrites
 from kvmesh.workers.model.batch_attention import BatchAttention
 from kvmesh.workers.model.batch_plan import (
     AttentionMode,
@@ -63,7 +61,7 @@ class ModelRunner:
         < end_pos of each chunk; which blocks a sequence owns is the block pool's business
       * the weights never change after construction; adapters are only added (`load_adapter`),
         and a chunk names only loaded ones
-      * while layer loads are pending (`load_layers`), every forward reads layer l of the cache
+      * while layered writes are pending (`block_io`), every forward reads layer l of the cache
         only after waiting for layer l of each of them
     """
 
@@ -178,23 +176,16 @@ class ModelRunner:
             if self.cuda_graphs
             else None
         )
-        self.layered_loads = on_gpu
-        """Host-tier promotions run layer by layer beside the prefill (`load_layers`) instead of
-        as one copy before it; benchmarks and tests may switch it."""
-        self.num_layer_loads = 0
-        """Promotions started as layer loads, since construction."""
-        self.num_copy_engine_loads = 0
-        """Of those, the ones the copy engine moved."""
-        self.copy_engine = CopyEngine.find() if on_gpu else None
-        """Moves layer loads whose host slots come in runs (`LayerLoad`); None: the kernel
-        moves them all (no runtime library to bind, or switched off by a benchmark)."""
-        self._layer_writes: list[LayerWrites] = []
-        self._load_streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
-        self._layer_gates = (
-            LayerGates(self.config.num_layers, self.device)
-            if self._prefill_graphs is not None and LayerGates.usable()
-            else None
-        )  # host hits' loads record them; prefill graphs wait on them
+        self.block_io = BlockIO(
+            self.kv_cache,
+            gates=(
+                LayerGates(config.num_layers, self.device)
+                if self._prefill_graphs is not None and LayerGates.usable()
+                else None
+            ),  # host hits' loads record them; prefill graphs wait on them
+            layered=on_gpu,
+        )
+        """Whole blocks in and out of the cache, and the layered writes forwards wait for."""
         self.check_invariants()
 
     def _load_weights(self, weights_path: str | None, seed: int | None) -> ModelWeights:
@@ -243,6 +234,8 @@ class ModelRunner:
         assert len(w.layers) == c.num_layers
         assert tuple(w.embed_tokens.shape) == (c.vocab_size, c.hidden_size)
         assert w.embed_tokens.dtype == self.dtype
+        assert self.block_io.cache is self.kv_cache
+        self.block_io.check_invariants()
 
     # ------------------------------------------------------------------ forward passes
 
@@ -283,7 +276,7 @@ class ModelRunner:
             and graphs.serves(batch)
         ):
             self.validate_batch(batch, check_tables=False)  # the graphs check the ids they copy
-            for writes in self._layer_writes:
+            for writes in self.block_io.pending:
                 writes.wait_all()
             return self._logits(graphs.run(batch, token_ids))
         prefill = self._prefill_graphs
@@ -292,11 +285,11 @@ class ModelRunner:
             and prefill is not None
             and self.cuda_graphs
             and self.prefill_graphs
-            and all(w.gated or not w.overlaps_forward for w in self._layer_writes)
+            and all(w.gated or not w.overlaps_forward for w in self.block_io.pending)
             and prefill.serves(batch)
         ):
             self.validate_batch(batch)
-            for writes in self._layer_writes:  # a graph waits on the gated ones layer by layer
+            for writes in self.block_io.pending:  # a graph waits on the gated ones layer by layer
                 if not writes.gated:
                     writes.wait_all()
             try:
@@ -394,13 +387,14 @@ class ModelRunner:
         # may not wait on events recorded outside it: a prefill graph (`gated`) waits on this
         # layer's gate instead, which every layer load records (`forward` waited for all of any
         # other write before the replay).
-        if self._layer_writes or gated:
+        pending, gates = self.block_io.pending, self.block_io.layer_gates
+        if pending or gated:
             capturing = torch.cuda.is_current_stream_capturing()
-            if self._layer_writes and not capturing:
-                for writes in self._layer_writes:
+            if pending and not capturing:
+                for writes in pending:
                     writes.wait_layer(layer_index)
-            elif gated and capturing and self._layer_gates is not None:
-                self._layer_gates.wait(layer_index)
+            elif gated and capturing and gates is not None:
+                gates.wait(layer_index)
         kv_blocks = self.kv_cache[layer_index]  # [2, num_blocks, block_size, kv_heads, dim]
         q, k, v = self._rope_and_write_kv(qkv, cos, sin, kv_blocks, plan.write_slots)
         return self.attention.attend(q, k, v, kv_blocks, plan).view(qkv.shape[0], -1)
@@ -464,64 +458,7 @@ class ModelRunner:
             mode=self.attention.mode,
         )
 
-    # ------------------------------------------------------------------ block transfer
-
-    def _check_block_ids(self, block_ids: Sequence[int], *, unique: bool) -> list[int]:
-        """The ids as ints, checked in Python (a promotion's few hundred: no tensor round trip
-        on the request's path)."""
-        ids = [int(b) for b in block_ids]
-        if ids and (min(ids) < 0 or max(ids) >= self.num_blocks):
-            raise ValueError(
-                f"block ids span [{min(ids)}, {max(ids)}], pool has [0, {self.num_blocks})"
-            )
-        if unique and len(set(ids)) != len(ids):
-            raise ValueError(f"{len(ids)} block ids contain duplicates")
-        return ids
-
-    def _block_id_tensor(self, block_ids: Sequence[int], *, unique: bool) -> torch.Tensor:
-        ids = self._check_block_ids(block_ids, unique=unique)
-        return torch.tensor(ids, dtype=torch.int64).to(self.device)
-
-    @torch.inference_mode()
-    def export_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
-        """Copy whole blocks, all layers, K and V, into one contiguous tensor (on the cache device):
-        [len(block_ids), num_layers, 2, block_size, num_kv_heads, head_dim], block-major so each
-        block is one contiguous slab."""
-        ids = self._block_id_tensor(block_ids, unique=False)
-        if self._layer_writes:  # blocks still landing: the copy waits for them on the stream
-            wanted = {int(b) for b in block_ids}
-            for writes in self._layer_writes:
-                if not writes.blocks.isdisjoint(wanted):
-                    writes.wait_all()
-        return self.kv_cache[:, :, ids].permute(2, 0, 1, 3, 4, 5).contiguous()
-
-    def can_load_layers(self, host_data: torch.Tensor) -> bool:
-        """Whether `load_layers` can read these host slots (CUDA, pinned, the cache's layout)."""
-        return self.layered_loads and can_load_layers(host_data, self.kv_cache)
-
-    @torch.inference_mode()
-    def load_layers(
-        self,
-        host_data: torch.Tensor,
-        slots: Sequence[int],
-        block_ids: Sequence[int],
-        *,
-        kernel_only: bool = False,
-    ) -> LayerLoad:
-        """Start copying host slots (block-major, `export_blocks` layout) into `block_ids`, layer
-        by layer on a side stream; the next forwards wait per layer (see `LayerLoad`: the copy
-        engine where the slots come in runs, unless `kernel_only`, else the kernel). The caller
-        ends it with `take_layer_writes` once a step is over."""
-        ids = self._check_block_ids(block_ids, unique=True)
-        load = LayerLoad(
-            host_data, slots, self.kv_cache, ids, self.layer_stream(),
-            copy_engine=None if kernel_only else self.copy_engine, gates=self._layer_gates,
-            second_stream=self.layer_stream(second=True),
-        )  # fmt: skip
-        self.add_layer_writes(load)
-        self.num_layer_loads += 1
-        self.num_copy_engine_loads += load.uses_copy_engine
-        return load
+    # ------------------------------------------------------------------ graphs
 
     def decode_graph_counts(self) -> GraphCounts:
         """Decode buckets captured as CUDA graphs so far, the captures' wall time and the steps
@@ -533,56 +470,3 @@ class ModelRunner:
         """The same for long-chunk prefill buckets (`prefill_graphs`)."""
         graphs = self._prefill_graphs
         return graphs.counts() if graphs is not None else NO_GRAPHS
-
-    @property
-    def block_num_bytes(self) -> int:
-        """Bytes one block holds: its keys and values in every layer."""
-        cache = self.kv_cache
-        return cache[:, :, :1].numel() * cache.element_size()
-
-    def layer_stream(self, *, second: bool = False) -> torch.cuda.Stream:
-        """The side stream layered writes run on (CUDA only); `second`: the one a host-tier
-        load alternates layers with (`LayerLoad`)."""
-        if self._load_streams is None:
-            # High priority: its copy programs take SMs as the prefill's kernels free them, so
-            # layer l + 1 arrives while layer l computes instead of after the whole forward.
-            self._load_streams = (
-                torch.cuda.Stream(self.device, priority=-1),
-                torch.cuda.Stream(self.device, priority=-1),
-            )
-        return self._load_streams[int(second)]
-
-    @property
-    def layer_gates(self) -> LayerGates | None:
-        """The gates layered writes record and prefill graphs wait on (None without prefill
-        graphs, or where torch makes no external events)."""
-        return self._layer_gates
-
-    def add_layer_writes(self, writes: LayerWrites) -> None:
-        """Make the next forwards wait for `writes` layer by layer (see `kv/layer_writes.py`)."""
-        self._layer_writes.append(writes)
-
-    def take_layer_writes(self) -> list[LayerWrites]:
-        """The pending layered writes, no longer waited for by later forwards."""
-        writes, self._layer_writes = self._layer_writes, []
-        return writes
-
-    def settle_layer_writes(self, block_ids: Sequence[int]) -> None:
-        """Wait on the host until every pending layered write into `block_ids` has landed: they
-        are registered already, and a peer that copies them (in its own process, on its own
-        stream) must not read them half written."""
-        wanted = {int(b) for b in block_ids}
-        for writes in self._layer_writes:
-            if not writes.blocks.isdisjoint(wanted):
-                writes.done.synchronize()
-
-    @torch.inference_mode()
-    def import_blocks(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
-        """Overwrite blocks with the layout `export_blocks` produces (from any device)."""
-        ids = self._block_id_tensor(block_ids, unique=True)
-        expected = (len(ids), *self.kv_cache.shape[:2], *self.kv_cache.shape[3:])
-        if tuple(blocks.shape) != expected:
-            raise ValueError(f"blocks have shape {tuple(blocks.shape)}, expected {expected}")
-        if blocks.dtype != self.dtype:
-            raise ValueError(f"blocks are {blocks.dtype}, the cache is {self.dtype}")
-        self.kv_cache[:, :, ids] = blocks.to(self.device).permute(1, 2, 0, 3, 4, 5)

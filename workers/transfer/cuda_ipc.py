@@ -71,14 +71,14 @@ class CudaIpcTransport:
                     return n
                 groups = LayerGroups(
                     group_spans(ours.shape[0], LAYER_GROUPS),
-                    self._runner.layer_stream(),
+                    self._runner.block_io.layer_stream(),
                     dst,
                     lambda lo, hi: copy_block_pairs(ours[lo:hi], peer_cache[lo:hi], pairs),
-                    self._runner.layer_gates,
+                    self._runner.block_io.layer_gates,
                 )
                 # The request's forward waits per group; only the peer's unpin waits for all
                 # of it, and not the request.
-                self._runner.add_layer_writes(groups)
+                self._runner.block_io.add_layer_writes(groups)
                 copied.append(groups.done)
             return n
 

@@ -212,13 +212,15 @@ class NcclTransport:
                     targets,
                     len(ids),
                     src_rank,
-                    runner.layer_stream(),
-                    runner.layer_gates,
+                    runner.block_io.layer_stream(),
+                    runner.block_io.layer_gates,
                 )
                 received.append(groups)
                 n = targets.fillable(len(ids))
                 if n:
-                    runner.add_layer_writes(groups)  # the request's forward waits per layer
+                    runner.block_io.add_layer_writes(
+                        groups
+                    )  # the request's forward waits per layer
                 else:
                     groups.done.synchronize()  # nothing waits for it: drain the wire now
                 return n

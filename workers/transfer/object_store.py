@@ -36,7 +36,7 @@ def export_writer(runner: ModelRunner, export: BlockExport) -> BlockWriter:
         n = targets.fillable(len(export.hashes))
         if n:
             first = targets.first
-            runner.import_blocks(targets.blocks[:n], export.blocks[first : first + n])
+            runner.block_io.import_blocks(targets.blocks[:n], export.blocks[first : first + n])
         return n
 
     return fill
