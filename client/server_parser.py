@@ -148,6 +148,12 @@ def _add_worker_memory_options(parser: argparse.ArgumentParser) -> None:
         help="on GPU workers, launch every decode step's and every long cached prefill's kernels"
         " one by one instead of replaying a captured CUDA graph",
     )
+    parser.add_argument(
+        "--no-pipelined-decode",
+        action="store_true",
+        help="on GPU workers, read every greedy decode step's tokens before launching the next"
+        " (by default the next step is queued on the GPU first, fed the tokens there)",
+    )
 
 
 def _add_cache_policy_options(parser: argparse.ArgumentParser) -> None:

@@ -74,6 +74,7 @@ def deployment_config(args: argparse.Namespace, *, embedded_redis: bool) -> Depl
         lora_adapters=tuple(_opt(args, "lora", ())),
         prefix_cache=not _opt(args, "no_prefix_cache", False),
         cuda_graphs=not _opt(args, "no_cuda_graphs", False),
+        pipelined_decode=not _opt(args, "no_pipelined_decode", False),
     )
     http_port = _opt(args, "http_port", None)
     http = None

@@ -493,6 +493,18 @@ class MetricsCollector:
                 lambda i: i.counters.num_host_copy_engine_loads,
             ),
             per_worker(
+                "kvmesh_worker_queued_decode_steps_total",
+                MetricKind.COUNTER,
+                "Decode steps queued on the GPU before the host had read the step before them.",
+                lambda i: i.counters.num_queued_decode_steps,
+            ),
+            per_worker(
+                "kvmesh_worker_dropped_decode_rows_total",
+                MetricKind.COUNTER,
+                "Rows of those steps computed for sequences that had ended meanwhile.",
+                lambda i: i.counters.num_dropped_decode_rows,
+            ),
+            per_worker(
                 "kvmesh_worker_prefill_seconds_per_token",
                 MetricKind.GAUGE,
                 "Measured prefill cost per token (the router's cost model follows it).",

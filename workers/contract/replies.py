@@ -171,6 +171,12 @@ class WorkerCounters:
     num_host_copy_engine_loads: int = 0
     """Of those, the ones the GPU's copy engines moved (the host slots came in runs); the rest
     the load kernel did."""
+    num_queued_decode_steps: int = 0
+    """Decode steps queued on the device before the host had read the step before them
+    (`decode_pipeline`)."""
+    num_dropped_decode_rows: int = 0
+    """Rows those steps computed for sequences that had ended meanwhile (a stop token, an
+    abort), dropped."""
     num_warm_sessions: int = 0
     """Idle sessions whose chains are kept warm now."""
     warm_session_bytes: int = 0

@@ -59,6 +59,8 @@ class WorkerTally:
         prefill_graphs: GraphCounts = NO_GRAPHS,
         num_layer_loads: int = 0,
         num_copy_engine_loads: int = 0,
+        num_queued_decode_steps: int = 0,
+        num_dropped_decode_rows: int = 0,
     ) -> WorkerCounters:
         return WorkerCounters(
             num_requests=self.num_requests,
@@ -94,6 +96,8 @@ class WorkerTally:
             num_prefill_graph_replays=prefill_graphs.num_replays,
             num_host_layer_loads=num_layer_loads,
             num_host_copy_engine_loads=num_copy_engine_loads,
+            num_queued_decode_steps=num_queued_decode_steps,
+            num_dropped_decode_rows=num_dropped_decode_rows,
             num_warm_sessions=sessions.num_sessions,
             warm_session_bytes=sessions.num_bytes,
             num_sessions_evicted_ttl=sessions.num_evicted_ttl,

@@ -39,6 +39,7 @@ from kvmesh.workers.contract.replies import (
     WorkerInfo,
 )
 from kvmesh.workers.contract.requests import WorkerRequest
+from kvmesh.workers.engine.decode_pipeline import DecodePipeline
 from kvmesh.workers.engine.event_log import EventLog
 from kvmesh.workers.engine.failure import forward_and_sample
 from kvmesh.workers.engine.host_tier import HostTier
@@ -92,7 +93,10 @@ class Worker:
         sessions: WarmSessionConfig | None = None,
         prefix_cache: bool = True,
         cache_epoch: int = 0,
+        pipelined_decode: bool = False,
     ) -> None:
+        """`pipelined_decode`: greedy decode steps are queued one ahead of the host
+        (`decode_pipeline`; worth it where the runner replays CUDA graphs)."""
         self.worker_id = worker_id
         self.runner = runner
         self.model_fingerprint = model_fingerprint
@@ -132,6 +136,9 @@ class Worker:
         """Set by the engine thread that owns this worker (`workers/engine/state_lock.py`): a
         step's forward pass runs with it released, so a peer's pin need not wait for the step."""
         self.tally = WorkerTally()
+        self.decode_pipeline = (
+            DecodePipeline(runner, self.pool, self.block_size) if pipelined_decode else None
+        )
         # Debug / test hook: receives (request_id, logits row) for every sampled token.
         self._logits_sink = logits_sink
 
@@ -142,7 +149,9 @@ class Worker:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        """Requests to run, or a queued decode step still to land."""
+        pipeline = self.decode_pipeline
+        return self.scheduler.has_work or (pipeline is not None and pipeline.queued is not None)
 
     @property
     def block_num_bytes(self) -> int:
@@ -238,6 +247,8 @@ class Worker:
     def _run_step(self) -> list[RequestOutput]:
         began = time.perf_counter()
         self.sessions.expire()
+        if self.decode_pipeline is not None and self.decode_pipeline.queued is not None:
+            return self._land_queued(began)
         waiting = list(self.scheduler.waiting)[: self.scheduler.config.max_num_seqs]
         self.tally.host_hit_tokens += self.host_tier.promote(waiting, self.scheduler.unpin)
         step = self.scheduler.schedule()
@@ -249,6 +260,14 @@ class Worker:
         for seq in step.seqs:
             if seq.prefill_started_s is None:
                 seq.prefill_started_s = now
+        pipeline = self.decode_pipeline
+        if pipeline is not None and self._queues(step):
+            try:
+                pipeline.launch(step)
+            except Exception:  # the forward below runs it, failing only what fails alone
+                log.exception("queueing a decode step failed; it runs synchronously")
+            else:
+                return self._land_queued(began)
         started = time.perf_counter()
         chunks = [
             SeqChunk(seq.ids_from(start), start, seq.block_table, adapter=seq.adapter)
@@ -268,6 +287,34 @@ class Worker:
         self.scheduler.on_step_done(step, sampled, self.eos_token_ids)
         outputs = self._outputs(step, sampled) + [self._fail(seq, f) for seq, f in failed]
         self.tally.on_step(prefill, num_seqs, (time.perf_counter() - began) * 1e3)
+        return outputs
+
+    def _queues(self, step: ScheduledStep) -> bool:
+        """Whether this step goes through the decode pipeline (not with the logits hook, which
+        wants every step's logits)."""
+        return self._logits_sink is None and DecodePipeline.takes(step)
+
+    def _land_queued(self, began: float) -> list[RequestOutput]:
+        """Queue the next decode step behind the queued one where the batch goes on
+        (`DecodePipeline.next_step`), then read the queued one's tokens: its outputs."""
+        pipeline = self.decode_pipeline
+        assert pipeline is not None
+        landing = pipeline.take()
+        following = None if self.scheduler.waiting else pipeline.next_step()
+        if following is not None:
+            self.host_tier.demote_evicted()  # before the step overwrites reallocated blocks
+            try:
+                pipeline.launch(following, behind=landing)
+            except Exception:  # the scheduler schedules it again once this one has landed
+                log.exception("queueing a decode step behind another failed")
+        with self.state_lock.released() if self.state_lock is not None else nullcontext():
+            tokens = landing.tokens.tolist()
+        step, sampled = pipeline.land(tokens)
+        if not step.seqs:
+            return []
+        self.scheduler.on_step_done(step, sampled, self.eos_token_ids)
+        outputs = self._outputs(step, sampled)
+        self.tally.on_step(False, len(step.seqs), (time.perf_counter() - began) * 1e3)
         return outputs
 
     # ---- isolation: one sequence's failure is its own (failure.py) -----------------------------
@@ -365,6 +412,7 @@ class Worker:
         return self.events.generation
 
     def info(self) -> WorkerInfo:
+        pipeline = self.decode_pipeline
         counters = self.tally.snapshot(
             self.scheduler.num_preemptions,
             self.host_pool.num_cached if self.host_pool else 0,
@@ -375,6 +423,8 @@ class Worker:
             self.runner.prefill_graph_counts(),
             self.runner.block_io.num_layer_loads,
             self.runner.block_io.num_copy_engine_loads,
+            pipeline.num_queued_steps if pipeline is not None else 0,
+            pipeline.num_dropped_rows if pipeline is not None else 0,
         )
         return WorkerInfo(
             worker_id=self.worker_id,
@@ -417,6 +467,8 @@ class Worker:
 
     def check_invariants(self) -> None:
         held: list[BlockId] = [*self.pull_source.held_blocks(), *self.pulls.held_blocks()]
+        if self.decode_pipeline is not None:
+            held += self.decode_pipeline.held_blocks()
         self.scheduler.check_invariants(held)
         self.pull_source.check_invariants()
         self.sessions.sync()

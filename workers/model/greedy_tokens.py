@@ -17,6 +17,7 @@ too.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +40,20 @@ class GreedyTokens:
     @classmethod
     def of_logits(cls, logits: torch.Tensor) -> GreedyTokens:
         """The argmax of each row of [rows, vocab] logits, its copy to the host started."""
-        tokens = logits.argmax(dim=-1)
+        return cls._with_host_copy(logits.argmax(dim=-1))
+
+    def rows(self, rows: Sequence[int]) -> GreedyTokens:
+        """These rows' tokens, in this order (a batch that lost some of its sequences), taken on
+        the device without waiting for them."""
+        if list(rows) == list(range(len(self))):
+            return self
+        index = torch.tensor(rows, dtype=torch.int64)
+        if self.copied is not None:  # pinned: the copy queues on the stream, no wait
+            index = index.pin_memory().to(self.device.device, non_blocking=True)
+        return self._with_host_copy(self.device.index_select(0, index))
+
+    @classmethod
+    def _with_host_copy(cls, tokens: torch.Tensor) -> GreedyTokens:
         if tokens.device.type != "cuda":
             return cls(tokens, tokens, None)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)

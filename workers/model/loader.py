@@ -103,6 +103,7 @@ def build_worker(config: WorkerConfig) -> Worker:
         host_pool=host_pool,
         sessions=config.sessions,
         prefix_cache=config.prefix_cache,
+        pipelined_decode=config.pipelined_decode and runner.cuda_graphs,
     )
     worker.host_tier.warm_up()
     warm_up_block_copy(runner.kv_cache)
