@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from collections import defaultdict
+from dataclasses import replace
 
 import pytest
 import torch
@@ -168,3 +169,30 @@ def test_greedy_tokens_rows_keep_their_order() -> None:
     assert tokens.tolist() == [3, 0, 4, 1]
     assert tokens.rows([2, 0]).tolist() == [4, 3]
     assert tokens.rows(range(4)) is tokens
+
+
+class _Unreadable:
+    """Tokens whose read fails (a device error surfacing at the copy)."""
+
+    def tolist(self) -> list[int]:
+        raise RuntimeError("device lost")
+
+
+def test_a_step_whose_tokens_cannot_be_read_gives_its_blocks_back(weights: ModelRunner) -> None:
+    w = worker(weights, pipelined=True)
+    for r in (req("a", 1, max_tokens=30), req("b", 2, max_tokens=30)):
+        w.add_request(r)
+    for _ in range(3):
+        w.step()
+    pipeline = w.decode_pipeline
+    assert pipeline is not None and pipeline.queued is not None
+    pipeline.queued = replace(pipeline.queued, tokens=_Unreadable())  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="device lost"):
+        w.step()
+    assert pipeline.landing is None
+    for rid in ("a", "b"):  # what the actor does when a step fails: fail the requests
+        w.abort(rid)
+    while w.has_work:  # the step queued behind the failed one lands and is dropped
+        assert w.step() == []
+    w.check_invariants()
+    assert w.pool.num_free == w.pool.num_blocks

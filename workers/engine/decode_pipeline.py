@@ -135,6 +135,14 @@ class DecodePipeline:
         positions = tuple(seq.num_tokens for seq in seqs)
         return ScheduledStep(StepKind.DECODE, tuple(seqs), positions)
 
+    def drop(self) -> None:
+        """Let the landing step go without its tokens (reading them failed): its blocks'
+        references go back; its sequences, which the engine then fails, keep theirs."""
+        queued = self.landing
+        assert queued is not None, "nothing is landing"
+        self.landing = None
+        self.pool.free(list(queued.held))
+
     def land(self, tokens: Seq[int]) -> tuple[ScheduledStep, list[int]]:
         """The landing step's tokens have been read: release its blocks, and return its
         sequences still running with their tokens (the others' rows are dropped)."""

@@ -300,15 +300,19 @@ class Worker:
         pipeline = self.decode_pipeline
         assert pipeline is not None
         landing = pipeline.take()
-        following = None if self.scheduler.waiting else pipeline.next_step()
-        if following is not None:
-            self.host_tier.demote_evicted()  # before the step overwrites reallocated blocks
-            try:
-                pipeline.launch(following, behind=landing)
-            except Exception:  # the scheduler schedules it again once this one has landed
-                log.exception("queueing a decode step behind another failed")
-        with self.state_lock.released() if self.state_lock is not None else nullcontext():
-            tokens = landing.tokens.tolist()
+        try:
+            following = None if self.scheduler.waiting else pipeline.next_step()
+            if following is not None:
+                self.host_tier.demote_evicted()  # before the step overwrites reallocated blocks
+                try:
+                    pipeline.launch(following, behind=landing)
+                except Exception:  # the scheduler schedules it again once this one has landed
+                    log.exception("queueing a decode step behind another failed")
+            with self.state_lock.released() if self.state_lock is not None else nullcontext():
+                tokens = landing.tokens.tolist()
+        except BaseException:  # the engine fails the running requests; the pool stays whole
+            pipeline.drop()
+            raise
         step, sampled = pipeline.land(tokens)
         if not step.seqs:
             return []
