@@ -74,7 +74,8 @@ class Worker:
     Invariants: the pool's cached hashes are exactly what the published events say it holds
     (stored minus removed since the last AllCleared of this generation); every pool reference is
     held by a running sequence's block table, a waiting sequence's pins, a pending pull's
-    reservation or a run pinned for a peer (`check_invariants` verifies all of it).
+    reservation, a run pinned for a peer or a queued decode step (`decode_pipeline`;
+    `check_invariants` verifies all of it).
     """
 
     def __init__(
