@@ -13,6 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.coordinator.cluster.deployment import Deployment, DeploymentConfig
+from kvmesh.coordinator.config import CoordinatorConfig
 from kvmesh.coordinator.telemetry.request_log import REQUEST_LOGGER
 from kvmesh.proto import kvmesh_pb2 as pb
 from tests.integration.helpers import generate, start_deployment, stub_for, wait_for
@@ -118,7 +119,11 @@ def test_a_metrics_port_in_use_fails_the_start_at_once_naming_it() -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        deployment = Deployment(DeploymentConfig(num_workers=1, metrics_port=port))
+        # the service's own port left to the OS: a busy default port must not fail it first
+        config = DeploymentConfig(
+            coordinator=CoordinatorConfig(port=0), num_workers=1, metrics_port=port
+        )
+        deployment = Deployment(config)
         with pytest.raises(OSError, match=f"cannot serve metrics on 127.0.0.1:{port}"):
             deployment.start()
     assert deployment.redis is None and deployment.cluster is None  # nothing else was started
