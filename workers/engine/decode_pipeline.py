@@ -138,19 +138,12 @@ class DecodePipeline:
     def drop(self) -> None:
         """Let the landing step go without its tokens (reading them failed): its blocks'
         references go back; its sequences, which the engine then fails, keep theirs."""
-        queued = self.landing
-        assert queued is not None, "nothing is landing"
-        self.landing = None
-        self.pool.free(list(queued.held))
+        self._release_landing()
 
     def land(self, tokens: Seq[int]) -> tuple[ScheduledStep, list[int]]:
         """The landing step's tokens have been read: release its blocks, and return its
         sequences still running with their tokens (the others' rows are dropped)."""
-        queued = self.landing
-        assert queued is not None, "nothing is landing"
-        self.landing = None
-        self.pool.free(list(queued.held))
-        step = queued.step
+        step = self._release_landing().step
         live = [i for i, seq in enumerate(step.seqs) if seq.status is SeqStatus.RUNNING]
         self.num_dropped_rows += len(step.seqs) - len(live)
         landed = replace(
@@ -159,3 +152,16 @@ class DecodePipeline:
             start_positions=tuple(step.start_positions[i] for i in live),
         )
         return landed, [tokens[i] for i in live]
+
+    def check_invariants(self) -> None:
+        for step in (self.queued, self.landing):
+            if step is not None:
+                assert len(step.held) == len(step.step.seqs) == len(step.tokens)
+                assert all(self.pool.ref_count(b) >= 1 for b in step.held), step.held
+
+    def _release_landing(self) -> QueuedDecode:
+        queued = self.landing
+        assert queued is not None, "nothing is landing"
+        self.landing = None
+        self.pool.free(list(queued.held))
+        return queued

@@ -473,6 +473,7 @@ class Worker:
     def check_invariants(self) -> None:
         held: list[BlockId] = [*self.pull_source.held_blocks(), *self.pulls.held_blocks()]
         if self.decode_pipeline is not None:
+            self.decode_pipeline.check_invariants()
             held += self.decode_pipeline.held_blocks()
         self.scheduler.check_invariants(held)
         self.pull_source.check_invariants()
