@@ -86,3 +86,52 @@ def test_a_row_of_nan_logits_fails_alone_as_internal() -> None:
     out = sample_isolated(logits, cfgs, [4, 4, 4])
     assert isinstance(out[1], SequenceFailure) and out[1].internal
     assert [out[0], out[2]] == [sample(logits[i : i + 1], [cfgs[i]], [4])[0] for i in (0, 2)]
+
+
+def test_draws_follow_the_tempered_softmax() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
+    cfgs = [SamplingConfig(temperature=0.7, seed=s) for s in range(3000)]
+    drawn = [sample(logits, [cfg], [0])[0] for cfg in cfgs]
+    expected = torch.softmax(logits[0] / 0.7, dim=0)
+    for token in range(6):
+        share = drawn.count(token) / len(drawn)
+        assert abs(share - expected[token].item()) < 0.03, (token, share)
+
+
+@pytest.mark.parametrize(
+    ("cut", "kept"), [({"top_k": 2}, {0, 1}), ({"top_p": 0.6}, {0, 1}), ({"top_p": 0.9}, {0, 1, 2})]
+)
+def test_top_k_and_top_p_keep_only_the_most_likely(cut: dict[str, float], kept: set[int]) -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    drawn = {
+        sample(logits, [SamplingConfig(temperature=1.0, seed=s, **cut)], [0])[0]  # type: ignore[arg-type]
+        for s in range(300)
+    }
+    assert drawn == kept
+
+
+def test_a_rows_token_is_fixed_by_its_seed_and_position_not_its_batch() -> None:
+    logits = torch.randn(4, 320, generator=torch.Generator().manual_seed(1))
+    cfgs = [
+        SamplingConfig(temperature=0.9, seed=11),
+        SamplingConfig(),  # greedy
+        SamplingConfig(temperature=1.3, top_k=40, min_p=0.05, seed=12),
+        SamplingConfig(temperature=0.6, top_p=0.8, seed=13),
+    ]
+    together = sample(logits, cfgs, [5, 6, 7, 8])
+    alone = [sample(logits[i : i + 1], [cfgs[i]], [5 + i])[0] for i in range(4)]
+    assert together == alone
+    again = sample(logits.flip(0), cfgs[::-1], [8, 7, 6, 5])
+    assert again == together[::-1]
+    later = [sample(logits[:1], [cfgs[0]], [p])[0] for p in range(5, 45)]
+    assert len(set(later)) > 5  # each position draws afresh
+
+
+def test_the_uniform_of_a_seed_and_position_is_pinned() -> None:
+    # A change here changes every seeded request's tokens (and what a replay on another worker
+    # draws): it must be deliberate.
+    from kvmesh.workers.engine.sampler import draw_uniform
+
+    assert draw_uniform(0, 0) == pytest.approx(0.6524484863740323, abs=0)
+    assert draw_uniform(7, 5) == pytest.approx(0.5341697098600662, abs=0)
+    assert 0.0 < draw_uniform(2**64 - 1, 3) < 1.0
