@@ -108,9 +108,11 @@ def _draw(
     temperature = _column([c.temperature for c in configs], logits)
     scaled = (logits - logits.amax(dim=1, keepdim=True)) / temperature
     if any(0 < c.top_k < vocab for c in configs):
-        k = [c.top_k if 0 < c.top_k < vocab else vocab for c in configs]
-        top = scaled.topk(max(k), dim=1).values
-        kth = top.gather(1, torch.tensor(k, device=logits.device).unsqueeze(1) - 1)
+        # only as deep as the largest real top_k: a row without one keeps everything
+        k = torch.tensor([c.top_k if 0 < c.top_k < vocab else 0 for c in configs])
+        top = scaled.topk(int(k.max()), dim=1).values
+        kth = top.gather(1, (k.clamp(min=1) - 1).unsqueeze(1).to(logits.device))
+        kth = kth.masked_fill((k == 0).unsqueeze(1).to(logits.device), float("-inf"))
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     probs = torch.softmax(scaled, dim=1)
     if any(c.min_p > 0.0 for c in configs):
