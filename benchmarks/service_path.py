@@ -20,6 +20,7 @@ Smoke test (CPU):    python benchmarks/service_path.py --device cpu --model tiny
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -123,6 +124,7 @@ def engine_depth(args: argparse.Namespace) -> dict[str, Any]:
         "engine_ms": median(hits),
         "engine_outside_forward_ms": median(rest_ms),
         "engine_cold_ms": median(colds),
+        "page_reads": dataclasses.asdict(worker.runner.page_reads),
     }
     for batch in args.batches:
         forward_s.clear()
@@ -257,6 +259,11 @@ def actor_depth(args: argparse.Namespace) -> dict[str, Any]:
         print(f"phase: service local hits, coordinator pid {os.getpid()}", flush=True)
         result.update(_merge(result, _service_depth(deployment.address, args)))
         result["local_hit"].update(seen.hits())
+        counters = ray.get(actor.info.remote()).counters
+        result["local_hit"]["page_reads"] = {
+            "num_chunks": counters.num_page_chunks,
+            "num_run_chunks": counters.num_run_page_chunks,
+        }
         return result
     finally:
         deployment.stop()
@@ -463,6 +470,10 @@ def main() -> None:  # noqa: D103
     print(f"{'':28} {'runner':>9} {'engine':>9} {'actor':>34} {'service':>9}")
     for row in rows(result, args.batches):
         print(f"{row[0]:28} {row[1]:>9} {row[2]:>9} {row[3]:>34} {row[4]:>9}")
+    for depth in ("engine", "actor"):
+        reads = result.get(depth, {}).get("local_hit", {}).get("page_reads")
+        if reads:
+            print(f"{depth}: chunks cuDNN read from the pages, of them over runs: {reads}")
 
 
 def _device_name(device: str) -> str:

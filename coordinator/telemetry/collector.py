@@ -505,6 +505,18 @@ class MetricsCollector:
                 lambda i: i.counters.num_dropped_decode_rows,
             ),
             per_worker(
+                "kvmesh_worker_page_chunks_total",
+                MetricKind.COUNTER,
+                "Prefill chunks cuDNN read straight from the paged cache.",
+                lambda i: i.counters.num_page_chunks,
+            ),
+            per_worker(
+                "kvmesh_worker_run_page_chunks_total",
+                MetricKind.COUNTER,
+                "Of those, the ones read as pages of several blocks (blocks in runs).",
+                lambda i: i.counters.num_run_page_chunks,
+            ),
+            per_worker(
                 "kvmesh_worker_prefill_seconds_per_token",
                 MetricKind.GAUGE,
                 "Measured prefill cost per token (the router's cost model follows it).",

@@ -22,9 +22,13 @@ pytestmark = [
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_paged_attention_matches_float64_reference(dtype: torch.dtype) -> None:
-    heads, kv_heads, dim, block, num_blocks = 32, 8, 128, 16, 1200
+@pytest.mark.parametrize(
+    ("dtype", "runs"), [(torch.bfloat16, False), (torch.float16, False), (torch.bfloat16, True)]
+)
+def test_paged_attention_matches_float64_reference(dtype: torch.dtype, runs: bool) -> None:
+    """Blocks scattered over the pool (one a page), or in runs of four starting anywhere (one
+    ending at the pool's last block) read as 64-token pages that overlap."""
+    heads, kv_heads, dim, block, num_blocks = 32, 8, 128, 16, 1202
     shape = CacheShape(heads, kv_heads, dim, num_blocks, block)
     pages = CudnnPages(shape, dtype=dtype, device=torch.device("cuda"))
     gen = torch.Generator(device="cuda").manual_seed(7)
@@ -34,8 +38,16 @@ def test_paged_attention_matches_float64_reference(dtype: torch.dtype) -> None:
     # (cached, new): one bucket's bounds exactly, and lengths well inside the same bucket
     for prefix, new in ((7680, 512), (7001, 300), (2049, 513), (40, 9)):
         total = prefix + new
-        table = rng.sample(range(num_blocks), -(-total // block))
-        inputs = ChunkPages.of(table, prefix, new, block, torch.device("cuda"))
+        used = -(-total // block)
+        if runs:  # the last run partly used by the 7001 + 300 and 40 + 9 chunks
+            starts = [num_blocks - 4] + rng.sample(range(3, num_blocks - 9, 5), -(-used // 4) - 1)
+            table = [s + i for s in starts for i in range(4)][:used]
+        else:
+            table = rng.sample(range(num_blocks), used)
+        inputs = ChunkPages.of(
+            table, prefix, new, block, torch.device("cuda"), num_blocks=num_blocks
+        )
+        assert inputs.bucket.page_blocks == (4 if runs else 1)
         q = torch.randn((new, heads, dim), device="cuda", generator=gen).to(dtype)
         rows = torch.full((new + 6, heads, dim), float("nan"), device="cuda", dtype=dtype)
         got = rows[3 : 3 + new]

@@ -66,6 +66,36 @@ def test_graph_replay_matches_the_eager_forward(monkeypatch: pytest.MonkeyPatch)
     graphs.check_invariants()
 
 
+def test_blocks_in_aligned_runs_replay_the_graph_of_longer_pages(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same chunk over the same blocks, read as 64-token pages (the blocks lie in runs of
+    four, starting anywhere) or one block a page: the same logits, eager and replayed."""
+    runner = small_runner(monkeypatch)
+    rng = random.Random(9)
+    starts = rng.sample(range(2, 396, 5), 25)
+    table = [s + i for s in starts for i in range(4)]  # 100 blocks, 25 runs, block 0 unused
+    ids = [rng.randrange(runner.config.vocab_size) for _ in range(1500)]
+    runner.forward([SeqChunk(ids[:700], 0, table)])
+    chunk = [SeqChunk(ids[700:1000], 700, table)]
+    logits = {}
+    for runs in (True, False):
+        runner.page_runs = runs
+        for graphs in (True, False):
+            runner.prefill_graphs = graphs
+            logits[runs, graphs] = runner.forward(chunk)
+    want = logits[False, False]
+    for got in logits.values():
+        torch.testing.assert_close(got, want, atol=0.05 * want.abs().max().item(), rtol=0)
+    graphs = runner._prefill_graphs
+    assert graphs is not None
+    assert sorted(b.page_blocks for b in graphs.buckets) == [1, 4]
+    reads = runner.page_reads  # two forwards over runs (graph, eager), two one block a page
+    assert (reads.num_chunks, reads.num_run_chunks) == (4, 2)
+    assert runner.kv_cache[:, :, 0].eq(0).all()  # padding pages point at page 0: never written
+    graphs.check_invariants()
+
+
 def test_a_short_chunk_alone_in_its_step_replays_a_graph(monkeypatch: pytest.MonkeyPatch) -> None:
     """A local hit with a short question (`SOLE_CHUNK_MIN_NEW` new tokens and up): cuDNN over the
     pages and a graph of 64 rows, the same logits and cache as the paged kernel's eager step; a

@@ -49,6 +49,21 @@ def test_suffix_is_evicted_before_prefix() -> None:
     pool.check_invariants()
 
 
+def test_blocks_freed_together_come_back_as_an_ascending_run() -> None:
+    pool = make_pool(16)
+    first = pool.allocate(8)
+    second = pool.allocate(8)
+    assert first == list(range(8)) and second == list(range(8, 16))
+    for seq, blocks in enumerate((first, second)):
+        for i, b in enumerate(blocks):
+            pool.register(b, H(100 * seq + i), H(100 * seq + i - 1) if i else BlockHash(0))
+    pool.free(second)  # tail first: the queue holds 15, 14, ..., 8, then 7, ..., 0
+    pool.free(first)
+    assert pool.allocate(8) == list(range(8, 16))  # the same blocks, in the order of a run
+    assert pool.allocate(4) == list(range(4, 8))  # the least recently freed part of a run
+    pool.check_invariants()
+
+
 def test_only_reusing_a_registered_block_counts_as_an_eviction() -> None:
     pool = make_pool(4)
     blocks = pool.allocate(2)

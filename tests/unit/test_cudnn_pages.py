@@ -3,6 +3,8 @@ inputs hold, and where the batch plan sends long chunks when the mode asks for i
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -13,6 +15,7 @@ from kvmesh.workers.model.cudnn_pages import (
     MIN_ROWS,
     ChunkPages,
     PagesBucket,
+    blocks_per_page,
     cudnn_pages_usable,
 )
 
@@ -33,10 +36,17 @@ def test_every_chunk_in_the_warm_range_finds_its_bucket_warmed() -> None:
             min_prefix=2048, max_len=16384, min_new=512, max_new=2048, block_size=block
         )
     )
-    assert len(buckets) == 9  # rows 512 / 1024 / 2048, pages 256 / 512 / 1024
+    # rows 512 / 1024 / 2048; 16-token pages 256 / 512 / 1024, 64-token pages 64 / 128 / 256
+    assert len(buckets) == 18
+    rng = random.Random(3)
     for new in (512, 600, 1023, 1024, 2048):
         for prefix in range(2048, 16384 - new + 1, 509):
-            assert PagesBucket.of(new, -(-(prefix + new) // block)) in buckets, (new, prefix)
+            used = -(-(prefix + new) // block)
+            runs = list(range(used))
+            scattered = rng.sample(range(1024), used)
+            for table, f in ((runs, 4), (scattered, 1)):
+                bucket = PagesBucket.for_chunk(table, prefix, new, block, num_blocks=1024)
+                assert bucket.page_blocks == f and bucket in buckets, (new, prefix, f)
     assert (
         PagesBucket.all_buckets(
             min_prefix=2048, max_len=2500, min_new=512, max_new=2048, block_size=block
@@ -50,11 +60,53 @@ def test_chunk_inputs_hold_the_table_padded_and_both_lengths() -> None:
     pages = ChunkPages.of(table, 500, 100, 16, CPU)  # 600 tokens: 38 blocks
     assert pages.bucket == PagesBucket(128, 64)
     assert pages.packed.dtype == torch.int32 and pages.packed.numel() == 64 + 8
-    assert pages.block_ids.tolist() == table[:38]
+    assert pages.page_ids.tolist() == table[:38]
     assert pages.table[38:].eq(0).all()  # padding: block 0, never read
     assert pages.len_q.tolist() == [100] and pages.len_kv.tolist() == [600]
     # 16-byte aligned: cuDNN reads each length as its own tensor
     assert pages.len_q.storage_offset() % 4 == 0 and pages.len_kv.storage_offset() % 4 == 0
+
+
+def test_blocks_in_runs_make_longer_pages_and_anything_else_one_block_a_page() -> None:
+    runs = [9, 10, 11, 12, 100, 101, 102, 103, 41, 42]  # the last run partly used
+    assert blocks_per_page(runs, 10, 16, 1024) == 4  # a run may start at any block
+    assert blocks_per_page(runs, 8, 32, 1024) == 2  # 32-token blocks: two a page
+    assert blocks_per_page(runs, 10, 64, 1024) == 1  # blocks as long as a page already
+    assert blocks_per_page(runs, 10, 48, 1024) == 1  # a page is no whole number of blocks
+    assert blocks_per_page(runs[:8] + [42, 41], 10, 16, 1024) == 1  # out of order
+    assert blocks_per_page([8, 9, 10, 12], 4, 16, 1024) == 1  # a gap
+    assert blocks_per_page([7, 8, 9, 10, 11, 12], 6, 16, 1024) == 4  # one run, two pages
+    assert blocks_per_page([20, 21, 7, 8, 9, 10], 6, 16, 1024) == 1  # runs across a page
+    # only the blocks in use count: what follows them in the table is never read
+    assert blocks_per_page([8, 9, 10, 11, 5], 4, 16, 1024) == 4
+    # a page must lie whole inside the cache, even where the chunk uses part of it
+    assert blocks_per_page([1019, 1020], 2, 16, 1022) == 1
+    assert blocks_per_page([1018, 1019], 2, 16, 1022) == 4
+    # without the cache's size (0): one block a page
+    assert PagesBucket.for_chunk(runs, 100, 50, 16).page_blocks == 1
+
+
+def test_a_table_of_runs_names_each_page_by_its_first_block() -> None:
+    table = [9, 10, 11, 12, 100, 101, 102, 103, 40, 41, 42]
+    pages = ChunkPages.of(table, 100, 60, 16, CPU, num_blocks=1024)  # 160 tokens: 10 blocks
+    assert pages.bucket == PagesBucket(MIN_ROWS, MIN_PAGES, 4)
+    assert pages.page_ids.tolist() == [9, 100, 40]
+    assert pages.table[3:].eq(0).all()
+    assert pages.len_q.tolist() == [60] and pages.len_kv.tolist() == [160]
+    # every token position lands in the same block through either table
+    for pos in range(160):
+        page, offset = divmod(pos, 64)
+        assert pages.page_ids[page] + offset // 16 == table[pos // 16], pos
+
+
+def test_the_plan_reads_runs_as_longer_pages_given_the_caches_size(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(batch_plan, "BUCKETED_MIN_PREFIX", 32)
+    batch = [SeqChunk(list(range(20)), 40, list(range(100, 104)))]
+    for num_blocks, f in ((1024, 4), (0, 1)):
+        (chunk,) = _bucketed_plan(batch, cudnn=True, num_blocks=num_blocks).cached
+        assert chunk.pages is not None and chunk.pages.bucket.page_blocks == f
 
 
 def test_the_plan_sends_long_chunks_to_cudnn_when_the_mode_asks(
@@ -97,7 +149,7 @@ def test_a_steps_only_chunk_goes_to_cudnn_from_fewer_new_tokens(
     assert on_pages([short], cudnn=False) == []  # the split keeps BUCKETED_MIN_NEW
 
 
-def _bucketed_plan(batch: list[SeqChunk], cudnn: bool) -> BatchPlan:
+def _bucketed_plan(batch: list[SeqChunk], cudnn: bool, num_blocks: int = 0) -> BatchPlan:
     """The plan of a runner whose long chunks are bucketed, on cuDNN over the pages or split."""
     mode = AttentionMode(
         paged_decode=True,
@@ -106,4 +158,6 @@ def _bucketed_plan(batch: list[SeqChunk], cudnn: bool) -> BatchPlan:
         bucketed_prefill=True,
         cudnn_pages=cudnn,
     )
-    return plan_batch(batch, block_size=16, num_queries_per_kv=4, device=CPU, mode=mode)
+    return plan_batch(
+        batch, block_size=16, num_queries_per_kv=4, device=CPU, mode=mode, num_blocks=num_blocks
+    )

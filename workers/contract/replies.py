@@ -177,6 +177,11 @@ class WorkerCounters:
     num_dropped_decode_rows: int = 0
     """Rows those steps computed for sequences that had ended meanwhile (a stop token, an
     abort), dropped."""
+    num_page_chunks: int = 0
+    """Prefill chunks cuDNN read straight from the paged cache (`cudnn_pages`)."""
+    num_run_page_chunks: int = 0
+    """Of those, the ones read as pages of several blocks (the chunk's blocks lay in
+    runs, `cudnn_pages.blocks_per_page`); the rest one block a page."""
     num_warm_sessions: int = 0
     """Idle sessions whose chains are kept warm now."""
     warm_session_bytes: int = 0

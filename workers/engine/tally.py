@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from kvmesh.workers.contract.replies import PrefillFacts, WorkerCounters
 from kvmesh.workers.kv.warm_sessions import WarmSessionStats
 from kvmesh.workers.model.graph_counts import NO_GRAPHS, GraphCounts
+from kvmesh.workers.model.page_reads import PageReads
 
 
 @dataclass(slots=True)
@@ -61,6 +62,7 @@ class WorkerTally:
         num_copy_engine_loads: int = 0,
         num_queued_decode_steps: int = 0,
         num_dropped_decode_rows: int = 0,
+        page_reads: PageReads | None = None,
     ) -> WorkerCounters:
         return WorkerCounters(
             num_requests=self.num_requests,
@@ -98,6 +100,8 @@ class WorkerTally:
             num_host_copy_engine_loads=num_copy_engine_loads,
             num_queued_decode_steps=num_queued_decode_steps,
             num_dropped_decode_rows=num_dropped_decode_rows,
+            num_page_chunks=page_reads.num_chunks if page_reads else 0,
+            num_run_page_chunks=page_reads.num_run_chunks if page_reads else 0,
             num_warm_sessions=sessions.num_sessions,
             warm_session_bytes=sessions.num_bytes,
             num_sessions_evicted_ttl=sessions.num_evicted_ttl,

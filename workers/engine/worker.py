@@ -430,6 +430,7 @@ class Worker:
             self.runner.block_io.num_copy_engine_loads,
             pipeline.num_queued_steps if pipeline is not None else 0,
             pipeline.num_dropped_rows if pipeline is not None else 0,
+            self.runner.page_reads,
         )
         return WorkerInfo(
             worker_id=self.worker_id,

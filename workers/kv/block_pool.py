@@ -17,6 +17,8 @@ queue that is handed out only once the ordinary one is empty, so they outlive ev
 block; protection is dropped when such a block is reallocated (`drain_lost_protection` says which):
 
     allocate():   ordinary free queue (LRU) first ........ then the warm queue (LRU)
+
+Which blocks `allocate` takes follows the queues; the order it hands them out in is ascending.
 """
 
 from __future__ import annotations
@@ -146,7 +148,10 @@ class BlockPool:
         return num_blocks <= self.num_free
 
     def allocate(self, num_blocks: int) -> list[BlockId] | None:
-        """Fresh blocks with ref_count 1, evicting the least recently freed; None if too few."""
+        """Fresh blocks with ref_count 1, evicting the least recently freed; None if too few.
+
+        In ascending order: blocks freed together (a sequence's run) come back as a run, which
+        cuDNN reads as longer pages (`cudnn_pages.blocks_per_page`)."""
         if num_blocks < 0:
             raise ValueError(f"cannot allocate {num_blocks} blocks")
         if num_blocks > self.num_free:
@@ -173,6 +178,7 @@ class BlockPool:
             self.num_hash_changes += 1
             self._close_run()
             self._pending_events.append(BlockRemoved(tuple(evicted)))
+        blocks.sort()
         return blocks
 
     def register(

@@ -121,6 +121,7 @@ class CachedChunk:
     rows: slice
     end_pos: int
     block_ids: torch.Tensor  # [ceil(end_pos / block_size)] blocks holding positions 0..end_pos-1
+    # (on cuDNN's pages: the page table's entries, `ChunkPages.page_ids`)
     start_pos: int  # cached prefix length: the new tokens are positions [start_pos, end_pos)
     mask: torch.Tensor | None  # [num_queries_per_kv * num_new, end_pos]; True = may attend
     split: SplitShape | None = None  # set: attended as two merged parts (`split_attention`)
@@ -241,8 +242,11 @@ def plan_batch(
     num_queries_per_kv: int,
     device: torch.device,
     mode: AttentionMode,
+    num_blocks: int = 0,
 ) -> BatchPlan:
-    """Index tensors for a validated batch (see `validate_batch`), moved to `device` once."""
+    """Index tensors for a validated batch (see `validate_batch`), moved to `device` once; with
+    the cache's `num_blocks`, cuDNN's pages span runs of blocks where a chunk's allow
+    (`cudnn_pages.blocks_per_page`)."""
     slots = np.concatenate([_write_slots(c, block_size) for c in batch])
     if len(batch) > 1 and np.unique(slots).size != slots.size:
         raise ValueError(f"chunks write {slots.size} tokens into fewer distinct cache slots")
@@ -275,8 +279,12 @@ def plan_batch(
         _cached_chunk(batch[i], rows[i], block_size, num_queries_per_kv, device, mode)
         for i in ([] if mode.paged_prefill else cached_indices)
     ]
-    long_chunk = _pages_chunk if mode.cudnn_pages else _split_chunk
-    cached += [long_chunk(batch[i], rows[i], block_size, device) for i in split_indices]
+    if mode.cudnn_pages:
+        cached += [
+            _pages_chunk(batch[i], rows[i], block_size, device, num_blocks) for i in split_indices
+        ]
+    else:
+        cached += [_split_chunk(batch[i], rows[i], block_size, device) for i in split_indices]
     decode = None
     if decode_indices and not mode.paged_decode:
         decode_rows = [ends[i] - 1 for i in decode_indices]
@@ -339,13 +347,18 @@ def _split_chunk(
 
 
 def _pages_chunk(
-    chunk: SeqChunk, rows: slice, block_size: int, device: torch.device
+    chunk: SeqChunk, rows: slice, block_size: int, device: torch.device, num_blocks: int
 ) -> CachedChunk:
     """A chunk attended by cuDNN straight from the cache (its page table and lengths)."""
     pages = ChunkPages.of(
-        chunk.block_table, chunk.start_pos, len(chunk.token_ids), block_size, device
+        chunk.block_table,
+        chunk.start_pos,
+        len(chunk.token_ids),
+        block_size,
+        device,
+        num_blocks=num_blocks,
     )
-    return CachedChunk(rows, chunk.end_pos, pages.block_ids, chunk.start_pos, None, pages=pages)
+    return CachedChunk(rows, chunk.end_pos, pages.page_ids, chunk.start_pos, None, pages=pages)
 
 
 def _block_ids(chunk: SeqChunk, block_size: int, device: torch.device) -> torch.Tensor:

@@ -11,6 +11,16 @@ bottom-right. So one call per chunk and layer does all of it, grouped KV heads n
     page table    block of positions [j * block_size, (j + 1) * block_size), j < pages
     queries       the chunk's n new tokens, the last n of a sequence of len_kv tokens
 
+A page need not be one block. The containers may also be declared with pages of f =
+PAGE_TOKENS / block_size blocks that overlap, one starting at every block (page b is blocks
+b..b+f-1, the page stride one block): where each group of f entries of a chunk's table is a run
+of consecutive blocks (block j*f + i of the table is block j*f's + i), the table names the
+group's first block and cuDNN reads it as one page of PAGE_TOKENS tokens. It reads those faster
+(512 new behind 7,680 cached in the hit's forward on an H100: 459 TFLOP/s against 386 at one
+16-token block a page, docs/benchmarks.md); the pool hands out runs (`BlockPool.allocate` returns
+ascending ids, so blocks freed together come back together). A chunk whose blocks break a group
+keeps one block a page (`blocks_per_page`).
+
 cuDNN builds an execution plan per graph shape (~1 s the first, far less after), and the lengths
 are data, so a plan serves a *bucket* (`PagesBucket`): query rows and pages each rounded up to a
 power of two. A worker builds its buckets' plans before it serves (`all_buckets`). Each chunk's
@@ -52,6 +62,7 @@ __all__ = [
     "ChunkPages",
     "CudnnPages",
     "PagesBucket",
+    "blocks_per_page",
     "cudnn_pages_usable",
     "pack_pages",
 ]
@@ -64,6 +75,8 @@ MIN_BACKEND = 90500
 """cuDNN 9.5: the first with paged K/V caches in its fused attention."""
 _LENS = 8
 """int32 slots after the table: len_q, len_kv, each 16-byte aligned."""
+PAGE_TOKENS = 64
+"""Tokens a page spans where a chunk's blocks lie in runs (module doc)."""
 
 
 def _pow2(x: int) -> int:
@@ -73,31 +86,54 @@ def _pow2(x: int) -> int:
 @dataclass(frozen=True, slots=True, order=True)
 class PagesBucket:
     """The graph shape that serves a chunk: at most `rows` new tokens over at most `pages`
-    blocks (both powers of two)."""
+    pages (both powers of two) of `page_blocks` blocks each."""
 
     rows: int
     pages: int
+    page_blocks: int = 1
 
     @classmethod
-    def of(cls, num_new: int, num_pages: int) -> PagesBucket:
-        if num_new < 1 or num_pages < 1:
-            raise ValueError(f"need >= 1 new token and page, got {num_new}, {num_pages}")
-        return cls(_pow2(max(num_new, MIN_ROWS)), _pow2(max(num_pages, MIN_PAGES)))
+    def of(cls, num_new: int, num_pages: int, page_blocks: int = 1) -> PagesBucket:
+        if num_new < 1 or num_pages < 1 or page_blocks < 1:
+            raise ValueError(
+                f"need >= 1 new token, page and block a page, got {num_new}, {num_pages}, "
+                f"{page_blocks}"
+            )
+        return cls(_pow2(max(num_new, MIN_ROWS)), _pow2(max(num_pages, MIN_PAGES)), page_blocks)
+
+    @classmethod
+    def for_chunk(
+        cls,
+        block_table: Sequence[int],
+        start_pos: int,
+        num_new: int,
+        block_size: int,
+        num_blocks: int = 0,
+    ) -> PagesBucket:
+        """The bucket of a chunk of num_new tokens after start_pos; with the cache's
+        `num_blocks`, of pages spanning runs of blocks where the chunk's allow, else one block
+        a page."""
+        used = -(-(start_pos + num_new) // block_size)
+        f = blocks_per_page(block_table, used, block_size, num_blocks) if num_blocks else 1
+        return cls.of(num_new, -(-used // f), f)
 
     @staticmethod
     def all_buckets(
         *, min_prefix: int, max_len: int, min_new: int, max_new: int, block_size: int
     ) -> list[PagesBucket]:
         """Every bucket of a chunk of min_new..max_new tokens behind >= min_prefix cached, the
-        whole sequence within max_len tokens (what a worker builds before it serves)."""
+        whole sequence within max_len tokens, at one block a page and at PAGE_TOKENS-token pages
+        (what a worker builds before it serves)."""
         if min_prefix + min_new > max_len or min_new > max_new:
             return []
         rows = {PagesBucket.of(n, 1).rows for n in _octaves(min_new, max_new)}
-        pages = {
-            PagesBucket.of(1, -(-n // block_size)).pages
-            for n in _octaves(min_prefix + min_new, max_len)
-        }
-        return sorted(PagesBucket(r, p) for r in rows for p in pages)
+        buckets: set[PagesBucket] = set()
+        for f in {1, _run_blocks(block_size)}:
+            page = block_size * f
+            for n in _octaves(min_prefix + min_new, max_len):
+                pages = PagesBucket.of(1, -(-n // page)).pages
+                buckets.update(PagesBucket(r, pages, f) for r in rows)
+        return sorted(buckets)
 
 
 def _octaves(low: int, high: int) -> list[int]:
@@ -107,6 +143,31 @@ def _octaves(low: int, high: int) -> list[int]:
         points.append(x)
         x *= 2
     return points
+
+
+def _run_blocks(block_size: int) -> int:
+    """Blocks a PAGE_TOKENS-token page spans (1: the blocks are that long or do not divide it)."""
+    if block_size >= PAGE_TOKENS or PAGE_TOKENS % block_size:
+        return 1
+    return PAGE_TOKENS // block_size
+
+
+def blocks_per_page(
+    block_table: Sequence[int], num_blocks_used: int, block_size: int, num_blocks: int
+) -> int:
+    """Blocks one page of a chunk's table spans: f = PAGE_TOKENS / block_size where each group
+    of f of its first `num_blocks_used` blocks (the last group may be shorter) is a run of
+    consecutive blocks and every page lies inside the cache's num_blocks (a short last group's
+    missing blocks exist, never read), else 1."""
+    f = _run_blocks(block_size)
+    if f == 1:
+        return 1
+    table = np.asarray(block_table[:num_blocks_used], dtype=np.int64)
+    starts = table[::f]
+    if starts.size == 0 or int(starts.min()) < 0 or int(starts.max()) + f > num_blocks:
+        return 1
+    expected = (starts[:, None] + np.arange(f)).reshape(-1)[: table.size]
+    return f if np.array_equal(table, expected) else 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,11 +192,15 @@ class ChunkPages:
         num_new: int,
         block_size: int,
         device: torch.device,
+        *,
+        num_blocks: int = 0,
     ) -> ChunkPages:
-        num_pages = -(-(start_pos + num_new) // block_size)
-        bucket = PagesBucket.of(num_new, num_pages)
+        """A chunk's inputs; with the cache's `num_blocks`, pages span runs of blocks where the
+        chunk's blocks allow (`blocks_per_page`), else one block each."""
+        bucket = PagesBucket.for_chunk(block_table, start_pos, num_new, block_size, num_blocks)
         host = np.zeros(cls.packed_size(bucket), dtype=np.int32)
         pack_pages(block_table, start_pos, num_new, block_size, bucket, host)
+        num_pages = -(-(start_pos + num_new) // (block_size * bucket.page_blocks))
         return cls(bucket, torch.from_numpy(host).to(device), num_new, num_pages)
 
     @staticmethod
@@ -148,8 +213,9 @@ class ChunkPages:
         return self.packed[: self.bucket.pages]
 
     @property
-    def block_ids(self) -> torch.Tensor:
-        """The blocks holding the sequence's positions, no padding."""
+    def page_ids(self) -> torch.Tensor:
+        """The pages holding the sequence's positions, no padding (blocks, where a page is one
+        block)."""
         return self.packed[: self.num_pages]
 
     @property
@@ -180,11 +246,14 @@ def pack_pages(
     bucket: PagesBucket,
     out: np.ndarray,
 ) -> None:
-    """Write a chunk's page table (padded with block 0) and lengths into `out`, int32
-    [ChunkPages.packed_size(bucket)]."""
-    num_pages = -(-(start_pos + num_new) // block_size)
+    """Write a chunk's page table (padded with page 0) and lengths into `out`, int32
+    [ChunkPages.packed_size(bucket)]; a page of f = bucket.page_blocks blocks is named by its
+    first block (the chunk's blocks lie in runs of f, `blocks_per_page`)."""
+    f = bucket.page_blocks
+    num_blocks_used = -(-(start_pos + num_new) // block_size)
+    num_pages = -(-num_blocks_used // f)
     out[:] = 0
-    out[:num_pages] = block_table[:num_pages]
+    out[:num_pages] = block_table[:num_blocks_used:f]
     out[bucket.pages] = num_new
     out[bucket.pages + 4] = start_pos + num_new
 
@@ -231,15 +300,16 @@ class _Plan:
             compute_data_type=dt.FLOAT,
             handle=handle,
         )
-        heads, kv_heads, dim, block = shape.heads, shape.kv_heads, shape.dim, shape.block_size
+        heads, kv_heads, dim, f = shape.heads, shape.kv_heads, shape.dim, bucket.page_blocks
+        block = shape.block_size * f  # tokens a page
         row = heads * dim
         rows_dims = dict(dim=[1, heads, bucket.rows, dim], stride=[bucket.rows * row, dim, row, 1])
         q_stride = [bucket.rows * q_row_stride, dim, q_row_stride, 1]
         self.q = g.tensor(name="q", data_type=io, dim=rows_dims["dim"], stride=q_stride)
-        page = block * kv_heads * dim
+        # a page starts at every block (they overlap where f > 1, module doc)
         container = dict(
-            dim=[shape.num_blocks, kv_heads, block, dim],
-            stride=[page, dim, kv_heads * dim, 1],
+            dim=[max(1, shape.num_blocks - f + 1), kv_heads, block, dim],
+            stride=[shape.block_size * kv_heads * dim, dim, kv_heads * dim, 1],
             data_type=io,
         )
         self.k = g.tensor(name="k", **container)

@@ -11,6 +11,9 @@ fills and copies over in two transfers:
                               each row's attention output
     packed  int32             the chunk's page table and lengths (`ChunkPages` layout)
 
+A bucket also fixes how many blocks a page spans (`PagesBucket.page_blocks`): a chunk whose
+blocks lie in runs replays the graph of the longer pages.
+
 Padding rows (past the chunk's n tokens) repeat its last token, position and slot, and take
 the last real row's attention output (cuDNN computes only n rows): every layer then computes
 for them exactly what it computes for that row, so they write that row's K/V into that row's
@@ -31,6 +34,7 @@ import torch
 from kvmesh.workers.model.batch_plan import BatchPlan, CachedChunk, SeqChunk
 from kvmesh.workers.model.cudnn_pages import ChunkPages, PagesBucket, pack_pages
 from kvmesh.workers.model.graph_counts import GraphCounts
+from kvmesh.workers.model.page_reads import PageReads
 from kvmesh.workers.model.step_capture import StepGraphs
 
 __all__ = ["PrefillGraphs", "fill_prefill_inputs"]
@@ -65,9 +69,8 @@ class _StaticStep:
         packed = torch.zeros_like(self.packed_host, device=device)
         pages = ChunkPages(bucket, packed, rows, bucket.pages, row_map=self.ints[3])
         # end_pos / start_pos are read only off the pages path: on it the lengths are data
-        chunk = CachedChunk(
-            slice(0, rows), bucket.pages * block_size, pages.block_ids, 0, None, pages=pages
-        )
+        end_pos = bucket.pages * bucket.page_blocks * block_size
+        chunk = CachedChunk(slice(0, rows), end_pos, pages.page_ids, 0, None, pages=pages)
         self.plan = BatchPlan(
             token_ids=self.ints[0],
             positions=self.ints[1],
@@ -109,8 +112,10 @@ class PrefillGraphs:
         device: torch.device,
         block_size: int,
         serves_chunk: Callable[[SeqChunk], bool],
+        page_reads: PageReads,
     ) -> None:
         self._device = device
+        self._page_reads = page_reads
         self._block_size = block_size
         self._serves_chunk = serves_chunk
         self._graphs: StepGraphs[PagesBucket, _StaticStep] = StepGraphs(layers)
@@ -136,12 +141,16 @@ class PrefillGraphs:
         """One chunk of the kind cuDNN reads from the pages, base model."""
         return len(batch) == 1 and not batch[0].adapter and self._serves_chunk(batch[0])
 
-    def run(self, batch: Sequence[SeqChunk]) -> torch.Tensor:
+    def run(self, batch: Sequence[SeqChunk], num_blocks: int = 0) -> torch.Tensor:
         """Final hidden state [1, hidden] of the chunk's last token, for a validated batch that
-        `serves` accepts; a view of the graph's output, valid until the next call."""
+        `serves` accepts; a view of the graph's output, valid until the next call. With the
+        cache's `num_blocks`, a chunk whose blocks lie in runs takes longer pages."""
         (chunk,) = batch
         n = len(chunk.token_ids)
-        bucket = PagesBucket.of(n, -(-chunk.end_pos // self._block_size))
+        bucket = PagesBucket.for_chunk(
+            chunk.block_table, chunk.start_pos, n, self._block_size, num_blocks
+        )
+        self._page_reads.count(bucket)
         step = self._graphs.replay(
             bucket,
             lambda: _StaticStep(bucket, self._block_size, self._device),

@@ -43,6 +43,7 @@ from kvmesh.workers.model.greedy_tokens import GreedyTokens
 from kvmesh.workers.model.layer_stack import LayerStack, rms_norm
 from kvmesh.workers.model.lora import LoraAdapter, LoraBatch, load_peft_adapter
 from kvmesh.workers.model.model_config import ModelConfig, checkpoint_source
+from kvmesh.workers.model.page_reads import PageReads
 from kvmesh.workers.model.prefill_graphs import PrefillGraphs
 from kvmesh.workers.model.rope import Rope, apply_rope, rope_inv_freq, rope_tables
 from kvmesh.workers.model.split_attention import cudnn_attention_usable
@@ -164,6 +165,11 @@ class ModelRunner:
             if self.cuda_graphs
             else None
         )
+        self.page_reads = PageReads()
+        """Chunks cuDNN read from the pages, and those over pages of several blocks."""
+        self.page_runs = True
+        """cuDNN reads a chunk's blocks that lie in runs as pages of several blocks
+        (`cudnn_pages.blocks_per_page`); benchmarks may switch it on a live runner."""
         self.prefill_graphs = self.cuda_graphs
         """A batch of one long chunk that cuDNN reads from the pages replays a CUDA graph
         (`prefill_graphs`) while `cuda_graphs` is on; benchmarks and tests may switch it on a
@@ -174,6 +180,7 @@ class ModelRunner:
                 device=self.device,
                 block_size=block_size,
                 serves_chunk=self._on_cudnn_pages,
+                page_reads=self.page_reads,
             )
             if self.cuda_graphs
             else None
@@ -295,7 +302,7 @@ class ModelRunner:
                 if not writes.gated:
                     writes.wait_all()
             try:
-                return self._logits(prefill.run(batch))
+                return self._logits(prefill.run(batch, self._page_run_blocks()))
             except RuntimeError as exc:  # a kernel that refuses capture: run eagerly from now
                 log.warning("prefill graphs off, long chunks run eagerly: %s", exc)
                 self.prefill_graphs = False
@@ -452,13 +459,22 @@ class ModelRunner:
                     f"chunk {i}: adapter {chunk.adapter!r} is not loaded;"
                     f" loaded: {sorted(self.adapters)}"
                 )
-        return plan_batch(
+        plan = plan_batch(
             batch,
             block_size=self.block_size,
             num_queries_per_kv=self.config.num_queries_per_kv,
             device=self.device,
             mode=self.attention.mode,
+            num_blocks=self._page_run_blocks(),
         )
+        for cached in plan.cached:
+            if cached.pages is not None:
+                self.page_reads.count(cached.pages.bucket)
+        return plan
+
+    def _page_run_blocks(self) -> int:
+        """The cache's blocks, within which cuDNN's pages may span runs; 0: one block a page."""
+        return self.num_blocks if self.page_runs else 0
 
     # ------------------------------------------------------------------ graphs
 
