@@ -64,6 +64,26 @@ def test_blocks_freed_together_come_back_as_an_ascending_run() -> None:
     pool.check_invariants()
 
 
+def test_pieces_of_an_allocation_grow_to_runs_by_free_blocks_beside_them() -> None:
+    pool = BlockPool(32, run_blocks=4)
+    first = pool.allocate(32)
+    assert first == list(range(32))
+    keep = [b for b in first if b not in (*range(3, 7), *range(13, 18))]
+    pool.free([3, 4, 5])  # three pieces in the queue's order: 3-5, then 13-17
+    pool.free([13, 14, 15, 16, 17])
+    pool.register(6, H(6), BlockHash(0))
+    pool.free([6])  # beside the first piece, registered: later in line
+    got = pool.allocate(8)
+    assert got is not None
+    # 3-5 grew by 6 (evicting its hash early), 13-17 gave back its last block, still free
+    assert got == [3, 4, 5, 6, 13, 14, 15, 16]
+    assert pool.ref_count(17) == 0 and pool.num_evicted == 1
+    assert pool.allocate(1) == [17]  # what was given back goes first
+    pool.free([*keep, *got, 17])
+    pool.check_invariants()
+    assert pool.num_free == 32
+
+
 def test_only_reusing_a_registered_block_counts_as_an_eviction() -> None:
     pool = make_pool(4)
     blocks = pool.allocate(2)
@@ -117,6 +137,8 @@ def test_misuse_raises_with_numbers() -> None:
         pool.register(a, H(0), BlockHash(0))
     with pytest.raises(ValueError, match="num_blocks"):
         BlockPool(0)
+    with pytest.raises(ValueError, match="run_blocks"):
+        BlockPool(4, run_blocks=0)
 
 
 class PoolMachine(RuleBasedStateMachine):
@@ -194,6 +216,18 @@ class PoolMachine(RuleBasedStateMachine):
 
 PoolMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestPoolMachine = PoolMachine.TestCase
+
+
+class RunPoolMachine(PoolMachine):
+    """The same with allocations handed out in runs of three (`block_runs`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = BlockPool(12, run_blocks=3)
+
+
+RunPoolMachine.TestCase.settings = PoolMachine.TestCase.settings
+TestRunPoolMachine = RunPoolMachine.TestCase
 
 
 def test_stored_events_republish_every_block_with_its_parent_and_depth() -> None:

@@ -115,7 +115,7 @@ class Worker:
         self.clock = clock
         self.wall_clock = wall_clock
         """`time.time()`'s clock, against which a coordinator stamps `sent_at_s`."""
-        self.pool = BlockPool(runner.num_blocks)
+        self.pool = BlockPool(runner.num_blocks, run_blocks=runner.page_run_blocks)
         self.host_pool = host_pool
         self.scheduler = Scheduler(scheduler_config, self.pool)
         self.block_size = scheduler_config.block_size

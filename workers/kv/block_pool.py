@@ -18,11 +18,14 @@ block; protection is dropped when such a block is reallocated (`drain_lost_prote
 
     allocate():   ordinary free queue (LRU) first ........ then the warm queue (LRU)
 
-Which blocks `allocate` takes follows the queues; the order it hands them out in is ascending.
+Which blocks `allocate` takes follows the queues; it hands them out in runs (`block_runs`):
+ascending, and with `run_blocks` > 1 a piece that would break a group of that many table entries
+grows by the free blocks beside it while the last piece gives back as many.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,6 +33,7 @@ from typing import NewType
 
 from kvmesh.proto.block_hash import BlockHash
 from kvmesh.proto.events import TIER_DEVICE, BlockRemoved, BlockStored, KVEvent
+from kvmesh.workers.kv.block_runs import in_runs
 
 BlockId = NewType("BlockId", int)
 
@@ -53,10 +57,15 @@ class BlockPool:
       * a free block keeps its hash (still matchable) until it is reallocated
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, *, run_blocks: int = 1) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        if run_blocks < 1:
+            raise ValueError(f"run_blocks must be positive, got {run_blocks}")
         self.num_blocks = num_blocks
+        self.run_blocks = run_blocks
+        """Allocations are handed out so each group of this many is a run where the free
+        blocks allow (`block_runs`): cuDNN reads such a run as one page."""
         self._ref_count = [0] * num_blocks
         self._block_hash: list[BlockHash | None] = [None] * num_blocks
         # Radix links of registered blocks (parent hash, depth; 0 = unknown), re-published whole.
@@ -150,19 +159,23 @@ class BlockPool:
     def allocate(self, num_blocks: int) -> list[BlockId] | None:
         """Fresh blocks with ref_count 1, evicting the least recently freed; None if too few.
 
-        In ascending order: blocks freed together (a sequence's run) come back as a run, which
-        cuDNN reads as longer pages (`cudnn_pages.blocks_per_page`)."""
+        Handed out in runs (`block_runs`): blocks freed together (a sequence's run) come back
+        as a run, which cuDNN reads as longer pages (`cudnn_pages.blocks_per_page`)."""
         if num_blocks < 0:
             raise ValueError(f"cannot allocate {num_blocks} blocks")
         if num_blocks > self.num_free:
             return None  # expected: the scheduler waits or preempts
-        blocks: list[BlockId] = []
+        free, warm = self._free, self._warm
+        taken = list(itertools.islice(itertools.chain(free, warm), num_blocks))
+        blocks = [
+            BlockId(b) for b in in_runs(taken, self.run_blocks, free.__contains__, self.num_blocks)
+        ]
         evicted: list[BlockHash] = []
-        for _ in range(num_blocks):
-            if self._free:
-                b, _ = self._free.popitem(last=False)
+        for b in blocks:
+            if b in free:
+                del free[b]
             else:
-                b, _ = self._warm.popitem(last=False)
+                del warm[b]
                 self._protected.discard(b)
                 self._lost_protection.append(b)
             h = self._block_hash[b]
@@ -173,12 +186,10 @@ class BlockPool:
                 self._evicted.append((b, h))
                 self.num_evicted += 1
             self._ref_count[b] = 1
-            blocks.append(b)
         if evicted:
             self.num_hash_changes += 1
             self._close_run()
             self._pending_events.append(BlockRemoved(tuple(evicted)))
-        blocks.sort()
         return blocks
 
     def register(

@@ -65,6 +65,7 @@ __all__ = [
     "blocks_per_page",
     "cudnn_pages_usable",
     "pack_pages",
+    "run_length",
 ]
 
 MIN_ROWS = 64
@@ -128,7 +129,7 @@ class PagesBucket:
             return []
         rows = {PagesBucket.of(n, 1).rows for n in _octaves(min_new, max_new)}
         buckets: set[PagesBucket] = set()
-        for f in {1, _run_blocks(block_size)}:
+        for f in {1, run_length(block_size)}:
             page = block_size * f
             for n in _octaves(min_prefix + min_new, max_len):
                 pages = PagesBucket.of(1, -(-n // page)).pages
@@ -145,8 +146,9 @@ def _octaves(low: int, high: int) -> list[int]:
     return points
 
 
-def _run_blocks(block_size: int) -> int:
-    """Blocks a PAGE_TOKENS-token page spans (1: the blocks are that long or do not divide it)."""
+def run_length(block_size: int) -> int:
+    """Blocks a PAGE_TOKENS-token page spans: the run a chunk's table needs, group by group, to
+    be read in such pages (1: the blocks are that long, or do not divide it)."""
     if block_size >= PAGE_TOKENS or PAGE_TOKENS % block_size:
         return 1
     return PAGE_TOKENS // block_size
@@ -159,7 +161,7 @@ def blocks_per_page(
     of f of its first `num_blocks_used` blocks (the last group may be shorter) is a run of
     consecutive blocks and every page lies inside the cache's num_blocks (a short last group's
     missing blocks exist, never read), else 1."""
-    f = _run_blocks(block_size)
+    f = run_length(block_size)
     if f == 1:
         return 1
     table = np.asarray(block_table[:num_blocks_used], dtype=np.int64)

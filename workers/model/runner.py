@@ -36,7 +36,7 @@ from kvmesh.workers.model.batch_plan import (
     takes_bucketed_path,
     validate_batch,
 )
-from kvmesh.workers.model.cudnn_pages import cudnn_pages_usable
+from kvmesh.workers.model.cudnn_pages import cudnn_pages_usable, run_length
 from kvmesh.workers.model.decode_graphs import DecodeGraphs
 from kvmesh.workers.model.graph_counts import NO_GRAPHS, GraphCounts
 from kvmesh.workers.model.greedy_tokens import GreedyTokens
@@ -471,6 +471,14 @@ class ModelRunner:
             if cached.pages is not None:
                 self.page_reads.count(cached.pages.bucket)
         return plan
+
+    @property
+    def page_run_blocks(self) -> int:
+        """Blocks a run must hold for cuDNN to read it as one page (1: runs buy nothing here):
+        what the worker's pool shapes its allocations into (`block_runs`)."""
+        if not (self.page_runs and self.attention.mode.cudnn_pages):
+            return 1
+        return run_length(self.block_size)
 
     def _page_run_blocks(self) -> int:
         """The cache's blocks, within which cuDNN's pages may span runs; 0: one block a page."""
