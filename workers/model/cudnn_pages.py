@@ -17,9 +17,9 @@ b..b+f-1, the page stride one block): where each group of f entries of a chunk's
 of consecutive blocks (block j*f + i of the table is block j*f's + i), the table names the
 group's first block and cuDNN reads it as one page of PAGE_TOKENS tokens. It reads those faster
 (512 new behind 7,680 cached in the hit's forward on an H100: 459 TFLOP/s against 386 at one
-16-token block a page, docs/benchmarks.md); the pool hands out runs (`BlockPool.allocate` returns
-ascending ids, so blocks freed together come back together). A chunk whose blocks break a group
-keeps one block a page (`blocks_per_page`).
+16-token block a page, docs/benchmarks.md); the pool hands out its allocations in such runs where
+its free blocks allow (`block_runs`). A chunk whose blocks break a group keeps one block a page
+(`blocks_per_page`).
 
 cuDNN builds an execution plan per graph shape (~1 s the first, far less after), and the lengths
 are data, so a plan serves a *bucket* (`PagesBucket`): query rows and pages each rounded up to a
