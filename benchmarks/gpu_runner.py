@@ -200,16 +200,16 @@ def decode_steps_fed(
     runner: ModelRunner, tables: list[list[int]], last: list[int]
 ) -> tuple[list[int], list[float]]:
     """The same steps, each queued with the last one's tokens on the device before the host
-    reads them (`forward_greedy`); ms per step, building the batch and reading the tokens
+    reads them (`forward_tokens`); ms per step, building the batch and reading the tokens
     included."""
-    previous = runner.forward_greedy(
+    previous = runner.forward_tokens(
         [SeqChunk([t], DECODE_CTX, tables[i]) for i, t in enumerate(last)]
     )
     samples = []
     for step in range(1, DECODE_STEPS):
         start = time.perf_counter()
         chunks = [SeqChunk([0], DECODE_CTX + step, table) for table in tables]
-        launched = runner.forward_greedy(chunks, previous=previous)
+        launched = runner.forward_tokens(chunks, previous=previous)
         previous.tolist()  # the last step's tokens, read while this one runs
         previous = launched
         samples.append((time.perf_counter() - start) * 1e3)

@@ -85,12 +85,12 @@ def test_steps_fed_the_last_steps_tokens_on_the_device_give_the_same_tokens(
     graphs, eager = pair(torch.float32)
     ids, tabs = prompts(num_seqs, seed=30 + num_seqs), tables(num_seqs, seed=30 + num_seqs)
     want, _ = greedy(eager, ids, tabs, steps=12)
-    previous = graphs.forward_greedy([SeqChunk(p, 0, t) for p, t in zip(ids, tabs, strict=True)])
+    previous = graphs.forward_tokens([SeqChunk(p, 0, t) for p, t in zip(ids, tabs, strict=True)])
     got: list[list[int]] = [[] for _ in ids]
     for step in range(12):
         # every chunk says token 0: the step must read its tokens from `previous`
         batch = [SeqChunk([0], len(p) + step, t) for p, t in zip(ids, tabs, strict=True)]
-        launched = graphs.forward_greedy(batch, previous=previous)
+        launched = graphs.forward_tokens(batch, previous=previous)
         for row, token in zip(got, previous.tolist(), strict=True):  # read behind the launch
             row.append(token)
         previous = launched

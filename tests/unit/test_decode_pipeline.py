@@ -162,10 +162,10 @@ def test_fed_tokens_of_a_shrinking_batch_follow_their_rows(weights: ModelRunner)
     assert got == want
 
 
-def test_greedy_tokens_rows_keep_their_order() -> None:
-    from kvmesh.workers.model.greedy_tokens import GreedyTokens
+def test_step_tokens_rows_keep_their_order() -> None:
+    from kvmesh.workers.model.step_tokens import StepTokens
 
-    tokens = GreedyTokens.of_logits(torch.eye(5)[[3, 0, 4, 1]])
+    tokens = StepTokens.of_logits(torch.eye(5)[[3, 0, 4, 1]])
     assert tokens.tolist() == [3, 0, 4, 1]
     assert tokens.rows([2, 0]).tolist() == [4, 3]
     assert tokens.rows(range(4)) is tokens

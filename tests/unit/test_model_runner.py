@@ -285,7 +285,7 @@ def test_greedy_steps_fed_on_the_device_give_the_host_loops_tokens(tiny: ModelRu
     tables = [blocks[12 * i : 12 * (i + 1)] for i in range(3)]
     sync, fed = fresh_runner(tiny), fresh_runner(tiny)
     want = [sync.forward([SeqChunk(p, 0, t) for p, t in zip(ids, tables, strict=True)]).argmax(-1)]
-    previous = fed.forward_greedy([SeqChunk(p, 0, t) for p, t in zip(ids, tables, strict=True)])
+    previous = fed.forward_tokens([SeqChunk(p, 0, t) for p, t in zip(ids, tables, strict=True)])
     got = [previous.device]
     for step in range(8):
         positions = [len(p) + step for p in ids]
@@ -293,7 +293,7 @@ def test_greedy_steps_fed_on_the_device_give_the_host_loops_tokens(tiny: ModelRu
         host_fed = [SeqChunk([tokens[i]], n, tables[i]) for i, n in enumerate(positions)]
         want.append(sync.forward(host_fed).argmax(-1))
         # token 0 everywhere: a step that read the chunks' ids would go another way
-        previous = fed.forward_greedy(
+        previous = fed.forward_tokens(
             [SeqChunk([0], n, t) for n, t in zip(positions, tables, strict=True)], previous=previous
         )
         got.append(previous.device)
@@ -304,11 +304,11 @@ def test_greedy_steps_fed_on_the_device_give_the_host_loops_tokens(tiny: ModelRu
 
 def test_feeding_tokens_needs_one_one_token_chunk_each(tiny: ModelRunner) -> None:
     runner = fresh_runner(tiny)
-    previous = runner.forward_greedy([SeqChunk([3, 4], 0, [0]), SeqChunk([5], 0, [1])])
+    previous = runner.forward_tokens([SeqChunk([3, 4], 0, [0]), SeqChunk([5], 0, [1])])
     with pytest.raises(ValueError, match=r"previous has 2 tokens.*got \[1\]"):
-        runner.forward_greedy([SeqChunk([0], 2, [0])], previous=previous)
+        runner.forward_tokens([SeqChunk([0], 2, [0])], previous=previous)
     with pytest.raises(ValueError, match=r"got \[2, 1\]"):
-        runner.forward_greedy([SeqChunk([0, 0], 2, [0]), SeqChunk([0], 1, [1])], previous=previous)
+        runner.forward_tokens([SeqChunk([0, 0], 2, [0]), SeqChunk([0], 1, [1])], previous=previous)
 
 
 # ---------------------------------------------------------------- misuse

@@ -1,5 +1,5 @@
 """Decode steps queued one ahead of the host: step n + 1 is launched with step n's greedy tokens
-still on the device (`ModelRunner.forward_greedy`), and step n's tokens are read, and its outputs
+still on the device (`ModelRunner.forward_tokens`), and step n's tokens are read, and its outputs
 made, while n + 1 runs.
 
     engine:  launch n+1 | read n, outputs of n | calls, events | launch n+2 | read n+1, ...
@@ -30,8 +30,8 @@ from dataclasses import dataclass, replace
 from kvmesh.workers.engine.scheduler import ScheduledStep, StepKind
 from kvmesh.workers.engine.sequence import SeqStatus
 from kvmesh.workers.kv.block_pool import BlockId, BlockPool
-from kvmesh.workers.model.greedy_tokens import GreedyTokens
 from kvmesh.workers.model.runner import ModelRunner, SeqChunk
+from kvmesh.workers.model.step_tokens import StepTokens
 
 __all__ = ["DecodePipeline", "QueuedDecode"]
 
@@ -41,7 +41,7 @@ class QueuedDecode:
     """A decode step on the device whose tokens the host has not read."""
 
     step: ScheduledStep
-    tokens: GreedyTokens
+    tokens: StepTokens
     held: tuple[BlockId, ...]
     """The block each row writes its new token's K/V into, one pool reference each."""
 
@@ -87,7 +87,7 @@ class DecodePipeline:
         step's sequences from it), whose tokens feed it; without it, the sequences' own last
         tokens. Raises what the runner raises, queueing nothing."""
         assert self.queued is None, "one step is queued at a time"
-        fed: GreedyTokens | None = None
+        fed: StepTokens | None = None
         if behind is not None:
             row_of = {id(seq): row for row, seq in enumerate(behind.step.seqs)}
             fed = behind.tokens.rows([row_of[id(seq)] for seq in step.seqs])
@@ -100,7 +100,7 @@ class DecodePipeline:
             )
             for seq, start in zip(step.seqs, step.start_positions, strict=True)
         ]
-        tokens = self.runner.forward_greedy(chunks, previous=fed)
+        tokens = self.runner.forward_tokens(chunks, previous=fed)
         bs = self.block_size
         held = tuple(
             seq.block_table[start // bs]

@@ -11,7 +11,7 @@ fills and copies over in two transfers:
     meta  int32              block tables [batch, context / block_size], then the paged kernel's
                              seq_meta [4, batch] and tile_meta [2, batch] (see `paged_attention`)
 
-A step fed the last step's tokens on the device (`greedy_tokens`) copies them over row 0 of
+A step fed the last step's tokens on the device (`step_tokens`) copies them over row 0 of
 `ints` after the transfer, so the host can fill and launch it before it has read them.
 
 A row's table is copied only where it grew since the bucket's last step (`TableRows`): a decode

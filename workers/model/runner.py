@@ -8,7 +8,7 @@ attention is `layer_stack`'s. On CUDA, RoPE, SiLU x up and add + RMSNorm are sin
 (`elementwise_kernels`), a batch of at most 64 tokens runs its projections through few-row
 matmuls with the norms and SiLU in their epilogues (`skinny_matmul`), and decode-only steps
 replay CUDA graphs (`decode_graphs`), which a greedy step may enter fed the last step's tokens on
-the device, before the host has read them (`forward_greedy`, `greedy_tokens`). Whole blocks move
+the device, before the host has read them (`forward_tokens`, `step_tokens`). Whole blocks move
 in and out of the cache through `block_io` (`kv/block_io.py`).
 """
 
@@ -39,7 +39,6 @@ from kvmesh.workers.model.batch_plan import (
 from kvmesh.workers.model.cudnn_pages import cudnn_pages_usable, run_length
 from kvmesh.workers.model.decode_graphs import DecodeGraphs
 from kvmesh.workers.model.graph_counts import NO_GRAPHS, GraphCounts
-from kvmesh.workers.model.greedy_tokens import GreedyTokens
 from kvmesh.workers.model.layer_stack import LayerStack, rms_norm
 from kvmesh.workers.model.lora import LoraAdapter, LoraBatch, load_peft_adapter
 from kvmesh.workers.model.model_config import ModelConfig, checkpoint_source
@@ -47,6 +46,7 @@ from kvmesh.workers.model.page_reads import PageReads
 from kvmesh.workers.model.prefill_graphs import PrefillGraphs
 from kvmesh.workers.model.rope import Rope, apply_rope, rope_inv_freq, rope_tables
 from kvmesh.workers.model.split_attention import cudnn_attention_usable
+from kvmesh.workers.model.step_tokens import StepTokens
 from kvmesh.workers.model.weights import ModelWeights, load_checkpoint, random_weights
 
 log = logging.getLogger(__name__)
@@ -255,11 +255,11 @@ class ModelRunner:
         return self._forward(batch)
 
     @torch.inference_mode()
-    def forward_greedy(
-        self, batch: Sequence[SeqChunk], *, previous: GreedyTokens | None = None
-    ) -> GreedyTokens:
+    def forward_tokens(
+        self, batch: Sequence[SeqChunk], *, previous: StepTokens | None = None
+    ) -> StepTokens:
         """`forward`'s argmax per chunk, returned while it is still being computed
-        (`GreedyTokens`). With `previous`, the last step's tokens of the same rows in the same
+        (`StepTokens`). With `previous`, the last step's tokens of the same rows in the same
         order, each one-token chunk's token id is read from it on the device (the chunks' own,
         any valid id, are ignored), so the host can queue this step before it reads that one. A
         decode batch the graphs serve is queued without waiting on the GPU; others may wait."""
@@ -269,8 +269,8 @@ class ModelRunner:
                     f"previous has {len(previous)} tokens; the batch needs one one-token chunk"
                     f" per token, got {[len(c.token_ids) for c in batch]}"
                 )
-            return GreedyTokens.of_logits(self._forward(batch, previous.device))
-        return GreedyTokens.of_logits(self._forward(batch))
+            return StepTokens.of_logits(self._forward(batch, previous.device))
+        return StepTokens.of_logits(self._forward(batch))
 
     def _forward(
         self, batch: Sequence[SeqChunk], token_ids: torch.Tensor | None = None

@@ -4,7 +4,7 @@ beside it: what lets a step be launched before the host has read the step before
 A synchronous decode loop leaves the GPU idle for the host's whole turn between steps: copy the
 tokens back, read them, build the next batch, fill the graph's inputs, launch it (about 0.3 ms
 of a 9 ms step for an 8B model at batch 32). Fed these tokens instead, the next step reads them
-on the device (`ModelRunner.forward_greedy(batch, previous=...)`), so the host launches step
+on the device (`ModelRunner.forward_tokens(batch, previous=...)`), so the host launches step
 n + 1 first and reads step n's tokens while it runs; the GPU goes from one step to the next.
 
     host:  launch n | read n-1 | launch n+1 | read n   | launch n+2 | read n+1
@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["GreedyTokens"]
+__all__ = ["StepTokens"]
 
 
 @dataclass(frozen=True, slots=True)
-class GreedyTokens:
+class StepTokens:
     """Invariant: once `copied` has completed (always, without one), `host` holds `device`'s
     values; `device` is never written after construction."""
 
@@ -38,11 +38,11 @@ class GreedyTokens:
     """Completes when the copy into `host` has; None when `device` is the host."""
 
     @classmethod
-    def of_logits(cls, logits: torch.Tensor) -> GreedyTokens:
+    def of_logits(cls, logits: torch.Tensor) -> StepTokens:
         """The argmax of each row of [rows, vocab] logits, its copy to the host started."""
         return cls._with_host_copy(logits.argmax(dim=-1))
 
-    def rows(self, rows: Sequence[int]) -> GreedyTokens:
+    def rows(self, rows: Sequence[int]) -> StepTokens:
         """These rows' tokens, in this order (a batch that lost some of its sequences), taken on
         the device without waiting for them."""
         if list(rows) == list(range(len(self))):
@@ -53,7 +53,7 @@ class GreedyTokens:
         return self._with_host_copy(self.device.index_select(0, index))
 
     @classmethod
-    def _with_host_copy(cls, tokens: torch.Tensor) -> GreedyTokens:
+    def _with_host_copy(cls, tokens: torch.Tensor) -> StepTokens:
         if tokens.device.type != "cuda":
             return cls(tokens, tokens, None)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
