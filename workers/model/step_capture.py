@@ -4,7 +4,9 @@ A step runs once eagerly on a side stream first (kernels compile, cuDNN builds i
 allocator settles), then once under capture into the graphs' shared memory pool. Capture is
 thread-local: the worker's transfer threads may use CUDA while the engine thread captures.
 `StepGraphs` keeps one captured step per bucket: the first step of a bucket captures it, every
-later one loads its inputs into the step's static buffers and replays.
+later one loads its inputs into the step's static buffers and replays. A capture that fails
+(CUDA ends an invalidated capture with an error) leaves its memory pool marked as being recorded
+to, so every later capture into it would fail too: the next capture takes a pool of its own.
 """
 
 from __future__ import annotations
@@ -84,7 +86,11 @@ class StepGraphs(Generic[B, S]):
             load(step)
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
-            step.graph, step.hidden = capture_step(self._layers, step.plan, self._pool)
+            try:
+                step.graph, step.hidden = capture_step(self._layers, step.plan, self._pool)
+            except BaseException:
+                self._pool = None  # this one stays "recording" (module doc)
+                raise
             self.steps[bucket] = step
             self.capture_ms += (time.perf_counter() - began) * 1e3
         else:
