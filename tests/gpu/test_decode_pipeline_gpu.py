@@ -37,13 +37,23 @@ def workers(dtype: torch.dtype) -> tuple[Worker, Worker]:
     return out[0], out[1]
 
 
-def requests(stop: int | None = None) -> list[WorkerRequest]:
+def requests(stop: int | None = None, *, sampled: bool = False) -> list[WorkerRequest]:
+    """Nine requests; `sampled`: every other one draws (temperature, top_k / top_p, a seed)."""
     rng = random.Random(5)
     out = []
     for i, max_tokens in enumerate((3, 19, 8, 12, 30, 5, 16, 9, 24)):
         ids = tuple(rng.randrange(3, 300) for _ in range(rng.randrange(20, 300)))
         stops = (stop,) if stop is not None and i == 4 else ()
         config = SamplingConfig(max_tokens=max_tokens, ignore_eos=True, stop_token_ids=stops)
+        if sampled and i % 2:
+            config = SamplingConfig(
+                max_tokens=max_tokens,
+                ignore_eos=True,
+                temperature=0.8,
+                top_k=40 * (i % 4 == 1),
+                top_p=0.9,
+                seed=i,
+            )
         out.append(WorkerRequest(f"r{i}", ids, config))
     return out
 
@@ -64,11 +74,16 @@ def serve(w: Worker, reqs: list[WorkerRequest], abort_at: int = -1) -> dict[str,
     return dict(out)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_queued_steps_give_the_same_tokens_through_the_graphs(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "sampled"), [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)]
+)
+def test_queued_steps_give_the_same_tokens_through_the_graphs(
+    dtype: torch.dtype, sampled: bool
+) -> None:
+    """Greedy, or half the requests drawing on the device (the same draws as the sampler's)."""
     pipelined, reading = workers(dtype)
-    want = serve(reading, requests())
-    got = serve(pipelined, requests())
+    want = serve(reading, requests(sampled=sampled))
+    got = serve(pipelined, requests(sampled=sampled))
     assert got == want
     counters = pipelined.info().counters
     assert counters.num_queued_decode_steps >= 20 and counters.num_decode_graph_replays >= 20

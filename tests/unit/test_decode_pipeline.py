@@ -133,13 +133,70 @@ def test_a_request_arriving_mid_decode_is_admitted_and_the_tokens_match(
     assert len(pipelined["c"]) == 10
 
 
-def test_sampled_sequences_keep_the_engine_that_reads_each_step(weights: ModelRunner) -> None:
-    requests = [req("a", 1), req("b", 2, temperature=0.8, seed=3)]
+def test_sampled_sequences_are_queued_and_draw_the_engines_tokens(weights: ModelRunner) -> None:
+    requests = [
+        req("a", 1),
+        req("b", 2, temperature=0.8, seed=3),
+        req("c", 3, temperature=1.3, seed=3, top_k=20, max_tokens=9),
+        req("d", 4, temperature=0.7, top_p=0.9, min_p=0.05, seed=11, max_tokens=15),
+    ]
     pipelined = worker(weights, pipelined=True)
     got = serve(pipelined, requests)
     assert got == serve(worker(weights, pipelined=False), requests)
+    assert got["b"] != serve(worker(weights, pipelined=False), [req("b", 2)])["b"]  # drawn
     assert pipelined.decode_pipeline is not None
-    assert pipelined.decode_pipeline.num_queued_steps == 0
+    assert pipelined.decode_pipeline.num_queued_steps >= 8
+
+
+class _NanAt(ModelRunner):
+    """The real runner, except that a chunk starting at `position` gets NaN logits."""
+
+    position = -1
+
+    def _forward(self, batch, token_ids=None):  # type: ignore[no-untyped-def]
+        logits = super()._forward(batch, token_ids)
+        rows = [i for i, c in enumerate(batch) if c.start_pos == self.position]
+        return logits.index_fill(0, torch.tensor(rows, dtype=torch.int64), float("nan"))
+
+
+def test_a_queued_row_that_cannot_be_drawn_fails_its_request_alone(
+    weights: ModelRunner,
+) -> None:
+    """NaN logits in a sampled row of a queued step: that request fails as the engine that reads
+    each step fails it, the others get their tokens, nothing is held."""
+    requests = [
+        req("a", 1, temperature=0.9, seed=5),  # a 27-token prompt: its decode starts at 27
+        req("b", 2, temperature=0.9, seed=6),
+        req("c", 3),
+    ]
+    results = {}
+    for pipelined in (True, False):
+        config = weights.config
+        runner = _NanAt(config, 96, BS, weights=weights.weights)
+        runner.position = 27 + 3
+        w = Worker("w0", runner, config.fingerprint(), SchedulerConfig(BS, 8, 4096),
+                   pipelined_decode=pipelined)  # fmt: skip
+        for r in requests:
+            w.add_request(r)
+        outs: dict[str, list[object]] = defaultdict(list)
+        while w.has_work:
+            for o in w.step():
+                outs[o.request_id].append(o)
+            w.check_invariants()
+        assert w.pool.num_free == w.pool.num_blocks
+        results[pipelined] = outs
+        if pipelined:
+            assert w.decode_pipeline is not None and w.decode_pipeline.num_queued_steps > 0
+    for outs in results.values():
+        last = outs["a"][-1]
+        assert last.finished and last.finish_reason == "error"  # type: ignore[attr-defined]
+        assert last.failure is not None and last.failure.internal  # type: ignore[attr-defined]
+    tokens = {
+        p: {rid: [t for o in outs[rid] for t in o.new_token_ids] for rid in outs}  # type: ignore[attr-defined]
+        for p, outs in results.items()
+    }
+    assert tokens[True] == tokens[False]
+    assert len(tokens[True]["a"]) == 4 and len(tokens[True]["b"]) == 12  # a: prefill + 3 steps
 
 
 def test_a_pool_too_small_to_go_on_falls_back_to_the_scheduler(weights: ModelRunner) -> None:
@@ -169,6 +226,10 @@ def test_step_tokens_rows_keep_their_order() -> None:
     assert tokens.tolist() == [3, 0, 4, 1]
     assert tokens.rows([2, 0]).tolist() == [4, 3]
     assert tokens.rows(range(4)) is tokens
+    assert tokens.failed_rows() == []
+    drawn = StepTokens.of_pick(torch.tensor([7, 8, 9]), torch.tensor([False, True, False]))
+    assert drawn.tolist() == [7, 8, 9] and drawn.failed_rows() == [1]
+    assert drawn.rows([1, 2]).failed_rows() == [0] and drawn.rows([2, 0]).failed_rows() == []
 
 
 class _Unreadable:

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from kvmesh.workers.contract.replies import SequenceFailure
 from kvmesh.workers.contract.requests import MAX_TEMPERATURE, MIN_TEMPERATURE, SamplingConfig
-from kvmesh.workers.engine.sampler import sample, sample_isolated
+from kvmesh.workers.engine.sampler import draw, sample, sample_isolated
 
 
 @pytest.mark.parametrize(
@@ -135,3 +135,25 @@ def test_the_uniform_of_a_seed_and_position_is_pinned() -> None:
     assert draw_uniform(0, 0) == pytest.approx(0.6524484863740323, abs=0)
     assert draw_uniform(7, 5) == pytest.approx(0.5341697098600662, abs=0)
     assert 0.0 < draw_uniform(2**64 - 1, 3) < 1.0
+
+
+def test_draw_gives_samples_tokens_and_flags_a_bad_drawn_row_without_raising() -> None:
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(4, 50, generator=gen)
+    configs = [
+        SamplingConfig(temperature=0.9, seed=1),
+        SamplingConfig(),
+        SamplingConfig(temperature=1.1, top_k=5, seed=2),
+        SamplingConfig(temperature=0.5, top_p=0.8, seed=3),
+    ]
+    positions = [7, 8, 9, 10]
+    tokens, failed = draw(logits, configs, positions)
+    assert tokens.tolist() == sample(logits, configs, positions)
+    assert not failed.any()
+    logits[0, 3] = float("nan")  # a drawn row
+    logits[1, 4] = float("nan")  # a greedy row: never checked, never failed
+    tokens, failed = draw(logits, configs, positions)
+    assert failed.tolist() == [True, False, False, False]
+    assert tokens[2:].tolist() == sample(logits[2:], configs[2:], positions[2:])
+    with pytest.raises(FloatingPointError):
+        sample(logits, configs, positions)

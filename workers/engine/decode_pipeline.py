@@ -1,6 +1,6 @@
-"""Decode steps queued one ahead of the host: step n + 1 is launched with step n's greedy tokens
-still on the device (`ModelRunner.forward_tokens`), and step n's tokens are read, and its outputs
-made, while n + 1 runs.
+"""Decode steps queued one ahead of the host: step n + 1 is launched with step n's tokens still
+on the device (`ModelRunner.forward_tokens`: the argmax, or the sampler's `draw` for a batch
+with sampled sequences), and step n's tokens are read, and its outputs made, while n + 1 runs.
 
     engine:  launch n+1 | read n, outputs of n | calls, events | launch n+2 | read n+1, ...
     GPU:     ...  n     |                 n+1                               |    n+2   ...
@@ -9,13 +9,16 @@ Step n's outputs leave when its tokens are read, as they would without the pipel
 the GPU's wait for the host's turn between steps (reading the tokens, outputs, the engine's
 calls and events, the next batch's inputs).
 
-Only a decode step whose every sequence samples greedily is queued, and another is queued behind
-it only while nothing waits for admission (a prefill needs the scheduler to see every token).
-Which sequences step n + 1 carries is decided before step n's tokens are known:
+Any decode step is queued (a sampled row draws at a uniform fixed by its seed and position,
+known ahead), and another is queued behind it only while nothing waits for admission (a prefill
+needs the scheduler to see every token). Which sequences step n + 1 carries is decided before
+step n's tokens are known:
 
   * a sequence whose step-n token reaches its max_tokens is left out (known in advance);
   * one that step n ends with a stop token, or that is aborted meanwhile, rides along: its row
-    is computed and dropped when n + 1 lands.
+    is computed and dropped when n + 1 lands;
+  * so does one whose step-n row could not be drawn (NaN or +inf logits): the engine fails that
+    request alone when step n lands, as it would have without the queue.
 
 A queued step holds a pool reference of its own on each block it writes until it lands, so a
 sequence that ends meanwhile lets those blocks go only then: no other request (a pull's
@@ -24,9 +27,11 @@ transport writing on its own stream) is given a block the GPU is still writing.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, replace
 
+from kvmesh.workers.engine.sampler import draw
 from kvmesh.workers.engine.scheduler import ScheduledStep, StepKind
 from kvmesh.workers.engine.sequence import SeqStatus
 from kvmesh.workers.kv.block_pool import BlockId, BlockPool
@@ -64,10 +69,11 @@ class DecodePipeline:
 
     @staticmethod
     def takes(step: ScheduledStep) -> bool:
-        """Whether a scheduled step may be queued: a decode step whose every sequence samples
-        greedily."""
+        """Whether a scheduled step may be queued: a decode step whose sequences' sampling
+        parameters are valid (one that skipped validation fails alone in the engine's own
+        path)."""
         return step.kind is StepKind.DECODE and all(
-            seq.sampling.temperature == 0.0 for seq in step.seqs
+            seq.sampling.problem() is None for seq in step.seqs
         )
 
     def held_blocks(self) -> list[BlockId]:
@@ -100,7 +106,12 @@ class DecodePipeline:
             )
             for seq, start in zip(step.seqs, step.start_positions, strict=True)
         ]
-        tokens = self.runner.forward_tokens(chunks, previous=fed)
+        configs = [seq.sampling for seq in step.seqs]
+        pick = None
+        if any(c.temperature != 0.0 for c in configs):  # drawn where the sampler would draw
+            positions = [start + 1 for start in step.start_positions]
+            pick = functools.partial(draw, configs=configs, positions=positions)
+        tokens = self.runner.forward_tokens(chunks, previous=fed, pick=pick)
         bs = self.block_size
         held = tuple(
             seq.block_table[start // bs]

@@ -7,6 +7,9 @@ or replayed on another worker of its kind, draws the same tokens, whatever else 
 Every row is filtered and drawn at once where the logits are (one read of the tokens at the end):
 a batch of 32 over a 128K vocabulary is a few tensor passes, not 32 rounds of small ones, each
 waiting on the device (the row-by-row sampler before it took 0.1-0.45 s on the CPU for that).
+`draw` does it all without reading anything back (the rows' parameters cross to the device in
+one copy that does not wait), so a decode step can be queued behind the draw before the host has
+its tokens (`decode_pipeline`); `sample` reads them.
 
 Isolation: `sample_isolated` never lets one row's failure touch another row. It samples the whole
 batch at once and, only if that raises, again row by row; a row that still fails becomes a
@@ -23,30 +26,47 @@ import torch
 from kvmesh.workers.contract.replies import SequenceFailure
 from kvmesh.workers.contract.requests import SamplingConfig
 
+NON_FINITE = "NaN or +inf in the logits"
+"""Why a drawn row failed (`draw`'s flag)."""
+
 
 def sample(
     logits: torch.Tensor, configs: Sequence[SamplingConfig], positions: Sequence[int]
 ) -> list[int]:
     """One token per row of `logits` [num_seqs, vocab]; `positions` seed the per-row draws.
     Raises if any row cannot be sampled (see `sample_isolated`)."""
+    tokens, failed = draw(logits, configs, positions)
+    if not any(cfg.temperature != 0.0 for cfg in configs):
+        return [int(t) for t in tokens.tolist()]
+    *values, any_failed = torch.cat([tokens, failed.any().long().view(1)]).tolist()
+    if any_failed:  # read with the tokens: one wait on the device, not two
+        raise FloatingPointError(NON_FINITE)
+    return [int(t) for t in values]
+
+
+def draw(
+    logits: torch.Tensor, configs: Sequence[SamplingConfig], positions: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's token (int64 [num_seqs]) and whether the row failed (bool [num_seqs]: NaN or
+    +inf in a drawn row's logits; a greedy row never fails), both where the logits are, nothing
+    read back. Raises ValueError (before any work on the device) for a row whose parameters
+    skipped validation: they would draw garbage, not fail."""
     if logits.shape[0] != len(configs):
         raise ValueError(f"{logits.shape[0]} rows of logits for {len(configs)} sampling configs")
     tokens = logits.argmax(dim=-1)
+    failed = torch.zeros(tokens.shape, dtype=torch.bool, device=tokens.device)
     rows = [i for i, cfg in enumerate(configs) if cfg.temperature != 0.0]
     if not rows:
-        return [int(t) for t in tokens.tolist()]
-    for i in rows:  # parameters that skipped validation would draw garbage, not fail
+        return tokens, failed
+    for i in rows:
         problem = configs[i].problem()
         if problem is not None:
             raise ValueError(problem)
-    index = torch.tensor(rows, device=logits.device)
+    index = _to_device(rows, torch.int64, logits.device)
     picked = logits.index_select(0, index).float()
     drawn = _draw(picked, [configs[i] for i in rows], [positions[i] for i in rows])
-    bad = (torch.isnan(picked) | torch.isposinf(picked)).any().view(1)
-    *values, any_bad = torch.cat([tokens.index_copy(0, index, drawn), bad.long()]).tolist()
-    if any_bad:  # read with the tokens: one wait on the device, not two
-        raise FloatingPointError("NaN or +inf in the logits")
-    return [int(t) for t in values]
+    bad = (torch.isnan(picked) | torch.isposinf(picked)).any(dim=1)
+    return tokens.index_copy(0, index, drawn), failed.index_copy(0, index, bad)
 
 
 def sample_isolated(
@@ -92,8 +112,17 @@ def draw_uniform(seed: int, position: int) -> float:
     return ((z >> 11) + 0.5) / (1 << 53)
 
 
+def _to_device(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`values` on `device` without waiting for the work queued there (a plain copy from the
+    host would wait for the stream: a decode step queued ahead, `decode_pipeline`)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def _column(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
+    return _to_device(values, like.dtype, like.device).unsqueeze(1)
 
 
 def _draw(
@@ -109,10 +138,10 @@ def _draw(
     scaled = (logits - logits.amax(dim=1, keepdim=True)) / temperature
     if any(0 < c.top_k < vocab for c in configs):
         # only as deep as the largest real top_k: a row without one keeps everything
-        k = torch.tensor([c.top_k if 0 < c.top_k < vocab else 0 for c in configs])
-        top = scaled.topk(int(k.max()), dim=1).values
-        kth = top.gather(1, (k.clamp(min=1) - 1).unsqueeze(1).to(logits.device))
-        kth = kth.masked_fill((k == 0).unsqueeze(1).to(logits.device), float("-inf"))
+        ks = [c.top_k if 0 < c.top_k < vocab else 0 for c in configs]
+        k = _to_device(ks, torch.int64, logits.device).unsqueeze(1)
+        top = scaled.topk(max(ks), dim=1).values
+        kth = top.gather(1, k.clamp(min=1) - 1).masked_fill(k == 0, float("-inf"))
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     probs = torch.softmax(scaled, dim=1)
     if any(c.min_p > 0.0 for c in configs):

@@ -53,6 +53,7 @@ from kvmesh.workers.engine.pull_admission import (
 )
 from kvmesh.workers.engine.pull_source import PullSource
 from kvmesh.workers.engine.request_checks import check_request
+from kvmesh.workers.engine.sampler import NON_FINITE, failure_of
 from kvmesh.workers.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig, StepKind
 from kvmesh.workers.engine.sequence import SeqStatus, Sequence
 from kvmesh.workers.engine.state_lock import StateLock
@@ -311,16 +312,28 @@ class Worker:
                     log.exception("queueing a decode step behind another failed")
             with self.state_lock.released() if self.state_lock is not None else nullcontext():
                 tokens = landing.tokens.tolist()
+            undrawn = [landing.step.seqs[row] for row in landing.tokens.failed_rows()]
         except BaseException:  # the engine fails the running requests; the pool stays whole
             pipeline.drop()
             raise
         step, sampled = pipeline.land(tokens)
         if not step.seqs:
             return []
+        failed = [seq for seq in step.seqs if any(seq is u for u in undrawn)]
+        if failed:  # as `sample_isolated` fails such a row: that request alone
+            keep = [i for i, seq in enumerate(step.seqs) if not any(seq is f for f in failed)]
+            sampled = [sampled[i] for i in keep]
+            step = self._without_failed(step, failed)
         self.scheduler.on_step_done(step, sampled, self.eos_token_ids)
-        outputs = self._outputs(step, sampled)
+        outputs = self._outputs(step, sampled) + [self._fail_draw(seq) for seq in failed]
         self.tally.on_step(False, len(step.seqs), (time.perf_counter() - began) * 1e3)
         return outputs
+
+    def _fail_draw(self, seq: Sequence) -> RequestOutput:
+        """The output of a sequence whose queued row could not be drawn."""
+        failure = failure_of(seq.sampling, FloatingPointError(NON_FINITE))
+        log.error("sampling failed for request %s: %s", seq.request_id, failure)
+        return self._fail(seq, failure)
 
     # ---- isolation: one sequence's failure is its own (failure.py) -----------------------------
 

@@ -46,7 +46,7 @@ from kvmesh.workers.model.page_reads import PageReads
 from kvmesh.workers.model.prefill_graphs import PrefillGraphs
 from kvmesh.workers.model.rope import Rope, apply_rope, rope_inv_freq, rope_tables
 from kvmesh.workers.model.split_attention import cudnn_attention_usable
-from kvmesh.workers.model.step_tokens import StepTokens
+from kvmesh.workers.model.step_tokens import StepTokens, TokenPick
 from kvmesh.workers.model.weights import ModelWeights, load_checkpoint, random_weights
 
 log = logging.getLogger(__name__)
@@ -256,21 +256,27 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_tokens(
-        self, batch: Sequence[SeqChunk], *, previous: StepTokens | None = None
+        self,
+        batch: Sequence[SeqChunk],
+        *,
+        previous: StepTokens | None = None,
+        pick: TokenPick | None = None,
     ) -> StepTokens:
-        """`forward`'s argmax per chunk, returned while it is still being computed
-        (`StepTokens`). With `previous`, the last step's tokens of the same rows in the same
-        order, each one-token chunk's token id is read from it on the device (the chunks' own,
-        any valid id, are ignored), so the host can queue this step before it reads that one. A
-        decode batch the graphs serve is queued without waiting on the GPU; others may wait."""
+        """A token per chunk, returned while it is still being computed (`StepTokens`): the
+        argmax of `forward`'s logits, or what `pick` makes of them on the device (tokens and
+        which rows failed, nothing read back: the sampler's `draw`). With `previous`, the last
+        step's tokens of the same rows in the same order, each one-token chunk's token id is
+        read from it on the device (the chunks' own, any valid id, are ignored), so the host can
+        queue this step before it reads that one. A decode batch the graphs serve is queued
+        without waiting on the GPU; others may wait."""
         if previous is not None:
             if len(previous) != len(batch) or any(len(c.token_ids) != 1 for c in batch):
                 raise ValueError(
                     f"previous has {len(previous)} tokens; the batch needs one one-token chunk"
                     f" per token, got {[len(c.token_ids) for c in batch]}"
                 )
-            return StepTokens.of_logits(self._forward(batch, previous.device))
-        return StepTokens.of_logits(self._forward(batch))
+        logits = self._forward(batch, None if previous is None else previous.device)
+        return StepTokens.of_logits(logits) if pick is None else StepTokens.of_pick(*pick(logits))
 
     def _forward(
         self, batch: Sequence[SeqChunk], token_ids: torch.Tensor | None = None

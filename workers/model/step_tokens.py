@@ -1,5 +1,6 @@
-"""A decode step's greedy tokens, kept on the device for the next step and copied to the host
-beside it: what lets a step be launched before the host has read the step before.
+"""A decode step's tokens (greedy, or drawn on the device by the sampler), kept on the device for
+the next step and copied to the host beside it: what lets a step be launched before the host has
+read the step before.
 
 A synchronous decode loop leaves the GPU idle for the host's whole turn between steps: copy the
 tokens back, read them, build the next batch, fill the graph's inputs, launch it (about 0.3 ms
@@ -10,37 +11,52 @@ n + 1 first and reads step n's tokens while it runs; the GPU goes from one step 
     host:  launch n | read n-1 | launch n+1 | read n   | launch n+2 | read n+1
     GPU:   ... n-1  |        step n         |       step n+1        | ...
 
-The copy to the host is issued right after the argmax, before the next step is launched, so it
-waits only for its own step: read from the stream after the launch, it would wait for that one
-too.
+The copy to the host is issued right after the argmax (or the draw), before the next step is
+launched, so it waits only for its own step: read from the stream after the launch, it would
+wait for that one too. A drawn row whose logits held NaN or +inf has no token; it is flagged
+beside the tokens, read in the same copy (`failed_rows`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["StepTokens"]
+__all__ = ["StepTokens", "TokenPick"]
+
+TokenPick = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""Logits [rows, vocab] -> each row's token (int64 [rows]) and whether the row failed (bool
+[rows]), computed where the logits are without reading anything back (the sampler's `draw`)."""
 
 
 @dataclass(frozen=True, slots=True)
 class StepTokens:
     """Invariant: once `copied` has completed (always, without one), `host` holds `device`'s
-    values; `device` is never written after construction."""
+    tokens and `failed`'s flags; neither is written after construction."""
 
     device: torch.Tensor
     """int64 [rows], where the next step reads its token ids."""
+    failed: torch.Tensor
+    """bool [rows] beside `device`: rows whose token could not be drawn (NaN or +inf logits)."""
     host: torch.Tensor
-    """int64 [rows] on the host (pinned beside a CUDA device)."""
+    """int64 [2, rows] on the host (pinned beside a CUDA device): the tokens, then 1 for each
+    failed row."""
     copied: torch.cuda.Event | None
     """Completes when the copy into `host` has; None when `device` is the host."""
 
     @classmethod
     def of_logits(cls, logits: torch.Tensor) -> StepTokens:
-        """The argmax of each row of [rows, vocab] logits, its copy to the host started."""
-        return cls._with_host_copy(logits.argmax(dim=-1))
+        """The argmax of each row of [rows, vocab] logits (no row fails), its copy to the host
+        started."""
+        tokens = logits.argmax(dim=-1)
+        return cls._with_host_copy(tokens, torch.zeros_like(tokens, dtype=torch.bool))
+
+    @classmethod
+    def of_pick(cls, tokens: torch.Tensor, failed: torch.Tensor) -> StepTokens:
+        """Tokens and failure flags a `TokenPick` made, their copy to the host started."""
+        return cls._with_host_copy(tokens, failed)
 
     def rows(self, rows: Sequence[int]) -> StepTokens:
         """These rows' tokens, in this order (a batch that lost some of its sequences), taken on
@@ -50,23 +66,34 @@ class StepTokens:
         index = torch.tensor(rows, dtype=torch.int64)
         if self.copied is not None:  # pinned: the copy queues on the stream, no wait
             index = index.pin_memory().to(self.device.device, non_blocking=True)
-        return self._with_host_copy(self.device.index_select(0, index))
+        return self._with_host_copy(
+            self.device.index_select(0, index), self.failed.index_select(0, index)
+        )
 
     @classmethod
-    def _with_host_copy(cls, tokens: torch.Tensor) -> StepTokens:
+    def _with_host_copy(cls, tokens: torch.Tensor, failed: torch.Tensor) -> StepTokens:
+        both = torch.stack([tokens, failed.to(tokens.dtype)])
         if tokens.device.type != "cuda":
-            return cls(tokens, tokens, None)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
+            return cls(tokens, failed, both, None)
+        host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+        host.copy_(both, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
-        return cls(tokens, host, copied)
+        return cls(tokens, failed, host, copied)
 
     def __len__(self) -> int:
         return self.device.shape[0]
 
     def tolist(self) -> list[int]:
         """The tokens, waiting only for their own copy (not for steps launched since)."""
+        self._wait()
+        return [int(t) for t in self.host[0].tolist()]
+
+    def failed_rows(self) -> list[int]:
+        """The rows whose token could not be drawn (their `tolist` entry is no token)."""
+        self._wait()
+        return [i for i, flag in enumerate(self.host[1].tolist()) if flag]
+
+    def _wait(self) -> None:
         if self.copied is not None:
             self.copied.synchronize()
-        return [int(t) for t in self.host.tolist()]
