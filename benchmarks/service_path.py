@@ -88,14 +88,15 @@ def engine_depth(args: argparse.Namespace) -> dict[str, Any]:
 
     worker.runner.forward = timed_forward  # type: ignore[method-assign]
 
-    def serve(rid: str, prompts: list[list[int]], max_tokens: int) -> tuple[list[float], float]:
+    def serve(
+        rid: str, prompts: list[list[int]], max_tokens: int, temperature: float = 0.0
+    ) -> tuple[list[float], float]:
         """Every step's wall time; the time to the first step's end."""
         sync(args.device)
         started = time.perf_counter()
         for i, p in enumerate(prompts):
-            worker.add_request(
-                WorkerRequest(f"{rid}-{i}", tuple(p), SamplingConfig(max_tokens, ignore_eos=True))
-            )
+            sampling = SamplingConfig(max_tokens, ignore_eos=True, temperature=temperature, seed=i)
+            worker.add_request(WorkerRequest(f"{rid}-{i}", tuple(p), sampling))
         steps, first = [], 0.0
         while worker.has_work:
             t = time.perf_counter()
@@ -129,7 +130,7 @@ def engine_depth(args: argparse.Namespace) -> dict[str, Any]:
     for batch in args.batches:
         forward_s.clear()
         prompts = [shapes.rand(args.decode_prompt) for _ in range(batch)]
-        steps, _ = serve(f"decode{batch}", prompts, args.decode_tokens)
+        steps, _ = serve(f"decode{batch}", prompts, args.decode_tokens, args.temperature)
         decode_steps = steps[1:]
         # a queued step's forward is not synchronised (nor timed): only the engine's step
         decode_forwards = forward_s[1:] if worker.decode_pipeline is None else []
@@ -218,7 +219,9 @@ def actor_depth(args: argparse.Namespace) -> dict[str, Any]:
                 request = WorkerRequest(
                     f"dec-{time.monotonic_ns()}-{i}",
                     tuple(prompts[i]),
-                    SamplingConfig(args.decode_tokens, ignore_eos=True),
+                    SamplingConfig(
+                        args.decode_tokens, ignore_eos=True, temperature=args.temperature, seed=i
+                    ),
                 )
                 gaps, last = [], 0.0
                 for out in cluster.generate("w0", request):
@@ -272,7 +275,14 @@ def actor_depth(args: argparse.Namespace) -> dict[str, Any]:
 def _service_depth(address: str, args: argparse.Namespace) -> dict[str, Any]:
     """Depth 4, measured by a client in its own process (as a real client is)."""
     argv = [sys.executable, __file__, "--client", address, "--model", args.model]
-    for flag in ("prompt", "prefix", "decode_prompt", "decode_tokens", "actor_trials"):
+    for flag in (
+        "prompt",
+        "prefix",
+        "decode_prompt",
+        "decode_tokens",
+        "actor_trials",
+        "temperature",
+    ):
         argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     argv += ["--batches", ",".join(str(b) for b in args.batches)]
     done = subprocess.run(argv, capture_output=True, text=True, check=True)
@@ -314,13 +324,17 @@ def client_depth(address: str, args: argparse.Namespace) -> dict[str, Any]:
             "service_server_ms": median(servers),  # the gRPC handler's own TTFT
         }
 
-        def one(_: int) -> tuple[list[float], float]:
+        def one(i: int) -> tuple[list[float], float]:
             """The stream's gaps per token after its first chunk (the statistic the actor depth
             takes), and its mean time per output token (which also counts the steps other
             requests' prefills took while it decoded)."""
             gaps, first, last, num_tokens = [], 0.0, 0.0, 0
             chunks = client.stream(
-                shapes.rand(args.decode_prompt), max_tokens=args.decode_tokens, ignore_eos=True
+                shapes.rand(args.decode_prompt),
+                max_tokens=args.decode_tokens,
+                ignore_eos=True,
+                temperature=args.temperature,
+                seed=i,
             )
             for chunk in chunks:
                 if not chunk.token_ids:
@@ -422,6 +436,9 @@ def main() -> None:  # noqa: D103
     ap.add_argument("--prefix", type=int, default=7680)
     ap.add_argument("--decode-prompt", type=int, default=2048)
     ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument(
+        "--temperature", type=float, default=0.0, help="the decode rows' requests draw (0: greedy)"
+    )
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--trials", type=int, default=4)
     ap.add_argument("--actor-trials", type=int, default=4, help="local hits at depths 3 and 4")

@@ -151,8 +151,9 @@ def _add_worker_memory_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-pipelined-decode",
         action="store_true",
-        help="on GPU workers, read every greedy decode step's tokens before launching the next"
-        " (by default the next step is queued on the GPU first, fed the tokens there)",
+        help="on GPU workers, read every decode step's tokens before launching the next"
+        " (by default the next step is queued on the GPU first, fed the tokens there, greedy or"
+        " drawn)",
     )
 
 

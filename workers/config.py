@@ -58,8 +58,8 @@ class WorkerConfig:
     """Replay decode-only steps as CUDA graphs on a GPU (False: `--no-cuda-graphs`, every step
     launches its kernels one by one)."""
     pipelined_decode: bool = True
-    """Where decode steps replay CUDA graphs, queue each greedy step on the GPU before the host
-    reads the step before it, fed that step's tokens there (`decode_pipeline`; False:
+    """Where decode steps replay CUDA graphs, queue each step on the GPU before the host reads
+    the step before it, fed that step's tokens there, greedy or drawn (`decode_pipeline`; False:
     `--no-pipelined-decode`, every step's tokens are read before the next is launched)."""
     prefix_cache: bool = True
     """Reuse cached prefixes (False: `--no-prefix-cache`, every request computes its whole

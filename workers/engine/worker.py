@@ -97,8 +97,8 @@ class Worker:
         cache_epoch: int = 0,
         pipelined_decode: bool = False,
     ) -> None:
-        """`pipelined_decode`: greedy decode steps are queued one ahead of the host
-        (`decode_pipeline`; worth it where the runner replays CUDA graphs)."""
+        """`pipelined_decode`: decode steps are queued one ahead of the host (`decode_pipeline`;
+        worth it where the runner replays CUDA graphs)."""
         self.worker_id = worker_id
         self.runner = runner
         self.model_fingerprint = model_fingerprint
