@@ -4,6 +4,7 @@ and for a stream that has not answered yet (`client/failover_channels.py`), over
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from concurrent import futures
 
 import grpc
@@ -104,4 +105,35 @@ def test_new_channels_to_a_restarted_coordinator_connect_at_once(closed_port: in
         assert second.unary("Stats", pb.StatsRequest()).num_workers == 2
     finally:
         second.close()
+        server.stop(grace=None)
+
+
+class EndlessStream(pb_grpc.KVMeshServicer):
+    """Answers one chunk, then keeps the stream open until its client goes away."""
+
+    def __init__(self) -> None:
+        self.ended = threading.Event()
+
+    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator:
+        context.add_callback(self.ended.set)
+        yield pb.GenerateResponse(token_ids=[10])
+        while context.is_active():
+            self.ended.wait(0.01)
+
+
+def test_an_abandoned_stream_ends_its_call_on_the_server() -> None:
+    servicer = EndlessStream()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    pb_grpc.add_KVMeshServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    c = channels(f"127.0.0.1:{port}")
+    request = pb.GenerateRequest(token_ids=[1, 2], sampling=pb.SamplingParams(max_tokens=9))
+    try:
+        stream = c.chunks(request)
+        assert next(stream).token_ids == [10]
+        stream.close()  # the caller went away
+        assert servicer.ended.wait(timeout=10)
+    finally:
+        c.close()
         server.stop(grace=None)
