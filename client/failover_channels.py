@@ -3,6 +3,11 @@
 A call that finds its coordinator unavailable (UNAVAILABLE before any response) moves on to the
 next address (`AddressRing`), so a killed coordinator costs a retry, not an error. A stream
 already answering is not moved (that could repeat tokens); it fails as it would with one address.
+
+A stream is read on the thread that iterates it. By default gRPC hands each response over from
+a polling thread it starts per channel whenever a call begins while none is running, so a
+client making one call at a time started a thread per `Generate` and waited on a second handoff
+for every response (0.1-0.2 ms of each first chunk on the CPU box; docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import grpc
+import grpc.experimental
 
 from kvmesh.client import wire
 from kvmesh.client.address_ring import AddressRing
@@ -19,6 +25,16 @@ from kvmesh.client.errors import from_rpc_error
 from kvmesh.client.results import StreamChunk
 from kvmesh.proto import kvmesh_pb2 as pb
 from kvmesh.proto import kvmesh_pb2_grpc as pb_grpc
+
+STREAM_OPTIONS = (
+    (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
+    # Connections are otherwise shared process-wide by target and options, and with streams read
+    # this way a closed channel's connection to a dead coordinator can outlive it, reconnect
+    # backoff included: a new client of the restarted coordinator then failed at once with the
+    # old "connection refused". Each channel connects on its own.
+    ("grpc.use_local_subchannel_pool", 1),
+)
+"""Options of every channel, besides `channel_options`."""
 
 
 class FailoverChannels:
@@ -41,7 +57,7 @@ class FailoverChannels:
         self.metadata = auth_metadata(token)
         self.channels: list[grpc.Channel] = []
         for a in self.ring.addresses:
-            options = channel_options(a, timeout_s, max_message_bytes)
+            options = [*channel_options(a, timeout_s, max_message_bytes), *STREAM_OPTIONS]
             if credentials is None:
                 self.channels.append(grpc.insecure_channel(a, options=options))
             else:
