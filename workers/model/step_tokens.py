@@ -38,8 +38,9 @@ class StepTokens:
 
     device: torch.Tensor
     """int64 [rows], where the next step reads its token ids."""
-    failed: torch.Tensor
-    """bool [rows] beside `device`: rows whose token could not be drawn (NaN or +inf logits)."""
+    failed: torch.Tensor | None
+    """bool [rows] beside `device`: rows whose token could not be drawn (NaN or +inf logits);
+    None where none can fail (greedy tokens)."""
     host: torch.Tensor
     """int64 [2, rows] on the host (pinned beside a CUDA device): the tokens, then 1 for each
     failed row."""
@@ -50,8 +51,7 @@ class StepTokens:
     def of_logits(cls, logits: torch.Tensor) -> StepTokens:
         """The argmax of each row of [rows, vocab] logits (no row fails), its copy to the host
         started."""
-        tokens = logits.argmax(dim=-1)
-        return cls._with_host_copy(tokens, torch.zeros_like(tokens, dtype=torch.bool))
+        return cls._with_host_copy(logits.argmax(dim=-1), None)
 
     @classmethod
     def of_pick(cls, tokens: torch.Tensor, failed: torch.Tensor) -> StepTokens:
@@ -66,17 +66,20 @@ class StepTokens:
         index = torch.tensor(rows, dtype=torch.int64)
         if self.copied is not None:  # pinned: the copy queues on the stream, no wait
             index = index.pin_memory().to(self.device.device, non_blocking=True)
-        return self._with_host_copy(
-            self.device.index_select(0, index), self.failed.index_select(0, index)
-        )
+        failed = None if self.failed is None else self.failed.index_select(0, index)
+        return self._with_host_copy(self.device.index_select(0, index), failed)
 
     @classmethod
-    def _with_host_copy(cls, tokens: torch.Tensor, failed: torch.Tensor) -> StepTokens:
-        both = torch.stack([tokens, failed.to(tokens.dtype)])
-        if tokens.device.type != "cuda":
-            return cls(tokens, failed, both, None)
-        host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
-        host.copy_(both, non_blocking=True)
+    def _with_host_copy(cls, tokens: torch.Tensor, failed: torch.Tensor | None) -> StepTokens:
+        cuda = tokens.device.type == "cuda"
+        host = torch.empty((2, *tokens.shape), dtype=tokens.dtype, pin_memory=cuda)
+        if failed is None:
+            host[1].zero_()  # on the host: greedy tokens copy as they did alone
+        else:
+            host[1].copy_(failed.to(tokens.dtype), non_blocking=cuda)
+        host[0].copy_(tokens, non_blocking=cuda)
+        if not cuda:
+            return cls(tokens, failed, host, None)
         copied = torch.cuda.Event()
         copied.record()
         return cls(tokens, failed, host, copied)
