@@ -312,17 +312,18 @@ class Worker:
                     log.exception("queueing a decode step behind another failed")
             with self.state_lock.released() if self.state_lock is not None else nullcontext():
                 tokens = landing.tokens.tolist()
-            undrawn = [landing.step.seqs[row] for row in landing.tokens.failed_rows()]
+            undrawn = {id(landing.step.seqs[row]) for row in landing.tokens.failed_rows()}
         except BaseException:  # the engine fails the running requests; the pool stays whole
             pipeline.drop()
             raise
         step, sampled = pipeline.land(tokens)
         if not step.seqs:
             return []
-        failed = [seq for seq in step.seqs if any(seq is u for u in undrawn)]
+        failed = [seq for seq in step.seqs if id(seq) in undrawn]
         if failed:  # as `sample_isolated` fails such a row: that request alone
-            keep = [i for i, seq in enumerate(step.seqs) if not any(seq is f for f in failed)]
-            sampled = [sampled[i] for i in keep]
+            sampled = [
+                t for seq, t in zip(step.seqs, sampled, strict=True) if id(seq) not in undrawn
+            ]
             step = self._without_failed(step, failed)
         self.scheduler.on_step_done(step, sampled, self.eos_token_ids)
         outputs = self._outputs(step, sampled) + [self._fail_draw(seq) for seq in failed]

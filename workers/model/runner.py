@@ -308,7 +308,7 @@ class ModelRunner:
                 if not writes.gated:
                     writes.wait_all()
             try:
-                return self._logits(prefill.run(batch, self._page_run_blocks()))
+                return self._logits(prefill.run(batch, self._run_pages_within()))
             except RuntimeError as exc:  # a kernel that refuses capture: run eagerly from now
                 log.warning("prefill graphs off, long chunks run eagerly: %s", exc)
                 self.prefill_graphs = False
@@ -471,7 +471,7 @@ class ModelRunner:
             num_queries_per_kv=self.config.num_queries_per_kv,
             device=self.device,
             mode=self.attention.mode,
-            num_blocks=self._page_run_blocks(),
+            num_blocks=self._run_pages_within(),
         )
         for cached in plan.cached:
             if cached.pages is not None:
@@ -486,7 +486,7 @@ class ModelRunner:
             return 1
         return run_length(self.block_size)
 
-    def _page_run_blocks(self) -> int:
+    def _run_pages_within(self) -> int:
         """The cache's blocks, within which cuDNN's pages may span runs; 0: one block a page."""
         return self.num_blocks if self.page_runs else 0
 
