@@ -78,7 +78,14 @@ class WorkerActor:
         if publisher is not None:
             # A worker started after a ClearCache hashes under the epoch the fleet is at.
             self.worker.cache_epoch = publisher.cache_epoch() or 0
-        self._engine = EngineThread(self.worker, config, publisher, self._deliver, self._fail_all)
+        self._engine = EngineThread(
+            self.worker,
+            config,
+            publisher,
+            self._deliver,
+            self._fail_all,
+            hand_over=self._outputs.wait_taken,
+        )
         self._submit = self._engine.submit
         self._on_engine = self._engine.on_engine
         self._puller = Puller(

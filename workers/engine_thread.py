@@ -2,14 +2,16 @@
 closure from the actor's event loop (`submit`, `on_engine`), between engine steps, or under its
 state lock while a step's forward pass runs (a peer's pin and unpin: `state_lock.py`).
 
-    loop:  run queued calls -> step -> first and middle tokens out -> hand the step's KV events,
-           notes and last outputs to the sender -> heartbeat when due -> idle: write back to
-           the host tier, or wait for a call
+    loop:  run queued calls -> step -> first and middle tokens out (first tokens: wait until
+           their streams took them) -> hand the step's KV events, notes and last outputs to the
+           sender -> heartbeat when due -> idle: write back to the host tier, or wait for a call
 
 A first token goes out before the step's KV events; a request's last output only after them, so
-a finished request's blocks are already announced. The sender thread (`event_sender.py`) makes
-the Redis round trip, so the next step does not wait for it. A second thread keeps the liveness
-key fresh while one iteration runs long.
+a finished request's blocks are already announced. The wait for a first token's stream (at most
+`HAND_OVER_S`, `OutputBatches.wait_taken`) lets the event loop that sends it run now instead of
+after this thread's next step has let go of the interpreter lock. The sender thread
+(`event_sender.py`) makes the Redis round trip, so the next step does not wait for it. A second
+thread keeps the liveness key fresh while one iteration runs long.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from typing import Any, TypeVar
 
@@ -35,6 +37,8 @@ from kvmesh.workers.event_sender import EventSender
 log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.05
+HAND_OVER_S = 0.001
+"""The longest the engine waits for the streams of a step's first tokens to take them."""
 T = TypeVar("T")
 
 
@@ -49,12 +53,16 @@ class EngineThread:
         publisher: EventPublisher | None,
         deliver: Callable[[str, RequestOutput | Exception], None],
         fail_all: Callable[[Exception], None],
+        hand_over: Callable[[Sequence[str], float], object] | None = None,
     ) -> None:
+        """`hand_over(request_ids, timeout_s)`: wait until the streams of those requests took
+        what was delivered to them (`OutputStreams.wait_taken`); None: no wait."""
         self.worker = worker
         self.config = config
         self.publisher = publisher
         self._deliver = deliver
         self._fail_all = fail_all
+        self._hand_over = hand_over
         self.lock = StateLock()
         """Held by this thread for each iteration but a step's forward pass and a wait for room
         in the sender (`state_lock.py`); a peer's pin or unpin takes it instead of queueing
@@ -143,9 +151,15 @@ class EngineThread:
             stepped = time.perf_counter()
             outputs = self.worker.step()
             step_s = time.perf_counter() - stepped
+        first_tokens = []
         for o in outputs:
             if not o.finished:
                 self._deliver(o.request_id, o)
+                if o.prefill is not None:
+                    first_tokens.append(o.request_id)
+        if first_tokens and self._hand_over is not None:
+            with self.lock.released():  # a peer's pin need not wait for it either
+                self._hand_over(first_tokens, HAND_OVER_S)
         self._send_events(tuple(o for o in outputs if o.finished))
         if time.monotonic() - self._last_heartbeat >= self.config.heartbeat_interval_s:
             self.heartbeat()

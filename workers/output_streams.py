@@ -3,6 +3,7 @@
 outputs(stream_id)  -> open: a stream's batches (`OutputBatches`)
 submit(request)     -> route: request id -> the stream its `reply_to` names (must be open)
 engine thread       -> deliver: into the request's stream; its end unroutes it
+                       wait_taken: until the streams of some requests took what they got
 stream closed       -> close: its requests unrouted and returned, for the worker to abort
 """
 
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
+from collections.abc import Sequence
 
 from kvmesh.workers.contract.replies import RequestOutput, RequestRejected
 from kvmesh.workers.output_batches import OutputBatches
@@ -69,3 +72,12 @@ class OutputStreams:
                 self._routes.pop(request_id, None)
         if batches is not None:
             batches.put(request_id, item)
+
+    def wait_taken(self, request_ids: Sequence[str], timeout_s: float) -> bool:
+        """Block the calling thread until the streams of `request_ids` have taken everything
+        delivered to them, at most `timeout_s` in all; whether they did (requests no longer
+        routed are not waited for)."""
+        with self._lock:
+            streams = {id(b): b for rid in request_ids if (b := self._routes.get(rid)) is not None}
+        deadline = time.monotonic() + timeout_s
+        return all(b.wait_taken(max(0.0, deadline - time.monotonic())) for b in streams.values())

@@ -81,3 +81,23 @@ def test_joining_refuses_what_cannot_follow() -> None:
         out("r", 1, finished=True).then(out("r", 2))
     with pytest.raises(ValueError, match="cannot join"):
         out("r", 1).then(RequestOutput("other", (2,), False))
+
+
+def test_wait_taken_returns_once_the_loop_took_what_was_put_and_times_out_if_nothing_does() -> None:
+    async def run() -> tuple[bool, bool, bool, list[BatchItem]]:
+        batches = OutputBatches(asyncio.get_running_loop())
+        assert batches.wait_taken(0.0)  # nothing put: nothing to wait for
+        batches.put("a", out("a", 1, prefill=FACTS))
+        unread = batches.wait_taken(0.02)  # nobody takes on this thread's loop meanwhile
+        waited: list[bool] = []
+        engine = threading.Thread(target=lambda: waited.append(batches.wait_taken(10)))
+        engine.start()
+        taken = await asyncio.wait_for(batches.take(), timeout=10)
+        await asyncio.to_thread(engine.join, 10)
+        return unread, waited == [True], batches.wait_taken(0.0), taken
+
+    unread, woke, empty_after, taken = asyncio.run(run())
+    assert not unread
+    assert woke
+    assert empty_after
+    assert taken == [("a", out("a", 1, prefill=FACTS))]

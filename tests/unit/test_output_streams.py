@@ -49,3 +49,24 @@ def test_a_closed_stream_hands_back_its_requests_and_takes_no_more() -> None:
         assert streams.routed() == []
 
     asyncio.run(run())
+
+
+def test_wait_taken_waits_for_the_streams_of_the_named_requests_only() -> None:
+    async def run() -> tuple[bool, bool, bool]:
+        streams = OutputStreams()
+        loop = asyncio.get_running_loop()
+        a, b = streams.open("coord-a", loop), streams.open("coord-b", loop)
+        streams.route("r1", "coord-a")
+        streams.route("r2", "coord-b")
+        streams.deliver("r1", RequestOutput("r1", (1,), False))
+        streams.deliver("r2", RequestOutput("r2", (2,), False))
+        await a.take()  # coord-a took r1's output; coord-b has not taken r2's
+        only_r1 = streams.wait_taken(["r1", "gone"], 0.0)  # an unrouted id is not waited for
+        with_r2 = streams.wait_taken(["r1", "r2"], 0.02)
+        await b.take()
+        return only_r1, with_r2, streams.wait_taken(["r1", "r2"], 0.0)
+
+    only_r1, with_r2, after = asyncio.run(run())
+    assert only_r1
+    assert not with_r2
+    assert after
