@@ -4,8 +4,8 @@ A cached 8K prompt's prefill (512 new tokens behind 7,680 cached) does ~16 ms of
 issuing its ~400 kernels from Python takes longer than that on a busy host. Once cuDNN reads the
 cache in place (`cudnn_pages`) with the lengths as device tensors, every shape in the step is
 fixed by its `PagesBucket` (rows and pages rounded up to powers of two), so the whole step can be
-recorded once per bucket and replayed. Everything that changes lives in static buffers the host
-fills and copies over in two transfers:
+recorded once per bucket and replayed. Everything that changes lives in one static buffer the
+host fills and copies over in one transfer:
 
     ints    int64 [4, rows]   token id, position and cache slot of each row; the source row of
                               each row's attention output
@@ -37,23 +37,36 @@ from kvmesh.workers.model.graph_counts import GraphCounts
 from kvmesh.workers.model.page_reads import PageReads
 from kvmesh.workers.model.step_capture import StepGraphs
 
-__all__ = ["PrefillGraphs", "fill_prefill_inputs"]
+__all__ = ["PrefillGraphs", "chunk_table", "fill_prefill_inputs"]
 
 
 def fill_prefill_inputs(
-    chunk: SeqChunk, bucket: PagesBucket, block_size: int, ints: np.ndarray, packed: np.ndarray
+    chunk: SeqChunk,
+    bucket: PagesBucket,
+    block_size: int,
+    ints: np.ndarray,
+    packed: np.ndarray,
+    table: np.ndarray | None = None,
 ) -> None:
     """Write one chunk into its bucket's host buffers (layouts in the module doc); rows past the
-    chunk repeat its last token."""
+    chunk repeat its last token. `table`: the chunk's block table as int64, its blocks in use
+    (`chunk_table`), where the caller has it already."""
     n, start = len(chunk.token_ids), chunk.start_pos
+    if table is None:
+        table = chunk_table(chunk, block_size)
     rows = np.minimum(np.arange(bucket.rows), n - 1)
     positions = start + rows
-    table = np.asarray(chunk.block_table[: -(-chunk.end_pos // block_size)], dtype=np.int64)
-    ints[0] = np.asarray(chunk.token_ids, dtype=np.int64)[rows]
+    ints[0] = np.fromiter(chunk.token_ids, np.int64, n)[rows]
     ints[1] = positions
     ints[2] = table[positions // block_size] * block_size + positions % block_size
     ints[3] = rows
-    pack_pages(chunk.block_table, start, n, block_size, bucket, packed)
+    pack_pages(table, start, n, block_size, bucket, packed)
+
+
+def chunk_table(chunk: SeqChunk, block_size: int) -> np.ndarray:
+    """The blocks holding the chunk's sequence, positions 0..end_pos-1, as int64 (converted once
+    a step: the bucket and the inputs both read it)."""
+    return np.fromiter(chunk.block_table, np.int64, -(-chunk.end_pos // block_size))
 
 
 class _StaticStep:
@@ -62,11 +75,14 @@ class _StaticStep:
     def __init__(self, bucket: PagesBucket, block_size: int, device: torch.device) -> None:
         self.bucket = bucket
         rows = bucket.rows
-        self.ints_host = torch.zeros((4, rows), dtype=torch.int64).pin_memory()
-        self.packed_host = torch.zeros(ChunkPages.packed_size(bucket), dtype=torch.int32)
-        self.packed_host = self.packed_host.pin_memory()
-        self.ints = torch.zeros((4, rows), dtype=torch.int64, device=device)
-        packed = torch.zeros_like(self.packed_host, device=device)
+        # Both inputs in one buffer, so they cross in one copy: the ints, then the packed int32s
+        # (at an offset of 4 * rows int64s, a multiple of 16 bytes).
+        num_packed = ChunkPages.packed_size(bucket)
+        size = 4 * rows + -(-num_packed // 2)
+        self.host = torch.zeros(size, dtype=torch.int64).pin_memory()
+        self.device_inputs = torch.zeros(size, dtype=torch.int64, device=device)
+        self.ints_host, self.packed_host = _split_inputs(self.host, rows, num_packed)
+        self.ints, packed = _split_inputs(self.device_inputs, rows, num_packed)
         pages = ChunkPages(bucket, packed, rows, bucket.pages, row_map=self.ints[3])
         # end_pos / start_pos are read only off the pages path: on it the lengths are data
         end_pos = bucket.pages * bucket.page_blocks * block_size
@@ -87,14 +103,25 @@ class _StaticStep:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.hidden: torch.Tensor | None = None
 
-    def load(self, chunk: SeqChunk, block_size: int) -> None:
-        self.copied.synchronize()  # the last step's copies have read the pinned buffers
+    def load(self, chunk: SeqChunk, block_size: int, table: np.ndarray | None = None) -> None:
+        self.copied.synchronize()  # the last step's copy has read the pinned buffer
         fill_prefill_inputs(
-            chunk, self.bucket, block_size, self.ints_host.numpy(), self.packed_host.numpy()
+            chunk,
+            self.bucket,
+            block_size,
+            self.ints_host.numpy(),
+            self.packed_host.numpy(),
+            table,
         )
-        self.ints.copy_(self.ints_host, non_blocking=True)
-        self.pages.packed.copy_(self.packed_host, non_blocking=True)
+        self.device_inputs.copy_(self.host, non_blocking=True)
         self.copied.record()
+
+
+def _split_inputs(buffer: torch.Tensor, rows: int, num_packed: int) -> tuple[torch.Tensor, ...]:
+    """The int64 [4, rows] ints and the int32 [num_packed] packed inputs, views of one buffer."""
+    ints = buffer[: 4 * rows].view(4, rows)
+    packed = buffer[4 * rows :].view(torch.int32)[:num_packed]
+    return ints, packed
 
 
 class PrefillGraphs:
@@ -147,14 +174,13 @@ class PrefillGraphs:
         cache's `num_blocks`, a chunk whose blocks lie in runs takes longer pages."""
         (chunk,) = batch
         n = len(chunk.token_ids)
-        bucket = PagesBucket.for_chunk(
-            chunk.block_table, chunk.start_pos, n, self._block_size, num_blocks
-        )
+        table = chunk_table(chunk, self._block_size)
+        bucket = PagesBucket.for_chunk(table, chunk.start_pos, n, self._block_size, num_blocks)
         self._page_reads.count(bucket)
         step = self._graphs.replay(
             bucket,
             lambda: _StaticStep(bucket, self._block_size, self._device),
-            lambda static: static.load(chunk, self._block_size),
+            lambda static: static.load(chunk, self._block_size, table),
         )
         assert step.hidden is not None
         return step.hidden[n - 1 : n]
