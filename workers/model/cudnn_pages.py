@@ -105,7 +105,7 @@ class PagesBucket:
     @classmethod
     def for_chunk(
         cls,
-        block_table: Sequence[int],
+        block_table: Sequence[int] | np.ndarray,
         start_pos: int,
         num_new: int,
         block_size: int,
@@ -155,7 +155,7 @@ def run_length(block_size: int) -> int:
 
 
 def blocks_per_page(
-    block_table: Sequence[int], num_blocks_used: int, block_size: int, num_blocks: int
+    block_table: Sequence[int] | np.ndarray, num_blocks_used: int, block_size: int, num_blocks: int
 ) -> int:
     """Blocks one page of a chunk's table spans: f = PAGE_TOKENS / block_size where each group
     of f of its first `num_blocks_used` blocks (the last group may be shorter) is a run of
@@ -241,7 +241,7 @@ class CacheShape:
 
 
 def pack_pages(
-    block_table: Sequence[int],
+    block_table: Sequence[int] | np.ndarray,
     start_pos: int,
     num_new: int,
     block_size: int,
