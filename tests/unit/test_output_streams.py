@@ -7,16 +7,23 @@ import asyncio
 import pytest
 
 from kvmesh.workers.contract.replies import RequestOutput, RequestRejected, WorkerFailed
+from kvmesh.workers.output_batches import OutputBatches
 from kvmesh.workers.output_streams import OutputStreams
+
+
+def two_streams() -> tuple[OutputStreams, OutputBatches, OutputBatches]:
+    """Streams coord-a (request r1's) and coord-b (r2's), on the running loop."""
+    streams = OutputStreams()
+    loop = asyncio.get_running_loop()
+    a, b = streams.open("coord-a", loop), streams.open("coord-b", loop)
+    streams.route("r1", "coord-a")
+    streams.route("r2", "coord-b")
+    return streams, a, b
 
 
 def test_outputs_reach_their_requests_stream_until_the_request_ends() -> None:
     async def run() -> tuple[list[object], list[object]]:
-        streams = OutputStreams()
-        loop = asyncio.get_running_loop()
-        a, b = streams.open("coord-a", loop), streams.open("coord-b", loop)
-        streams.route("r1", "coord-a")
-        streams.route("r2", "coord-b")
+        streams, a, b = two_streams()
         streams.deliver("r1", RequestOutput("r1", (1,), False))
         streams.deliver("r2", RequestOutput("r2", (2,), True, "length"))
         streams.deliver("r2", RequestOutput("r2", (3,), False))  # after its end: dropped
@@ -53,11 +60,7 @@ def test_a_closed_stream_hands_back_its_requests_and_takes_no_more() -> None:
 
 def test_wait_taken_waits_for_the_streams_of_the_named_requests_only() -> None:
     async def run() -> tuple[bool, bool, bool]:
-        streams = OutputStreams()
-        loop = asyncio.get_running_loop()
-        a, b = streams.open("coord-a", loop), streams.open("coord-b", loop)
-        streams.route("r1", "coord-a")
-        streams.route("r2", "coord-b")
+        streams, a, b = two_streams()
         streams.deliver("r1", RequestOutput("r1", (1,), False))
         streams.deliver("r2", RequestOutput("r2", (2,), False))
         await a.take()  # coord-a took r1's output; coord-b has not taken r2's
