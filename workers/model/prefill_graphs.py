@@ -117,7 +117,9 @@ class _StaticStep:
         self.copied.record()
 
 
-def _split_inputs(buffer: torch.Tensor, rows: int, num_packed: int) -> tuple[torch.Tensor, ...]:
+def _split_inputs(
+    buffer: torch.Tensor, rows: int, num_packed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The int64 [4, rows] ints and the int32 [num_packed] packed inputs, views of one buffer."""
     ints = buffer[: 4 * rows].view(4, rows)
     packed = buffer[4 * rows :].view(torch.int32)[:num_packed]
