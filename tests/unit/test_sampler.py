@@ -149,11 +149,18 @@ def test_draw_gives_samples_tokens_and_flags_a_bad_drawn_row_without_raising() -
     positions = [7, 8, 9, 10]
     tokens, failed = draw(logits, configs, positions)
     assert tokens.tolist() == sample(logits, configs, positions)
-    assert not failed.any()
+    assert failed is not None and not failed.any()
     logits[0, 3] = float("nan")  # a drawn row
     logits[1, 4] = float("nan")  # a greedy row: never checked, never failed
     tokens, failed = draw(logits, configs, positions)
-    assert failed.tolist() == [True, False, False, False]
+    assert failed is not None and failed.tolist() == [True, False, False, False]
     assert tokens[2:].tolist() == sample(logits[2:], configs[2:], positions[2:])
     with pytest.raises(FloatingPointError):
         sample(logits, configs, positions)
+
+
+def test_draw_over_greedy_rows_alone_makes_no_failure_flags() -> None:
+    logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(4))
+    tokens, failed = draw(logits, [SamplingConfig()] * 3, [1, 2, 3])
+    assert failed is None
+    assert tokens.tolist() == logits.argmax(dim=-1).tolist()

@@ -36,7 +36,7 @@ def sample(
     """One token per row of `logits` [num_seqs, vocab]; `positions` seed the per-row draws.
     Raises if any row cannot be sampled (see `sample_isolated`)."""
     tokens, failed = draw(logits, configs, positions)
-    if not any(cfg.temperature != 0.0 for cfg in configs):
+    if failed is None:  # every row greedy
         return [int(t) for t in tokens.tolist()]
     *values, any_failed = torch.cat([tokens, failed.any().long().view(1)]).tolist()
     if any_failed:  # read with the tokens: one wait on the device, not two
@@ -46,18 +46,18 @@ def sample(
 
 def draw(
     logits: torch.Tensor, configs: Sequence[SamplingConfig], positions: Sequence[int]
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Each row's token (int64 [num_seqs]) and whether the row failed (bool [num_seqs]: NaN or
-    +inf in a drawn row's logits; a greedy row never fails), both where the logits are, nothing
-    read back. Raises ValueError (before any work on the device) for a row whose parameters
-    skipped validation: they would draw garbage, not fail."""
+    +inf in a drawn row's logits; a greedy row never fails; None where every row is greedy),
+    both where the logits are, nothing read back. Raises ValueError (before any work on the
+    device) for a row whose parameters skipped validation: they would draw garbage, not fail."""
     if logits.shape[0] != len(configs):
         raise ValueError(f"{logits.shape[0]} rows of logits for {len(configs)} sampling configs")
     tokens = logits.argmax(dim=-1)
-    failed = torch.zeros(tokens.shape, dtype=torch.bool, device=tokens.device)
     rows = [i for i, cfg in enumerate(configs) if cfg.temperature != 0.0]
     if not rows:
-        return tokens, failed
+        return tokens, None
+    failed = torch.zeros(tokens.shape, dtype=torch.bool, device=tokens.device)
     for i in rows:
         problem = configs[i].problem()
         if problem is not None:

@@ -26,9 +26,10 @@ import torch
 
 __all__ = ["StepTokens", "TokenPick"]
 
-TokenPick = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+TokenPick = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
 """Logits [rows, vocab] -> each row's token (int64 [rows]) and whether the row failed (bool
-[rows]), computed where the logits are without reading anything back (the sampler's `draw`)."""
+[rows]; None where none can), computed where the logits are without reading anything back (the
+sampler's `draw`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +55,7 @@ class StepTokens:
         return cls._with_host_copy(logits.argmax(dim=-1), None)
 
     @classmethod
-    def of_pick(cls, tokens: torch.Tensor, failed: torch.Tensor) -> StepTokens:
+    def of_pick(cls, tokens: torch.Tensor, failed: torch.Tensor | None) -> StepTokens:
         """Tokens and failure flags a `TokenPick` made, their copy to the host started."""
         return cls._with_host_copy(tokens, failed)
 
