@@ -7,9 +7,9 @@ transformers in the unit tests, SDPA over gathered blocks). The layers' arithmet
 attention is `layer_stack`'s. On CUDA, RoPE, SiLU x up and add + RMSNorm are single Triton kernels
 (`elementwise_kernels`), a batch of at most 64 tokens runs its projections through few-row
 matmuls with the norms and SiLU in their epilogues (`skinny_matmul`), and decode-only steps
-replay CUDA graphs (`decode_graphs`), which a greedy step may enter fed the last step's tokens on
-the device, before the host has read them (`forward_tokens`, `step_tokens`). Whole blocks move
-in and out of the cache through `block_io` (`kv/block_io.py`).
+replay CUDA graphs (`decode_graphs`), which a decode step may enter fed the last step's tokens
+on the device, argmax or drawn, before the host has read them (`forward_tokens`,
+`step_tokens`). Whole blocks move in and out of the cache through `block_io` (`kv/block_io.py`).
 """
 
 from __future__ import annotations
