@@ -9,8 +9,10 @@ The same requests at four depths, each figure beside the one below it from the s
 Requests: an 8K prompt whose 7.5K prefix the worker holds (a local hit's TTFT), and decode at
 batch 1 and 32 (time per output token: the median gap between a stream's outputs, per token, at
 the actor and the service alike; the service also reports each request's mean over its answer,
-which counts the steps the other requests' prefills took meanwhile). On a GPU: Llama-3-8B shape,
-bf16.
+which counts the steps the other requests' prefills took meanwhile). The engine also serves hits
+whose cached prefix ends inside a 64-token page (a shared prompt of any length), its last blocks
+copied into the new blocks' run (`block_runs.relocated_tail`) and, for comparison, read where
+they lie. On a GPU: Llama-3-8B shape, bf16.
 
 Usage (GPU machine): python benchmarks/service_path.py --json $OUT/service_path.json
 Smoke test (CPU):    python benchmarks/service_path.py --device cpu --model tiny-random \
@@ -43,6 +45,10 @@ def median(xs: list[float]) -> float:
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
+
+
+MID_PAGE = 24
+"""Tokens past --prefix that the mid-page hits' cached prefix runs on: 1.5 blocks into a page."""
 
 
 class Shapes:
@@ -127,6 +133,38 @@ def engine_depth(args: argparse.Namespace) -> dict[str, Any]:
         "engine_cold_ms": median(colds),
         "page_reads": dataclasses.asdict(worker.runner.page_reads),
     }
+
+    def mid_page_hits(copied: bool) -> dict[str, Any]:
+        """Local hits whose cached prefix ends MID_PAGE tokens into a page: its last blocks
+        copied into the run of the new ones (`block_runs.relocated_tail`), or read in place."""
+        settled = worker.scheduler.can_relocate
+        if not copied:
+            worker.scheduler.can_relocate = lambda blocks: False
+        reads = worker.runner.page_reads
+        before = (reads.num_chunks, reads.num_run_chunks)
+        runner_ms, engine_ms = [], []
+        try:
+            for r in range(args.trials + 1):
+                prefix = shapes.rand(args.prefix + MID_PAGE)
+                rest = args.prompt - len(prefix)
+                serve(f"mid-cold{copied}{r}", [prefix + shapes.rand(rest)], 1)
+                forward_s.clear()
+                _, first = serve(f"mid-hit{copied}{r}", [prefix + shapes.rand(rest)], 1)
+                if r:
+                    runner_ms.append(forward_s[0] * 1e3)
+                    engine_ms.append(first * 1e3)
+        finally:
+            worker.scheduler.can_relocate = settled
+        return {
+            "runner_ms": median(runner_ms),
+            "engine_ms": median(engine_ms),
+            "page_reads": {
+                "num_chunks": reads.num_chunks - before[0],
+                "num_run_chunks": reads.num_run_chunks - before[1],
+            },
+        }
+
+    out["mid_page_hit"] = {"copied": mid_page_hits(True), "in_place": mid_page_hits(False)}
     for batch in args.batches:
         forward_s.clear()
         prompts = [shapes.rand(args.decode_prompt) for _ in range(batch)]
@@ -408,6 +446,19 @@ def rows(r: dict[str, Any], batches: list[int]) -> list[tuple[str, str, str, str
             ratio(hit_a.get("service_cold_ms"), hit_a.get("service_ms")),
         ),
     ]
+    for mode in ("copied", "in_place"):
+        mid = e.get("mid_page_hit", {}).get(mode)
+        if mid:
+            label = "tail copied to a run" if mode == "copied" else "tail read in place"
+            out.append(
+                (
+                    f"  mid-page hit, {label}",
+                    f(mid["runner_ms"]),
+                    f(mid["engine_ms"]),
+                    "-",
+                    "-",
+                )
+            )
     for b in batches:
         de, da = e[f"decode_b{b}"], a.get(f"decode_b{b}", {})
         out.append(
@@ -491,6 +542,8 @@ def main() -> None:  # noqa: D103
         reads = result.get(depth, {}).get("local_hit", {}).get("page_reads")
         if reads:
             print(f"{depth}: chunks cuDNN read from the pages, of them over runs: {reads}")
+    for mode, mid in result["engine"].get("mid_page_hit", {}).items():
+        print(f"mid-page hits ({args.prefix + MID_PAGE} cached), {mode}: {mid['page_reads']}")
 
 
 def _device_name(device: str) -> str:

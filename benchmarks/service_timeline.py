@@ -223,7 +223,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         argv = [sys.executable, __file__, "--client", deployment.address]
         for flag in ("prompt", "prefix", "vocab", "trials"):
             argv += [f"--{flag}", str(getattr(args, flag))]
-        done = subprocess.run(argv, capture_output=True, text=True, check=True)
+        done = subprocess.run(argv, capture_output=True, text=True)
+        if done.returncode:
+            raise SystemExit(f"the client failed:\n{done.stderr[-3000:]}")
         hits = json.loads(done.stdout.strip().splitlines()[-1])
     finally:
         deployment.stop()

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import enum
 from collections import deque
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from kvmesh.workers.engine.sequence import SeqStatus, Sequence
-from kvmesh.workers.kv.block_pool import BlockPool
+from kvmesh.workers.kv.block_pool import BlockId, BlockPool
+from kvmesh.workers.kv.block_runs import relocated_tail
 
 
 class StepKind(enum.Enum):
@@ -56,9 +58,18 @@ class Scheduler:
     sequence holds refs on exactly its pinned_blocks and has no block_table; finished sequences
     hold none; len(running) <= max_num_seqs."""
 
-    def __init__(self, config: SchedulerConfig, pool: BlockPool) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        pool: BlockPool,
+        *,
+        can_relocate: Callable[[Seq[BlockId]], bool] = lambda blocks: True,
+    ) -> None:
+        """`can_relocate(blocks)`: these cached blocks' KV is all written, so a step may copy
+        them (the worker's pending layered writes say; see `Sequence.relocated`)."""
         self.config = config
         self.pool = pool
+        self.can_relocate = can_relocate
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -116,16 +127,21 @@ class Scheduler:
                 break
             num_free_matched = self.pool.num_free_of(matched)
             num_new_blocks = -(-seq.num_tokens // bs) - len(matched)
-            if not self.pool.can_allocate(num_new_blocks + num_free_matched):
+            kept = len(matched) - self._relocation(matched, num_new_tokens)
+            if not self.pool.can_allocate(num_new_blocks + num_free_matched + len(matched) - kept):
                 break  # wait for running sequences to free blocks
             self.pool.acquire(matched)
             self.unpin(seq)
-            fresh = self.pool.allocate(num_new_blocks)
+            # (the tail to copy stays held until its fresh blocks are taken, so that they are
+            # never among them: the copy reads one and writes the other in one kernel)
+            fresh = self.pool.allocate(num_new_blocks + len(matched) - kept)
             assert fresh is not None
+            self.pool.free(matched[kept:])
             self.waiting.popleft()
-            seq.block_table = matched + fresh
+            seq.block_table = matched[:kept] + fresh
+            seq.relocated = matched[kept:]
             seq.num_computed_tokens = len(matched) * bs
-            seq.num_registered_blocks = len(matched)
+            seq.num_registered_blocks = kept
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = len(matched) * bs
                 seq.num_computed_prompt_tokens = len(seq.prompt_ids) - seq.num_cached_tokens
@@ -137,6 +153,15 @@ class Scheduler:
             return None
         self.running.extend(admitted)
         return ScheduledStep(StepKind.PREFILL, tuple(admitted), tuple(starts))
+
+    def _relocation(self, matched: list[BlockId], num_new_tokens: int) -> int:
+        """How many of the matched blocks' tail to copy into fresh blocks, so the table goes in
+        runs (`block_runs.relocated_tail`); 0 where `can_relocate` says the tail is being
+        written (a pull, a promotion) or the pool hands out no runs."""
+        tail = relocated_tail(matched, self.pool.run_blocks, num_new_tokens)
+        if tail and not self.can_relocate(matched[-tail:]):
+            return 0
+        return tail
 
     def _schedule_decode(self) -> ScheduledStep | None:
         bs = self.config.block_size
@@ -196,6 +221,15 @@ class Scheduler:
             if num_full > seq.num_registered_blocks and not seq.bypass_cache:
                 hashes = seq.full_block_hashes(bs)
                 first = seq.num_registered_blocks
+                if seq.relocated:  # copies written by now: they take the hashes over
+                    end = first + len(seq.relocated)
+                    self.pool.take_over(
+                        seq.block_table[first:end],
+                        hashes[first:end],
+                        seq.parent_hash(first),
+                        depth=first + 1,
+                    )
+                    first, seq.relocated = end, []
                 self.pool.register_run(
                     seq.block_table[first:num_full],
                     hashes[first:num_full],

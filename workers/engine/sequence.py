@@ -45,6 +45,10 @@ class Sequence:
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_registered_blocks: int = 0
+    relocated: list[BlockId] = field(default_factory=list)
+    """Cached blocks whose KV its step copies into `block_table`'s entries from
+    `num_registered_blocks` on, before the forward (`block_runs.relocated_tail`): set at
+    admission, cleared once the copies took their hashes over."""
     pinned_blocks: list[BlockId] = field(default_factory=list)
     """Refs held for this sequence while it waits: a prefix pulled or promoted for it, released
     once admission takes its own refs (or under memory pressure, see Scheduler)."""
@@ -134,6 +138,7 @@ class Sequence:
     def reset_for_recompute(self) -> None:
         """After preemption: blocks are gone, everything is recomputed from all_ids."""
         self.block_table = []
+        self.relocated = []
         self.num_computed_tokens = 0
         self.num_registered_blocks = 0
         self.status = SeqStatus.WAITING

@@ -118,7 +118,11 @@ class Worker:
         """`time.time()`'s clock, against which a coordinator stamps `sent_at_s`."""
         self.pool = BlockPool(runner.num_blocks, run_blocks=runner.page_run_blocks)
         self.host_pool = host_pool
-        self.scheduler = Scheduler(scheduler_config, self.pool)
+        # A cached tail still being written (a pull, a promotion) is read in place, not copied.
+        block_io = runner.block_io
+        self.scheduler = Scheduler(
+            scheduler_config, self.pool, can_relocate=lambda blocks: not block_io.writing(blocks)
+        )
         self.block_size = scheduler_config.block_size
         self.host_tier = HostTier(host_pool, self.pool, runner, self.block_size)
         # Warm sessions run on the clock in seconds, whatever unit the pool's clock uses.
@@ -257,6 +261,12 @@ class Worker:
         self.host_tier.demote_evicted()  # before the forward pass overwrites the reallocated blocks
         if step is None:
             return []
+        # Cached tails into their runs (after the demotions have read the blocks they overwrite).
+        for seq in step.seqs:
+            if seq.relocated:
+                first = seq.num_registered_blocks
+                copies = seq.block_table[first : first + len(seq.relocated)]
+                self.runner.block_io.copy_within(seq.relocated, copies)
         prefill, num_seqs = step.kind is StepKind.PREFILL, len(step.seqs)
         now = self.clock()
         for seq in step.seqs:

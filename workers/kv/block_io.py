@@ -17,8 +17,13 @@ from kvmesh.workers.kv.copy_engine import CopyEngine
 from kvmesh.workers.kv.layer_gates import LayerGates
 from kvmesh.workers.kv.layer_load import LayerLoad, can_load_layers
 from kvmesh.workers.kv.layer_writes import LayerWrites
+from kvmesh.workers.transfer.block_copy import copy_block_runs, copy_blocks
 
 __all__ = ["BlockIO"]
+
+_FEW_PIECES = 4
+"""A copy within the cache of at most this many runs (source and destination both consecutive)
+goes as that many slice copies; more, as one kernel over the pairs."""
 
 
 class BlockIO:
@@ -78,6 +83,34 @@ class BlockIO:
                 if not writes.blocks.isdisjoint(wanted):
                     writes.wait_all()
         return self.cache[:, :, ids].permute(2, 0, 1, 3, 4, 5).contiguous()
+
+    @torch.inference_mode()
+    def copy_within(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
+        """dst block i := src block i, all layers, on the current stream (one kernel on CUDA):
+        a prompt's cached tail moved into a run (`Sequence.relocated`). A pending layered write
+        into a source is waited for on the stream first, as `export_blocks` does."""
+        src = self._check_block_ids(src_ids, unique=True)
+        dst = self._check_block_ids(dst_ids, unique=True)
+        if set(src) & set(dst):
+            raise ValueError("a block copied within the cache is both read and written")
+        if self.writing(src):
+            wanted = set(src)
+            for writes in self.pending:
+                if not writes.blocks.isdisjoint(wanted):
+                    writes.wait_all()
+        pieces = 1 + sum(
+            s != src[i - 1] + 1 or d != dst[i - 1] + 1
+            for i, (s, d) in enumerate(zip(src, dst, strict=True))
+            if i
+        )
+        if pieces <= _FEW_PIECES:  # a slice copy each: no ids to the device, no kernel launch
+            copy_block_runs(self.cache, dst, self.cache, src)
+        else:
+            copy_blocks(self.cache, dst, self.cache, src)
+
+    def writing(self, block_ids: Sequence[int]) -> bool:
+        """Whether a pending layered write lands in any of these blocks."""
+        return any(not writes.blocks.isdisjoint(block_ids) for writes in self.pending)
 
     @torch.inference_mode()
     def import_blocks(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:

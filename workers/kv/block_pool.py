@@ -238,6 +238,40 @@ class BlockPool:
                 depth += 1
         return all_registered
 
+    def take_over(
+        self,
+        blocks: Sequence[BlockId],
+        hashes: Sequence[BlockHash],
+        parent: BlockHash,
+        depth: int = 0,
+    ) -> int:
+        """`register_run` for copies of registered blocks (`block_runs.relocated_tail`): where
+        another block holds a hash, that block hands it to the copy and keeps its KV unnamed
+        (free: it goes to the head of the free queue, to be reused first). A protected holder
+        keeps its hash (a warm session's chain names its blocks), and its copy stays unnamed.
+        No event: the worker holds the same hashes. Returns how many changed hands."""
+        if len(blocks) != len(hashes):
+            raise ValueError(f"{len(blocks)} blocks for {len(hashes)} hashes")
+        block_hash, hash_to_block = self._block_hash, self._hash_to_block
+        moved = 0
+        for block, h in zip(blocks, hashes, strict=True):
+            holder = hash_to_block.get(h)
+            if holder is None or holder == block or holder in self._protected:
+                continue
+            if self._ref_count[block] == 0 or block_hash[block] is not None:
+                raise ValueError(f"block {block} is free or named; only a held copy takes over")
+            block_hash[holder], block_hash[block] = None, h
+            hash_to_block[h] = block
+            self._block_parent[block] = self._block_parent[holder]
+            self._block_depth[block] = self._block_depth[holder]
+            if self._ref_count[holder] == 0:
+                self._free.move_to_end(holder, last=False)
+            moved += 1
+        if moved:
+            self.num_hash_changes += 1
+        self.register_run(blocks, hashes, parent, depth)  # hashes no block held any more
+        return moved
+
     def free(self, blocks: Sequence[BlockId]) -> None:
         """Drop one reference from each block of a sequence, given in sequence order.
 
