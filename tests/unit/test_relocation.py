@@ -210,3 +210,26 @@ def test_a_copy_within_the_cache_moves_every_layer_of_each_pair_and_refuses_over
         assert torch.equal(cache[:, :, untouched], before[:, :, untouched])
     with pytest.raises(ValueError, match="both read and written"):
         io.copy_within([2, 3], [3, 4])
+
+
+def test_a_second_turn_quoting_an_answer_decoded_beside_another_reads_it_in_one_run() -> None:
+    runs, plain = Engine(4), Engine(1)
+    answers: dict[str, list[int]] = {}
+    for name, engine in (("runs", runs), ("plain", plain)):
+        engine.add("a", _prompt(1, 40), max_tokens=40)  # two answers decoded side by side:
+        engine.add("z", _prompt(3, 40), max_tokens=40)  # their blocks alternate in the pool
+        answers[name] = engine.drain()["a"]
+    assert answers["runs"] == answers["plain"]
+    turn_2 = _prompt(1, 40) + answers["runs"] + [(i * 5) % 250 + 3 for i in range(200)]
+    for engine in (runs, plain):
+        engine.add("b", turn_2)
+    seq = runs.worker._seqs["b"]
+    cached = runs.worker.pool.match_prefix(seq.full_block_hashes(BS))
+    assert len(cached) == len(_prompt(1, 40) + answers["runs"]) // BS
+    assert not _in_runs(cached, 4)  # the answer's blocks break the prompt's run
+    first = runs.worker.step()
+    assert seq.relocated == [] and _in_runs(seq.block_table, 4)
+    tokens = {"runs": runs.drain(), "plain": plain.drain()}
+    assert [*first[0].new_token_ids, *tokens["runs"]["b"]] == tokens["plain"]["b"]
+    for mine, theirs in zip(runs.logits["b"], plain.logits["b"], strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
