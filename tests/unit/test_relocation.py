@@ -17,6 +17,7 @@ from kvmesh.workers.engine.worker import Worker
 from kvmesh.workers.kv.block_io import BlockIO
 from kvmesh.workers.kv.block_pool import BlockId, BlockPool
 from kvmesh.workers.kv.block_runs import relocated_tail
+from kvmesh.workers.kv.warm_sessions import WarmSessionConfig, WarmSessions
 from kvmesh.workers.model.model_config import preset
 from kvmesh.workers.model.runner import ModelRunner
 
@@ -107,6 +108,41 @@ def test_a_protected_original_keeps_its_hash_and_a_vanished_one_is_registered() 
     pool.check_invariants()
 
 
+def test_a_protected_original_hands_hash_and_protection_over_where_allowed() -> None:
+    pool = BlockPool(16)
+    original = _cached_chain(pool, 2)
+    pool.protect(original)
+    copy = pool.allocate(1)
+    assert copy is not None
+    moved = pool.take_over(copy, [H(1)], H(0), depth=2, protected_may_move=lambda b: True)
+    assert moved == 1 and pool.drain_moved_protection() == [(original[1], copy[0])]
+    assert pool.is_protected(copy[0]) and not pool.is_protected(original[1])
+    assert pool.block_hash(original[1]) is None and pool.is_protected(original[0])
+    pool.free(copy)  # the copy, protected, waits on the warm queue; the original goes first
+    assert pool.allocate(1) == [original[1]]
+    pool.check_invariants()
+
+
+def test_a_session_follows_its_block_to_the_copy_and_a_shared_block_stays() -> None:
+    pool = BlockPool(16)
+    sessions = WarmSessions(pool, WarmSessionConfig(budget_fraction=1.0), 1, lambda: 0.0)
+    shared, own = _cached_chain(pool, 1), pool.allocate(1)
+    assert own is not None
+    pool.register(own[0], H(7), H(0))
+    pool.free(own)
+    sessions.keep("s", [shared[0], own[0]])
+    sessions.keep("t", [shared[0]])
+    assert sessions.kept_by_one(own[0]) and not sessions.kept_by_one(shared[0])
+    copy = pool.allocate(1)
+    assert copy is not None
+    pool.take_over(copy, [H(7)], H(0), protected_may_move=sessions.kept_by_one)
+    sessions.sync()
+    assert sessions.chain("s") == (shared[0], copy[0]) and sessions.chain("t") == (shared[0],)
+    pool.free(copy)
+    sessions.check_invariants()
+    pool.check_invariants()
+
+
 # ---- admission and the worker's copy ------------------------------------------------------------
 
 
@@ -114,9 +150,9 @@ class Engine:
     """A CPU worker whose pool hands out runs of `run_blocks` (as with cuDNN's 64-token pages
     over 16-token blocks on a GPU); every step's logits kept."""
 
-    def __init__(self, run_blocks: int) -> None:
+    def __init__(self, run_blocks: int, sessions: WarmSessionConfig | None = None) -> None:
         config = preset("tiny-random")
-        runner = ModelRunner(config, 64, BS, device="cpu", dtype=torch.float32, seed=0)
+        runner = ModelRunner(config, 128, BS, device="cpu", dtype=torch.float32, seed=0)
         self.logits: dict[str, list[torch.Tensor]] = defaultdict(list)
         self.worker = Worker(
             "w0",
@@ -125,12 +161,13 @@ class Engine:
             SchedulerConfig(BS, 8, 4096),
             logits_sink=lambda rid, row: self.logits[rid].append(row),
             clock=lambda: 0.0,
+            sessions=sessions,
         )
         self.worker.pool.run_blocks = run_blocks
 
-    def add(self, rid: str, prompt: list[int], max_tokens: int = 6) -> None:
+    def add(self, rid: str, prompt: list[int], max_tokens: int = 6, session: str = "") -> None:
         sampling = SamplingConfig(max_tokens=max_tokens, ignore_eos=True)
-        self.worker.add_request(WorkerRequest(rid, tuple(prompt), sampling))
+        self.worker.add_request(WorkerRequest(rid, tuple(prompt), sampling, session_id=session))
 
     def drain(self) -> dict[str, list[int]]:
         tokens: dict[str, list[int]] = defaultdict(list)
@@ -232,4 +269,44 @@ def test_a_second_turn_quoting_an_answer_decoded_beside_another_reads_it_in_one_
     tokens = {"runs": runs.drain(), "plain": plain.drain()}
     assert [*first[0].new_token_ids, *tokens["runs"]["b"]] == tokens["plain"]["b"]
     for mine, theirs in zip(runs.logits["b"], plain.logits["b"], strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+
+
+def test_a_warm_sessions_turns_each_copy_only_what_broke_the_run_before_them() -> None:
+    kept = WarmSessionConfig(budget_fraction=1.0)
+    runs, plain = Engine(4, kept), Engine(4, kept)
+    plain.worker.scheduler.can_relocate = lambda blocks: False
+    prompt = _prompt(1, 40)
+    copied: list[int] = []
+    for turn in range(3):
+        answers = {}
+        for engine in (runs, plain):
+            engine.add(f"t{turn}", prompt, max_tokens=24, session="s")
+            engine.add(f"o{turn}", _prompt(9 + turn, 40), max_tokens=24)  # decoded beside it
+            worker = engine.worker
+            seq = worker._seqs[f"t{turn}"]
+            cached = worker.pool.match_prefix(seq.full_block_hashes(BS))
+            first = worker.step()  # both prefills
+            if engine is runs:
+                table = seq.block_table[: len(cached)]
+                kept_in_place = next(
+                    (i for i, (a, b) in enumerate(zip(cached, table, strict=True)) if a != b),
+                    len(cached),
+                )
+                copied.append(len(cached) - kept_in_place)
+                assert _in_runs(seq.block_table, 4)
+            tokens = engine.drain()
+            answers[engine] = [
+                *(t for o in first if o.request_id == f"t{turn}" for t in o.new_token_ids),
+                *tokens[f"t{turn}"],
+            ]
+            worker.sessions.check_invariants()
+        assert answers[runs] == answers[plain]
+        prompt = prompt + answers[runs] + [(i * 3 + turn) % 250 + 3 for i in range(200)]
+    # turn 1 copies turn 0's answer and the group before it; turn 2 only turn 1's answer on:
+    # the copies took the session's hashes and protection over, so its chain stays in runs
+    assert copied[0] == 0 and 0 < copied[1] and 0 < copied[2] <= -(-(24 + 16 * 3) // BS)
+    chain = list(runs.worker.sessions.chain("s"))
+    assert _in_runs(chain[: len(chain) - len(chain) % 4], 4)
+    for mine, theirs in zip(runs.logits["t2"], plain.logits["t2"], strict=True):
         torch.testing.assert_close(mine, theirs, rtol=0, atol=0)

@@ -64,12 +64,16 @@ class Scheduler:
         pool: BlockPool,
         *,
         can_relocate: Callable[[Seq[BlockId]], bool] = lambda blocks: True,
+        protected_may_move: Callable[[BlockId], bool] = lambda block: False,
     ) -> None:
         """`can_relocate(blocks)`: these cached blocks' KV is all written, so a step may copy
-        them (the worker's pending layered writes say; see `Sequence.relocated`)."""
+        them (the worker's pending layered writes say; see `Sequence.relocated`);
+        `protected_may_move(block)`: a copy may take this protected block's hash and protection
+        over (`BlockPool.take_over`; the warm sessions say)."""
         self.config = config
         self.pool = pool
         self.can_relocate = can_relocate
+        self.protected_may_move = protected_may_move
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -228,6 +232,7 @@ class Scheduler:
                         hashes[first:end],
                         seq.parent_hash(first),
                         depth=first + 1,
+                        protected_may_move=self.protected_may_move,
                     )
                     first, seq.relocated = end, []
                 self.pool.register_run(

@@ -120,8 +120,12 @@ class Worker:
         self.host_pool = host_pool
         # A cached tail still being written (a pull, a promotion) is read in place, not copied.
         block_io = runner.block_io
+        # A protected block a copy takes over renames one warm session's chain, not many.
         self.scheduler = Scheduler(
-            scheduler_config, self.pool, can_relocate=lambda blocks: not block_io.writing(blocks)
+            scheduler_config,
+            self.pool,
+            can_relocate=lambda blocks: not block_io.writing(blocks),
+            protected_may_move=lambda block: self.sessions.kept_by_one(block),
         )
         self.block_size = scheduler_config.block_size
         self.host_tier = HostTier(host_pool, self.pool, runner, self.block_size)

@@ -20,14 +20,17 @@ block; protection is dropped when such a block is reallocated (`drain_lost_prote
 
 Which blocks `allocate` takes follows the queues; it hands them out in runs (`block_runs`):
 ascending, and with `run_blocks` > 1 a piece that would break a group of that many table entries
-grows by the free blocks beside it while the last piece gives back as many.
+grows by the free blocks beside it while the last piece gives back as many. A copy of a cached
+block made to keep a prompt's table in runs takes its hash over once written (`take_over`), and
+a protected block's protection too where one warm session alone keeps it
+(`drain_moved_protection` tells the sessions which block to rename).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NewType
 
@@ -83,6 +86,7 @@ class BlockPool:
         self._warm: OrderedDict[BlockId, None] = OrderedDict()
         self._protected: set[BlockId] = set()
         self._lost_protection: list[BlockId] = []
+        self._moved_protection: list[tuple[BlockId, BlockId]] = []
         self._pending_events: list[KVEvent] = []
         # The chain being registered, one `stored` event once closed (a list, not a growing
         # tuple: a 512-block prefill would copy its run 512 times).
@@ -244,19 +248,29 @@ class BlockPool:
         hashes: Sequence[BlockHash],
         parent: BlockHash,
         depth: int = 0,
+        *,
+        protected_may_move: Callable[[BlockId], bool] = lambda block: False,
     ) -> int:
         """`register_run` for copies of registered blocks (`block_runs.relocated_tail`): where
         another block holds a hash, that block hands it to the copy and keeps its KV unnamed
         (free: it goes to the head of the free queue, to be reused first). A protected holder
-        keeps its hash (a warm session's chain names its blocks), and its copy stays unnamed.
-        No event: the worker holds the same hashes. Returns how many changed hands."""
+        hands its protection over too where `protected_may_move(holder)` says so (a warm
+        session then renames the block in its chain: `drain_moved_protection`), else keeps its
+        hash, and its copy stays unnamed. No event: the worker holds the same hashes. Returns
+        how many changed hands."""
         if len(blocks) != len(hashes):
             raise ValueError(f"{len(blocks)} blocks for {len(hashes)} hashes")
-        block_hash, hash_to_block = self._block_hash, self._hash_to_block
+        block_hash, hash_to_block, protected = (
+            self._block_hash,
+            self._hash_to_block,
+            self._protected,
+        )
         moved = 0
         for block, h in zip(blocks, hashes, strict=True):
             holder = hash_to_block.get(h)
-            if holder is None or holder == block or holder in self._protected:
+            if holder is None or holder == block:
+                continue
+            if holder in protected and not protected_may_move(holder):
                 continue
             if self._ref_count[block] == 0 or block_hash[block] is not None:
                 raise ValueError(f"block {block} is free or named; only a held copy takes over")
@@ -264,6 +278,13 @@ class BlockPool:
             hash_to_block[h] = block
             self._block_parent[block] = self._block_parent[holder]
             self._block_depth[block] = self._block_depth[holder]
+            if holder in protected:
+                protected.discard(holder)
+                protected.add(block)
+                self._moved_protection.append((holder, block))
+                if self._ref_count[holder] == 0:
+                    del self._warm[holder]
+                    self._free[holder] = None
             if self._ref_count[holder] == 0:
                 self._free.move_to_end(holder, last=False)
             moved += 1
@@ -323,6 +344,12 @@ class BlockPool:
                 self._free[b] = None
                 if evict_first:
                     self._free.move_to_end(b, last=False)
+
+    def drain_moved_protection(self) -> list[tuple[BlockId, BlockId]]:
+        """(holder, copy) of each protected block whose hash and protection a copy took over
+        since the last call (`take_over`)."""
+        moved, self._moved_protection = self._moved_protection, []
+        return moved
 
     def drain_lost_protection(self) -> list[BlockId]:
         """Protected blocks reallocated since the last call (the pool had nothing else left)."""

@@ -151,9 +151,21 @@ class WarmSessions:
         self.num_evicted_ttl += num_expired
         return num_expired
 
+    def kept_by_one(self, block: BlockId) -> bool:
+        """Whether exactly one kept session's chain holds `block`: a copy may take its hash and
+        protection over (`BlockPool.take_over`), renaming one chain, not every session that
+        shares a system prompt."""
+        return len(self._owners.get(block, ())) == 1
+
     def sync(self) -> None:
-        """Follow the pool: a protected block it reallocated cuts every chain holding it there
-        (what follows can no longer be matched, so it is let go too)."""
+        """Follow the pool: a protected block whose copy took it over is renamed in the chain
+        holding it; a protected block it reallocated cuts every chain holding it there (what
+        follows can no longer be matched, so it is let go too)."""
+        for old, new in self.pool.drain_moved_protection():
+            for session_id in self._owners.pop(old, ()):
+                chain, last_s = self._sessions[session_id]
+                self._sessions[session_id] = (tuple(new if b == old else b for b in chain), last_s)
+                self._owners.setdefault(new, set()).add(session_id)
         lost_blocks = self.pool.drain_lost_protection()
         for lost in lost_blocks:
             for session_id in list(self._owners.pop(lost, ())):
