@@ -517,6 +517,12 @@ class MetricsCollector:
                 lambda i: i.counters.num_run_page_chunks,
             ),
             per_worker(
+                "kvmesh_worker_relocated_blocks_total",
+                MetricKind.COUNTER,
+                "Cached blocks copied into a prompt's run so its prefix reads as longer pages.",
+                lambda i: i.counters.num_relocated_blocks,
+            ),
+            per_worker(
                 "kvmesh_worker_prefill_seconds_per_token",
                 MetricKind.GAUGE,
                 "Measured prefill cost per token (the router's cost model follows it).",

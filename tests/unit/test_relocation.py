@@ -198,6 +198,8 @@ def test_a_hit_whose_prefix_ends_inside_a_group_reads_it_from_copies_in_one_run(
     seq = worker._seqs["b"]
     assert seq.block_table[:4] == cached[:4] and seq.block_table[4] != cached[4]
     assert _in_runs(seq.block_table, 4)
+    assert worker.info().counters.num_relocated_blocks == 1
+    assert plain.worker.info().counters.num_relocated_blocks == 0
     assert worker.pool.match_prefix(seq.full_block_hashes(BS)[:5])[4] == seq.block_table[4]
     tokens = {"runs": runs.drain(), "plain": plain.drain()}
     assert [*first[0].new_token_ids, *tokens["runs"]["b"]] == tokens["plain"]["b"]

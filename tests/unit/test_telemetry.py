@@ -80,6 +80,7 @@ def worker_info(worker_id: str, *, num_free: int = 60, evicted: int = 0) -> Work
         num_queued_decode_steps=31,
         num_page_chunks=12,
         num_run_page_chunks=9,
+        num_relocated_blocks=11,
         num_dropped_decode_rows=2,
     )
     cache = CacheStats(
@@ -264,6 +265,7 @@ def test_worker_families_read_each_live_workers_last_report() -> None:
     assert fams["kvmesh_worker_queued_decode_steps_total"].value(worker="w0") == 31
     assert fams["kvmesh_worker_page_chunks_total"].value(worker="w0") == 12
     assert fams["kvmesh_worker_run_page_chunks_total"].value(worker="w0") == 9
+    assert fams["kvmesh_worker_relocated_blocks_total"].value(worker="w0") == 11
     assert fams["kvmesh_worker_dropped_decode_rows_total"].value(worker="w0") == 2
     assert fams["kvmesh_worker_cache_epoch"].value(worker="w1") == 2
     registry.mark_dead("w0", "test")

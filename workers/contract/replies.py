@@ -182,6 +182,9 @@ class WorkerCounters:
     num_run_page_chunks: int = 0
     """Of those, the ones read as pages of several blocks (the chunk's blocks lay in
     runs, `cudnn_pages.blocks_per_page`); the rest one block a page."""
+    num_relocated_blocks: int = 0
+    """Cached blocks copied into the run of a prompt's new blocks at its admission, so that
+    its chunk reads in such pages (`block_runs.relocated_tail`)."""
     num_warm_sessions: int = 0
     """Idle sessions whose chains are kept warm now."""
     warm_session_bytes: int = 0

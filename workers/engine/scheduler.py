@@ -77,6 +77,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_relocated_blocks = 0
+        """Cached blocks copied into a prompt's run at admission (`_relocation`)."""
 
     @property
     def has_work(self) -> bool:
@@ -144,6 +146,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.block_table = matched[:kept] + fresh
             seq.relocated = matched[kept:]
+            self.num_relocated_blocks += len(seq.relocated)
             seq.num_computed_tokens = len(matched) * bs
             seq.num_registered_blocks = kept
             if seq.num_cached_tokens is None:

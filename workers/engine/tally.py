@@ -63,6 +63,7 @@ class WorkerTally:
         num_queued_decode_steps: int = 0,
         num_dropped_decode_rows: int = 0,
         page_reads: PageReads | None = None,
+        num_relocated_blocks: int = 0,
     ) -> WorkerCounters:
         return WorkerCounters(
             num_requests=self.num_requests,
@@ -102,6 +103,7 @@ class WorkerTally:
             num_dropped_decode_rows=num_dropped_decode_rows,
             num_page_chunks=page_reads.num_chunks if page_reads else 0,
             num_run_page_chunks=page_reads.num_run_chunks if page_reads else 0,
+            num_relocated_blocks=num_relocated_blocks,
             num_warm_sessions=sessions.num_sessions,
             warm_session_bytes=sessions.num_bytes,
             num_sessions_evicted_ttl=sessions.num_evicted_ttl,

@@ -459,6 +459,7 @@ class Worker:
             pipeline.num_queued_steps if pipeline is not None else 0,
             pipeline.num_dropped_rows if pipeline is not None else 0,
             self.runner.page_reads,
+            self.scheduler.num_relocated_blocks,
         )
         return WorkerInfo(
             worker_id=self.worker_id,
