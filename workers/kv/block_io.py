@@ -86,9 +86,10 @@ class BlockIO:
 
     @torch.inference_mode()
     def copy_within(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
-        """dst block i := src block i, all layers, on the current stream (one kernel on CUDA):
-        a prompt's cached tail moved into a run (`Sequence.relocated`). A pending layered write
-        into a source is waited for on the stream first, as `export_blocks` does."""
+        """dst block i := src block i, all layers, on the current stream (a slice copy per run
+        of pairs, or one kernel over many pairs on CUDA): a prompt's cached tail moved into a
+        run (`Sequence.relocated`). A pending layered write into a source is waited for on the
+        stream first, as `export_blocks` does."""
         src = self._check_block_ids(src_ids, unique=True)
         dst = self._check_block_ids(dst_ids, unique=True)
         if set(src) & set(dst):
