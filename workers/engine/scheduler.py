@@ -133,20 +133,21 @@ class Scheduler:
                 break
             num_free_matched = self.pool.num_free_of(matched)
             num_new_blocks = -(-seq.num_tokens // bs) - len(matched)
-            kept = len(matched) - self._relocation(matched, num_new_tokens)
-            if not self.pool.can_allocate(num_new_blocks + num_free_matched + len(matched) - kept):
+            num_relocated = self._relocation(matched, num_new_tokens)
+            kept = len(matched) - num_relocated
+            if not self.pool.can_allocate(num_new_blocks + num_free_matched + num_relocated):
                 break  # wait for running sequences to free blocks
             self.pool.acquire(matched)
             self.unpin(seq)
             # (the tail to copy stays held until its fresh blocks are taken, so that they are
             # never among them: the copy reads one and writes the other in one kernel)
-            fresh = self.pool.allocate(num_new_blocks + len(matched) - kept)
+            fresh = self.pool.allocate(num_new_blocks + num_relocated)
             assert fresh is not None
             self.pool.free(matched[kept:])
             self.waiting.popleft()
             seq.block_table = matched[:kept] + fresh
             seq.relocated = matched[kept:]
-            self.num_relocated_blocks += len(seq.relocated)
+            self.num_relocated_blocks += num_relocated
             seq.num_computed_tokens = len(matched) * bs
             seq.num_registered_blocks = kept
             if seq.num_cached_tokens is None:

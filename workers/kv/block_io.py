@@ -77,11 +77,7 @@ class BlockIO:
         [len(block_ids), num_layers, 2, block_size, num_kv_heads, head_dim], block-major so each
         block is one contiguous slab."""
         ids = self._block_id_tensor(block_ids, unique=False)
-        if self.pending:  # blocks still landing: the copy waits for them on the stream
-            wanted = {int(b) for b in block_ids}
-            for writes in self.pending:
-                if not writes.blocks.isdisjoint(wanted):
-                    writes.wait_all()
+        self._wait_for_writes_into(block_ids)
         return self.cache[:, :, ids].permute(2, 0, 1, 3, 4, 5).contiguous()
 
     @torch.inference_mode()
@@ -94,11 +90,7 @@ class BlockIO:
         dst = self._check_block_ids(dst_ids, unique=True)
         if set(src) & set(dst):
             raise ValueError("a block copied within the cache is both read and written")
-        if self.writing(src):
-            wanted = set(src)
-            for writes in self.pending:
-                if not writes.blocks.isdisjoint(wanted):
-                    writes.wait_all()
+        self._wait_for_writes_into(src)
         pieces = 1 + sum(
             s != src[i - 1] + 1 or d != dst[i - 1] + 1
             for i, (s, d) in enumerate(zip(src, dst, strict=True))
@@ -112,6 +104,15 @@ class BlockIO:
     def writing(self, block_ids: Sequence[int]) -> bool:
         """Whether a pending layered write lands in any of these blocks."""
         return any(not writes.blocks.isdisjoint(block_ids) for writes in self.pending)
+
+    def _wait_for_writes_into(self, block_ids: Sequence[int]) -> None:
+        """Make the current stream wait for every pending layered write into these blocks (they
+        are still landing: a copy out of them must come after)."""
+        if self.pending:
+            wanted = {int(b) for b in block_ids}
+            for writes in self.pending:
+                if not writes.blocks.isdisjoint(wanted):
+                    writes.wait_all()
 
     @torch.inference_mode()
     def import_blocks(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
