@@ -1,12 +1,15 @@
 """How an allocation's blocks are handed out (`block_runs`): ascending, and pieces grown to
-whole groups by the free blocks beside them where the table would break inside a group."""
+whole groups by the free blocks beside them where the table would break inside a group; which
+tables are runs (`all_runs`), and the allocation known before it is made
+(`BlockPool.next_allocation`)."""
 
 from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvmesh.workers.kv.block_runs import in_runs
+from kvmesh.workers.kv.block_pool import BlockPool
+from kvmesh.workers.kv.block_runs import all_runs, in_runs
 
 
 def _groups_are_runs(blocks: list[int], f: int) -> bool:
@@ -64,3 +67,25 @@ def test_an_allocation_hands_out_as_many_distinct_blocks_from_those_it_may_take(
     assert set(got) <= taken | spare
     if got != sorted(taken):  # reshaped: every group a run, and only then
         assert _groups_are_runs(got, f)
+    assert all_runs(got, f) == _groups_are_runs(got, f)
+
+
+def test_a_table_is_runs_where_every_group_is_one_the_last_may_be_short() -> None:
+    assert all_runs([40, 41, 42, 43, 60, 61], 4)
+    assert all_runs([5, 6, 7, 8, 9], 4)
+    assert not all_runs([40, 41, 42, 43, 60, 62], 4)
+    assert not all_runs([41, 40, 42, 43], 4)  # a group must ascend from its first block
+    assert all_runs([], 4) and all_runs([9, 3, 7], 1)
+
+
+def test_the_next_allocation_is_known_before_it_is_made_and_knowing_changes_nothing() -> None:
+    pool = BlockPool(32, run_blocks=4)
+    held = pool.allocate(32)
+    assert held is not None and pool.next_allocation(1) is None
+    pool.free(held[1::3])  # pieces: what a busy pool's free queue looks like
+    before = (pool.num_free, pool.num_evicted, pool.num_hash_changes)
+    peeked = pool.next_allocation(7)
+    assert peeked is not None and len(peeked) == 7
+    assert (pool.num_free, pool.num_evicted, pool.num_hash_changes) == before
+    assert pool.next_allocation(7) == peeked
+    assert pool.allocate(7) == peeked

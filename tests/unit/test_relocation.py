@@ -225,6 +225,27 @@ def test_the_next_turn_finds_the_copies_and_reads_them_again() -> None:
         torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
 
 
+def test_no_copy_where_the_new_blocks_would_break_the_run_all_the_same() -> None:
+    """On a busy pool the new blocks come in pieces; a copy then buys no faster read and only
+    holds a second block as long as the sequence runs (on a busy worker, cached tokens lost)."""
+    engine = Engine(4)
+    engine.add("a", _prompt(1, 40))
+    engine.drain()
+    pool = engine.worker.pool
+    held = pool.allocate(pool.num_free - 9)  # all but a's blocks, the newest free ones
+    assert held is not None
+    pool.free(held[::2])  # every other one free: the queue's head is pieces
+    engine.add("b", _prompt(2, 120))
+    cached = pool.match_prefix(engine.worker._seqs["b"].full_block_hashes(BS))
+    engine.worker.step()
+    seq = engine.worker._seqs["b"]
+    assert seq.block_table[:5] == cached and not seq.relocated
+    assert not _in_runs(seq.block_table, 4)
+    assert engine.worker.info().counters.num_relocated_blocks == 0
+    pool.free(held[1::2])
+    engine.drain()
+
+
 def test_a_tail_still_being_written_is_read_where_it_lies() -> None:
     engine = Engine(4)
     engine.add("a", _prompt(1, 40))

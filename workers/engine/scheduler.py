@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from kvmesh.workers.engine.sequence import SeqStatus, Sequence
 from kvmesh.workers.kv.block_pool import BlockId, BlockPool
-from kvmesh.workers.kv.block_runs import relocated_tail
+from kvmesh.workers.kv.block_runs import all_runs, relocated_tail
 
 
 class StepKind(enum.Enum):
@@ -133,12 +133,12 @@ class Scheduler:
                 break
             num_free_matched = self.pool.num_free_of(matched)
             num_new_blocks = -(-seq.num_tokens // bs) - len(matched)
-            num_relocated = self._relocation(matched, num_new_tokens)
-            kept = len(matched) - num_relocated
-            if not self.pool.can_allocate(num_new_blocks + num_free_matched + num_relocated):
+            if not self.pool.can_allocate(num_new_blocks + num_free_matched):
                 break  # wait for running sequences to free blocks
             self.pool.acquire(matched)
             self.unpin(seq)
+            num_relocated = self._relocation(matched, num_new_blocks, num_new_tokens)
+            kept = len(matched) - num_relocated
             # (the tail to copy stays held until its fresh blocks are taken, so that they are
             # never among them: the copy reads one and writes the other in one kernel)
             fresh = self.pool.allocate(num_new_blocks + num_relocated)
@@ -162,12 +162,17 @@ class Scheduler:
         self.running.extend(admitted)
         return ScheduledStep(StepKind.PREFILL, tuple(admitted), tuple(starts))
 
-    def _relocation(self, matched: list[BlockId], num_new_tokens: int) -> int:
-        """How many of the matched blocks' tail to copy into fresh blocks, so the table goes in
-        runs (`block_runs.relocated_tail`); 0 where `can_relocate` says the tail is being
-        written (a pull, a promotion) or the pool hands out no runs."""
-        tail = relocated_tail(matched, self.pool.run_blocks, num_new_tokens)
-        if tail and not self.can_relocate(matched[-tail:]):
+    def _relocation(self, matched: list[BlockId], num_new_blocks: int, num_new_tokens: int) -> int:
+        """How many of the matched (and acquired) blocks' tail to copy into fresh blocks, so
+        the table goes in runs (`block_runs.relocated_tail`); 0 where `can_relocate` says the
+        tail is being written (a pull, a promotion), the pool hands out no runs, or the blocks
+        it would hand out now leave the table broken all the same (`block_runs.all_runs`)."""
+        run_blocks = self.pool.run_blocks
+        tail = relocated_tail(matched, run_blocks, num_new_tokens)
+        if not tail or not self.can_relocate(matched[-tail:]):
+            return 0
+        fresh = self.pool.next_allocation(num_new_blocks + tail)
+        if fresh is None or not all_runs(matched[:-tail] + fresh, run_blocks):
             return 0
         return tail
 

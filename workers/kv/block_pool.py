@@ -160,20 +160,28 @@ class BlockPool:
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= self.num_free
 
+    def next_allocation(self, num_blocks: int) -> list[BlockId] | None:
+        """The blocks `allocate(num_blocks)` would hand out now, in its order; nothing changes.
+        None if too few are free."""
+        if num_blocks < 0:
+            raise ValueError(f"cannot allocate {num_blocks} blocks")
+        if num_blocks > self.num_free:
+            return None
+        free = self._free
+        taken = list(itertools.islice(itertools.chain(free, self._warm), num_blocks))
+        return [
+            BlockId(b) for b in in_runs(taken, self.run_blocks, free.__contains__, self.num_blocks)
+        ]
+
     def allocate(self, num_blocks: int) -> list[BlockId] | None:
         """Fresh blocks with ref_count 1, evicting the least recently freed; None if too few.
 
         Handed out in runs (`block_runs`): blocks freed together (a sequence's run) come back
         as a run, which cuDNN reads as longer pages (`cudnn_pages.blocks_per_page`)."""
-        if num_blocks < 0:
-            raise ValueError(f"cannot allocate {num_blocks} blocks")
-        if num_blocks > self.num_free:
+        blocks = self.next_allocation(num_blocks)
+        if blocks is None:
             return None  # expected: the scheduler waits or preempts
         free, warm = self._free, self._warm
-        taken = list(itertools.islice(itertools.chain(free, warm), num_blocks))
-        blocks = [
-            BlockId(b) for b in in_runs(taken, self.run_blocks, free.__contains__, self.num_blocks)
-        ]
         evicted: list[BlockHash] = []
         for b in blocks:
             if b in free:

@@ -33,6 +33,11 @@ what cuDNN saves on ~400 (query, key) pairs by reading 64-token pages (482 TFLOP
 scattered, H100): the tail is copied only while its tokens times `RELOCATION_PAIRS_PER_TOKEN`
 stay within the chunk's new tokens times its cached ones. The copies take the originals' hashes
 over once written (`BlockPool.take_over`), so the next turn finds the chain in runs.
+
+A copy pays only where it makes the whole table runs: if the new blocks themselves come in
+pieces (a busy pool), the chunk is read one block a page all the same, and a copy of a block
+other sequences still read would only hold a second block as long as the sequence runs (on a
+busy worker that cost cached tokens: `all_runs` over the table the allocation would give, first).
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-__all__ = ["RELOCATION_PAIRS_PER_TOKEN", "in_runs", "relocated_tail"]
+__all__ = ["RELOCATION_PAIRS_PER_TOKEN", "all_runs", "in_runs", "relocated_tail"]
 
 RELOCATION_PAIRS_PER_TOKEN = 512
 """(query, key) pairs whose faster read pays for copying one cached token (module doc)."""
@@ -105,6 +110,17 @@ def _all_spare(
     blocks: range, held: set[int], spare: Callable[[int], bool], num_blocks: int
 ) -> bool:
     return all(0 <= b < num_blocks and b not in held and spare(b) for b in blocks)
+
+
+def all_runs(table: Sequence[int], run_blocks: int) -> bool:
+    """Every group of `run_blocks` entries of `table` (the last may be shorter) is a run of
+    consecutive blocks: cuDNN reads the table in pages of that many blocks."""
+    if run_blocks <= 1 or not table:
+        return True
+    blocks = np.asarray(table, dtype=np.int64)
+    starts = np.repeat(blocks[::run_blocks], run_blocks)[: blocks.size]
+    offsets = np.arange(blocks.size) % run_blocks
+    return bool(np.array_equal(blocks - starts, offsets))
 
 
 def relocated_tail(cached: Sequence[int], run_blocks: int, num_new_tokens: int) -> int:
