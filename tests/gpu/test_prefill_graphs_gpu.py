@@ -242,3 +242,24 @@ def test_a_promotion_still_landing_is_waited_for_layer_by_layer_inside_the_repla
         for writes in runner.block_io.take_layer_writes():
             writes.done.synchronize()
         torch.testing.assert_close(got, expected, atol=0.05 * expected.abs().max().item(), rtol=0)
+
+
+def test_a_chunk_whose_capture_fails_runs_eagerly_and_is_counted_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    runner = small_runner(monkeypatch)
+    rng = random.Random(9)
+    table = rng.sample(range(1, 300), 100)
+    ids = [rng.randrange(runner.config.vocab_size) for _ in range(1000)]
+    runner.forward([SeqChunk(ids[:700], 0, table)])
+    graphs = runner._prefill_graphs
+    assert graphs is not None
+
+    def refuse(*args: object) -> None:  # what a kernel compiled inside a capture raises
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphs._graphs, "replay", refuse)
+    before = runner.page_reads.num_chunks
+    runner.forward([SeqChunk(ids[700:], 700, table)])
+    assert not runner.prefill_graphs  # eager from now on
+    assert runner.page_reads.num_chunks == before + 1

@@ -9,7 +9,9 @@ this module sees a layer as
 and runs it one of two ways, which compute the same function:
 
   * `run`: any batch. cuBLAS projections (`F.linear`), a LoRA batch's deltas added after each,
-    the add + RMSNorm and SiLU x up by `elementwise_kernels` where given (else torch).
+    the add + RMSNorm and SiLU x up by `elementwise_kernels` where given (else torch); a chunk of
+    at least `gated_matmul.MIN_ROWS` tokens without LoRA has SiLU x up in its gate/up matmul's
+    epilogue where that module is given (Hopper).
   * `run_few_rows`: a batch of at most `skinny_matmul.MAX_ROWS` tokens on CUDA (a decode step):
     six kernels a layer, each residual add and RMSNorm and SiLU x up inside the few-row matmuls
     around them (`skinny_matmul`).
@@ -47,13 +49,16 @@ class LayerStack:
         eps: float,
         elementwise: ModuleType | None = None,
         few_rows: ModuleType | None = None,
+        gated: ModuleType | None = None,
     ) -> None:
         """`elementwise`: the `elementwise_kernels` module (CUDA), `few_rows` the
-        `skinny_matmul` module (CUDA); None where they cannot run."""
+        `skinny_matmul` module (CUDA), `gated` the `gated_matmul` module (Hopper); None where
+        they cannot run."""
         self.weights = weights
         self.eps = eps
         self._elementwise = elementwise
         self._few_rows = few_rows
+        self._gated = gated
 
     def run(
         self,
@@ -62,19 +67,27 @@ class LayerStack:
         lora: LoraBatch | None = None,
         *,
         fused: bool = True,
+        gated: bool = True,
     ) -> torch.Tensor:
         """The last layer's hidden states of embedded tokens x; `fused`: the elementwise work
-        by `elementwise_kernels` where given."""
+        by `elementwise_kernels` where given; `gated`: with `fused`, SiLU x up inside the
+        gate/up matmul where `gated_matmul` is given and the chunk is long enough."""
         layers = self.weights.layers
         kernels = self._elementwise if fused else None
+        gate_kernel = self._gated if gated and kernels is not None and lora is None else None
+        if gate_kernel is not None and x.shape[0] < gate_kernel.MIN_ROWS:
+            gate_kernel = None
         h = rms_norm(x, layers[0].input_norm, self.eps)
         for layer_index, layer in enumerate(layers):
             qkv = _project(h, layer.qkv_proj, lora, layer_index, "qkv", layer.qkv_bias)
             out = attend(layer_index, qkv)
             attended = _project(out, layer.o_proj, lora, layer_index, "o")
             x, h = self._add_norm(kernels, x, attended, layer.post_attention_norm)
-            gate_up = _project(h, layer.gate_up_proj, lora, layer_index, "gate_up")
-            act = _silu_mul(kernels, gate_up)
+            if gate_kernel is not None:
+                act = gate_kernel.silu_gate_matmul(h, layer.gate_up_proj)
+            else:
+                gate_up = _project(h, layer.gate_up_proj, lora, layer_index, "gate_up")
+                act = _silu_mul(kernels, gate_up)
             down = _project(act, layer.down_proj, lora, layer_index, "down")
             if layer_index + 1 == len(layers):
                 return x + down

@@ -178,11 +178,13 @@ class PrefillGraphs:
         n = len(chunk.token_ids)
         table = chunk_table(chunk, self._block_size)
         bucket = PagesBucket.for_chunk(table, chunk.start_pos, n, self._block_size, num_blocks)
-        self._page_reads.count(bucket)
         step = self._graphs.replay(
             bucket,
             lambda: _StaticStep(bucket, self._block_size, self._device),
             lambda static: static.load(chunk, self._block_size, table),
         )
+        # (counted once it ran: a capture that fails leaves the chunk to the eager path, which
+        # counts it there)
+        self._page_reads.count(bucket)
         assert step.hidden is not None
         return step.hidden[n - 1 : n]

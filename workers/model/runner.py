@@ -5,7 +5,8 @@ per-sequence step, grouped as `batch_plan` describes and run by `batch_attention
 kernel, the split prefill on cuDNN and flash, or on CPU, the reference path matched against
 transformers in the unit tests, SDPA over gathered blocks). The layers' arithmetic around
 attention is `layer_stack`'s. On CUDA, RoPE, SiLU x up and add + RMSNorm are single Triton kernels
-(`elementwise_kernels`), a batch of at most 64 tokens runs its projections through few-row
+(`elementwise_kernels`), a long prefill chunk's gate/up matmul has SiLU x up in its epilogue
+(`gated_matmul`, Hopper), a batch of at most 64 tokens runs its projections through few-row
 matmuls with the norms and SiLU in their epilogues (`skinny_matmul`), and decode-only steps
 replay CUDA graphs (`decode_graphs`), which a decode step may enter fed the last step's tokens
 on the device, argmax or drawn, before the host has read them (`forward_tokens`,
@@ -145,10 +146,23 @@ class ModelRunner:
         self._few_rows: ModuleType | None = (
             importlib.import_module("kvmesh.workers.model.skinny_matmul") if on_gpu else None
         )
+        gated: ModuleType | None = (
+            importlib.import_module("kvmesh.workers.model.gated_matmul") if on_gpu else None
+        )
+        if gated is not None and not (
+            gated.usable(self.device) and self.dtype in (torch.bfloat16, torch.float16)
+        ):
+            gated = None
+        self.gated_matmul = gated is not None
+        """With `fused_elementwise`, chunks of at least `gated_matmul.MIN_ROWS` tokens (long
+        prefills) compute SiLU x up inside their gate/up matmul (Hopper); benchmarks may switch
+        it."""
         head_dim = config.head_dim
         k_sizes = (config.hidden_size, config.intermediate_size, config.num_heads * head_dim)
         self._few_row_shapes = not config.qkv_bias and all(k % 16 == 0 for k in k_sizes)
-        self._layers = LayerStack(self.weights, config.rms_norm_eps, self._kernels, self._few_rows)
+        self._layers = LayerStack(
+            self.weights, config.rms_norm_eps, self._kernels, self._few_rows, gated
+        )
         self._rope_kernel_fits = not head_dim & (head_dim - 1)  # the kernel tiles a power of two
         # Dynamic RoPE picks its frequencies from the longest position on the host: not capturable.
         self.cuda_graphs = on_gpu and self.rope.dynamic is None
@@ -384,7 +398,9 @@ class ModelRunner:
         attend = functools.partial(self._attend, cos=cos, sin=sin, plan=plan, gated=gated)
         if self._takes_few_rows(x.shape[0], lora):
             return self._layers.run_few_rows(x, attend)
-        return self._layers.run(x, attend, lora, fused=self.fused_elementwise)
+        return self._layers.run(
+            x, attend, lora, fused=self.fused_elementwise, gated=self.gated_matmul
+        )
 
     def _attend(
         self,
