@@ -49,14 +49,20 @@ def test_the_epilogue_gives_silu_of_gate_times_up_at_any_shape(rows: int, k: int
     assert (got.double() - expected).abs().amax(dim=1).max().item() < 8e-3 * scale
 
 
-def test_a_weight_that_is_no_gate_up_pair_is_refused() -> None:
+def test_a_weight_that_is_no_gate_up_pair_is_refused_and_a_strided_input_is_read() -> None:
     from kvmesh.workers.model import gated_matmul
 
-    x = torch.zeros(16, 64, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(16, 64, device="cuda").bfloat16()
     with pytest.raises(ValueError, match="gate/up pair"):
         gated_matmul.silu_gate_matmul(x, torch.zeros(33, 64, device="cuda", dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="contiguous"):
-        gated_matmul.silu_gate_matmul(x.T.contiguous().T, torch.zeros_like(x[:, :64]))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        gated_matmul.silu_gate_matmul(x[:, :60], torch.zeros(32, 60, device="cuda").bfloat16())
+    w = torch.randn(64, 64, device="cuda").bfloat16()
+    strided = x.T.contiguous().T  # column-major: copied to rows first
+    assert not strided.is_contiguous()
+    torch.testing.assert_close(
+        gated_matmul.silu_gate_matmul(strided, w), gated_matmul.silu_gate_matmul(x, w)
+    )
 
 
 def test_a_long_prefill_through_the_epilogue_gives_the_logits_of_the_two_steps(

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["MIN_ROWS", "silu_gate_matmul", "usable"]
+__all__ = ["MIN_ROWS", "fits", "silu_gate_matmul", "usable"]
 
 MIN_ROWS = 4096
 """Fewest rows this matmul is used for: below it cuBLAS + `silu_mul` is as fast or faster."""
@@ -51,6 +51,11 @@ def usable(device: torch.device) -> bool:
     return "warp_specialize" in inspect.signature(tl.range).parameters
 
 
+def fits(hidden_size: int) -> bool:
+    """Whether a model of this hidden size (the matmul's K) can take this matmul."""
+    return hidden_size % 8 == 0
+
+
 @functools.cache
 def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -58,14 +63,15 @@ def _num_sms(index: int) -> int:
 
 def silu_gate_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """SiLU(x @ gate^T) x (x @ up^T) for a fused [gate | up] weight w [2N, K]: [rows, N] in x's
-    dtype. x [rows, K] and w contiguous, K a multiple of 8 (rows of 16 bytes)."""
+    dtype. K a multiple of 8 (rows of 16 bytes, `fits`)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     rows, k = x.shape
     if w.shape[0] % 2 or w.shape[1] != k:
         raise ValueError(f"weight {tuple(w.shape)} is no [2N, {k}] gate/up pair")
-    if k % 8 or not x.is_contiguous() or not w.is_contiguous():
-        raise ValueError("x and w must be contiguous with K a multiple of 8")
+    if not fits(k):
+        raise ValueError(f"K = {k} is no multiple of 8")
+    x, w = x.contiguous(), w.contiguous()  # (both already are in the layers: no copy)
     n = w.shape[0] // 2
     out = torch.empty((rows, n), device=x.device, dtype=x.dtype)
     num_tiles = triton.cdiv(rows, _BM) * triton.cdiv(n, _HALF)

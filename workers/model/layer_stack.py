@@ -67,14 +67,15 @@ class LayerStack:
         lora: LoraBatch | None = None,
         *,
         fused: bool = True,
-        gated: bool = True,
+        gated_matmul: bool = True,
     ) -> torch.Tensor:
         """The last layer's hidden states of embedded tokens x; `fused`: the elementwise work
-        by `elementwise_kernels` where given; `gated`: with `fused`, SiLU x up inside the
-        gate/up matmul where `gated_matmul` is given and the chunk is long enough."""
+        by `elementwise_kernels` where given; `gated_matmul`: with `fused`, SiLU x up inside
+        the gate/up matmul where that module is given and the chunk is long enough."""
         layers = self.weights.layers
         kernels = self._elementwise if fused else None
-        gate_kernel = self._gated if gated and kernels is not None and lora is None else None
+        use = gated_matmul and kernels is not None and lora is None
+        gate_kernel = self._gated if use else None
         if gate_kernel is not None and x.shape[0] < gate_kernel.MIN_ROWS:
             gate_kernel = None
         h = rms_norm(x, layers[0].input_norm, self.eps)

@@ -150,7 +150,9 @@ class ModelRunner:
             importlib.import_module("kvmesh.workers.model.gated_matmul") if on_gpu else None
         )
         if gated is not None and not (
-            gated.usable(self.device) and self.dtype in (torch.bfloat16, torch.float16)
+            gated.usable(self.device)
+            and gated.fits(config.hidden_size)
+            and self.dtype in (torch.bfloat16, torch.float16)
         ):
             gated = None
         self.gated_matmul = gated is not None
@@ -399,7 +401,7 @@ class ModelRunner:
         if self._takes_few_rows(x.shape[0], lora):
             return self._layers.run_few_rows(x, attend)
         return self._layers.run(
-            x, attend, lora, fused=self.fused_elementwise, gated=self.gated_matmul
+            x, attend, lora, fused=self.fused_elementwise, gated_matmul=self.gated_matmul
         )
 
     def _attend(
