@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import torch
 from kvmesh.workers.kv.layer_writes import LayerGroups
 from kvmesh.workers.model import batch_plan
 from kvmesh.workers.model.cudnn_pages import cudnn_pages_usable
-from kvmesh.workers.model.runner import ModelRunner, SeqChunk
+from kvmesh.workers.model.runner import PREFILL_CAPTURE_TRIES, ModelRunner, SeqChunk
 from tests.gpu.small_model import small_config
 
 pytestmark = [
@@ -244,7 +245,7 @@ def test_a_promotion_still_landing_is_waited_for_layer_by_layer_inside_the_repla
         torch.testing.assert_close(got, expected, atol=0.05 * expected.abs().max().item(), rtol=0)
 
 
-def test_a_chunk_whose_capture_fails_runs_eagerly_and_is_counted_once(
+def test_a_failed_capture_runs_its_chunk_eagerly_once_and_the_next_one_captures(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     runner = small_runner(monkeypatch)
@@ -254,12 +255,29 @@ def test_a_chunk_whose_capture_fails_runs_eagerly_and_is_counted_once(
     runner.forward([SeqChunk(ids[:700], 0, table)])
     graphs = runner._prefill_graphs
     assert graphs is not None
+    replay = graphs._graphs.replay
+    refusals = [1]
 
-    def refuse(*args: object) -> None:  # what a kernel compiled inside a capture raises
-        raise RuntimeError("operation not permitted when stream is capturing")
+    def refuse(*args: Any) -> Any:  # what a kernel compiled inside a capture raises
+        if refusals:
+            refusals.pop()
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return replay(*args)
 
     monkeypatch.setattr(graphs._graphs, "replay", refuse)
+    chunk = SeqChunk(ids[700:], 700, table)
     before = runner.page_reads.num_chunks
-    runner.forward([SeqChunk(ids[700:], 700, table)])
-    assert not runner.prefill_graphs  # eager from now on
-    assert runner.page_reads.num_chunks == before + 1
+    eager = runner.forward([chunk])
+    assert runner.page_reads.num_chunks == before + 1  # counted once, by the eager path
+    assert runner.prefill_graphs and runner.num_failed_prefill_captures == 1
+    replays = graphs.counts().num_replays
+    graphed = runner.forward([chunk])  # the next try captures
+    assert graphs.counts().num_replays == replays + 1
+    torch.testing.assert_close(graphed, eager, atol=0.05 * eager.abs().max().item(), rtol=0)
+    # captures that keep failing: eager for good after PREFILL_CAPTURE_TRIES of them
+    refusals.extend([1] * (PREFILL_CAPTURE_TRIES - 1))
+    for _ in range(PREFILL_CAPTURE_TRIES - 1):
+        assert runner.prefill_graphs
+        runner.forward([chunk])
+    assert not runner.prefill_graphs
+    assert runner.num_failed_prefill_captures == PREFILL_CAPTURE_TRIES
