@@ -232,7 +232,7 @@ def test_no_copy_where_the_new_blocks_would_break_the_run_all_the_same() -> None
     engine.add("a", _prompt(1, 40))
     engine.drain()
     pool = engine.worker.pool
-    held = pool.allocate(pool.num_free - 9)  # all but a's blocks, the newest free ones
+    held = pool.allocate(pool.num_free - 9)  # all but the 9 newest free blocks (a's)
     assert held is not None
     pool.free(held[::2])  # every other one free: the queue's head is pieces
     engine.add("b", _prompt(2, 120))
