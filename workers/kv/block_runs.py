@@ -112,15 +112,23 @@ def _all_spare(
     return all(0 <= b < num_blocks and b not in held and spare(b) for b in blocks)
 
 
-def all_runs(table: Sequence[int], run_blocks: int) -> bool:
+def all_runs(table: Sequence[int] | np.ndarray, run_blocks: int) -> bool:
     """Every group of `run_blocks` entries of `table` (the last may be shorter) is a run of
     consecutive blocks: cuDNN reads the table in pages of that many blocks."""
-    if run_blocks <= 1 or not table:
-        return True
+    return bool(_group_runs(table, run_blocks).all())
+
+
+def _group_runs(table: Sequence[int] | np.ndarray, run_blocks: int) -> np.ndarray:
+    """Per group of `run_blocks` entries of `table` (the last may be shorter): whether it is a
+    run of consecutive blocks."""
     blocks = np.asarray(table, dtype=np.int64)
-    starts = np.repeat(blocks[::run_blocks], run_blocks)[: blocks.size]
-    offsets = np.arange(blocks.size) % run_blocks
-    return bool(np.array_equal(blocks - starts, offsets))
+    if run_blocks <= 1 or blocks.size == 0:
+        return np.ones(blocks.size, dtype=bool)
+    group = np.arange(blocks.size) // run_blocks
+    apart = blocks - blocks[group * run_blocks] != np.arange(blocks.size) % run_blocks
+    broken = np.zeros(-(-blocks.size // run_blocks), dtype=bool)
+    broken[group[apart]] = True
+    return ~broken
 
 
 def relocated_tail(cached: Sequence[int], run_blocks: int, num_new_tokens: int) -> int:
@@ -132,12 +140,8 @@ def relocated_tail(cached: Sequence[int], run_blocks: int, num_new_tokens: int) 
     if run_blocks <= 1 or num_cached == 0 or num_new_tokens <= 0:
         return 0
     whole = num_cached - num_cached % run_blocks
-    first = whole
-    if whole:
-        groups = np.asarray(cached[:whole], dtype=np.int64).reshape(-1, run_blocks)
-        runs = (groups - groups[:, :1] == np.arange(run_blocks)).all(axis=1)
-        if not runs.all():
-            first = int(np.argmin(runs)) * run_blocks
+    runs = _group_runs(cached[:whole], run_blocks)
+    first = whole if runs.all() else int(np.argmin(runs)) * run_blocks
     tail = num_cached - first
     if tail * RELOCATION_PAIRS_PER_TOKEN > num_new_tokens * num_cached:
         return 0  # (both sides in blocks of cached tokens)

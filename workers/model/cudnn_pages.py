@@ -55,6 +55,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvmesh.workers.kv.block_runs import all_runs
+
 log = logging.getLogger(__name__)
 
 __all__ = [
@@ -168,8 +170,7 @@ def blocks_per_page(
     starts = table[::f]
     if starts.size == 0 or int(starts.min()) < 0 or int(starts.max()) + f > num_blocks:
         return 1
-    expected = (starts[:, None] + np.arange(f)).reshape(-1)[: table.size]
-    return f if np.array_equal(table, expected) else 1
+    return f if all_runs(table, f) else 1
 
 
 @dataclass(frozen=True, slots=True)
