@@ -174,13 +174,19 @@ class Coordinator:
         *,
         commit: bool = False,
         speculative: SpeculativeSend | None = None,
+        avoid: frozenset[str] = frozenset(),
     ) -> RouteDecision:
         """`max_tokens`: what the request may generate, when the caller said (its decode load
         is priced over it); None routes as for an answer of unknown length. `commit`: the
         request will run (Generate), so the decision goes to the decision log when there is
         one; a decision-only call (Route) stays this replica's. `speculative`: with the log,
-        the request is sent through it before each commit (else it is left unsent)."""
+        the request is sent through it before each commit (else it is left unsent). `avoid`:
+        workers this request saw die, which the registry may not have heard of yet."""
         live = self._routable_for(prompt.adapter)
+        if avoid:
+            live = tuple(w for w in live if w not in avoid)
+            if not live:
+                raise NoLiveWorker("no live worker can take the request")
         query = RouteQuery(
             request_id or uuid.uuid4().hex,
             prompt.block_hashes,

@@ -54,6 +54,7 @@ class RequestStream:
         self.label = label
         self.produced: list[int] = []
         self.migrations = 0
+        self.dead: set[str] = set()  # workers that died serving it
 
     def events(self, *, count_turn: bool = True) -> Generator[StreamEvent, bool | None, None]:
         """The worker's outputs as stream events. `count_turn`: count it among its session's
@@ -136,6 +137,7 @@ class RequestStream:
     def _migrate(self) -> tuple[WorkerId, WorkerRequest]:
         """Re-route what is left of the original request after its worker died."""
         c, dead, original = self.coordinator, self.worker, self.request
+        self.dead.add(dead)
         with c.lock:
             c.load.forget_worker(dead)
             c.peer_routes.forget_worker(dead)
@@ -151,8 +153,16 @@ class RequestStream:
             adapter=original.adapter,
         )
         request_id = f"{original.request_id}.m{self.migrations}"
-        # raises NoLiveWorker if none; the session's affinity moves with the turn
-        decision = c.route(prompt, original.session_id, request_id, remaining, commit=True)
+        # Never back to a worker that died under it: the registry hears of a death later than
+        # the stream does. Raises NoLiveWorker if none is left; the session's affinity moves.
+        decision = c.route(
+            prompt,
+            original.session_id,
+            request_id,
+            remaining,
+            commit=True,
+            avoid=frozenset(self.dead),
+        )
         with c.lock:
             uncached = c.uncached_tokens(len(prompt.token_ids), decision.matched_blocks)
             c.load.on_routed(

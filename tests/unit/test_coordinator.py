@@ -193,6 +193,29 @@ def test_a_stream_whose_worker_dies_continues_on_another() -> None:
     assert moved.prompt_ids == prompt.token_ids + (100,)  # prompt + what was already streamed
 
 
+def test_a_migration_never_goes_back_to_a_worker_that_died_under_it() -> None:
+    # The registry has not heard of w0's death yet and w0 holds the prompt: the router's
+    # favourite, but the stream saw it die.
+    c, backend, mirror, _ = make()
+    backend.die.add("w0")
+    prompt = c.prompts.prepare(PROMPT[:40], "", "")
+    hold(mirror, "w0", prompt.block_hashes)
+    events = list(c.generate(prompt, SamplingConfig(max_tokens=4), worker_id="w0"))
+    assert [w for w, _ in backend.requests] == ["w0", "w1"]
+    assert len([t for e in events for t in e.token_ids]) == 4
+    assert c.stats()["num_migrations"] == 1
+
+
+def test_a_migration_with_every_live_worker_dead_under_it_is_unavailable() -> None:
+    c, backend, _, _ = make()
+    backend.die.update(("w0", "w1"))
+    prompt = c.prompts.prepare(PROMPT[:40], "", "")
+    with pytest.raises(NoLiveWorker):
+        list(c.generate(prompt, SamplingConfig(max_tokens=4), worker_id="w0"))
+    assert [w for w, _ in backend.requests] == ["w0", "w1"]
+    assert c.stats()["num_failed_requests"] == 1
+
+
 def test_routing_follows_the_registry_drained_and_dead_workers_get_nothing() -> None:
     c, backend, mirror, registry = make(("w0", "w1", "w2"))
     prompt = c.prompts.prepare(PROMPT[:40], "", "")
