@@ -145,7 +145,6 @@ class ModelRunner:
         """With `fused_elementwise`, batches of at most `MAX_ROWS` tokens (decode steps) run their
         projections through `skinny_matmul`, the add + RMSNorm and SiLU x up inside them;
         benchmarks may switch it."""
-        self._graph_kernels = self._kernel_choice()
         self._kernels: ModuleType | None = (
             importlib.import_module("kvmesh.workers.model.elementwise_kernels") if on_gpu else None
         )
@@ -165,6 +164,7 @@ class ModelRunner:
         """With `fused_elementwise`, chunks of at least `gated_matmul.MIN_ROWS` tokens (long
         prefills) compute SiLU x up inside their gate/up matmul (Hopper); benchmarks may switch
         it."""
+        self._graph_kernels = self._kernel_choice()
         head_dim = config.head_dim
         k_sizes = (config.hidden_size, config.intermediate_size, config.num_heads * head_dim)
         self._few_row_shapes = not config.qkv_bias and all(k % 16 == 0 for k in k_sizes)
@@ -353,8 +353,9 @@ class ModelRunner:
         return self._logits(hidden[plan.last_rows])
 
     def _forget_graphs_of_other_kernels(self) -> None:
-        """A graph replays the kernels it captured: once a benchmark switches the elementwise
-        kernels, the graphs captured with the others go."""
+        """A graph replays the kernels it captured: once a benchmark switches a kernel choice
+        (elementwise, K/V write, few-row or gated matmuls), the graphs captured with the
+        others go."""
         kernels = self._kernel_choice()
         if kernels == self._graph_kernels:
             return
@@ -363,8 +364,13 @@ class ModelRunner:
             if graphs is not None:
                 graphs.forget()
 
-    def _kernel_choice(self) -> tuple[bool, bool, bool]:
-        return (self.fused_elementwise, self.fused_kv_write, self.few_row_matmuls)
+    def _kernel_choice(self) -> tuple[bool, bool, bool, bool]:
+        return (
+            self.fused_elementwise,
+            self.fused_kv_write,
+            self.few_row_matmuls,
+            self.gated_matmul,
+        )
 
     @torch.inference_mode()
     def forward_all_logits(self, batch: Sequence[SeqChunk]) -> list[torch.Tensor]:
